@@ -1,0 +1,231 @@
+"""The device mesh: which ranks work together on which parallel axis.
+
+World size = pp x dp x cp x tp with axis order outer -> inner (pp, dp, cp, tp), so the TP group
+is made of consecutive ranks (inside one node when ranks fill nodes in order). Experts (ep) are
+carved out of the flattened dp x cp group. The mesh owns every process group; it is passed to
+whatever communicates and never stored in a module global.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+AXIS_ORDER = ("pp", "dp", "cp", "tp")
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One parallel axis as seen from this rank.
+
+    `group` is None when the axis has size 1: nothing is ever sent over it.
+    """
+
+    name: str
+    size: int
+    rank: int
+    ranks: tuple[int, ...]  # global ranks of this rank's group, in axis-rank order
+    group: dist.ProcessGroup | None
+
+    def __repr__(self) -> str:
+        return f"MeshAxis({self.name}, rank {self.rank} of {self.size}, ranks={list(self.ranks)})"
+
+
+def resolve_degrees(
+    world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int = 1
+) -> dict[str, int]:
+    """Check the degrees against the world size and derive dp when omitted.
+
+    Pure and cheap, so the CLI calls it before spawning ranks. Raises ValueError naming the
+    degrees, the world size and the fix.
+    """
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+    if dp is not None and (not isinstance(dp, int) or dp < 1):
+        raise ValueError(f"--dp must be a positive integer, got {dp!r}")
+    model_parallel = tp * pp * cp
+    if dp is None:
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp x pp x cp = {tp} x {pp} x {cp}"
+                f" = {model_parallel}: choose degrees whose product divides the number of ranks"
+            )
+        dp = world_size // model_parallel
+    if pp * dp * cp * tp != world_size:
+        raise ValueError(
+            f"pp x dp x cp x tp = {pp} x {dp} x {cp} x {tp} = {pp * dp * cp * tp} does not equal"
+            f" the world size {world_size}: change the degrees or the number of ranks (--nproc)"
+        )
+    if (dp * cp) % ep:
+        raise ValueError(
+            f"ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp}: experts are spread over the"
+            " data/context-parallel ranks"
+        )
+    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
+
+
+def _coords_to_rank(coords: dict[str, int], degrees: dict[str, int]) -> int:
+    rank = 0
+    for name in AXIS_ORDER:
+        rank = rank * degrees[name] + coords[name]
+    return rank
+
+
+def _rank_to_coords(rank: int, degrees: dict[str, int]) -> dict[str, int]:
+    coords = {}
+    for name in reversed(AXIS_ORDER):
+        coords[name] = rank % degrees[name]
+        rank //= degrees[name]
+    return coords
+
+
+def _axis_groups(degrees: dict[str, int], varying: tuple[str, ...]) -> list[list[int]]:
+    """All rank groups in which the `varying` axes change and the others are fixed.
+
+    Ranks inside a group are ordered with the first varying axis outermost.
+    """
+    fixed = [n for n in AXIS_ORDER if n not in varying]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    world = 1
+    for n in AXIS_ORDER:
+        world *= degrees[n]
+    for rank in range(world):
+        coords = _rank_to_coords(rank, degrees)
+        groups.setdefault(tuple(coords[n] for n in fixed), []).append(rank)
+    return list(groups.values())
+
+
+class ParallelMesh:
+    """Process groups and coordinates of this rank on every parallel axis.
+
+    Axes: pp, dp, cp, tp; dp_cp (dp x cp flattened: where replicated gradients are averaged);
+    ep (expert parallel, consecutive blocks of dp_cp) and edp (the dp_cp ranks holding the same
+    experts). Build it with `init_parallel`.
+    """
+
+    def __init__(self, degrees: dict[str, int], *, rank: int, device: torch.device):
+        self.degrees = dict(degrees)
+        self.rank = rank
+        self.world_size = degrees["pp"] * degrees["dp"] * degrees["cp"] * degrees["tp"]
+        self.device = device
+        self.coords = _rank_to_coords(rank, degrees)
+        self._axes: dict[str, MeshAxis] = {}
+        for name in AXIS_ORDER:
+            self._add_axis(name, _axis_groups(degrees, (name,)))
+        dp_cp_groups = _axis_groups(degrees, ("dp", "cp"))
+        self._add_axis("dp_cp", dp_cp_groups)
+        ep = degrees["ep"]
+        self._add_axis("ep", [g[i : i + ep] for g in dp_cp_groups for i in range(0, len(g), ep)])
+        self._add_axis("edp", [g[i::ep] for g in dp_cp_groups for i in range(ep)])
+
+    @classmethod
+    def local(cls, device: torch.device | str = "cpu") -> ParallelMesh:
+        """A one-rank mesh that never communicates (dense reference models, tools)."""
+        return cls(dict.fromkeys(AXIS_ORDER + ("ep",), 1), rank=0, device=torch.device(device))
+
+    def _add_axis(self, name: str, groups: list[list[int]]) -> None:
+        # Every rank must call new_group for every group, in the same order.
+        mine = None
+        for ranks in groups:
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                mine = MeshAxis(name, len(ranks), ranks.index(self.rank), tuple(ranks), group)
+        assert mine is not None, f"rank {self.rank} is in no {name} group"
+        self._axes[name] = mine
+
+    def axis(self, name: str) -> MeshAxis:
+        return self._axes[name]
+
+    @property
+    def tp(self) -> MeshAxis:
+        return self._axes["tp"]
+
+    @property
+    def pp(self) -> MeshAxis:
+        return self._axes["pp"]
+
+    @property
+    def dp(self) -> MeshAxis:
+        return self._axes["dp"]
+
+    @property
+    def cp(self) -> MeshAxis:
+        return self._axes["cp"]
+
+    @property
+    def dp_cp(self) -> MeshAxis:
+        return self._axes["dp_cp"]
+
+    @property
+    def ep(self) -> MeshAxis:
+        return self._axes["ep"]
+
+    def __repr__(self) -> str:
+        d = self.degrees
+        return (
+            f"ParallelMesh(world={self.world_size}, pp={d['pp']}, dp={d['dp']}, cp={d['cp']},"
+            f" tp={d['tp']}, ep={d['ep']}, rank={self.rank}, coords={self.coords})"
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_device() -> torch.device:
+    """CUDA device of this local rank when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    cp: int = 1,
+    ep: int = 1,
+    *,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> ParallelMesh:
+    """Create (if needed) the default process group from torchrun's environment and the mesh.
+
+    Without torchrun's environment this becomes a one-rank world. The backend follows the device:
+    NCCL on CUDA, gloo on CPU.
+    """
+    if dist.is_initialized():
+        world_size = dist.get_world_size()
+    else:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    degrees = resolve_degrees(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    device = default_device()
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0,
+                world_size=1,
+                timeout=timeout,
+            )
+    return ParallelMesh(degrees, rank=dist.get_rank(), device=device)
+
+
+def destroy_parallel() -> None:
+    """Tear the default process group down (a process that skips this may abort on exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

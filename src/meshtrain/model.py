@@ -1,0 +1,276 @@
+"""GPT (GPT-2 architecture) written once, with tensor parallelism part of its construction.
+
+Learned positions, pre-LayerNorm blocks, GeLU MLP of 4h, causal multi-head attention, dropout,
+tied input/output embedding. Linear layers are Megatron's column/row-parallel layers: at tp=1
+they are ordinary dense layers. Per transformer layer and direction, exactly two all-reduces of
+b*s*h over TP: g after the attention output projection and after the MLP (forward), f before the
+QKV and the first MLP projection (backward). LayerNorm, dropout and residuals are replicated.
+
+Weights are drawn from a generator seeded per layer, so a layer's weights do not depend on which
+other layers this rank builds (pipeline stages) nor on tp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel.loss import vocab_parallel_cross_entropy
+from meshtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from meshtrain.random import REPLICATED, TENSOR_PARALLEL, RNGTracker
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model architecture only: parallel layout lives in the mesh."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int = 50257
+    max_seq_len: int = 1024
+    ffn_hidden_size: int | None = None
+    """Width of the MLP; None means 4 x hidden_size."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    layernorm_eps: float = 1e-5
+    init_std: float = 0.02
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    """sdpa: torch's fused kernel; eager: explicit softmax(QK^T)V (saves the s x s scores)."""
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        """Raise ValueError naming the setting for a shape that cannot be built."""
+        for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model {name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden size {self.hidden_size} must be divisible by the number of"
+                             f" heads {self.num_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention must be 'sdpa' or 'eager', got {self.attention!r}")
+
+    def validate_for_tp(self, tp: int) -> None:
+        if self.num_heads % tp:
+            raise ValueError(f"the number of heads ({self.num_heads}) must be divisible by tp"
+                             f" ({tp}): choose a tp that divides it")
+        if self.ffn_size % tp:
+            raise ValueError(f"the MLP width ({self.ffn_size}) must be divisible by tp ({tp})")
+
+    def num_parameters(self) -> int:
+        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size
+        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+        return v * h + self.max_seq_len * h + self.num_layers * per_layer + 2 * h
+
+
+def _gpt(layers: int, hidden: int, heads: int, **kw) -> GPTConfig:
+    return GPTConfig(num_layers=layers, hidden_size=hidden, num_heads=heads, **kw)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # 4 layers and 4 heads: tp, pp and cp up to 4, and pp 2 x 2 virtual stages, all divide it.
+    "tiny": _gpt(4, 64, 4, vocab_size=256, max_seq_len=256),
+    "gpt2": _gpt(12, 768, 12),
+    "gpt2-medium": _gpt(24, 1024, 16),
+    "gpt2-large": _gpt(36, 1280, 20),
+    "gpt2-xl": _gpt(48, 1600, 25),
+    # Megatron-LM paper (Table 1) sizes.
+    "megatron-1.2b": _gpt(40, 1536, 16),
+    "megatron-2.5b": _gpt(54, 1920, 20),
+    "megatron-4.2b": _gpt(64, 2304, 24),
+    "megatron-8.3b": _gpt(72, 3072, 32),
+    # GPT-3 paper sizes (head counts made to divide the hidden size where the paper's do not).
+    "gpt3-small": _gpt(12, 768, 12, max_seq_len=2048),
+    "gpt3-medium": _gpt(24, 1024, 16, max_seq_len=2048),
+    "gpt3-large": _gpt(24, 1536, 16, max_seq_len=2048),
+    "gpt3-xl": _gpt(24, 2048, 16, max_seq_len=2048),
+    "gpt3-2.7b": _gpt(32, 2560, 32, max_seq_len=2048),
+    "gpt3-6.7b": _gpt(32, 4096, 32, max_seq_len=2048),
+    "gpt3-13b": _gpt(40, 5120, 40, max_seq_len=2048),
+    "gpt3-175b": _gpt(96, 12288, 96, max_seq_len=2048),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+def _init_linear(in_f: int, out_f: int, std: float, gen: torch.Generator) -> nn.Linear:
+    dense = nn.Linear(in_f, out_f, device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        dense.weight.normal_(0.0, std, generator=gen)
+        dense.bias.zero_()
+    return dense
+
+
+def _init_embedding(num: int, dim: int, std: float, gen: torch.Generator) -> nn.Embedding:
+    dense = nn.Embedding(num, dim, device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        dense.weight.normal_(0.0, std, generator=gen)
+    return dense
+
+
+def _generator(seed: int, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream)
+
+
+class Embedding(nn.Module):
+    """Token (vocab-parallel) plus learned position embedding, then dropout."""
+
+    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, seed: int):
+        super().__init__()
+        gen = _generator(seed, 0)
+        self.word = VocabParallelEmbedding.from_dense(
+            _init_embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std, gen), mesh=mesh)
+        self.position = _init_embedding(cfg.max_seq_len, cfg.hidden_size, cfg.init_std, gen)
+        self.dropout = cfg.dropout
+
+    def forward(self, ids: torch.Tensor, rng: RNGTracker) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.word(ids) + self.position(positions)  # [b, s, h]
+        return _dropout(x, self.dropout, self.training, rng, REPLICATED)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool, rng: RNGTracker, stream: str):
+    if p == 0.0 or not training:
+        return x
+    with rng.fork(stream):
+        return F.dropout(x, p, training=True)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with heads split over TP: each rank owns num_heads/tp heads."""
+
+    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, gen: torch.Generator):
+        super().__init__()
+        h, std = cfg.hidden_size, cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.num_layers)  # GPT-2's scaled residual init
+        self.qkv = ColumnParallelLinear.from_dense(_init_linear(h, 3 * h, std, gen), mesh=mesh,
+                                                   output_blocks=3)
+        self.proj = RowParallelLinear.from_dense(_init_linear(h, h, out_std, gen), mesh=mesh,
+                                                 input_is_parallel=True)
+        self.num_local_heads = cfg.num_heads // mesh.tp.size
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.eager = cfg.attention == "eager"
+
+    def forward(self, x: torch.Tensor, rng: RNGTracker) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x)  # [b, s, 3h/tp]
+        q, k, v = qkv.view(b, s, 3, self.num_local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        with rng.fork(TENSOR_PARALLEL):  # heads differ per TP rank, so do their masks
+            if self.eager:
+                out = _eager_attention(q, k, v, p)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, h/tp]
+        return _dropout(self.proj(out), self.dropout, self.training, rng, REPLICATED)
+
+
+def _eager_attention(q, k, v, p: float) -> torch.Tensor:
+    s = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a/tp, s, s]
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+    if p > 0.0:
+        probs = F.dropout(probs, p, training=True)
+    return probs @ v
+
+
+class MLP(nn.Module):
+    """h -> 4h (column-parallel, GeLU needs no communication) -> h (row-parallel)."""
+
+    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, gen: torch.Generator):
+        super().__init__()
+        h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
+        self.fc = ColumnParallelLinear.from_dense(_init_linear(h, f, std, gen), mesh=mesh)
+        self.proj = RowParallelLinear.from_dense(
+            _init_linear(f, h, std / math.sqrt(2 * cfg.num_layers), gen), mesh=mesh,
+            input_is_parallel=True)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, rng: RNGTracker) -> torch.Tensor:
+        y = self.proj(F.gelu(self.fc(x), approximate="tanh"))  # fc: [b, s, 4h/tp]
+        return _dropout(y, self.dropout, self.training, rng, REPLICATED)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block."""
+
+    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, gen: torch.Generator):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+        self.attn = Attention(cfg, mesh, gen)
+        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+        self.mlp = MLP(cfg, mesh, gen)
+
+    def forward(self, x: torch.Tensor, rng: RNGTracker) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), rng)
+        return x + self.mlp(self.ln2(x), rng)
+
+
+@dataclass
+class StageSpec:
+    """Which part of the model this rank builds (the whole model without a pipeline)."""
+
+    layers: range
+    has_embedding: bool = True
+    has_head: bool = True
+
+
+class GPT(nn.Module):
+    """GPT whose forward maps token ids `[b, s]` to local logits `[b, s, V_padded/tp]`.
+
+    Layers are kept in a ModuleDict keyed by their global index, so parameter names are the same
+    at every layout. `seed` fixes the weights; dropout streams come from `RNGTracker.for_mesh`.
+    """
+
+    def __init__(self, cfg: GPTConfig, *, mesh: ParallelMesh, seed: int = 0,
+                 stage: StageSpec | None = None):
+        super().__init__()
+        cfg.validate()
+        cfg.validate_for_tp(mesh.tp.size)
+        self.cfg, self.mesh = cfg, mesh
+        stage = stage or StageSpec(range(cfg.num_layers))
+        self.stage = stage
+        # The head reuses the word embedding, so a stage with the head holds it too.
+        self.embedding = Embedding(cfg, mesh, seed) if stage.has_embedding or stage.has_head \
+            else None
+        self.layers = nn.ModuleDict(
+            {str(i): Block(cfg, mesh, _generator(seed, 1 + i)) for i in stage.layers})
+        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps) \
+            if stage.has_head else None
+        self.to(mesh.device)
+        self.rng = RNGTracker.for_mesh(mesh, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states -> hidden states or local logits (last)."""
+        if self.stage.has_embedding:
+            x = self.embedding(x, self.rng)
+        for block in self.layers.values():
+            x = block(x, self.rng)
+        if self.stage.has_head:
+            x = self.embedding.word.logits(self.final_norm(x))  # [b, s, V_padded/tp]
+        return x
+
+    def loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over the tokens of this batch (vocab-parallel)."""
+        return vocab_parallel_cross_entropy(local_logits, targets, mesh=self.mesh).mean()

@@ -1,0 +1,29 @@
+"""Parallel building blocks: tensor-parallel layers, the vocab-parallel loss, collectives."""
+
+from meshtrain.parallel.comm import (
+    CommRecorder,
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from meshtrain.parallel.loss import vocab_parallel_cross_entropy
+from meshtrain.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    named_full_tensors,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "CommRecorder",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "copy_to_tensor_parallel_region",
+    "gather_from_tensor_parallel_region",
+    "named_full_tensors",
+    "reduce_from_tensor_parallel_region",
+    "scatter_to_tensor_parallel_region",
+    "vocab_parallel_cross_entropy",
+]

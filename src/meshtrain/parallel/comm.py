@@ -1,0 +1,236 @@
+"""Every collective meshtrain sends, in one file.
+
+Two layers:
+- plain helpers (`all_reduce`, `all_gather`, `reduce_scatter`, ...) that take the mesh axis
+  explicitly and report each call to the active `CommRecorder`s, so tests and benchmarks count
+  communication exactly;
+- the differentiable region operators of the Megatron paper: f = `copy_to_tensor_parallel_region`
+  (identity forward, all-reduce backward) and its conjugate g = `reduce_from_tensor_parallel_region`
+  (all-reduce forward, identity backward), plus scatter/gather along the last dimension.
+
+A collective over an axis of size 1 is skipped and not recorded: nothing is sent.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.mesh import MeshAxis
+
+# The `*_tensor` spellings exist in every torch >= 2.6; newer releases flag them as deprecated
+# in favour of `*_single`, which older ones lack. Keep one spelling and silence only that notice.
+warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor)",
+                        category=FutureWarning)
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective call. `payload_bytes` is numel x itemsize of the full tensor involved:
+    the reduced tensor (all-reduce), the gathered output (all-gather), the scattered input
+    (reduce-scatter), the input (all-to-all) or the message (send/recv)."""
+
+    op: str
+    axis: str
+    group_size: int
+    dtype: torch.dtype
+    payload_bytes: int
+
+    @property
+    def ring_bytes(self) -> float:
+        """Bytes each rank sends in a ring (or pairwise) implementation of this call."""
+        n = self.group_size
+        if self.op == "all_reduce":
+            return 2 * (n - 1) / n * self.payload_bytes
+        if self.op in ("all_gather", "reduce_scatter", "all_to_all"):
+            return (n - 1) / n * self.payload_bytes
+        return float(self.payload_bytes)
+
+
+class CommRecorder:
+    """Collects a `CommRecord` for every collective issued while it is active.
+
+    with CommRecorder() as rec:
+        loss.backward()
+    rec.count(op="all_reduce", axis="tp")
+    """
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+
+    def __enter__(self) -> CommRecorder:
+        _active_recorders.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active_recorders.remove(self)
+
+    def select(self, op: str | None = None, axis: str | None = None) -> list[CommRecord]:
+        return [r for r in self.records
+                if (op is None or r.op == op) and (axis is None or r.axis == axis)]
+
+    def count(self, op: str | None = None, axis: str | None = None) -> int:
+        return len(self.select(op, axis))
+
+    def payload_bytes(self, op: str | None = None, axis: str | None = None) -> int:
+        return sum(r.payload_bytes for r in self.select(op, axis))
+
+    def ring_bytes(self, op: str | None = None, axis: str | None = None) -> float:
+        return sum(r.ring_bytes for r in self.select(op, axis))
+
+
+# Observers only: which group a collective uses is always passed explicitly.
+_active_recorders: list[CommRecorder] = []
+
+
+def _record(op: str, axis: MeshAxis, tensor: torch.Tensor, numel: int | None = None) -> None:
+    if _active_recorders:
+        nbytes = (tensor.numel() if numel is None else numel) * tensor.element_size()
+        record = CommRecord(op, axis.name, axis.size, tensor.dtype, nbytes)
+        for recorder in _active_recorders:
+            recorder.records.append(record)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain helpers
+# ---------------------------------------------------------------------------------------------
+
+def all_reduce(tensor: torch.Tensor, axis: MeshAxis, *, op: dist.ReduceOp = dist.ReduceOp.SUM,
+               async_op: bool = False) -> dist.Work | None:
+    """Reduce `tensor` in place over `axis`."""
+    if axis.size == 1:
+        return None
+    _record("all_reduce", axis, tensor)
+    return dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op)
+
+
+def all_gather(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along `dim`, in axis-rank order."""
+    if axis.size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    out = torch.empty((axis.size * tensor.shape[0],) + tuple(tensor.shape[1:]),
+                      dtype=tensor.dtype, device=tensor.device)
+    _record("all_gather", axis, out)
+    dist.all_gather_into_tensor(out, tensor, group=axis.group)
+    if dim % tensor.dim() == 0:
+        return out
+    return torch.cat(out.chunk(axis.size, dim=0), dim=dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = 0,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum `tensor` over `axis` and keep this rank's 1/N slice along `dim`."""
+    if axis.size == 1:
+        return tensor
+    if tensor.shape[dim] % axis.size:
+        raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} is not divisible by"
+                         f" the {axis.name} degree {axis.size}")
+    if dim % tensor.dim() != 0:
+        tensor = torch.cat(tensor.chunk(axis.size, dim=dim), dim=0)
+    tensor = tensor.contiguous()
+    out = torch.empty((tensor.shape[0] // axis.size,) + tuple(tensor.shape[1:]),
+                      dtype=tensor.dtype, device=tensor.device)
+    _record("reduce_scatter", axis, tensor)
+    dist.reduce_scatter_tensor(out, tensor, op=op, group=axis.group)
+    return out
+
+
+def split_along(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = -1) -> torch.Tensor:
+    """This rank's 1/N chunk of `tensor` along `dim` (no communication)."""
+    if axis.size == 1:
+        return tensor
+    if tensor.shape[dim] % axis.size:
+        raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} is not divisible by"
+                         f" the {axis.name} degree {axis.size}")
+    return tensor.chunk(axis.size, dim=dim)[axis.rank].contiguous()
+
+
+def broadcast(tensor: torch.Tensor, axis: MeshAxis, *, src_axis_rank: int = 0) -> None:
+    """Overwrite `tensor` on every rank of `axis` with the copy held by axis rank `src_axis_rank`."""
+    if axis.size == 1:
+        return
+    _record("broadcast", axis, tensor)
+    dist.broadcast(tensor, src=axis.ranks[src_axis_rank], group=axis.group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiable region operators (tensor-parallel axis)
+# ---------------------------------------------------------------------------------------------
+
+class _CopyToRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        all_reduce(grad, ctx.axis)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        out = x.clone(memory_format=torch.contiguous_format)
+        all_reduce(out, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """Keep this rank's chunk of the last dimension; backward gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return split_along(x, axis, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.axis, dim=-1), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """Concatenate every rank's chunk of the last dimension; backward keeps this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return all_gather(x, axis, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, ctx.axis, dim=-1), None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """f: enter a TP region with a replicated input; the gradient is summed over `axis`."""
+    return x if axis.size == 1 else _CopyToRegion.apply(x, axis)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """g: leave a TP region by summing partial results over `axis`."""
+    return x if axis.size == 1 else _ReduceFromRegion.apply(x, axis)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """Split the last dimension over `axis`, keeping this rank's chunk."""
+    return x if axis.size == 1 else _ScatterToRegion.apply(x, axis)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """Concatenate the last dimension over `axis`."""
+    return x if axis.size == 1 else _GatherFromRegion.apply(x, axis)

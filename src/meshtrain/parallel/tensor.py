@@ -1,0 +1,269 @@
+"""Megatron 1D tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Each layer is built from the dense layer it replaces: a layer created under seed S holds exactly
+this rank's slice of the dense layer created under seed S, so a model starts from the same
+weights at every tp. `from_dense` shards an existing module; `to_dense` gathers it back.
+Each layer describes how its parameters are split in `shards` (used by checkpoints).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.mesh import MeshAxis, ParallelMesh
+from meshtrain.parallel import comm
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How a parameter is split over the TP axis.
+
+    The full tensor's `dim` is made of `num_blocks` equal blocks (q, k and v for a fused QKV
+    weight), each split evenly over TP; this rank holds its chunk of every block, concatenated.
+    `full_size` is the logical (unpadded) extent of `dim`; `padded_size` the extent held over all
+    ranks (the vocabulary is padded to a multiple of tp).
+    """
+
+    dim: int
+    full_size: int
+    padded_size: int
+    num_blocks: int = 1
+
+
+def shard_tensor(full: torch.Tensor, shard: Shard, axis: MeshAxis) -> torch.Tensor:
+    """This rank's slice of the logical tensor `full` (zero-padding it first when needed)."""
+    if shard.padded_size > shard.full_size:
+        pad_shape = list(full.shape)
+        pad_shape[shard.dim] = shard.padded_size - shard.full_size
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=shard.dim)
+    blocks = full.chunk(shard.num_blocks, dim=shard.dim)
+    return torch.cat([b.chunk(axis.size, dim=shard.dim)[axis.rank] for b in blocks],
+                     dim=shard.dim).contiguous()
+
+
+def unshard_tensor(local: torch.Tensor, shard: Shard, axis: MeshAxis) -> torch.Tensor:
+    """Gather every rank's slice back into the logical tensor (a collective over `axis`)."""
+    with torch.no_grad():
+        gathered = comm.all_gather(local.detach().movedim(shard.dim, 0), axis, dim=0)
+    per_rank = gathered.chunk(axis.size, dim=0)
+    blocks = [torch.cat([r.chunk(shard.num_blocks, dim=0)[b] for r in per_rank], dim=0)
+              for b in range(shard.num_blocks)]
+    full = torch.cat(blocks, dim=0).movedim(0, shard.dim)
+    return full.narrow(shard.dim, 0, shard.full_size).contiguous()
+
+
+def _check_divisible(what: str, size: int, tp: int, blocks: int = 1) -> None:
+    if size % (tp * blocks):
+        by = f"tp ({tp})" if blocks == 1 else f"{blocks} blocks x tp ({tp})"
+        raise ValueError(f"{what} ({size}) must be divisible by {by}: choose a tp that"
+                         f" divides it or change the model size")
+
+
+def _tp_axis(mesh: ParallelMesh | MeshAxis) -> MeshAxis:
+    return mesh if isinstance(mesh, MeshAxis) else mesh.tp
+
+
+def _sharded_copy(cls, dense: nn.Module, mesh, **options) -> nn.Module:
+    """Build `cls` on the meta device (no init, no RNG drawn) and fill it from `dense`."""
+    with torch.device("meta"):
+        layer = cls._like(dense, mesh=mesh, **options)
+    layer = layer.to_empty(device=dense.weight.device).to(dense.weight.dtype)
+    layer.load_dense_(dense)
+    return layer
+
+
+class _TensorParallelModule(nn.Module):
+    shards: dict[str, Shard]
+
+    @classmethod
+    def _like(cls, dense: nn.Linear, *, mesh, **options):
+        """An uninitialised layer of `dense`'s shape (overridden by the embedding)."""
+        return cls(dense.in_features, dense.out_features, mesh=mesh,
+                   bias=dense.bias is not None, **options)
+
+    @torch.no_grad()
+    def load_dense_(self, dense: nn.Module) -> None:
+        """Overwrite this layer's parameters with its slice of `dense`."""
+        for name, shard in self.shards.items():
+            full = getattr(dense, name)
+            getattr(self, name).copy_(shard_tensor(full.detach().to(self.weight.device), shard,
+                                                   self.tp_axis))
+        for name, param in self.named_parameters(recurse=False):
+            if name not in self.shards:
+                param.copy_(getattr(dense, name))
+
+
+class ColumnParallelLinear(_TensorParallelModule):
+    """Y = X A^T with A split by rows of its `[out, in]` weight: this rank computes out/tp
+    features. No communication forward when `gather_output=False`; the input enters through f.
+
+    `output_blocks` > 1 treats the output as equal blocks (q, k, v of a fused projection) each
+    split over TP, so every rank holds matching rows of each block.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
+                 bias: bool = True, gather_output: bool = False, output_blocks: int = 1):
+        super().__init__()
+        self.tp_axis = _tp_axis(mesh)
+        tp = self.tp_axis.size
+        _check_divisible("ColumnParallelLinear out_features", out_features, tp, output_blocks)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.output_blocks = gather_output, output_blocks
+        shard = Shard(0, out_features, out_features, output_blocks)
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
+        self.shards = {"weight": shard}
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // tp))
+            self.shards["bias"] = shard
+        else:
+            self.register_parameter("bias", None)
+        if self.weight.device.type != "meta":
+            self.load_dense_(nn.Linear(in_features, out_features, bias=bias))
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, *, mesh, **options) -> ColumnParallelLinear:
+        return _sharded_copy(cls, module, mesh, **options)
+
+    def to_dense(self) -> nn.Linear:
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                          device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            for name, shard in self.shards.items():
+                getattr(dense, name).copy_(unshard_tensor(getattr(self, name), shard, self.tp_axis))
+        return dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.copy_to_tensor_parallel_region(x, self.tp_axis)
+        y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
+        if not self.gather_output or self.tp_axis.size == 1:
+            return y
+        y = comm.gather_from_tensor_parallel_region(y, self.tp_axis)  # [..., tp * out/tp]
+        if self.output_blocks == 1:
+            return y
+        # Gathered order is (rank, block, chunk); the dense layer's is (block, rank, chunk).
+        lead = y.shape[:-1]
+        y = y.view(*lead, self.tp_axis.size, self.output_blocks, -1).transpose(-3, -2)
+        return y.reshape(*lead, self.out_features)
+
+
+class RowParallelLinear(_TensorParallelModule):
+    """Y = X A^T with A split by columns of its `[out, in]` weight: each rank multiplies its
+    in/tp slice of X and the partial results are summed by g (one all-reduce forward).
+    The bias is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
+                 bias: bool = True, input_is_parallel: bool = False):
+        super().__init__()
+        self.tp_axis = _tp_axis(mesh)
+        tp = self.tp_axis.size
+        _check_divisible("RowParallelLinear in_features", in_features, tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
+        self.shards = {"weight": Shard(1, in_features, in_features)}
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features))  # replicated
+        else:
+            self.register_parameter("bias", None)
+        if self.weight.device.type != "meta":
+            self.load_dense_(nn.Linear(in_features, out_features, bias=bias))
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, *, mesh, **options) -> RowParallelLinear:
+        return _sharded_copy(cls, module, mesh, **options)
+
+    def to_dense(self) -> nn.Linear:
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                          device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
+            if self.bias is not None:
+                dense.bias.copy_(self.bias)
+        return dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tensor_parallel_region(x, self.tp_axis)
+        y = F.linear(x, self.weight)  # partial sums: [..., out]
+        y = comm.reduce_from_tensor_parallel_region(y, self.tp_axis)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(_TensorParallelModule):
+    """Embedding with the vocabulary split over TP. The vocabulary is zero-padded to a multiple
+    of tp; padded rows are never looked up, and as an output layer their logits are masked, so
+    they never receive gradient. Each rank looks up the ids it owns, zeroes the rest, and g sums
+    the partial embeddings (one all-reduce of b*s*h)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 mesh: ParallelMesh | MeshAxis):
+        super().__init__()
+        self.tp_axis = _tp_axis(mesh)
+        tp = self.tp_axis.size
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padded_num_embeddings = math.ceil(num_embeddings / tp) * tp
+        self.num_local = self.padded_num_embeddings // tp
+        self.vocab_start = self.tp_axis.rank * self.num_local
+        self.weight = nn.Parameter(torch.empty(self.num_local, embedding_dim))
+        self.shards = {"weight": Shard(0, num_embeddings, self.padded_num_embeddings)}
+        if self.weight.device.type != "meta":
+            self.load_dense_(nn.Embedding(num_embeddings, embedding_dim))
+
+    @classmethod
+    def _like(cls, dense: nn.Embedding, *, mesh):
+        return cls(dense.num_embeddings, dense.embedding_dim, mesh=mesh)
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, *, mesh) -> VocabParallelEmbedding:
+        return _sharded_copy(cls, module, mesh)
+
+    def to_dense(self) -> nn.Embedding:
+        dense = nn.Embedding(self.num_embeddings, self.embedding_dim,
+                             device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
+        return dense
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_axis.size == 1:
+            return F.embedding(ids, self.weight)
+        local_ids = ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.num_local)
+        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)  # [b, s, h] partial
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return comm.reduce_from_tensor_parallel_region(out, self.tp_axis)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Use the (tied) embedding as the output layer: local logits `[b, s, V_padded/tp]`.
+
+        The input enters through f, so its gradient is summed over TP in backward; padded
+        vocabulary entries get -inf, so they take no probability and no gradient.
+        """
+        hidden = comm.copy_to_tensor_parallel_region(hidden, self.tp_axis)
+        logits = F.linear(hidden, self.weight)
+        num_valid = self.num_embeddings - self.vocab_start
+        if num_valid < self.num_local:
+            logits[..., max(num_valid, 0):] = float("-inf")
+        return logits
+
+
+def named_full_tensors(model: nn.Module, *, grads: bool = False):
+    """Yield `(name, full tensor)` for every parameter (or its gradient), TP shards gathered.
+
+    A collective over TP for every sharded parameter: call it on all TP ranks together.
+    """
+    for module_name, module in model.named_modules():
+        shards = getattr(module, "shards", {}) if isinstance(module, _TensorParallelModule) else {}
+        for name, param in module.named_parameters(recurse=False):
+            tensor = param.grad if grads else param
+            if tensor is None:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            if name in shards:
+                tensor = unshard_tensor(tensor, shards[name], module.tp_axis)
+            yield full_name, tensor.detach()

@@ -1,0 +1,125 @@
+"""Run a function on N gloo ranks, with ranks spawned once per world size and reused.
+
+    results = run_on_ranks(2, check_something, arg)   # one result per rank
+
+The function must live at module level in an importable module (a test file is fine). Workers
+keep their process group between calls; `worker_mesh(...)` caches meshes by degrees so tests do not
+create new process groups each time. A rank that raises fails the call with its traceback; a call
+that does not finish within `timeout` seconds kills the pool (the next call starts a fresh one).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+_pools: dict[int, RankPool] = {}
+_worker_meshes: dict = {}  # in worker processes only
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        while (task := tasks.get()) is not None:
+            fn, args, kwargs = task
+            try:
+                results.put((rank, True, fn(*args, **kwargs)))
+            except BaseException:  # report anything, including assertion failures
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.world_size = world_size
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r],
+                                                        self.results), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 120.0, **kwargs) -> list:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        results: dict[int, tuple[bool, object]] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world_size:
+            if any(not ok for ok, _ in results.values()):
+                deadline = min(deadline, time.monotonic() + 5.0)  # peers may be stuck waiting
+            try:
+                rank, ok, value = self.results.get(timeout=max(0.05, deadline - time.monotonic()))
+                results[rank] = (ok, value)
+            except queue.Empty:
+                if time.monotonic() >= deadline or not all(p.is_alive() for p in self.procs):
+                    break
+        failures = {r: v for r, (ok, v) in results.items() if not ok}
+        if failures or len(results) < self.world_size:
+            self.close(kill=True)
+            if failures:
+                rank = min(failures)
+                raise AssertionError(f"rank {rank} of {self.world_size} failed:\n{failures[rank]}")
+            missing = sorted(set(range(self.world_size)) - set(results))
+            raise TimeoutError(f"ranks {missing} of {self.world_size} did not finish"
+                               f" {fn.__name__} within {timeout}s")
+        return [results[r][1] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        _pools.pop(self.world_size, None)
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, **kwargs) -> list:
+    """Run `fn(*args, **kwargs)` on every rank of a `world_size` gloo pool; per-rank results."""
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = RankPool(world_size)
+    return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in list(_pools.values()):
+        pool.close()
+
+
+def worker_mesh(**degrees):
+    """The ParallelMesh for these degrees in this worker, created once."""
+    from meshtrain.mesh import init_parallel
+
+    key = tuple(sorted(degrees.items()))
+    if key not in _worker_meshes:
+        _worker_meshes[key] = init_parallel(**degrees)
+    return _worker_meshes[key]
