@@ -1,0 +1,63 @@
+"""ParallelMesh: degrees, rank layout, groups."""
+
+import pytest
+import torch
+from harness import run_on_ranks, worker_mesh
+
+from meshtrain.mesh import _axis_groups, resolve_degrees
+from meshtrain.parallel.comm import all_gather
+
+
+def test_resolve_degrees_derives_dp():
+    assert resolve_degrees(8, tp=2, pp=2) == {"pp": 2, "dp": 2, "cp": 1, "tp": 2, "ep": 1}
+    assert resolve_degrees(8, tp=2, cp=2, ep=2)["dp"] == 2
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tp=3), r"world size 8 is not divisible by tp x pp x cp = 3 x 1 x 1"),
+    (dict(tp=2, dp=2), r"pp x dp x cp x tp = 1 x 2 x 1 x 2 = 4 does not equal the world size 8"),
+    (dict(tp=0), r"--tp must be a positive integer"),
+    (dict(tp=2, ep=3), r"ep=3 must divide dp x cp = 4 x 1 = 4"),
+])
+def test_resolve_degrees_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_degrees(8, **kwargs)
+
+
+def test_axis_order_puts_tp_innermost():
+    degrees = {"pp": 2, "dp": 2, "cp": 1, "tp": 2, "ep": 1}
+    assert _axis_groups(degrees, ("tp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert _axis_groups(degrees, ("dp",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _axis_groups(degrees, ("pp",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    cp_degrees = {"pp": 1, "dp": 2, "cp": 2, "tp": 2, "ep": 1}
+    assert _axis_groups(cp_degrees, ("dp", "cp")) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def _check_mesh_8():
+    mesh = worker_mesh(tp=2, pp=2, ep=2)
+    rank = mesh.rank
+    assert mesh.coords == {"tp": rank % 2, "cp": 0, "dp": (rank // 2) % 2, "pp": rank // 4}
+    for name in ("tp", "dp", "pp", "dp_cp", "ep", "edp"):
+        axis = mesh.axis(name)
+        assert axis.ranks[axis.rank] == rank
+        # The group really connects the ranks it claims to.
+        got = all_gather(torch.tensor([rank]), axis, dim=0) if axis.size > 1 else torch.tensor([rank])
+        assert got.tolist() == list(axis.ranks), name
+    assert mesh.ep.size == 2 and mesh.axis("edp").size == 1
+    return mesh.coords
+
+
+def test_mesh_on_8_ranks():
+    coords = run_on_ranks(8, _check_mesh_8)
+    assert len({tuple(c.values()) for c in coords}) == 8
+
+
+def test_init_parallel_mismatch_names_world():
+    run_on_ranks(2, _check_mismatch)
+
+
+def _check_mismatch():
+    from meshtrain import init_parallel
+
+    with pytest.raises(ValueError, match="does not equal the world size 2"):
+        init_parallel(tp=2, dp=2)

@@ -1,0 +1,133 @@
+"""The whole GPT at tp in {1, 2, 4} against the dense single-process model."""
+
+import pytest
+import torch
+from harness import run_on_ranks, worker_mesh
+from torch.testing import assert_close
+
+from meshtrain import GPT, ParallelMesh, preset
+from meshtrain.parallel import CommRecorder, named_full_tensors
+from meshtrain.parallel.comm import all_gather
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _batch(vocab, b=2, s=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s + 1), generator=gen)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _check_gpt(tp, vocab, attention):
+    mesh = worker_mesh(tp=tp)
+    cfg = preset("tiny", vocab_size=vocab, attention=attention)
+    dense = GPT(cfg, mesh=ParallelMesh.local(), seed=7)
+    model = GPT(cfg, mesh=mesh, seed=7)
+    inputs, targets = _batch(vocab)
+
+    # Same seed -> same weights at every tp.
+    dense_params = dict(named_full_tensors(dense))
+    full_params = dict(named_full_tensors(model))
+    assert full_params.keys() == dense_params.keys()
+    for name, full in full_params.items():
+        assert_close(full, dense_params[name], rtol=0, atol=0, msg=name)
+
+    ref_logits = dense(inputs)
+    ref_loss = dense.loss(ref_logits, targets)
+    ref_loss.backward()
+    with CommRecorder() as fwd:
+        logits = model(inputs)
+        loss = model.loss(logits, targets)
+    with CommRecorder() as bwd:
+        loss.backward()
+
+    assert logits.shape[-1] == -(-vocab // tp) * tp // tp
+    full_logits = all_gather(logits.detach(), mesh.tp, dim=-1)[..., :vocab]
+    assert_close(full_logits, ref_logits.detach(), **TOL)
+    assert_close(loss, ref_loss, **TOL)
+    dense_grads = dict(named_full_tensors(dense, grads=True))
+    full_grads = dict(named_full_tensors(model, grads=True))
+    assert full_grads.keys() == dense_grads.keys()
+    for name, grad in full_grads.items():
+        assert_close(grad, dense_grads[name], **TOL, msg=name)
+
+    if tp > 1:
+        b, s = inputs.shape
+        bsh = b * s * cfg.hidden_size * 4
+        layers = cfg.num_layers
+        # Forward: embedding g + two g per layer (attention out, MLP out); then the loss's two
+        # O(b*s) all-reduces. Backward: two f per layer (QKV in, MLP in) + the head's f.
+        tp_fwd = fwd.select("all_reduce", "tp")
+        assert [r.payload_bytes for r in tp_fwd[:-2]] == [bsh] * (1 + 2 * layers)
+        assert [r.payload_bytes for r in tp_fwd[-2:]] == [b * s * 4, 2 * b * s * 4]
+        assert [r.payload_bytes for r in bwd.select("all_reduce", "tp")] == [bsh] * (1 + 2 * layers)
+        assert fwd.count() == len(tp_fwd) and bwd.count() == 2 * layers + 1
+
+
+@pytest.mark.parametrize("tp,vocab", [(1, 250), (2, 251), (4, 250)])
+def test_gpt_matches_dense(tp, vocab):
+    run_on_ranks(tp, _check_gpt, tp, vocab, "sdpa")
+
+
+def test_gpt_eager_attention_matches_dense():
+    run_on_ranks(2, _check_gpt, 2, 97, "eager")
+
+
+def test_sdpa_and_eager_attention_agree():
+    mesh = ParallelMesh.local()
+    inputs, targets = _batch(64)
+    losses = []
+    for attention in ("sdpa", "eager"):
+        model = GPT(preset("tiny", vocab_size=64, attention=attention), mesh=mesh, seed=1)
+        losses.append(model.loss(model(inputs), targets))
+    assert_close(losses[0], losses[1], **TOL)
+
+
+def _check_dropout_consistent():
+    """With dropout on, TP ranks still agree on every replicated activation."""
+    mesh = worker_mesh(tp=2)
+    model = GPT(preset("tiny", vocab_size=64, dropout=0.3), mesh=mesh, seed=1)
+    inputs, targets = _batch(64)
+    hidden = model.embedding(inputs, model.rng)
+    for block in model.layers.values():
+        hidden = block(hidden, model.rng)
+    gathered = all_gather(hidden.detach().unsqueeze(0), mesh.tp, dim=0)
+    assert_close(gathered[0], gathered[1], rtol=0, atol=0)
+    # and the per-rank (attention) stream really differs between TP ranks
+    from meshtrain.random import TENSOR_PARALLEL
+    with model.rng.fork(TENSOR_PARALLEL):
+        draw = torch.rand(4)
+    draws = all_gather(draw.unsqueeze(0), mesh.tp, dim=0)
+    assert not torch.equal(draws[0], draws[1])
+
+
+def test_dropout_masks_replicated_across_tp():
+    run_on_ranks(2, _check_dropout_consistent)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b",
+                                  "megatron-8.3b"])
+def test_presets_are_valid_configs(name):
+    cfg = preset(name)
+    cfg.validate()
+    assert cfg.hidden_size % cfg.num_heads == 0
+
+
+def test_preset_parameter_counts():
+    assert abs(preset("gpt2").num_parameters() - 124.4e6) < 0.2e6
+    assert abs(preset("gpt2-xl").num_parameters() - 1557.6e6) < 1e6
+    assert abs(preset("gpt3-175b").num_parameters() / 1e9 - 175) < 1.5
+
+
+def test_invalid_model_shapes():
+    with pytest.raises(ValueError, match="unknown model preset 'nope'"):
+        preset("nope")
+    with pytest.raises(ValueError, match="divisible by the number of heads"):
+        preset("tiny", hidden_size=66).validate()
+    with pytest.raises(ValueError, match=r"number of heads \(4\) must be divisible by tp \(3\)"):
+        preset("tiny").validate_for_tp(3)
+
+
+def test_tiny_model_counted_parameters():
+    model = GPT(preset("tiny"), mesh=ParallelMesh.local(), seed=0)
+    assert sum(p.numel() for p in model.parameters()) == preset("tiny").num_parameters()
