@@ -124,6 +124,8 @@ class ParallelMesh:
         ep = degrees["ep"]
         self._add_axis("ep", [g[i : i + ep] for g in dp_cp_groups for i in range(0, len(g), ep)])
         self._add_axis("edp", [g[i::ep] for g in dp_cp_groups for i in range(ep)])
+        self._axes["world"] = MeshAxis("world", self.world_size, rank, tuple(range(self.world_size)),
+                                       dist.group.WORLD if self.world_size > 1 else None)
 
     @classmethod
     def local(cls, device: torch.device | str = "cpu") -> ParallelMesh:
@@ -166,6 +168,10 @@ class ParallelMesh:
     @property
     def ep(self) -> MeshAxis:
         return self._axes["ep"]
+
+    @property
+    def world(self) -> MeshAxis:
+        return self._axes["world"]
 
     def __repr__(self) -> str:
         d = self.degrees

@@ -157,6 +157,20 @@ def broadcast(tensor: torch.Tensor, axis: MeshAxis, *, src_axis_rank: int = 0) -
     dist.broadcast(tensor, src=axis.ranks[src_axis_rank], group=axis.group)
 
 
+def barrier(axis: MeshAxis) -> None:
+    if axis.size > 1:
+        dist.barrier(group=axis.group)
+
+
+def all_gather_objects(obj, axis: MeshAxis) -> list:
+    """Every rank's picklable `obj`, in axis-rank order (small metadata only)."""
+    if axis.size == 1:
+        return [obj]
+    out = [None] * axis.size
+    dist.all_gather_object(out, obj, group=axis.group)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Differentiable region operators (tensor-parallel axis)
 # ---------------------------------------------------------------------------------------------

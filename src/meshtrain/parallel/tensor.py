@@ -252,6 +252,36 @@ class VocabParallelEmbedding(_TensorParallelModule):
         return logits
 
 
+def tensor_parallel_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters split over TP (the rest are replicated across TP ranks)."""
+    return {id(getattr(m, name)) for m in model.modules()
+            if isinstance(m, _TensorParallelModule) for name in m.shards}
+
+
+def parameter_shards(model: nn.Module) -> dict[str, Shard | None]:
+    """Every parameter's name and how it is split over TP (None: replicated)."""
+    out: dict[str, Shard | None] = {}
+    for module_name, module in model.named_modules():
+        shards = module.shards if isinstance(module, _TensorParallelModule) else {}
+        for name, _ in module.named_parameters(recurse=False):
+            out[f"{module_name}.{name}" if module_name else name] = shards.get(name)
+    return out
+
+
+def shard_pieces(shard: Shard, tp_rank: int, tp_size: int) -> list[tuple[int, int, int]]:
+    """(local offset, global offset, length) along `shard.dim` of each contiguous piece this
+    rank holds of the logical tensor; padding beyond `full_size` is left out."""
+    block = shard.padded_size // shard.num_blocks
+    chunk = block // tp_size
+    pieces = []
+    for b in range(shard.num_blocks):
+        start = b * block + tp_rank * chunk
+        length = min(chunk, shard.full_size - start)
+        if length > 0:
+            pieces.append((b * chunk, start, length))
+    return pieces
+
+
 def named_full_tensors(model: nn.Module, *, grads: bool = False):
     """Yield `(name, full tensor)` for every parameter (or its gradient), TP shards gathered.
 

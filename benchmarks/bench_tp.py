@@ -1,0 +1,602 @@
+"""One GPT training step under tensor parallelism: meshtrain vs PyTorch DTensor vs megatron-core.
+
+Every contender trains the same GPT-2 style model (same weights, same batch, AdamW) for the same
+number of steps; repetitions alternate between contenders (A B C D A B C D ...) so that load
+from other work on the host hits all of them alike. Ranked contenders run in one long-lived
+two-process gloo group (one thread per rank), so process start-up is never timed; the
+single-process reference (two threads) runs in this process while the ranks wait on a queue.
+
+    python benchmarks/bench_tp.py                  # hidden 512, 4 layers, s=256, V=8192, b=8
+    python benchmarks/bench_tp.py --quick          # tiny sizes: a smoke run of every contender
+
+megatron-core is optional: `pip install --no-deps megatron-core==0.16.1` (its own dependencies
+besides torch are numpy and packaging; transformer-engine and apex are not needed on CPU).
+
+A data-parallel comparison (meshtrain dp=2 vs DDP) fits the same harness: add two `Contender`
+subclasses whose `build` calls `meshtrain.init_parallel(dp=2)` / wraps a dense model in DDP and
+feeds each rank its half of the batch, and append them to `CONTENDERS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import math
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import meshtrain
+
+WORLD = 2
+LR = 1e-4
+TIMEOUT = datetime.timedelta(minutes=3)  # a hung collective fails fast instead of eating the host
+LOSS_RTOL = 1e-4  # TESTING.md: fp32 loss trajectory across layouts
+
+Step = Callable[[], torch.Tensor]
+"""One training step (zero grads, forward, backward, optimizer step); returns the loss."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    batch: int
+
+    def config(self) -> meshtrain.GPTConfig:
+        return meshtrain.GPTConfig(num_layers=self.layers, hidden_size=self.hidden,
+                                   num_heads=self.heads, vocab_size=self.vocab,
+                                   max_seq_len=self.seq)
+
+    def flops(self) -> float:
+        """Matmul FLOPs of one forward + backward (backward = 2 x forward), as in FLOP_FORMULA."""
+        b, s, h, L, V = self.batch, self.seq, self.hidden, self.layers, self.vocab
+        f = 4 * h
+        return 6 * b * s * (L * (4 * h * h + 2 * h * f) + h * V) + 12 * L * b * s * s * h
+
+    def __str__(self) -> str:
+        return (f"GPT L={self.layers} h={self.hidden} heads={self.heads} s={self.seq}"
+                f" V={self.vocab} b={self.batch}")
+
+
+FLOP_FORMULA = (
+    "FLOPs/step = 6*b*s*(L*(4h^2 + 2h*4h) + h*V) + 12*L*b*s^2*h\n"
+    "  (matmuls only, backward = 2x forward: QKV+proj+MLP weights 12h^2 per layer at 6 FLOPs per"
+    " weight per token;\n   LM head 2bshV forward + 4bshV backward; attention QK^T and AV"
+    " 4bs^2h forward per layer, the causal half\n   counted as well; = Megatron-LM's"
+    " 72bLsh^2(1 + s/6h + V/12hL) without recomputation)"
+)
+
+FULL = Shape(layers=4, hidden=512, heads=8, seq=256, vocab=8192, batch=8)
+QUICK = Shape(layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=2)
+
+
+def make_batch(shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same token ids and next-token targets for every contender and every step."""
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(shape.vocab, (shape.batch, shape.seq + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+@functools.cache
+def dense_weights(shape: Shape) -> dict[str, torch.Tensor]:
+    """meshtrain's dense weights at seed 0: the peers start from them, so losses must agree."""
+    model = meshtrain.GPT(shape.config(), mesh=meshtrain.ParallelMesh.local(), seed=0)
+    return {name: t.detach() for name, t in model.state_dict().items()}
+
+
+def training_step(params, forward_backward: Callable[[], torch.Tensor]) -> Step:
+    """Plain AdamW for every contender, so the optimizer's cost is part of each step alike."""
+    opt = torch.optim.AdamW(params, lr=LR)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = forward_backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+class Unavailable(Exception):
+    """A contender that cannot run here; the message says why."""
+
+
+class Contender:
+    """One implementation of the training step.
+
+    `ranks == 1`: built and timed in the parent process with two threads. `ranks == WORLD`: built
+    in every worker process (one thread each) in list order, so process groups are created in
+    the same order on all ranks. `build` runs once; the step it returns is timed many times.
+    """
+
+    name: str
+    ranks: int
+    reference = False  # the single process that the others are compared with
+
+    def build(self, shape: Shape) -> Step:
+        raise NotImplementedError
+
+
+# -------------------------------------------------------------------------------------------
+# meshtrain
+# -------------------------------------------------------------------------------------------
+
+def _meshtrain_step(shape: Shape, mesh: meshtrain.ParallelMesh) -> Step:
+    model = meshtrain.GPT(shape.config(), mesh=mesh, seed=0)
+    ids, targets = make_batch(shape)
+
+    def forward_backward() -> torch.Tensor:
+        loss = model.loss(model(ids), targets)
+        loss.backward()
+        return loss.detach()
+
+    return training_step(model.parameters(), forward_backward)
+
+
+class MeshtrainTP(Contender):
+    name = "meshtrain tp=2"
+    ranks = WORLD
+
+    def build(self, shape: Shape) -> Step:
+        return _meshtrain_step(shape, meshtrain.init_parallel(tp=WORLD))
+
+
+class SingleProcess(Contender):
+    name = "single process (meshtrain dense)"
+    ranks = 1
+    reference = True
+
+    def build(self, shape: Shape) -> Step:
+        return _meshtrain_step(shape, meshtrain.ParallelMesh.local())
+
+
+# -------------------------------------------------------------------------------------------
+# PyTorch DTensor tensor parallelism on a plain dense GPT
+# -------------------------------------------------------------------------------------------
+
+class DenseBlock(nn.Module):
+    """Pre-LN block with separate q, k, v projections, so ColwiseParallel splits whole heads."""
+
+    def __init__(self, h: int, heads: int):
+        super().__init__()
+        self.head_dim = h // heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.q, self.k, self.v, self.proj = (nn.Linear(h, h) for _ in range(4))
+        self.fc, self.fc_proj = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        y = self.ln1(x)
+        # Under TP the projections return this rank's heads only: -1 is the local head count.
+        q, k, v = (p(y).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, -1))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class DenseGPT(nn.Module):
+    """GPT-2 (learned positions, pre-LN, GeLU MLP of 4h, tied embedding) in plain torch.nn."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        h = shape.hidden
+        self.wte, self.wpe = nn.Embedding(shape.vocab, h), nn.Embedding(shape.seq, h)
+        self.blocks = nn.ModuleList(DenseBlock(h, shape.heads) for _ in range(shape.layers))
+        self.ln_f = nn.LayerNorm(h)
+        self.lm_head = nn.Linear(h, shape.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def load_meshtrain_(self, weights: dict[str, torch.Tensor]) -> None:
+        state = {"wte.weight": weights["embedding.word.weight"],
+                 "lm_head.weight": weights["embedding.word.weight"],
+                 "wpe.weight": weights["embedding.position.weight"],
+                 "ln_f.weight": weights["final_norm.weight"],
+                 "ln_f.bias": weights["final_norm.bias"]}
+        for i in range(len(self.blocks)):
+            src, dst = f"layers.{i}.", f"blocks.{i}."
+            for kind in ("weight", "bias"):
+                for q_k_v, part in zip("qkv", weights[f"{src}attn.qkv.{kind}"].chunk(3)):
+                    state[f"{dst}{q_k_v}.{kind}"] = part
+                for theirs, ours in (("ln1", "ln1"), ("ln2", "ln2"), ("attn.proj", "proj"),
+                                     ("mlp.fc", "fc"), ("mlp.proj", "fc_proj")):
+                    state[f"{dst}{ours}.{kind}"] = weights[f"{src}{theirs}.{kind}"]
+        self.load_state_dict(state)
+
+
+class DTensorTP(Contender):
+    name = "PyTorch DTensor tp=2"
+    ranks = WORLD
+
+    def build(self, shape: Shape) -> Step:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            loss_parallel,
+            parallelize_module,
+        )
+
+        model = DenseGPT(shape)
+        model.load_meshtrain_(dense_weights(shape))
+        plan = {
+            "wte": RowwiseParallel(input_layouts=Replicate()),  # vocab-split embedding
+            # Vocab-split head; its logits stay a Shard(-1) DTensor for loss_parallel.
+            "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                       use_local_output=False),
+        }
+        for i in range(shape.layers):
+            plan |= {f"blocks.{i}.{name}": ColwiseParallel() for name in ("q", "k", "v", "fc")}
+            plan |= {f"blocks.{i}.{name}": RowwiseParallel() for name in ("proj", "fc_proj")}
+        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), plan)
+        # parallelize_module gives the head a Parameter of its own; the embedding and the head
+        # are both Shard(0) over the vocabulary, so tying them again is exact.
+        model.lm_head.weight = model.wte.weight
+        ids, targets = make_batch(shape)
+
+        def forward_backward() -> torch.Tensor:
+            with loss_parallel():  # backward must run inside it too
+                logits = model(ids)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss.backward()
+            return loss.detach().to_local()
+
+        return training_step(model.parameters(), forward_backward)
+
+
+# -------------------------------------------------------------------------------------------
+# megatron-core tensor-parallel layers
+# -------------------------------------------------------------------------------------------
+
+def _filled_with(full: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A megatron `init_method` that writes `full` into the master weight it is handed."""
+    def init(master: torch.Tensor) -> None:
+        with torch.no_grad():
+            master.copy_(full)
+    return init
+
+
+def _layernorm(h: int, weights: dict[str, torch.Tensor], prefix: str) -> nn.LayerNorm:
+    norm = nn.LayerNorm(h)
+    norm.load_state_dict({"weight": weights[f"{prefix}.weight"], "bias": weights[f"{prefix}.bias"]})
+    return norm
+
+
+class MegatronBlock(nn.Module):
+    """The same block on megatron's Column/RowParallelLinear, with megatron's fused QKV layout
+    (rows ordered head by head, q k v within a head), so a contiguous split gives whole heads.
+    Activations stay [b, s, h] like the other contenders (megatron's layers do not care
+    without sequence parallelism). Biases are megatron's zeros, as meshtrain's are."""
+
+    def __init__(self, shape: Shape, mtp, config, weights: dict[str, torch.Tensor], i: int):
+        super().__init__()
+        h, heads = shape.hidden, shape.heads
+        self.head_dim = h // heads
+        src = f"layers.{i}."
+        qkv = weights[f"{src}attn.qkv.weight"].view(3, heads, self.head_dim, h)
+        qkv = qkv.transpose(0, 1).reshape(3 * h, h)
+
+        def column(full: torch.Tensor):
+            return mtp.ColumnParallelLinear(full.shape[1], full.shape[0], config=config,
+                                            init_method=_filled_with(full), bias=True,
+                                            gather_output=False)
+
+        def row(full: torch.Tensor):
+            return mtp.RowParallelLinear(full.shape[1], full.shape[0], config=config,
+                                         init_method=_filled_with(full), bias=True,
+                                         input_is_parallel=True, skip_bias_add=False)
+
+        self.ln1 = _layernorm(h, weights, f"{src}ln1")
+        self.ln2 = _layernorm(h, weights, f"{src}ln2")
+        self.qkv, self.proj = column(qkv), row(weights[f"{src}attn.proj.weight"])
+        self.fc, self.fc_proj = (column(weights[f"{src}mlp.fc.weight"]),
+                                 row(weights[f"{src}mlp.proj.weight"]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv, _ = self.qkv(self.ln1(x))
+        q, k, v = qkv.view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out, _ = self.proj(attn.transpose(1, 2).reshape(b, s, -1))
+        x = x + out
+        y, _ = self.fc(self.ln2(x))
+        y, _ = self.fc_proj(F.gelu(y, approximate="tanh"))
+        return x + y
+
+
+class MegatronGPT(nn.Module):
+    """Vocab-parallel embedding tied to a weightless ColumnParallelLinear head, as in Megatron."""
+
+    def __init__(self, shape: Shape, mtp, config, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        h = shape.hidden
+        word = weights["embedding.word.weight"]
+        self.wte = mtp.VocabParallelEmbedding(shape.vocab, h, init_method=_filled_with(word),
+                                              config=config)
+        self.wpe = nn.Embedding(shape.seq, h)
+        self.wpe.load_state_dict({"weight": weights["embedding.position.weight"]})
+        self.blocks = nn.ModuleList(MegatronBlock(shape, mtp, config, weights, i)
+                                    for i in range(shape.layers))
+        self.ln_f = _layernorm(h, weights, "final_norm")
+        self.head = mtp.ColumnParallelLinear(h, shape.vocab, config=config,
+                                             init_method=_filled_with(word), bias=False,
+                                             skip_weight_param_allocation=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits, _ = self.head(self.ln_f(x), weight=self.wte.weight)
+        return logits  # [b, s, V/tp]
+
+
+class MegatronTP(Contender):
+    name = "megatron-core tp=2"
+    ranks = WORLD
+
+    def build(self, shape: Shape) -> Step:
+        with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed"
+            warnings.simplefilter("ignore")
+            try:
+                from megatron.core import ModelParallelConfig, parallel_state
+                from megatron.core import tensor_parallel as mtp
+            except ImportError as exc:
+                raise Unavailable(f"megatron-core is not importable ({exc}); install it with"
+                                  " pip install --no-deps megatron-core==0.16.1") from exc
+        # Its CUDA-stream scheduling advice; CPU collectives have no such knob.
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+        if shape.vocab % WORLD:
+            raise Unavailable(f"megatron's layers need the vocabulary ({shape.vocab}) divisible"
+                              f" by tp ({WORLD})")
+        parallel_state.initialize_model_parallel(WORLD)
+        config = ModelParallelConfig(tensor_model_parallel_size=WORLD,
+                                     use_cpu_initialization=True)
+        model = MegatronGPT(shape, mtp, config, dense_weights(shape))
+        ids, targets = make_batch(shape)
+
+        def forward_backward() -> torch.Tensor:
+            loss = mtp.vocab_parallel_cross_entropy(model(ids), targets).mean()
+            loss.backward()
+            return loss.detach()
+
+        return training_step(model.parameters(), forward_backward)
+
+
+CONTENDERS: list[Contender] = [MeshtrainTP(), DTensorTP(), MegatronTP(), SingleProcess()]
+
+
+# -------------------------------------------------------------------------------------------
+# Timing
+# -------------------------------------------------------------------------------------------
+
+def time_steps(step: Step, n: int,
+               sync: Callable[[], None] | None) -> tuple[list[float], list[float]]:
+    """Wall time of each of `n` steps (each started after `sync`) and their losses."""
+    times, losses = [], []
+    for _ in range(n):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    return times, losses
+
+
+def matmul_peak(n: int, threads: int, reps: int = 5) -> float:
+    """Best fp32 FLOP/s of an n x n x n matmul: the ceiling a step's matmuls can reach."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def _worker(rank: int, port: int, shape: Shape, contenders: list[Contender],
+            commands: mp.Queue, results: mp.Queue) -> None:
+    """One rank: build every ranked contender, then run (contender, steps) commands until None."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    try:
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+        steps: dict[int, Step] = {}
+        unavailable: dict[int, str] = {}
+        for i, contender in enumerate(contenders):
+            try:
+                steps[i] = contender.build(shape)
+            except Unavailable as exc:
+                unavailable[i] = str(exc)
+        results.put(("ready", rank, unavailable))
+        while (command := commands.get()) is not None:
+            i, n = command
+            results.put(("times", rank, *time_steps(steps[i], n, dist.barrier)))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Workers:
+    """The long-lived rank processes shared by all ranked contenders."""
+
+    def __init__(self, shape: Shape, contenders: list[Contender]):
+        ctx = mp.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(WORLD)]
+        self.procs = [ctx.Process(target=_worker, daemon=True,
+                                  args=(r, port, shape, contenders, self.commands[r],
+                                        self.results))
+                      for r in range(WORLD)]
+        for p in self.procs:
+            p.start()
+
+    def wait_ready(self) -> dict[int, str]:
+        """Wait until every rank has built its contenders; {index: why} of those that cannot."""
+        return self._collect("ready")[0][0]
+
+    def _collect(self, kind: str) -> list[tuple]:
+        """One `kind` message from every rank (in rank order); raise on a worker's error."""
+        got: dict[int, tuple] = {}
+        while len(got) < WORLD:
+            try:
+                msg = self.results.get(timeout=5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} exited without a report") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"rank {msg[1]} failed:\n{msg[2]}")
+            assert msg[0] == kind, msg
+            got[msg[1]] = msg[2:]
+        return [got[r] for r in range(WORLD)]
+
+    def run(self, index: int, n: int) -> tuple[list[float], list[float]]:
+        """Per step, the slowest rank's time (the step ends when every rank has finished)."""
+        for q in self.commands:
+            q.put((index, n))
+        per_rank = self._collect("times")
+        times = [max(ts) for ts in zip(*(t for t, _ in per_rank))]
+        return times, per_rank[0][1]
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+
+
+@dataclass
+class Result:
+    contender: Contender
+    rounds: list[list[float]]  # measured step times, one list per round
+    losses: list[float]  # every step's loss, warmup included
+
+    @property
+    def median(self) -> float:
+        return statistics.median(t for r in self.rounds for t in r)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    args = parser.parse_args(argv)
+    for flag, least in (("steps", 1), ("warmup", 0), ("rounds", 1)):
+        if getattr(args, flag) < least:
+            parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
+    shape = QUICK if args.quick else FULL
+    peak_n = 256 if args.quick else 2048
+
+    # Peaks first, before any rank process exists to compete for the cores.
+    peak1, peak2 = matmul_peak(peak_n, 1), matmul_peak(peak_n, 2)
+    ranked = [c for c in CONTENDERS if c.ranks == WORLD]
+    local = [c for c in CONTENDERS if c.ranks == 1]
+    workers = Workers(shape, ranked)
+    try:
+        torch.set_num_threads(2)
+        local_steps = {id(c): c.build(shape) for c in local}
+        unavailable = workers.wait_ready()
+
+        def run(c: Contender, n: int) -> tuple[list[float], list[float]]:
+            if c.ranks == 1:
+                torch.set_num_threads(2)
+                return time_steps(local_steps[id(c)], n, None)
+            return workers.run(ranked.index(c), n)
+
+        results = [Result(c, [], []) for c in CONTENDERS
+                   if c.ranks == 1 or ranked.index(c) not in unavailable]
+        # One warmup round (when asked for), then the measured rounds; contenders alternate.
+        for measured in [False] * bool(args.warmup) + [True] * args.rounds:
+            for r in results:
+                times, losses = run(r.contender, args.steps if measured else args.warmup)
+                r.losses += losses
+                if measured:
+                    r.rounds.append(times)
+    finally:
+        workers.close()
+
+    report(args, shape, peak_n, peak1, peak2, results,
+           {ranked[i].name: why for i, why in unavailable.items()})
+    return 0
+
+
+def report(args, shape: Shape, peak_n: int, peak1: float, peak2: float, results: list[Result],
+           unavailable: dict[str, str]) -> None:
+    flops = shape.flops()
+    total_steps = args.warmup + args.rounds * args.steps
+    print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    print(f"model: {shape}, fp32, dropout 0; step = zero_grad + forward + backward + AdamW")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ranked contenders: {WORLD} gloo"
+          f" processes x 1 thread; single process: 2 threads")
+    print(f"schedule: {args.warmup} warmup steps, then {args.rounds} rounds x {args.steps} steps"
+          f" per contender, contenders alternating; time = median step (ranked: slowest rank)")
+    print(FLOP_FORMULA)
+    print(f"  = {flops / 1e9:.2f} GFLOP per step")
+    print(f"fp32 matmul peak ({peak_n}^3, best of 5): 1 thread {peak1 / 1e9:.1f} GFLOP/s,"
+          f" 2 threads {peak2 / 1e9:.1f} GFLOP/s; ranked contenders are measured against"
+          f" 2 x the 1-thread peak ({2 * peak1 / 1e9:.1f})")
+    reference = next((r for r in results if r.contender.reference), None)
+    head = (f"{'contender':34} {'median ms':>10} {'round medians ms':>18} {'t/t_single':>10}"
+            f" {'GFLOP/s':>8} {'% peak':>7}  loss first -> last ({total_steps} steps)")
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in results:
+        median = r.median
+        round_medians = [statistics.median(ts) for ts in r.rounds]
+        spread = f"{min(round_medians) * 1e3:.0f}-{max(round_medians) * 1e3:.0f}"
+        ratio = median / reference.median if reference else math.nan
+        peak = peak2 if r.contender.ranks == 1 else WORLD * peak1
+        achieved = flops / median
+        print(f"{r.contender.name:34} {median * 1e3:10.1f} {spread:>18} {ratio:10.2f}"
+              f" {achieved / 1e9:8.1f} {100 * achieved / peak:6.1f}%"
+              f"  {r.losses[0]:.6f} -> {r.losses[-1]:.6f}")
+    for name, why in unavailable.items():
+        print(f"{name:34} not run: {why}")
+    if reference:
+        last = reference.losses[-1]
+        worst = max(abs(r.losses[-1] - last) / abs(last) for r in results)
+        verdict = "agree" if worst <= LOSS_RTOL else "DISAGREE"
+        print(f"\nlast losses {verdict} with the single process: max relative difference"
+              f" {worst:.1e} (tolerance {LOSS_RTOL:.0e})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Layout-independent checkpoints: every tensor under its logical (unsharded) name.
+
+A checkpoint is a directory `checkpoints/step_NNNNNNNN/` holding one safetensors file per rank
+that owns data, `manifest.json` (for each logical tensor: full shape, dtype and the pieces -
+file, key, offset and length along the split dimension - that tile it; a sha256 per file; the
+layout and the model shape) and `train_state.json`. Each piece of each tensor is written once:
+replicated tensors by TP rank 0, TP slices by their TP rank, all on DP rank 0; padded vocabulary
+rows are never written. Loading assembles each logical tensor and re-slices it for the current
+layout, so a checkpoint written at one (tp, dp) loads at any other.
+
+Writes are atomic: ranks write into a hidden temporary directory, rank 0 writes the manifest and
+renames the directory into place, then moves the `latest` pointer. A crash at any point leaves the
+previous checkpoint intact and loadable. Loading executes no pickled code (safetensors + JSON).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from meshtrain.mesh import ParallelMesh
+from meshtrain.model import GPTConfig
+from meshtrain.parallel import comm
+from meshtrain.parallel.tensor import Shard, parameter_shards, shard_pieces, shard_tensor
+
+FORMAT = "meshtrain-checkpoint-1"
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len",
+                "ffn_hidden_size")
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, corrupt, truncated or of another model."""
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint the `latest` pointer names (None when there is none)."""
+    root = Path(root)
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / "manifest.json").is_file():
+        raise CheckpointError(f"{pointer} names {path.name}, which has no manifest: the checkpoint"
+                              f" directory is damaged; restore it or start without --resume")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _owned_pieces(name: str, tensor: torch.Tensor, shard: Shard | None, mesh: ParallelMesh):
+    """(key suffix, piece tensor, entry) for what this rank writes of a logical tensor."""
+    if mesh.dp_cp.rank != 0 or (shard is None and mesh.tp.rank != 0):
+        return
+    if shard is None:
+        yield name, tensor, {"dim": 0, "offset": 0, "length": tensor.shape[0] if tensor.dim() else 1}
+        return
+    for i, (local, start, length) in enumerate(shard_pieces(shard, mesh.tp.rank, mesh.tp.size)):
+        piece = tensor.narrow(shard.dim, local, length)
+        yield f"{name}#{i}", piece, {"dim": shard.dim, "offset": start, "length": length}
+
+
+def _logical_shape(tensor: torch.Tensor, shard: Shard | None) -> list[int]:
+    shape = list(tensor.shape)
+    if shard is not None:
+        shape[shard.dim] = shard.full_size
+    return shape
+
+
+def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, mesh: ParallelMesh,
+                    train_state: dict, config_toml: str) -> Path:
+    """Write the checkpoint of `step` collectively (every rank calls this)."""
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = root / f".tmp_step_{step:08d}"
+    if mesh.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    comm.barrier(mesh.world)
+
+    shards = parameter_shards(model)
+    params = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict] = {}
+    file_name = f"rank_{mesh.rank:05d}.safetensors"
+    sources = [("model/" + n, p.detach(), shards[n]) for n, p in params.items()]
+    for n, p in params.items():
+        state = optimizer.state.get(p, {})
+        sources += [(f"optim/{s}/{n}", state[s], shards[n]) for s in OPTIMIZER_STATES if s in state]
+    for name, tensor, shard in sources:
+        entries.setdefault(name, {"shape": _logical_shape(tensor, shard),
+                                  "dtype": str(tensor.dtype).removeprefix("torch."),
+                                  "pieces": []})
+        for key, piece, where in _owned_pieces(name, tensor, shard, mesh):
+            tensors[key] = piece.contiguous().cpu()
+            entries[name]["pieces"].append({"file": file_name, "key": key, **where})
+    if mesh.rank == 0:
+        step_tensor = next((s["step"] for s in optimizer.state.values() if "step" in s), None)
+        if step_tensor is not None:
+            tensors["optim/step"] = step_tensor.detach().reshape(1).float().cpu()
+            entries["optim/step"] = {"shape": [1], "dtype": "float32", "pieces": [
+                {"file": file_name, "key": "optim/step", "dim": 0, "offset": 0, "length": 1}]}
+    rng_key = f"rng/{mesh.rank}"
+    for name, state in getattr(model, "rng").get_states().items():
+        tensors[f"{rng_key}/{name}"] = state.cpu()
+
+    path = tmp / file_name
+    save_file(tensors, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    gathered = comm.all_gather_objects((file_name, _sha256(path), entries), mesh.world)
+
+    if mesh.rank == 0:
+        merged: dict[str, dict] = {}
+        for _, _, rank_entries in gathered:
+            for name, entry in rank_entries.items():
+                merged.setdefault(name, {**entry, "pieces": []})["pieces"] += entry["pieces"]
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "layout": mesh.degrees,
+            "model": dataclasses.asdict(model.cfg),
+            "files": {f: digest for f, digest, _ in gathered},
+            "tensors": merged,
+        }
+        _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1))
+        _fsync_write(tmp / "train_state.json", json.dumps(train_state))
+        _fsync_write(tmp / "config.toml", config_toml)
+        if final.exists():  # re-saving a step: keep the old copy until the new one is in place
+            stale = root / f".stale_step_{step:08d}"
+            shutil.rmtree(stale, ignore_errors=True)
+            final.rename(stale)
+            tmp.rename(final)
+            shutil.rmtree(stale)
+        else:
+            tmp.rename(final)
+        _fsync_write(root / ".latest.tmp", final.name)
+        os.replace(root / ".latest.tmp", root / "latest")
+    comm.barrier(mesh.world)
+    return final
+
+
+def read_manifest(path: str | Path, cfg: GPTConfig | None = None) -> dict:
+    """Load and verify a checkpoint's manifest and files (checksums, shapes, model shape)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable manifest ({e}); it is damaged,"
+                              " restore it or start without --resume") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}, expected"
+                              f" {FORMAT!r}")
+    for file_name, digest in manifest["files"].items():
+        file_path = path / file_name
+        if not file_path.is_file() or _sha256(file_path) != digest:
+            raise CheckpointError(f"checkpoint {path}: {file_name} is missing, corrupt or"
+                                  " truncated (checksum mismatch); restore it or resume from an"
+                                  " earlier checkpoint")
+    if cfg is not None:
+        saved = manifest["model"]
+        for key in SHAPE_FIELDS:
+            if saved.get(key) != getattr(cfg, key):
+                raise CheckpointError(
+                    f"checkpoint {path} is from a different model shape: {key} {saved.get(key)}"
+                    f" there vs {getattr(cfg, key)} here; use the model flags it was trained with")
+    return manifest
+
+
+class _Reader:
+    """Assembles logical tensors from a verified checkpoint's pieces."""
+
+    def __init__(self, path: Path, manifest: dict, device: torch.device):
+        self.path, self.manifest, self.device = path, manifest, device
+        self._files: dict[str, object] = {}
+
+    def _open(self, name: str):
+        if name not in self._files:
+            self._files[name] = safe_open(str(self.path / name), framework="pt")
+        return self._files[name]
+
+    def full(self, name: str) -> torch.Tensor:
+        entry = self.manifest["tensors"].get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}: it is from a"
+                                  " different model; use matching model flags")
+        out = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+        covered = 0
+        for piece in entry["pieces"]:
+            data = self._open(piece["file"]).get_tensor(piece["key"])
+            out.narrow(piece["dim"], piece["offset"], piece["length"]).copy_(data)
+            covered += piece["length"]
+        expected = entry["shape"][entry["pieces"][0]["dim"]] if entry["shape"] else 1
+        if covered != expected:
+            raise CheckpointError(f"checkpoint {self.path}: pieces of {name} cover {covered} of"
+                                  f" {expected} rows; the checkpoint is incomplete")
+        return out
+
+    def raw(self, key: str) -> torch.Tensor | None:
+        for file_name in self.manifest["files"]:
+            f = self._open(file_name)
+            if key in f.keys():
+                return f.get_tensor(key)
+        return None
+
+
+def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    mesh: ParallelMesh) -> dict:
+    """Load a checkpoint of any layout into this rank's model (and optimizer); returns the saved
+    train state. RNG streams are restored only when the layout is the same as at save time."""
+    path = Path(path)
+    manifest = read_manifest(path, model.cfg)
+    reader = _Reader(path, manifest, mesh.device)
+    shards = parameter_shards(model)
+
+    def local(name: str, shard: Shard | None) -> torch.Tensor:
+        full = reader.full(name)
+        return full if shard is None else shard_tensor(full, shard, mesh.tp)
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(local("model/" + name, shards[name]))
+        if optimizer is not None:
+            step = reader.full("optim/step")
+            for name, param in model.named_parameters():
+                state = {s: local(f"optim/{s}/{name}", shards[name]).to(param.device)
+                         for s in OPTIMIZER_STATES}
+                optimizer.state[param] = {"step": step.reshape(()).clone(), **state}
+    if manifest["layout"] == mesh.degrees:
+        model.rng.set_states({name: reader.raw(f"rng/{mesh.rank}/{name}")
+                              for name in model.rng.get_states()})
+    return json.loads((path / "train_state.json").read_text())
+
+
+def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> int:
+    """Write the model of a checkpoint of any layout as one consolidated safetensors file.
+
+    Runs in one process with no process group. Returns the number of tensors written.
+    """
+    checkpoint = Path(checkpoint)
+    manifest = read_manifest(checkpoint)
+    reader = _Reader(checkpoint, manifest, torch.device("cpu"))
+    tensors = {name.removeprefix("model/"): reader.full(name)
+               for name in manifest["tensors"] if name.startswith("model/")}
+    metadata = {"format": "meshtrain-model", "step": str(manifest["step"]),
+                "model": json.dumps(manifest["model"])}
+    save_file(tensors, str(out_file), metadata=metadata)
+    return len(tensors)

@@ -1,0 +1,209 @@
+"""`meshtrain train | export | sample`.
+
+Every setting is validated in the launching process before any rank starts, so a bad flag costs
+one line and a non-zero exit, not a launcher traceback. With --nproc N (and not already under
+torchrun) the command re-runs itself as N local ranks through torch's elastic launcher; across
+machines, run the same command under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+from meshtrain import config as config_mod
+from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+
+EXIT_BAD_INPUT = 2
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _train_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="train a GPT", argument_default=argparse.SUPPRESS,
+                       description="Train a GPT on a device mesh. Precedence: defaults <"
+                                   " --config FILE.toml < flags.")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file with [model], [parallel], [train], [data], [checkpoint] tables")
+    for section, f in config_mod.flag_fields():
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = f"{f.metadata['help']} (default: {default})"
+        dest = f"{section}.{f.name}"
+        kind = f.type if isinstance(f.type, str) else str(f.type)
+        if kind.startswith("bool"):
+            p.add_argument(flag, dest=dest, action="store_true", help=text)
+        else:
+            convert = int if kind.startswith("int") else float if kind.startswith("float") else str
+            p.add_argument(flag, dest=dest, type=convert, help=text,
+                           metavar=f.name.upper())
+    return p
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshtrain", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    e = sub.add_parser("export", help="write one consolidated safetensors file of a checkpoint")
+    e.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
+    e.add_argument("--out", required=True, help="output .safetensors file")
+    s = sub.add_parser("sample", help="generate text from a checkpoint (any layout)")
+    s.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
+    s.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    s.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens;"
+                                                       " 0 means greedy (default)")
+    s.add_argument("--temperature", type=float, default=1.0, help="softmax temperature for top-k")
+    s.add_argument("--seed", type=int, default=0, help="seed for top-k sampling")
+    s.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (default 1)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    return parser
+
+
+def _resolve_checkpoint(run: str) -> Path:
+    path = Path(run)
+    if (path / "manifest.json").is_file():
+        return path
+    found = latest_checkpoint(path / "checkpoints") if path.is_dir() else None
+    if found is None:
+        raise ValueError(f"{run}: no checkpoint there; pass a run directory written by"
+                         " `meshtrain train` or one of its checkpoints/step_* directories")
+    return found
+
+
+def _train_config(args: argparse.Namespace) -> config_mod.RunConfig:
+    overrides: dict[str, dict] = {}
+    for key, value in vars(args).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            overrides.setdefault(section, {})[name] = value
+    file_values = config_mod.load_toml(args.config) if getattr(args, "config", None) else {}
+    return config_mod.build_config(file_values, overrides)
+
+
+def check_train(cfg: config_mod.RunConfig, world_size: int) -> dict[str, int]:
+    """Everything that can be checked before a rank starts: settings, data, output, resume."""
+    from meshtrain import data
+    from meshtrain.train import load_corpus
+
+    degrees = config_mod.validate(cfg, world_size)
+    tokens, vocab = load_corpus(cfg)
+    gpt = cfg.gpt_config(vocab)
+    gpt.validate()
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
+        raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's"
+                         f" vocabulary {vocab}: raise it or omit it")
+    for split in data.split_tokens(tokens, cfg.data.val_fraction):
+        data.TokenDataset(split, seq_len=cfg.train.seq_len)  # raises if a split is too short
+    out = Path(cfg.checkpoint.out)
+    has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
+    if cfg.checkpoint.resume:
+        path = latest_checkpoint(out / "checkpoints") if has_run else None
+        if path is None:
+            raise ValueError(f"--resume: no checkpoint in {out}; start without --resume")
+        read_manifest(path, gpt)
+    elif has_run:
+        raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"
+                         " choose another --out")
+    return degrees
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Run `python -m meshtrain <argv>` as `nproc` local ranks with torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    launch_args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "meshtrain",
+         *argv])
+    try:
+        run(launch_args)
+    except ChildFailedError as failure:
+        codes = [f.exitcode for f in failure.failures.values()]
+        return next((c for c in codes if c and c > 0), 1)
+    return 0
+
+
+def _in_rank(fn) -> int:
+    """Run `fn` on this rank; a bad input becomes one line and exit code 2, never a hang."""
+    from meshtrain.mesh import destroy_parallel
+
+    try:
+        fn()
+    except ValueError as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        destroy_parallel()
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = _train_config(args)
+    env_world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else None
+    world = config_mod.world_size_of(cfg, env_world)
+    degrees = check_train(cfg, world)
+    if env_world is None and world > 1:
+        print(f"meshtrain: {world} ranks (tp={degrees['tp']}, dp={degrees['dp']}), writing to"
+              f" {cfg.checkpoint.out}", file=sys.stderr)
+        return _launch(world, [*argv, "--out", cfg.checkpoint.out])
+    from meshtrain.train import run_training
+
+    return _in_rank(lambda: run_training(cfg, degrees=degrees))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from meshtrain.checkpoint import export_safetensors
+
+    path = _resolve_checkpoint(args.run)
+    count = export_safetensors(path, args.out)
+    print(f"meshtrain: wrote {count} tensors of {path} to {args.out}")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature <= 0:
+        raise ValueError("--max-new-tokens must be positive, --top-k >= 0, --temperature > 0")
+    path = _resolve_checkpoint(args.run)
+    manifest = read_manifest(path)
+    from meshtrain.model import GPTConfig
+
+    GPTConfig(**manifest["model"]).validate_for_tp(args.tp)
+    if not _under_torchrun() and args.nproc > 1:
+        return _launch(args.nproc, argv)
+    from meshtrain.generate import sample_from_checkpoint
+
+    def go():
+        text = sample_from_checkpoint(path, prompt=args.prompt, tp=args.tp,
+                                      max_new_tokens=args.max_new_tokens, top_k=args.top_k,
+                                      temperature=args.temperature, seed=args.seed)
+        if text is not None:
+            print(text)
+
+    return _in_rank(go)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, argv)
+        if args.command == "export":
+            return cmd_export(args)
+        return cmd_sample(args, argv)
+    except (ValueError, CheckpointError) as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

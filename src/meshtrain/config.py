@@ -1,0 +1,230 @@
+"""Run configuration: typed sections, TOML files, CLI overrides, validation in one place.
+
+Sections (TOML tables of the same names): model, parallel, train, data, checkpoint. Every field
+is a CLI flag of `meshtrain train` (underscores become dashes) whose help text is the field's
+`help`. Precedence: defaults < --config FILE.toml < flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshtrain.data import BYTE_VOCAB_SIZE, check_batch_sizes
+from meshtrain.mesh import resolve_degrees
+from meshtrain.model import PRESETS, GPTConfig, preset
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelSettings:
+    model: str = _f("tiny", f"model preset: {', '.join(PRESETS)}", flag="--model")
+    num_layers: int | None = _f(None, "override the preset's number of transformer layers")
+    hidden_size: int | None = _f(None, "override the preset's hidden size")
+    num_heads: int | None = _f(None, "override the preset's number of attention heads")
+    vocab_size: int | None = _f(None, "override the vocabulary (default: the data's, 256 for"
+                                      " text)")
+    dropout: float = _f(0.0, "dropout on embeddings, attention and residuals (0 keeps runs"
+                             " comparable across layouts)")
+    attention: str = _f("sdpa", "attention kernel: sdpa (fused) or eager (explicit softmax)")
+
+
+@dataclass
+class ParallelSettings:
+    nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x dp); omit under"
+                                 " torchrun")
+    tp: int = _f(2, "tensor-parallel degree")
+    pp: int = _f(1, "pipeline-parallel degree")
+    dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp))")
+    bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
+
+
+@dataclass
+class TrainSettings:
+    steps: int = _f(300, "total optimizer steps (defines the learning-rate schedule)")
+    stop_at: int | None = _f(None, "end after this step with a checkpoint, as an interrupted run"
+                                   " would")
+    global_batch: int = _f(16, "sequences per optimizer step, over all data-parallel ranks")
+    micro_batch: int = _f(8, "sequences per forward/backward on one rank")
+    seq_len: int = _f(128, "tokens per sequence")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases and LayerNorms)")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
+    seed: int = _f(0, "seed for weights, data order and dropout")
+    eval_every: int = _f(100, "evaluate the held-out loss every N steps (0 disables)")
+    eval_batches: int = _f(4, "global batches per evaluation")
+
+
+@dataclass
+class DataSettings:
+    data: str | None = _f(None, "text file (byte tokens) or .bin of uint16/uint32 tokens with a"
+                                " .bin.json sidecar; default: the Python standard library source")
+    val_fraction: float = _f(0.05, "fraction of the tokens held out for evaluation")
+
+
+@dataclass
+class CheckpointSettings:
+    out: str | None = _f(None, "output directory (default runs/<date-time>)")
+    resume: bool = _f(False, "continue from the latest checkpoint in --out")
+    save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
+
+
+@dataclass
+class RunConfig:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+
+    def sections(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(sec) for name, sec in self.sections().items()}
+
+    def to_toml(self) -> str:
+        lines = []
+        for name, values in self.to_dict().items():
+            lines.append(f"[{name}]")
+            for key, value in values.items():
+                if value is not None:
+                    lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        m = self.model
+        overrides = {k: v for k, v in (("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
+                                       ("num_heads", m.num_heads)) if v is not None}
+        base = preset(m.model)
+        seq = self.train.seq_len
+        return dataclasses.replace(base, **overrides, vocab_size=m.vocab_size or vocab_size,
+                                   max_seq_len=max(seq, base.max_seq_len), dropout=m.dropout,
+                                   attention=m.attention)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def flag_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(section, field) for every setting, in a stable order (used to build the CLI)."""
+    return [(name, f) for name, cls in (("model", ModelSettings), ("parallel", ParallelSettings),
+                                         ("train", TrainSettings), ("data", DataSettings),
+                                         ("checkpoint", CheckpointSettings))
+            for f in dataclasses.fields(cls)]
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--config {path}: no such file; pass an existing TOML file")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path} is not valid TOML ({e}); fix the file") from None
+
+
+def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, dict[str, Any]]
+                 ) -> RunConfig:
+    """Defaults, then the TOML file's tables, then CLI overrides; unknown keys are errors."""
+    cfg = RunConfig()
+    for source, values in (("config file", file_values), ("flags", overrides)):
+        for section, entries in values.items():
+            if section not in cfg.sections() or not isinstance(entries, dict):
+                raise ValueError(f"{source}: unknown section [{section}]; known:"
+                                 f" {', '.join(cfg.sections())}")
+            sec = getattr(cfg, section)
+            known = {f.name: f for f in dataclasses.fields(sec)}
+            for key, value in entries.items():
+                if key not in known:
+                    raise ValueError(f"{source}: unknown setting {section}.{key}; known:"
+                                     f" {', '.join(known)}")
+                setattr(sec, key, _coerce(f"{section}.{key}", known[key], value))
+    if cfg.checkpoint.out is None:
+        cfg.checkpoint.out = "runs/" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return cfg
+
+
+def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
+    kind = f.type if isinstance(f.type, str) else str(f.type)
+    if value is None:
+        return None
+    if kind.startswith("bool"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return value
+    if kind.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def world_size_of(cfg: RunConfig, env_world: int | None) -> int:
+    """Ranks this run uses: torchrun's world, else --nproc, else the product of the degrees."""
+    p = cfg.parallel
+    if env_world is not None:
+        return env_world
+    if p.nproc is not None:
+        return p.nproc
+    return p.tp * p.pp * (p.dp or 1)
+
+
+def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
+    """Check every setting before any rank starts; returns the resolved mesh degrees.
+
+    Raises ValueError with one line naming the flag and the fix.
+    """
+    t, p = cfg.train, cfg.parallel
+    if p.nproc is not None and p.nproc < 1:
+        raise ValueError(f"--nproc must be positive, got {p.nproc}")
+    degrees = resolve_degrees(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
+    for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches"):
+        if getattr(t, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(t, name)}")
+    for name in ("warmup_steps", "eval_every"):
+        if getattr(t, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(t, name)}")
+    if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
+        raise ValueError(f"--stop-at must be between 1 and --steps ({t.steps}), got {t.stop_at}")
+    if t.lr < 0 or t.min_lr < 0:
+        raise ValueError(f"--lr and --min-lr must be >= 0, got {t.lr} and {t.min_lr}")
+    if t.min_lr > t.lr:
+        raise ValueError(f"--min-lr ({t.min_lr}) must not exceed --lr ({t.lr})")
+    if t.weight_decay < 0 or t.clip_grad < 0:
+        raise ValueError("--weight-decay and --clip-grad must be >= 0")
+    check_batch_sizes(global_batch=t.global_batch, micro_batch=t.micro_batch, dp=degrees["dp"])
+    if p.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be positive, got {p.bucket_mb}")
+    if cfg.checkpoint.save_every < 0:
+        raise ValueError(f"--save-every must be >= 0, got {cfg.checkpoint.save_every}")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    gpt = cfg.gpt_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
+    gpt.validate()
+    gpt.validate_for_tp(p.tp)
+    if p.pp > 1:
+        raise ValueError("--pp > 1 is not supported yet (pipeline parallelism is a later"
+                         " issue): use --pp 1")
+    return degrees

@@ -1,0 +1,52 @@
+"""Text generation from a checkpoint of any layout, at any tensor-parallel degree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from meshtrain.checkpoint import load_checkpoint, read_manifest
+from meshtrain.data import decode, encode
+from meshtrain.mesh import init_parallel
+from meshtrain.model import GPT, GPTConfig
+from meshtrain.parallel import comm
+
+
+@torch.no_grad()
+def generate(model: GPT, ids: torch.Tensor, *, max_new_tokens: int, top_k: int = 0,
+             temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """Extend `ids` `[1, s]` token by token. Greedy when `top_k` is 0. Every TP rank draws with
+    the same generator, so all ranks pick the same token."""
+    model.eval()
+    cfg, mesh = model.cfg, model.mesh
+    gen = torch.Generator(device=mesh.device).manual_seed(seed)
+    for _ in range(max_new_tokens):
+        context = ids[:, -cfg.max_seq_len:]
+        local = model(context)[:, -1]  # [1, V_padded/tp]
+        logits = comm.all_gather(local, mesh.tp, dim=-1)[:, :cfg.vocab_size].float()
+        if top_k == 0:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            values, indices = logits.topk(min(top_k, cfg.vocab_size), dim=-1)
+            probs = torch.softmax(values / temperature, dim=-1)
+            next_id = indices.gather(-1, torch.multinomial(probs, 1, generator=gen))
+        ids = torch.cat([ids, next_id], dim=1)
+    return ids
+
+
+def sample_from_checkpoint(path: Path, *, prompt: str, tp: int, max_new_tokens: int,
+                           top_k: int, temperature: float, seed: int) -> str | None:
+    """Generate text (byte tokenizer); returns it on rank 0 and None on other ranks."""
+    manifest = read_manifest(path)
+    cfg = GPTConfig(**manifest["model"])
+    if cfg.vocab_size != 256:
+        raise ValueError(f"sample decodes bytes, but this model's vocabulary is {cfg.vocab_size}:"
+                         " it was trained on pre-tokenised data")
+    mesh = init_parallel(tp=tp)
+    model = GPT(cfg, mesh=mesh, seed=0)
+    load_checkpoint(path, model=model, optimizer=None, mesh=mesh)
+    ids = torch.as_tensor(encode(prompt or "\n"), dtype=torch.long, device=mesh.device)[None]
+    out = generate(model, ids, max_new_tokens=max_new_tokens, top_k=top_k,
+                   temperature=temperature, seed=seed)
+    return decode(out[0].tolist()) if mesh.rank == 0 else None

@@ -1,0 +1,64 @@
+"""AdamW with the usual decay groups, warmup + cosine learning rate, and global-norm clipping
+that counts every parameter exactly once across the mesh."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel import comm
+from meshtrain.parallel.tensor import tensor_parallel_parameters
+
+
+def build_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
+                eps: float = 1e-8) -> torch.optim.AdamW:
+    """Decay matrices and embeddings; never biases or LayerNorm parameters (all 1-D)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup to `lr`, then cosine
+    decay to `min_lr` at `total_steps`."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def global_grad_norm(model: nn.Module, mesh: ParallelMesh) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, each logical parameter counted once.
+
+    TP-sharded parameters: every rank's shard counts (summed over TP). Replicated parameters
+    (LayerNorms, row-parallel biases, positions): counted on TP rank 0 only. Pipeline stages
+    hold different layers and are summed over PP. DP replicas hold the same averaged gradient,
+    so nothing is summed over DP.
+    """
+    sharded = tensor_parallel_parameters(model)
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if id(p) in sharded or mesh.tp.rank == 0:
+            total += p.grad.detach().float().pow(2).sum()
+    comm.all_reduce(total, mesh.tp)
+    comm.all_reduce(total, mesh.pp)
+    return total.sqrt()
+
+
+def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, max_norm: float) -> torch.Tensor:
+    """Scale gradients so the global norm is at most `max_norm` (0 disables); returns the norm
+    before clipping."""
+    norm = global_grad_norm(model, mesh)
+    if max_norm > 0:
+        params = [p for p in model.parameters() if p.grad is not None]
+        nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

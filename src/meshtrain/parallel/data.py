@@ -1,0 +1,96 @@
+"""Data parallelism: gradients averaged over the data-parallel axis in buckets, overlapped
+with backward.
+
+Every parameter's `.grad` is a view into one flat buffer per bucket, so a ready bucket is reduced
+in place with no packing copy. Buckets are filled in reverse parameter order (roughly the order
+backward produces gradients); each launches an asynchronous all-reduce from a post-accumulate-grad
+hook as soon as its last gradient of the step has arrived. With gradient accumulation only the
+last micro-batch's backward communicates (`sync` is False before it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.mesh import MeshAxis
+from meshtrain.parallel import comm
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device):
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        self.pending = len(params)
+        self.work: dist.Work | None = None
+        offset = 0
+        for p in params:
+            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+class GradientReducer:
+    """Average the gradients of `params` over `axis` (dp, or dp x cp), bucket by bucket.
+
+    Usage per optimizer step: `zero_grad()`; for each micro-batch set `sync = (last micro-batch)`
+    before its backward; after the last backward `wait()`. The optimizer must not set grads to
+    None (call `reducer.zero_grad()` instead of `optimizer.zero_grad()`).
+    """
+
+    def __init__(self, params: list[nn.Parameter], axis: MeshAxis, *,
+                 bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32):
+        if bucket_bytes <= 0:
+            raise ValueError(f"--bucket-mb must be positive, got {bucket_bytes / 2**20}")
+        self.axis = axis
+        self.sync = True
+        params = [p for p in params if p.requires_grad]
+        self.buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        current_bytes = 0
+        itemsize = torch.empty((), dtype=grad_dtype).element_size()
+        for p in reversed(params):
+            current.append(p)
+            current_bytes += p.numel() * itemsize
+            if current_bytes >= bucket_bytes:
+                self.buckets.append(_Bucket(current, grad_dtype, p.device))
+                current, current_bytes = [], 0
+        if current:
+            self.buckets.append(_Bucket(current, grad_dtype, current[0].device))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        if axis.size > 1:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.work = comm.all_reduce(bucket.buffer, self.axis, op=dist.ReduceOp.AVG,
+                                      async_op=True)
+
+    def wait(self) -> None:
+        """Finish every bucket's reduction (launching any bucket backward did not complete,
+        e.g. holding a parameter that got no gradient this step)."""
+        if self.axis.size == 1:
+            return
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work = None
+            bucket.pending = len(bucket.params)
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)

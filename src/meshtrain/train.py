@@ -1,0 +1,155 @@
+"""The training loop run by every rank: data -> forward/backward over micro-batches ->
+gradient reduction -> clipping -> AdamW step -> metrics, evaluation and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from meshtrain import data
+from meshtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from meshtrain.config import RunConfig
+from meshtrain.mesh import ParallelMesh, init_parallel
+from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics
+from meshtrain.model import GPT
+from meshtrain.optim import build_adamw, clip_grad_norm_, lr_at
+from meshtrain.parallel import comm
+from meshtrain.parallel.data import GradientReducer
+from meshtrain.plots import plot_loss_curve
+
+
+def load_corpus(cfg: RunConfig) -> tuple:
+    """(tokens, vocabulary size) of --data, or the embedded standard-library corpus."""
+    if cfg.data.data is None:
+        return data.stdlib_corpus(), data.BYTE_VOCAB_SIZE
+    return data.load_tokens(cfg.data.data)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """One rank's view of a run: the sharded model, its optimizer and its data."""
+
+    cfg: RunConfig
+    mesh: ParallelMesh
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    reducer: GradientReducer
+    train_data: data.BatchSampler
+    eval_data: data.BatchSampler
+
+    @classmethod
+    def build(cls, cfg: RunConfig, mesh: ParallelMesh) -> Trainer:
+        tokens, vocab = load_corpus(cfg)
+        train_tokens, val_tokens = data.split_tokens(tokens, cfg.data.val_fraction)
+        t = cfg.train
+        model = GPT(cfg.gpt_config(vocab), mesh=mesh, seed=t.seed)
+        reducer = GradientReducer(list(model.parameters()), mesh.dp_cp,
+                                  bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+        optimizer = build_adamw(model, lr=t.lr, weight_decay=t.weight_decay)
+        sampler = dict(seq_len=t.seq_len, global_batch=t.global_batch,
+                       micro_batch=t.micro_batch, seed=t.seed)
+        return cls(cfg, mesh, model, optimizer, reducer,
+                   data.BatchSampler(train_tokens, **sampler),
+                   data.BatchSampler(val_tokens, **sampler))
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step (0-based index `step`); returns its metrics."""
+        t, mesh = self.cfg.train, self.mesh
+        lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                   total_steps=t.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self.reducer.zero_grad()
+        micro_batches = self.train_data.micro_batches(step, dp_rank=mesh.dp.rank,
+                                                      dp_size=mesh.dp.size)
+        loss_sum = torch.zeros((), device=mesh.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            self.reducer.sync = i == len(micro_batches) - 1  # communicate once per step
+            inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
+            loss = self.model.loss(self.model(inputs), targets) / len(micro_batches)
+            loss.backward()
+            loss_sum += loss.detach()
+        self.reducer.wait()
+        grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad)
+        self.optimizer.step()
+        comm.all_reduce(loss_sum, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
+        return {"step": step + 1, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
+                "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        mesh = self.mesh
+        batches = self.eval_data.eval_batches(self.cfg.train.eval_batches, dp_rank=mesh.dp.rank,
+                                              dp_size=mesh.dp.size)
+        total = torch.zeros((), device=mesh.device)
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
+            total += self.model.loss(self.model(inputs), targets)
+        total /= len(batches)
+        comm.all_reduce(total, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
+        return total.item()
+
+    def save(self, out: Path, step: int) -> Path:
+        return save_checkpoint(out / "checkpoints", step, model=self.model,
+                               optimizer=self.optimizer, mesh=self.mesh,
+                               train_state={"step": step}, config_toml=self.cfg.to_toml())
+
+    def resume(self, out: Path) -> int:
+        """Load the latest checkpoint in `out` (any layout); returns the step to continue at."""
+        path = latest_checkpoint(out / "checkpoints")
+        if path is None:
+            return 0
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, mesh=self.mesh)
+        return int(state["step"])
+
+
+def run_training(cfg: RunConfig, *, degrees: dict[str, int]) -> list[dict]:
+    """Train as configured on this rank; returns the metrics rows (rank 0; empty elsewhere)."""
+    mesh = init_parallel(tp=degrees["tp"], pp=degrees["pp"], dp=degrees["dp"])
+    trainer = Trainer.build(cfg, mesh)
+    out = Path(cfg.checkpoint.out)
+    start = trainer.resume(out) if cfg.checkpoint.resume else 0
+    t = cfg.train
+    stop = t.stop_at or t.steps
+    is_logger = mesh.rank == 0
+    log = None
+    comm.barrier(mesh.world)  # every rank has checked --out before rank 0 writes to it
+    if is_logger:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(cfg.to_toml())
+        log = MetricsLog(out / "metrics.jsonl", resume_step=start if cfg.checkpoint.resume else None)
+    progress = Progress(total=stop, initial=start, enabled=is_logger)
+    tokens_per_step = t.global_batch * t.seq_len
+    timer = StepTimer()
+    rows = []
+    for step in range(start, stop):
+        row = trainer.train_step(step)
+        elapsed = timer.lap()
+        row |= {"tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed}
+        done = step + 1
+        if t.eval_every and (done % t.eval_every == 0 or done == stop):
+            rows_eval = {"step": done, "eval_loss": trainer.evaluate()}
+            if log:
+                log.write(rows_eval)
+                rows.append(rows_eval)
+            progress.write(f"step {done}: eval loss {rows_eval['eval_loss']:.4f}")
+        if log:
+            log.write(row)
+            rows.append(row)
+        progress.update(loss=row["loss"], tokens_per_s=row["tokens_per_s"])
+        save_every = cfg.checkpoint.save_every
+        if done == stop or (save_every and done % save_every == 0):
+            trainer.save(out, done)
+        timer.lap()  # exclude evaluation and checkpointing from the next step's time
+    progress.close()
+    if log:
+        log.close()
+        if plot_loss_curve(read_metrics(out / "metrics.jsonl"), out / "loss.png"):
+            print(f"meshtrain: loss curve in {out / 'loss.png'}")
+        print(f"meshtrain: metrics in {out / 'metrics.jsonl'}, checkpoint step {stop} in"
+              f" {out / 'checkpoints'}")
+    return rows
