@@ -131,3 +131,12 @@ def test_invalid_model_shapes():
 def test_tiny_model_counted_parameters():
     model = GPT(preset("tiny"), mesh=ParallelMesh.local(), seed=0)
     assert sum(p.numel() for p in model.parameters()) == preset("tiny").num_parameters()
+
+
+def test_loss_averages_over_non_ignored_tokens():
+    model = GPT(preset("tiny", vocab_size=64), mesh=ParallelMesh.local(), seed=0)
+    inputs, targets = _batch(64)
+    targets[:, 5:] = -100
+    logits = model(inputs)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    assert_close(model.loss(logits, targets), expected, **TOL)

@@ -122,8 +122,8 @@ def _launch(nproc: int, argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     launch_args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "meshtrain",
-         *argv])
+        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "meshtrain"])
+    launch_args.training_script_args = argv  # kept from the launcher's own option parsing
     try:
         run(launch_args)
     except ChildFailedError as failure:

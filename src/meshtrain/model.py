@@ -271,6 +271,9 @@ class GPT(nn.Module):
             x = self.embedding.word.logits(self.final_norm(x))  # [b, s, V_padded/tp]
         return x
 
-    def loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over the tokens of this batch (vocab-parallel)."""
-        return vocab_parallel_cross_entropy(local_logits, targets, mesh=self.mesh).mean()
+    def loss(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
+             ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross-entropy over this batch's non-ignored tokens (vocab-parallel)."""
+        per_token = vocab_parallel_cross_entropy(local_logits, targets, mesh=self.mesh,
+                                                 ignore_index=ignore_index)
+        return per_token.sum() / (targets != ignore_index).sum().clamp(min=1)

@@ -1,0 +1,130 @@
+"""The `meshtrain` command: help, config precedence, bad input, and a real multi-rank run."""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from meshtrain.cli import main
+from meshtrain.config import build_config, flag_fields
+from meshtrain.data import synthetic_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(synthetic_corpus(30_000, seed=2).tobytes())
+    return str(path)
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for _, f in flag_fields():
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        assert flag in text, flag
+    assert "--config" in text and "--resume" in text and "--stop-at" in text
+
+
+def test_config_file_then_flags(tmp_path):
+    cfg = build_config({"train": {"steps": 7, "lr": 0.5}, "parallel": {"tp": 1}},
+                       {"train": {"lr": 0.25}})
+    assert (cfg.train.steps, cfg.train.lr, cfg.parallel.tp) == (7, 0.25, 1)
+    again = build_config(tomllib.loads(cfg.to_toml()), {})
+    assert again.to_dict() == cfg.to_dict()  # the resolved config round-trips through TOML
+
+
+def _error(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (argv, err)
+    assert len(err.splitlines()) == 1 and err.startswith("meshtrain: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--tp", "3"], "number of heads (4) must be divisible by tp (3)"),
+    (["--tp", "1", "--hidden-size", "66"], "divisible by the number of heads"),
+    (["--nproc", "3", "--tp", "2"], "world size 3 is not divisible by tp x pp x cp"),
+    (["--nproc", "4", "--tp", "2", "--dp", "3"], "does not equal the world size 4"),
+    (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--seq-len", "-4"], "--seq-len must be positive"),
+    (["--global-batch", "0"], "--global-batch must be positive"),
+    (["--lr", "-1"], "--lr and --min-lr must be >= 0"),
+    (["--global-batch", "10", "--micro-batch", "4"], "--global-batch 10 must be divisible by"
+                                                     " --micro-batch x dp = 4 x 1 = 4"),
+    (["--stop-at", "50", "--steps", "20"], "--stop-at must be between 1 and --steps (20)"),
+    (["--data", "/nonexistent/corpus.txt"], "--data"),
+    (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: no such file"),
+    (["--seq-len", "20000"], "too short for --seq-len 20000"),
+])
+def test_bad_input_is_one_line(capsys, corpus, tmp_path, flags, needle):
+    argv = ["train", "--data", corpus, "--out", str(tmp_path / "run"), *flags]
+    assert needle in _error(capsys, argv)
+
+
+def test_bad_files_are_one_line(capsys, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert "--data" in _error(capsys, ["train", "--data", str(empty)])
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[train\nsteps = ")
+    assert "is not valid TOML" in _error(capsys, ["train", "--config", str(bad_toml)])
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[train]\nstepz = 3\n")
+    assert "unknown setting train.stepz" in _error(capsys, ["train", "--config", str(unknown)])
+
+
+def _run_cli(*args, check=True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True,
+                            text=True, timeout=240, env=env)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    common = ["--data", corpus, "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2",
+              "--steps", "6", "--eval-every", "3", "--out", str(out)]
+    _run_cli("train", "--nproc", "2", "--tp", "2", "--stop-at", "3", *common)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    assert {"step", "loss", "grad_norm", "lr", "tokens_per_s"} <= train_rows[0].keys()
+    assert any("eval_loss" in r for r in rows)
+    saved = tomllib.loads((out / "config.toml").read_text())
+    assert saved["parallel"]["tp"] == 2 and saved["train"]["steps"] == 6
+
+    # An earlier run in --out without --resume is refused, before any rank starts.
+    refused = _run_cli("train", "--nproc", "2", *common, check=False)
+    assert refused.returncode == 2 and "holds an earlier run" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    # Resume at another layout (dp=2 instead of tp=2) and finish.
+    _run_cli("train", "--nproc", "2", "--tp", "1", "--resume", *common)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+    # A corrupt checkpoint stops a resume with one line, before any rank starts.
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    assert main(["export", str(out), "--out", str(tmp_path / "model.safetensors")]) == 0
+    assert (tmp_path / "model.safetensors").stat().st_size > 0
+    sample = _run_cli("sample", str(out), "--prompt", "the ", "--max-new-tokens", "12")
+    assert sample.stdout.startswith("the ") and len(sample.stdout) >= 12
+
+    (latest / "rank_00000.safetensors").write_bytes(b"garbage")
+    corrupt = _run_cli("train", "--nproc", "2", "--resume", *common[:-2], "--steps", "8",
+                       "--out", str(out), check=False)
+    assert corrupt.returncode == 2 and "corrupt or truncated" in corrupt.stderr
+    assert "Traceback" not in corrupt.stderr and len(corrupt.stderr.strip().splitlines()) == 1
+    capsys.readouterr()
