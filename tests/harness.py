@@ -121,5 +121,5 @@ def worker_mesh(**degrees):
 
     key = tuple(sorted(degrees.items()))
     if key not in _worker_meshes:
-        _worker_meshes[key] = init_parallel(**degrees)
+        _worker_meshes[key] = init_parallel(**degrees, device="cpu")
     return _worker_meshes[key]

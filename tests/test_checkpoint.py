@@ -20,6 +20,7 @@ def _cfg(corpus, out):
     return build_config({}, {"train": {"steps": 8, "global_batch": 4, "micro_batch": 2,
                                        "seq_len": 16, "seed": 1},
                              "model": {"vocab_size": 259},  # not divisible by tp
+                             "parallel": {"device": "cpu"},
                              "data": {"data": corpus}, "checkpoint": {"out": out}})
 
 

@@ -67,7 +67,7 @@ def _error(capsys, argv) -> str:
     (["--seq-len", "20000"], "too short for --seq-len 20000"),
 ])
 def test_bad_input_is_one_line(capsys, corpus, tmp_path, flags, needle):
-    argv = ["train", "--data", corpus, "--out", str(tmp_path / "run"), *flags]
+    argv = ["train", "--device", "cpu", "--data", corpus, "--out", str(tmp_path / "run"), *flags]
     assert needle in _error(capsys, argv)
 
 
@@ -94,7 +94,7 @@ def _run_cli(*args, check=True) -> subprocess.CompletedProcess:
 
 def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    common = ["--data", corpus, "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2",
+    common = ["--device", "cpu", "--data", corpus, "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2",
               "--steps", "6", "--eval-every", "3", "--out", str(out)]
     _run_cli("train", "--nproc", "2", "--tp", "2", "--stop-at", "3", *common)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -119,7 +119,8 @@ def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
     assert main(["export", str(out), "--out", str(tmp_path / "model.safetensors")]) == 0
     assert (tmp_path / "model.safetensors").stat().st_size > 0
-    sample = _run_cli("sample", str(out), "--prompt", "the ", "--max-new-tokens", "12")
+    sample = _run_cli("sample", str(out), "--prompt", "the ", "--max-new-tokens", "12",
+                      "--device", "cpu")
     assert sample.stdout.startswith("the ") and len(sample.stdout) >= 12
 
     (latest / "rank_00000.safetensors").write_bytes(b"garbage")

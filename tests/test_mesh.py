@@ -61,3 +61,14 @@ def _check_mismatch():
 
     with pytest.raises(ValueError, match="does not equal the world size 2"):
         init_parallel(tp=2, dp=2)
+
+
+def test_one_gpu_per_local_rank(monkeypatch):
+    from meshtrain.mesh import check_local_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_local_devices("auto", 1)
+    check_local_devices("cpu", 4)
+    with pytest.raises(ValueError, match="2 local ranks need 2 GPUs but 1 are visible"):
+        check_local_devices("auto", 2)

@@ -30,6 +30,7 @@ def _config(corpus: str, out: str, **train):
                     warmup_steps=4, eval_every=10, eval_batches=1, seed=3) | train
     dropout = settings.pop("dropout", 0.0)
     return build_config({}, {"model": {"dropout": dropout}, "train": settings,
+                             "parallel": {"device": "cpu"},
                              "data": {"data": corpus}, "checkpoint": {"out": out}})
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from meshtrain import config as config_mod
 from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.mesh import check_local_devices
 
 EXIT_BAD_INPUT = 2
 
@@ -63,6 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed for top-k sampling")
     s.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (default 1)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
     return parser
 
 
@@ -177,6 +179,7 @@ def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
     from meshtrain.model import GPTConfig
 
     GPTConfig(**manifest["model"]).validate_for_tp(args.tp)
+    check_local_devices(args.device, args.nproc)
     if not _under_torchrun() and args.nproc > 1:
         return _launch(args.nproc, argv)
     from meshtrain.generate import sample_from_checkpoint
@@ -184,7 +187,8 @@ def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
     def go():
         text = sample_from_checkpoint(path, prompt=args.prompt, tp=args.tp,
                                       max_new_tokens=args.max_new_tokens, top_k=args.top_k,
-                                      temperature=args.temperature, seed=args.seed)
+                                      temperature=args.temperature, seed=args.seed,
+                                      device=args.device)
         if text is not None:
             print(text)
 

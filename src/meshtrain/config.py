@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from meshtrain.data import BYTE_VOCAB_SIZE, check_batch_sizes
-from meshtrain.mesh import resolve_degrees
+from meshtrain.mesh import check_local_devices, resolve_degrees
 from meshtrain.model import PRESETS, GPTConfig, preset
 
 
@@ -44,6 +45,7 @@ class ParallelSettings:
     pp: int = _f(1, "pipeline-parallel degree")
     dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp))")
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
+    device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
 
 
 @dataclass
@@ -200,6 +202,8 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     if p.nproc is not None and p.nproc < 1:
         raise ValueError(f"--nproc must be positive, got {p.nproc}")
     degrees = resolve_degrees(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size))
+    check_local_devices(p.device, local_ranks)
     for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches"):
         if getattr(t, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(t, name)}")

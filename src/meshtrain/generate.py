@@ -36,14 +36,15 @@ def generate(model: GPT, ids: torch.Tensor, *, max_new_tokens: int, top_k: int =
 
 
 def sample_from_checkpoint(path: Path, *, prompt: str, tp: int, max_new_tokens: int,
-                           top_k: int, temperature: float, seed: int) -> str | None:
+                           top_k: int, temperature: float, seed: int,
+                           device: str = "auto") -> str | None:
     """Generate text (byte tokenizer); returns it on rank 0 and None on other ranks."""
     manifest = read_manifest(path)
     cfg = GPTConfig(**manifest["model"])
     if cfg.vocab_size != 256:
         raise ValueError(f"sample decodes bytes, but this model's vocabulary is {cfg.vocab_size}:"
                          " it was trained on pre-tokenised data")
-    mesh = init_parallel(tp=tp)
+    mesh = init_parallel(tp=tp, device=device)
     model = GPT(cfg, mesh=mesh, seed=0)
     load_checkpoint(path, model=model, optimizer=None, mesh=mesh)
     ids = torch.as_tensor(encode(prompt or "\n"), dtype=torch.long, device=mesh.device)[None]

@@ -187,11 +187,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_device() -> torch.device:
-    """CUDA device of this local rank when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+def resolve_device(kind: str = "auto") -> torch.device:
+    """This local rank's device: "auto" is CUDA when available, else the CPU."""
+    if kind not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {kind!r}")
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def check_local_devices(kind: str, local_ranks: int) -> None:
+    """One GPU per local rank: NCCL cannot put two ranks on one device."""
+    if resolve_device(kind).type == "cuda" and local_ranks > torch.cuda.device_count():
+        raise ValueError(f"{local_ranks} local ranks need {local_ranks} GPUs but"
+                         f" {torch.cuda.device_count()} are visible: use fewer ranks (--nproc)"
+                         " or --device cpu")
 
 
 def init_parallel(
@@ -201,19 +213,20 @@ def init_parallel(
     cp: int = 1,
     ep: int = 1,
     *,
+    device: str = "auto",
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> ParallelMesh:
     """Create (if needed) the default process group from torchrun's environment and the mesh.
 
-    Without torchrun's environment this becomes a one-rank world. The backend follows the device:
-    NCCL on CUDA, gloo on CPU.
+    Without torchrun's environment this becomes a one-rank world. The backend follows the device
+    (`device`: auto, cpu or cuda): NCCL on CUDA, gloo on CPU.
     """
     if dist.is_initialized():
         world_size = dist.get_world_size()
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     degrees = resolve_degrees(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
-    device = default_device()
+    device = resolve_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":

@@ -109,7 +109,8 @@ class Trainer:
 
 def run_training(cfg: RunConfig, *, degrees: dict[str, int]) -> list[dict]:
     """Train as configured on this rank; returns the metrics rows (rank 0; empty elsewhere)."""
-    mesh = init_parallel(tp=degrees["tp"], pp=degrees["pp"], dp=degrees["dp"])
+    mesh = init_parallel(tp=degrees["tp"], pp=degrees["pp"], dp=degrees["dp"],
+                         device=cfg.parallel.device)
     trainer = Trainer.build(cfg, mesh)
     out = Path(cfg.checkpoint.out)
     start = trainer.resume(out) if cfg.checkpoint.resume else 0
