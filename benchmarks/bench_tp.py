@@ -1,20 +1,19 @@
-"""One GPT training step under tensor parallelism: meshtrain vs PyTorch DTensor vs megatron-core.
+"""One GPT training step on two ranks: tensor parallel (meshtrain vs PyTorch DTensor vs
+megatron-core) and data parallel (meshtrain's GradientReducer vs PyTorch DDP), against one process.
 
-Every contender trains the same GPT-2 style model (same weights, same batch, AdamW) for the same
-number of steps; repetitions alternate between contenders (A B C D A B C D ...) so that load
-from other work on the host hits all of them alike. Ranked contenders run in one long-lived
+Every contender trains the same GPT-2 style model (same weights, same global batch, AdamW) for
+the same number of steps; repetitions alternate between contenders (A B C D A B C D ...) so that
+load from other work on the host hits all of them alike. Ranked contenders run in one long-lived
 two-process gloo group (one thread per rank), so process start-up is never timed; the
 single-process reference (two threads) runs in this process while the ranks wait on a queue.
+The data-parallel contenders give each rank half of the batch and average the gradients.
 
     python benchmarks/bench_tp.py                  # hidden 512, 4 layers, s=256, V=8192, b=8
     python benchmarks/bench_tp.py --quick          # tiny sizes: a smoke run of every contender
+    python benchmarks/bench_tp.py --only meshtrain-dp2,ddp-dp2,single   # a subset
 
 megatron-core is optional: `pip install --no-deps megatron-core==0.16.1` (its own dependencies
 besides torch are numpy and packaging; transformer-engine and apex are not needed on CPU).
-
-A data-parallel comparison (meshtrain dp=2 vs DDP) fits the same harness: add two `Contender`
-subclasses whose `build` calls `meshtrain.init_parallel(dp=2)` / wraps a dense model in DDP and
-feeds each rank its half of the batch, and append them to `CONTENDERS`.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshtrain
+from meshtrain.parallel.data import GradientReducer
 
 WORLD = 2
 LR = 1e-4
@@ -102,12 +102,17 @@ def dense_weights(shape: Shape) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in model.state_dict().items()}
 
 
-def training_step(params, forward_backward: Callable[[], torch.Tensor]) -> Step:
-    """Plain AdamW for every contender, so the optimizer's cost is part of each step alike."""
+def training_step(params, forward_backward: Callable[[], torch.Tensor],
+                  zero_grad: Callable[[], None] | None = None) -> Step:
+    """Plain AdamW for every contender, so the optimizer's cost is part of each step alike.
+
+    `zero_grad` replaces the optimizer's where gradients live in buffers that must be kept.
+    """
     opt = torch.optim.AdamW(params, lr=LR)
+    zero_grad = zero_grad or functools.partial(opt.zero_grad, set_to_none=True)
 
     def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
+        zero_grad()
         loss = forward_backward()
         opt.step()
         return loss
@@ -128,6 +133,7 @@ class Contender:
     """
 
     name: str
+    key: str  # its spelling in --only
     ranks: int
     reference = False  # the single process that the others are compared with
 
@@ -153,6 +159,7 @@ def _meshtrain_step(shape: Shape, mesh: meshtrain.ParallelMesh) -> Step:
 
 class MeshtrainTP(Contender):
     name = "meshtrain tp=2"
+    key = "meshtrain-tp2"
     ranks = WORLD
 
     def build(self, shape: Shape) -> Step:
@@ -161,6 +168,7 @@ class MeshtrainTP(Contender):
 
 class SingleProcess(Contender):
     name = "single process (meshtrain dense)"
+    key = "single"
     ranks = 1
     reference = True
 
@@ -230,6 +238,7 @@ class DenseGPT(nn.Module):
 
 class DTensorTP(Contender):
     name = "PyTorch DTensor tp=2"
+    key = "dtensor-tp2"
     ranks = WORLD
 
     def build(self, shape: Shape) -> Step:
@@ -357,6 +366,7 @@ class MegatronGPT(nn.Module):
 
 class MegatronTP(Contender):
     name = "megatron-core tp=2"
+    key = "megatron-tp2"
     ranks = WORLD
 
     def build(self, shape: Shape) -> Step:
@@ -387,7 +397,66 @@ class MegatronTP(Contender):
         return training_step(model.parameters(), forward_backward)
 
 
-CONTENDERS: list[Contender] = [MeshtrainTP(), DTensorTP(), MegatronTP(), SingleProcess()]
+# -------------------------------------------------------------------------------------------
+# Data parallelism: the dense model on half of the batch per rank, gradients averaged
+# -------------------------------------------------------------------------------------------
+
+def _rank_share(shape: Shape, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's contiguous half of the batch: together the ranks see the single process's."""
+    ids, targets = make_batch(shape)
+    return ids.chunk(WORLD)[rank], targets.chunk(WORLD)[rank]
+
+
+def _global_mean(loss: torch.Tensor) -> torch.Tensor:
+    """The ranks' losses are means over equally many tokens, so their average is the loss of the
+    whole batch, comparable with the other contenders' (Trainer.train_step reports it so too)."""
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    return loss
+
+
+class MeshtrainDP(Contender):
+    name = "meshtrain dp=2"
+    key = "meshtrain-dp2"
+    ranks = WORLD
+
+    def build(self, shape: Shape) -> Step:
+        mesh = meshtrain.init_parallel(dp=WORLD, device="cpu")
+        model = meshtrain.GPT(shape.config(), mesh=mesh, seed=0)
+        # Gradients are views into the reducer's buckets: it zeroes them, never the optimizer.
+        reducer = GradientReducer(list(model.parameters()), mesh.dp_cp)
+        ids, targets = _rank_share(shape, mesh.dp.rank)
+
+        def forward_backward() -> torch.Tensor:
+            reducer.sync = True  # the step's one (and so last) micro-batch
+            loss = model.loss(model(ids), targets)
+            loss.backward()
+            reducer.wait()
+            return _global_mean(loss.detach())
+
+        return training_step(model.parameters(), forward_backward, zero_grad=reducer.zero_grad)
+
+
+class DDP(Contender):
+    name = "PyTorch DDP dp=2"
+    key = "ddp-dp2"
+    ranks = WORLD
+
+    def build(self, shape: Shape) -> Step:
+        # meshtrain's dense GPT, so that only the gradient averaging differs from meshtrain dp=2.
+        model = meshtrain.GPT(shape.config(), mesh=meshtrain.ParallelMesh.local(), seed=0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ids, targets = _rank_share(shape, dist.get_rank())
+
+        def forward_backward() -> torch.Tensor:
+            loss = model.loss(ddp(ids), targets)
+            loss.backward()
+            return _global_mean(loss.detach())
+
+        return training_step(ddp.parameters(), forward_backward)
+
+
+CONTENDERS: list[Contender] = [MeshtrainTP(), DTensorTP(), MegatronTP(), MeshtrainDP(), DDP(),
+                               SingleProcess()]
 
 
 # -------------------------------------------------------------------------------------------
@@ -519,17 +588,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    keys = [c.key for c in CONTENDERS]
+    parser.add_argument("--only", metavar="NAMES", default=",".join(keys),
+                        help=f"comma-separated contenders to run (default: all): {','.join(keys)}")
     args = parser.parse_args(argv)
     for flag, least in (("steps", 1), ("warmup", 0), ("rounds", 1)):
         if getattr(args, flag) < least:
             parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
+    only = {k.strip() for k in args.only.split(",")}
+    if unknown := sorted(only - set(keys)):
+        parser.error(f"--only: unknown contender(s) {', '.join(unknown)}; choose from"
+                     f" {', '.join(keys)}")
+    contenders = [c for c in CONTENDERS if c.key in only]
     shape = QUICK if args.quick else FULL
     peak_n = 256 if args.quick else 2048
 
     # Peaks first, before any rank process exists to compete for the cores.
     peak1, peak2 = matmul_peak(peak_n, 1), matmul_peak(peak_n, 2)
-    ranked = [c for c in CONTENDERS if c.ranks == WORLD]
-    local = [c for c in CONTENDERS if c.ranks == 1]
+    ranked = [c for c in contenders if c.ranks == WORLD]
+    local = [c for c in contenders if c.ranks == 1]
     workers = Workers(shape, ranked)
     try:
         torch.set_num_threads(2)
@@ -542,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                 return time_steps(local_steps[id(c)], n, None)
             return workers.run(ranked.index(c), n)
 
-        results = [Result(c, [], []) for c in CONTENDERS
+        results = [Result(c, [], []) for c in contenders
                    if c.ranks == 1 or ranked.index(c) not in unavailable]
         # One warmup round (when asked for), then the measured rounds; contenders alternate.
         for measured in [False] * bool(args.warmup) + [True] * args.rounds:
@@ -566,7 +643,7 @@ def report(args, shape: Shape, peak_n: int, peak1: float, peak2: float, results:
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     print(f"model: {shape}, fp32, dropout 0; step = zero_grad + forward + backward + AdamW")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ranked contenders: {WORLD} gloo"
-          f" processes x 1 thread; single process: 2 threads")
+          f" processes x 1 thread (dp: b/{WORLD} per rank); single process: 2 threads")
     print(f"schedule: {args.warmup} warmup steps, then {args.rounds} rounds x {args.steps} steps"
           f" per contender, contenders alternating; time = median step (ranked: slowest rank)")
     print(FLOP_FORMULA)
@@ -596,6 +673,8 @@ def report(args, shape: Shape, peak_n: int, peak1: float, peak2: float, results:
         verdict = "agree" if worst <= LOSS_RTOL else "DISAGREE"
         print(f"\nlast losses {verdict} with the single process: max relative difference"
               f" {worst:.1e} (tolerance {LOSS_RTOL:.0e})")
+    else:
+        print("\nlosses not checked: the single process was not run (--only)")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def main() -> None:
     data = torch.randint(0, 50304, (8, 1025), device="cuda")
     for dtype in (torch.float32, torch.bfloat16):
         times = []
-        for step in range(8):
+        for _ in range(8):
             torch.cuda.synchronize()
             start = time.perf_counter()
             with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):

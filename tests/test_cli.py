@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
@@ -94,7 +93,8 @@ def _run_cli(*args, check=True) -> subprocess.CompletedProcess:
 
 def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    common = ["--device", "cpu", "--data", corpus, "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2",
+    common = ["--device", "cpu", "--data", corpus, "--seq-len", "32", "--global-batch", "4",
+              "--micro-batch", "2",
               "--steps", "6", "--eval-every", "3", "--out", str(out)]
     _run_cli("train", "--nproc", "2", "--tp", "2", "--stop-at", "3", *common)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -41,7 +41,7 @@ def _check_mesh_8():
         axis = mesh.axis(name)
         assert axis.ranks[axis.rank] == rank
         # The group really connects the ranks it claims to.
-        got = all_gather(torch.tensor([rank]), axis, dim=0) if axis.size > 1 else torch.tensor([rank])
+        got = all_gather(torch.tensor([rank]), axis, dim=0)
         assert got.tolist() == list(axis.ranks), name
     assert mesh.ep.size == 2 and mesh.axis("edp").size == 1
     return mesh.coords

@@ -162,5 +162,6 @@ def _check_invalid_4():
         ColumnParallelLinear(8, 6, mesh=mesh)
     with pytest.raises(ValueError, match=r"in_features \(6\) must be divisible by tp"):
         RowParallelLinear(6, 8, mesh=mesh)
-    with pytest.raises(ValueError, match=r"out_features \(18\) must be divisible by 3 blocks x tp \(4\)"):
+    with pytest.raises(ValueError,
+                       match=r"out_features \(18\) must be divisible by 3 blocks x tp \(4\)"):
         ColumnParallelLinear(8, 18, mesh=mesh, output_blocks=3)  # q, k, v of 6 rows, 4 ranks

@@ -88,7 +88,7 @@ def test_loss_trajectories_equal_across_layouts(corpus, tmp_path):
     assert reference[-1] < reference[0] - 0.5  # it learns
     for tp, dp in [(2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]:
         losses = run_on_ranks(tp * dp, _trajectory, corpus, str(tmp_path), tp, dp)[0]
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
         assert rel < 1e-4, (tp, dp, rel)
 
 
@@ -152,3 +152,21 @@ def _check_clip_counts_once():
 
 def test_global_grad_norm_counts_each_parameter_once():
     run_on_ranks(2, _check_clip_counts_once)
+
+
+def test_gradient_buckets_close_before_overflowing_and_guard_their_views():
+    from meshtrain import preset
+    from meshtrain.parallel.data import GradientReducer
+
+    model = GPT(preset("tiny"), mesh=ParallelMesh.local(), seed=0)
+    layer_bytes = sum(p.numel() for p in model.layers["0"].parameters()) * 4
+    reducer = GradientReducer(list(model.parameters()), ParallelMesh.local().dp_cp,
+                              bucket_bytes=int(2.5 * layer_bytes))
+    sizes = [b.buffer.numel() * 4 for b in reducer.buckets]
+    assert max(sizes[:-1]) <= 2.5 * layer_bytes
+    assert reducer.buckets[-1].params[-1] is model.embedding.word.weight  # reduced last
+    assert sum(sizes) == sum(p.numel() for p in model.parameters()) * 4
+    reducer.wait()  # views intact: fine
+    model.layers["0"].ln1.weight.grad = None
+    with pytest.raises(RuntimeError, match="zero gradients with GradientReducer.zero_grad"):
+        reducer.wait()

@@ -79,7 +79,8 @@ def _owned_pieces(name: str, tensor: torch.Tensor, shard: Shard | None, mesh: Pa
     if mesh.dp_cp.rank != 0 or (shard is None and mesh.tp.rank != 0):
         return
     if shard is None:
-        yield name, tensor, {"dim": 0, "offset": 0, "length": tensor.shape[0] if tensor.dim() else 1}
+        length = tensor.shape[0] if tensor.dim() else 1
+        yield name, tensor, {"dim": 0, "offset": 0, "length": length}
         return
     for i, (local, start, length) in enumerate(shard_pieces(shard, mesh.tp.rank, mesh.tp.size)):
         piece = tensor.narrow(shard.dim, local, length)
@@ -128,7 +129,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
             entries["optim/step"] = {"shape": [1], "dtype": "float32", "pieces": [
                 {"file": file_name, "key": "optim/step", "dim": 0, "offset": 0, "length": 1}]}
     rng_key = f"rng/{mesh.rank}"
-    for name, state in getattr(model, "rng").get_states().items():
+    for name, state in model.rng.get_states().items():
         tensors[f"{rng_key}/{name}"] = state.cpu()
 
     path = tmp / file_name

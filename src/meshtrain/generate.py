@@ -47,7 +47,7 @@ def sample_from_checkpoint(path: Path, *, prompt: str, tp: int, max_new_tokens: 
     mesh = init_parallel(tp=tp, device=device)
     model = GPT(cfg, mesh=mesh, seed=0)
     load_checkpoint(path, model=model, optimizer=None, mesh=mesh)
-    ids = torch.as_tensor(encode(prompt or "\n"), dtype=torch.long, device=mesh.device)[None]
+    ids = torch.tensor(encode(prompt or "\n").tolist(), dtype=torch.long, device=mesh.device)[None]
     out = generate(model, ids, max_new_tokens=max_new_tokens, top_k=top_k,
                    temperature=temperature, seed=seed)
     return decode(out[0].tolist()) if mesh.rank == 0 else None

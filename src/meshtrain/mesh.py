@@ -124,7 +124,8 @@ class ParallelMesh:
         ep = degrees["ep"]
         self._add_axis("ep", [g[i : i + ep] for g in dp_cp_groups for i in range(0, len(g), ep)])
         self._add_axis("edp", [g[i::ep] for g in dp_cp_groups for i in range(ep)])
-        self._axes["world"] = MeshAxis("world", self.world_size, rank, tuple(range(self.world_size)),
+        world_ranks = tuple(range(self.world_size))
+        self._axes["world"] = MeshAxis("world", self.world_size, rank, world_ranks,
                                        dist.group.WORLD if self.world_size > 1 else None)
 
     @classmethod

@@ -22,7 +22,11 @@ from torch import nn
 
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.loss import vocab_parallel_cross_entropy
-from meshtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from meshtrain.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from meshtrain.random import REPLICATED, TENSOR_PARALLEL, RNGTracker
 
 

@@ -18,9 +18,9 @@ def plot_loss_curve(rows: list[dict], out_file: Path) -> bool:
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if train:
-        ax.plot(*zip(*train), label="train", linewidth=1.2)
+        ax.plot(*zip(*train, strict=True), label="train", linewidth=1.2)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval", linewidth=1.2)
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval", linewidth=1.2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("meshtrain loss")

@@ -122,7 +122,8 @@ def run_training(cfg: RunConfig, *, degrees: dict[str, int]) -> list[dict]:
     if is_logger:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(cfg.to_toml())
-        log = MetricsLog(out / "metrics.jsonl", resume_step=start if cfg.checkpoint.resume else None)
+        log = MetricsLog(out / "metrics.jsonl",
+                         resume_step=start if cfg.checkpoint.resume else None)
     progress = Progress(total=stop, initial=start, enabled=is_logger)
     tokens_per_step = t.global_batch * t.seq_len
     timer = StepTimer()

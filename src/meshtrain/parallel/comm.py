@@ -150,7 +150,7 @@ def split_along(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = -1) -> torch
 
 
 def broadcast(tensor: torch.Tensor, axis: MeshAxis, *, src_axis_rank: int = 0) -> None:
-    """Overwrite `tensor` on every rank of `axis` with the copy held by axis rank `src_axis_rank`."""
+    """Overwrite `tensor` on every rank of `axis` with axis rank `src_axis_rank`'s copy."""
     if axis.size == 1:
         return
     _record("broadcast", axis, tensor)

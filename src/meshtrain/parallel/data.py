@@ -3,7 +3,9 @@ with backward.
 
 Every parameter's `.grad` is a view into one flat buffer per bucket, so a ready bucket is reduced
 in place with no packing copy. Buckets are filled in reverse parameter order (roughly the order
-backward produces gradients); each launches an asynchronous all-reduce from a post-accumulate-grad
+backward produces gradients) and closed before they would overflow, so the (tied) word embedding,
+whose gradient is complete only at the very end of backward, does not hold back the layers next
+to it; each launches an asynchronous all-reduce from a post-accumulate-grad
 hook as soon as its last gradient of the step has arrived. With gradient accumulation only the
 last micro-batch's backward communicates (`sync` is False before it).
 """
@@ -29,6 +31,17 @@ class _Bucket:
             p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
+    def check_views(self) -> None:
+        """Fail loudly if a gradient was replaced (e.g. `optimizer.zero_grad()` set it to None
+        and backward made a fresh one): it would silently escape the reduction."""
+        start = self.buffer.data_ptr()
+        end = start + self.buffer.numel() * self.buffer.element_size()
+        for p in self.params:
+            if p.grad is None or not start <= p.grad.data_ptr() < end:
+                raise RuntimeError("a parameter's .grad no longer lives in its gradient bucket;"
+                                   " zero gradients with GradientReducer.zero_grad(), not"
+                                   " optimizer.zero_grad()")
+
 
 class GradientReducer:
     """Average the gradients of `params` over `axis` (dp, or dp x cp), bucket by bucket.
@@ -50,11 +63,12 @@ class GradientReducer:
         current_bytes = 0
         itemsize = torch.empty((), dtype=grad_dtype).element_size()
         for p in reversed(params):
-            current.append(p)
-            current_bytes += p.numel() * itemsize
-            if current_bytes >= bucket_bytes:
-                self.buckets.append(_Bucket(current, grad_dtype, p.device))
+            nbytes = p.numel() * itemsize
+            if current and current_bytes + nbytes > bucket_bytes:  # close before overflowing
+                self.buckets.append(_Bucket(current, grad_dtype, current[0].device))
                 current, current_bytes = [], 0
+            current.append(p)
+            current_bytes += nbytes
         if current:
             self.buckets.append(_Bucket(current, grad_dtype, current[0].device))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -77,6 +91,8 @@ class GradientReducer:
     def wait(self) -> None:
         """Finish every bucket's reduction (launching any bucket backward did not complete,
         e.g. holding a parameter that got no gradient this step)."""
+        for bucket in self.buckets:
+            bucket.check_views()
         if self.axis.size == 1:
             return
         for bucket in self.buckets:
