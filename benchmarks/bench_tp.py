@@ -228,7 +228,7 @@ class DenseGPT(nn.Module):
         for i in range(len(self.blocks)):
             src, dst = f"layers.{i}.", f"blocks.{i}."
             for kind in ("weight", "bias"):
-                for q_k_v, part in zip("qkv", weights[f"{src}attn.qkv.{kind}"].chunk(3)):
+                for q_k_v, part in zip("qkv", weights[f"{src}attn.qkv.{kind}"].chunk(3), strict=True):
                     state[f"{dst}{q_k_v}.{kind}"] = part
                 for theirs, ours in (("ln1", "ln1"), ("ln2", "ln2"), ("attn.proj", "proj"),
                                      ("mlp.fc", "fc"), ("mlp.proj", "fc_proj")):
@@ -559,7 +559,7 @@ class Workers:
         for q in self.commands:
             q.put((index, n))
         per_rank = self._collect("times")
-        times = [max(ts) for ts in zip(*(t for t, _ in per_rank))]
+        times = [max(ts) for ts in zip(*(t for t, _ in per_rank), strict=True)]
         return times, per_rank[0][1]
 
     def close(self) -> None:

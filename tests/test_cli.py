@@ -64,6 +64,12 @@ def _error(capsys, argv) -> str:
     (["--data", "/nonexistent/corpus.txt"], "--data"),
     (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: no such file"),
     (["--seq-len", "20000"], "too short for --seq-len 20000"),
+    (["--nproc", "4", "--tp", "1", "--ep", "4", "--moe-experts", "6", "--micro-batch", "4"],
+     "--moe-experts 6 must be divisible by --ep 4"),
+    (["--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k must be 1 or 2"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "0"], "--moe-capacity-factor must be > 0"),
+    (["--nproc", "4", "--tp", "2", "--ep", "4", "--moe-experts", "4"],
+     "ep=4 must divide dp x cp = 2 x 1 = 2"),
 ])
 def test_bad_input_is_one_line(capsys, corpus, tmp_path, flags, needle):
     argv = ["train", "--device", "cpu", "--data", corpus, "--out", str(tmp_path / "run"), *flags]

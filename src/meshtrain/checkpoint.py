@@ -74,9 +74,11 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _owned_pieces(name: str, tensor: torch.Tensor, shard: Shard | None, mesh: ParallelMesh):
-    """(key suffix, piece tensor, entry) for what this rank writes of a logical tensor."""
-    if mesh.dp_cp.rank != 0 or (shard is None and mesh.tp.rank != 0):
+def _owned_pieces(name: str, tensor: torch.Tensor, shard: Shard | None, replica_rank: int,
+                  mesh: ParallelMesh):
+    """(key suffix, piece tensor, entry) for what this rank writes of a logical tensor: only
+    the first of its data-parallel replicas (`replica_rank` 0) writes."""
+    if replica_rank != 0 or (shard is None and mesh.tp.rank != 0):
         return
     if shard is None:
         length = tensor.shape[0] if tensor.dim() else 1
@@ -111,15 +113,19 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     file_name = f"rank_{mesh.rank:05d}.safetensors"
-    sources = [("model/" + n, p.detach(), shards[n]) for n, p in params.items()]
+    experts = model.expert_parameters()
+    replica = {n: mesh.axis("edp").rank if id(p) in experts else mesh.dp_cp.rank
+               for n, p in params.items()}
+    sources = [("model/" + n, p.detach(), n) for n, p in params.items()]
     for n, p in params.items():
         state = optimizer.state.get(p, {})
-        sources += [(f"optim/{s}/{n}", state[s], shards[n]) for s in OPTIMIZER_STATES if s in state]
-    for name, tensor, shard in sources:
+        sources += [(f"optim/{s}/{n}", state[s], n) for s in OPTIMIZER_STATES if s in state]
+    for name, tensor, param_name in sources:
+        shard = shards[param_name]
         entries.setdefault(name, {"shape": _logical_shape(tensor, shard),
                                   "dtype": str(tensor.dtype).removeprefix("torch."),
                                   "pieces": []})
-        for key, piece, where in _owned_pieces(name, tensor, shard, mesh):
+        for key, piece, where in _owned_pieces(name, tensor, shard, replica[param_name], mesh):
             tensors[key] = piece.contiguous().cpu()
             entries[name]["pieces"].append({"file": file_name, "key": key, **where})
     if mesh.rank == 0:

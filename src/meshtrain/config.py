@@ -35,6 +35,13 @@ class ModelSettings:
     dropout: float = _f(0.0, "dropout on embeddings, attention and residuals (0 keeps runs"
                              " comparable across layouts)")
     attention: str = _f("sdpa", "attention kernel: sdpa (fused) or eager (explicit softmax)")
+    moe_experts: int = _f(0, "experts per MoE layer (0: dense MLPs only)")
+    moe_top_k: int = _f(1, "experts per token: 1 (Switch) or 2 (GShard)")
+    moe_every: int = _f(1, "every n-th MLP is an MoE layer")
+    moe_capacity_factor: float = _f(1.25, "expert capacity = ceil(factor x tokens x k / experts)"
+                                          " per micro-batch and rank; excess choices are dropped")
+    moe_aux_loss_coef: float = _f(0.01, "weight of the Switch load-balancing loss")
+    moe_z_loss_coef: float = _f(0.0, "weight of the router z-loss")
 
 
 @dataclass
@@ -44,6 +51,7 @@ class ParallelSettings:
     tp: int = _f(2, "tensor-parallel degree")
     pp: int = _f(1, "pipeline-parallel degree")
     dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp))")
+    ep: int = _f(1, "expert-parallel degree: experts spread over this many of the dp ranks")
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
     device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
 
@@ -110,7 +118,9 @@ class RunConfig:
                                        ("num_heads", m.num_heads)) if v is not None}
         base = preset(m.model)
         seq = self.train.seq_len
-        return dataclasses.replace(base, **overrides, vocab_size=m.vocab_size or vocab_size,
+        moe = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
+               if f.name.startswith("moe_")}
+        return dataclasses.replace(base, **overrides, **moe, vocab_size=m.vocab_size or vocab_size,
                                    max_seq_len=max(seq, base.max_seq_len), dropout=m.dropout,
                                    attention=m.attention)
 
@@ -201,7 +211,7 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     t, p = cfg.train, cfg.parallel
     if p.nproc is not None and p.nproc < 1:
         raise ValueError(f"--nproc must be positive, got {p.nproc}")
-    degrees = resolve_degrees(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
+    degrees = resolve_degrees(world_size, tp=p.tp, pp=p.pp, dp=p.dp, ep=p.ep)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size))
     check_local_devices(p.device, local_ranks)
     for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches"):
@@ -228,6 +238,7 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     gpt = cfg.gpt_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
     gpt.validate()
     gpt.validate_for_tp(p.tp)
+    gpt.validate_for_ep(p.ep)
     if p.pp > 1:
         raise ValueError("--pp > 1 is not supported yet (pipeline parallelism is a later"
                          " issue): use --pp 1")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel.expert import MoE
 from meshtrain.parallel.loss import vocab_parallel_cross_entropy
 from meshtrain.parallel.tensor import (
     ColumnParallelLinear,
@@ -47,6 +48,18 @@ class GPTConfig:
     init_std: float = 0.02
     attention: Literal["sdpa", "eager"] = "sdpa"
     """sdpa: torch's fused kernel; eager: explicit softmax(QK^T)V (saves the s x s scores)."""
+    moe_experts: int = 0
+    """Experts per MoE layer; 0 keeps every MLP dense."""
+    moe_top_k: int = 1
+    """Experts per token: 1 (Switch) or 2 (GShard, weights renormalised)."""
+    moe_every: int = 1
+    """Every n-th MLP is an MoE layer (layers n-1, 2n-1, ...)."""
+    moe_capacity_factor: float = 1.25
+    """Capacity per expert: ceil(factor * tokens * k / experts) per micro-batch and rank."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the Switch load-balancing loss."""
+    moe_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (mean squared log-sum-exp of router logits)."""
 
     @property
     def ffn_size(self) -> int:
@@ -68,6 +81,31 @@ class GPTConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.attention not in ("sdpa", "eager"):
             raise ValueError(f"attention must be 'sdpa' or 'eager', got {self.attention!r}")
+        if self.moe_experts < 0:
+            raise ValueError(f"--moe-experts must be >= 0, got {self.moe_experts}")
+        if self.moe_experts:
+            if self.moe_top_k not in (1, 2):
+                raise ValueError(f"--moe-top-k must be 1 or 2, got {self.moe_top_k}")
+            if self.moe_top_k > self.moe_experts:
+                raise ValueError(f"--moe-top-k {self.moe_top_k} exceeds --moe-experts"
+                                 f" {self.moe_experts}: use more experts or a smaller k")
+            if self.moe_every < 1:
+                raise ValueError(f"--moe-every must be positive, got {self.moe_every}")
+            if self.moe_capacity_factor <= 0:
+                raise ValueError(f"--moe-capacity-factor must be > 0, got"
+                                 f" {self.moe_capacity_factor}")
+            if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
+                raise ValueError("--moe-aux-loss-coef and --moe-z-loss-coef must be >= 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    def validate_for_ep(self, ep: int) -> None:
+        if ep > 1 and self.moe_experts == 0:
+            raise ValueError(f"--ep {ep} needs an MoE model: set --moe-experts")
+        if self.moe_experts % ep:
+            raise ValueError(f"--moe-experts {self.moe_experts} must be divisible by --ep {ep}:"
+                             " each EP rank holds the same number of experts")
 
     def validate_for_tp(self, tp: int) -> None:
         if self.num_heads % tp:
@@ -78,8 +116,11 @@ class GPTConfig:
 
     def num_parameters(self) -> int:
         h, f, v = self.hidden_size, self.ffn_size, self.vocab_size
-        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-        return v * h + self.max_seq_len * h + self.num_layers * per_layer + 2 * h
+        mlp = (h * f + f) + (f * h + h)
+        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + mlp
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        moe_extra = moe_layers * (self.moe_experts * h + (self.moe_experts - 1) * mlp)
+        return v * h + self.max_seq_len * h + self.num_layers * per_layer + 2 * h + moe_extra
 
 
 def _gpt(layers: int, hidden: int, heads: int, **kw) -> GPTConfig:
@@ -216,18 +257,42 @@ class MLP(nn.Module):
         return _dropout(y, self.dropout, self.training, rng, REPLICATED)
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
+def _moe(cfg: GPTConfig, mesh: ParallelMesh, seed: int, layer: int,
+         gen: torch.Generator) -> MoE:
+    """An MoE layer holding this EP rank's experts; each expert draws from its own generator,
+    so its weights do not depend on ep."""
+    h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
+    router = nn.Linear(h, cfg.moe_experts, bias=False, device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        router.weight.normal_(0.0, std, generator=gen)
+    per_rank = cfg.moe_experts // mesh.ep.size
+    experts = {}
+    for e in range(mesh.ep.rank * per_rank, (mesh.ep.rank + 1) * per_rank):
+        expert_gen = _generator(seed, 10_000 * (1 + layer) + 1 + e)
+        experts[e] = (_init_linear(h, f, std, expert_gen),
+                      _init_linear(f, h, std / math.sqrt(2 * cfg.num_layers), expert_gen))
+    return MoE(router, experts, num_experts=cfg.moe_experts, top_k=cfg.moe_top_k,
+               capacity_factor=cfg.moe_capacity_factor, mesh=mesh)
 
-    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, gen: torch.Generator):
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block; its MLP is routed experts on MoE layers."""
+
+    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, seed: int, layer: int):
         super().__init__()
+        gen = _generator(seed, 1 + layer)
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
         self.attn = Attention(cfg, mesh, gen)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-        self.mlp = MLP(cfg, mesh, gen)
+        self.mlp = _moe(cfg, mesh, seed, layer, gen) if cfg.is_moe_layer(layer) \
+            else MLP(cfg, mesh, gen)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, rng: RNGTracker) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), rng)
+        if isinstance(self.mlp, MoE):
+            return x + _dropout(self.mlp(self.ln2(x)), self.dropout, self.training, rng,
+                                REPLICATED)
         return x + self.mlp(self.ln2(x), rng)
 
 
@@ -252,6 +317,7 @@ class GPT(nn.Module):
         super().__init__()
         cfg.validate()
         cfg.validate_for_tp(mesh.tp.size)
+        cfg.validate_for_ep(mesh.ep.size)
         self.cfg, self.mesh = cfg, mesh
         stage = stage or StageSpec(range(cfg.num_layers))
         self.stage = stage
@@ -259,7 +325,7 @@ class GPT(nn.Module):
         self.embedding = Embedding(cfg, mesh, seed) if stage.has_embedding or stage.has_head \
             else None
         self.layers = nn.ModuleDict(
-            {str(i): Block(cfg, mesh, _generator(seed, 1 + i)) for i in stage.layers})
+            {str(i): Block(cfg, mesh, seed, i) for i in stage.layers})
         self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps) \
             if stage.has_head else None
         self.to(mesh.device)
@@ -280,4 +346,16 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy over this batch's non-ignored tokens (vocab-parallel)."""
         per_token = vocab_parallel_cross_entropy(local_logits, targets, mesh=self.mesh,
                                                  ignore_index=ignore_index)
-        return per_token.sum() / (targets != ignore_index).sum().clamp(min=1)
+        loss = per_token.sum() / (targets != ignore_index).sum().clamp(min=1)
+        for moe in self.moe_layers():  # routing losses of the forward that made these logits
+            loss = loss + self.cfg.moe_aux_loss_coef * moe.last_aux_loss
+            if self.cfg.moe_z_loss_coef:
+                loss = loss + self.cfg.moe_z_loss_coef * moe.last_z_loss
+        return loss
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.mlp for block in self.layers.values() if isinstance(block.mlp, MoE)]
+
+    def expert_parameters(self) -> set[int]:
+        """ids of expert parameters: replicated only over the edp axis, not over dp x cp."""
+        return {id(p) for moe in self.moe_layers() for p in moe.experts.parameters()}

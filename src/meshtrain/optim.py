@@ -39,16 +39,24 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh) -> torch.Tensor:
     TP-sharded parameters: every rank's shard counts (summed over TP). Replicated parameters
     (LayerNorms, row-parallel biases, positions): counted on TP rank 0 only. Pipeline stages
     hold different layers and are summed over PP. DP replicas hold the same averaged gradient,
-    so nothing is summed over DP.
+    so nothing is summed over DP; experts are summed over EP (each EP rank holds different
+    experts) but not over their replicas (edp).
     """
     sharded = tensor_parallel_parameters(model)
+    experts = model.expert_parameters() if hasattr(model, "expert_parameters") else set()
     device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    dense = torch.zeros((), dtype=torch.float32, device=device)
+    expert = torch.zeros((), dtype=torch.float32, device=device)
     for p in model.parameters():
-        if p.grad is None:
+        if p.grad is None or not (id(p) in sharded or mesh.tp.rank == 0):
             continue
-        if id(p) in sharded or mesh.tp.rank == 0:
-            total += p.grad.detach().float().pow(2).sum()
+        square = p.grad.detach().float().pow(2).sum()
+        if id(p) in experts:
+            expert += square
+        else:
+            dense += square
+    comm.all_reduce(expert, mesh.ep)  # EP ranks hold different experts
+    total = dense + expert
     comm.all_reduce(total, mesh.tp)
     comm.all_reduce(total, mesh.pp)
     return total.sqrt()

@@ -27,6 +27,41 @@ def load_corpus(cfg: RunConfig) -> tuple:
     return data.load_tokens(cfg.data.data)
 
 
+class MoEStats:
+    """Routing of one optimizer step summed over micro-batches and MoE layers."""
+
+    def __init__(self) -> None:
+        self.tokens_per_expert: torch.Tensor | None = None  # [layers, E]
+        self.counts = torch.zeros(3)  # dropped, assigned, aux loss (summed over layers)
+
+    def add(self, model: GPT) -> None:
+        layers = model.moe_layers()
+        if not layers:
+            return
+        per_layer = torch.stack([m.last_stats["tokens_per_expert"].cpu() for m in layers])
+        self.tokens_per_expert = per_layer if self.tokens_per_expert is None \
+            else self.tokens_per_expert + per_layer
+        self.counts += torch.tensor([
+            sum(float(m.last_stats["dropped"]) for m in layers),
+            sum(float(m.last_stats["assigned"]) for m in layers),
+            sum(m.last_aux_loss.item() for m in layers)])
+
+    def summary(self, mesh: ParallelMesh, num_micro_batches: int) -> dict:
+        """Over the whole global batch (summed over DP ranks): tokens each expert processed
+        (min/mean/max over layers and experts), drop rate, aux loss per micro-batch."""
+        if self.tokens_per_expert is None:
+            return {}
+        tokens = self.tokens_per_expert.double().to(mesh.device)
+        counts = self.counts.double().to(mesh.device)
+        comm.all_reduce(tokens, mesh.dp_cp)
+        comm.all_reduce(counts, mesh.dp_cp)
+        aux = counts[2].item() / (num_micro_batches * mesh.dp_cp.size)
+        return {"moe_tokens_per_expert_min": tokens.min().item(),
+                "moe_tokens_per_expert_mean": tokens.mean().item(),
+                "moe_tokens_per_expert_max": tokens.max().item(),
+                "moe_drop_rate": (counts[0] / counts[1]).item(), "moe_aux_loss": aux}
+
+
 @dataclasses.dataclass
 class Trainer:
     """One rank's view of a run: the sharded model, its optimizer and its data."""
@@ -35,7 +70,7 @@ class Trainer:
     mesh: ParallelMesh
     model: GPT
     optimizer: torch.optim.Optimizer
-    reducer: GradientReducer
+    reducers: list[GradientReducer]
     train_data: data.BatchSampler
     eval_data: data.BatchSampler
 
@@ -45,12 +80,21 @@ class Trainer:
         train_tokens, val_tokens = data.split_tokens(tokens, cfg.data.val_fraction)
         t = cfg.train
         model = GPT(cfg.gpt_config(vocab), mesh=mesh, seed=t.seed)
-        reducer = GradientReducer(list(model.parameters()), mesh.dp_cp,
-                                  bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+        # Dense parameters are replicated over dp x cp, experts only over their edp replicas.
+        experts = model.expert_parameters()
+        bucket = int(cfg.parallel.bucket_mb * 2**20)
+        reducers = [GradientReducer([p for p in model.parameters() if id(p) not in experts],
+                                    mesh.dp_cp, bucket_bytes=bucket)]
+        if experts:
+            # An expert's gradient already sums the losses of all ep ranks whose tokens it
+            # served; averaging over its edp replicas and 1/ep gives the mean over dp x cp.
+            reducers.append(GradientReducer([p for p in model.parameters() if id(p) in experts],
+                                            mesh.axis("edp"), bucket_bytes=bucket,
+                                            scale=1.0 / mesh.ep.size))
         optimizer = build_adamw(model, lr=t.lr, weight_decay=t.weight_decay)
         sampler = dict(seq_len=t.seq_len, global_batch=t.global_batch,
                        micro_batch=t.micro_batch, seed=t.seed)
-        return cls(cfg, mesh, model, optimizer, reducer,
+        return cls(cfg, mesh, model, optimizer, reducers,
                    data.BatchSampler(train_tokens, **sampler),
                    data.BatchSampler(val_tokens, **sampler))
 
@@ -62,22 +106,27 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        self.reducer.zero_grad()
+        for reducer in self.reducers:
+            reducer.zero_grad()
         micro_batches = self.train_data.micro_batches(step, dp_rank=mesh.dp.rank,
                                                       dp_size=mesh.dp.size)
         loss_sum = torch.zeros((), device=mesh.device)
+        moe_stats = MoEStats()
         for i, (inputs, targets) in enumerate(micro_batches):
-            self.reducer.sync = i == len(micro_batches) - 1  # communicate once per step
+            for reducer in self.reducers:
+                reducer.sync = i == len(micro_batches) - 1  # communicate once per step
             inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
             loss = self.model.loss(self.model(inputs), targets) / len(micro_batches)
             loss.backward()
             loss_sum += loss.detach()
-        self.reducer.wait()
+            moe_stats.add(self.model)
+        for reducer in self.reducers:
+            reducer.wait()
         grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad)
         self.optimizer.step()
         comm.all_reduce(loss_sum, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
         return {"step": step + 1, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
-                "lr": lr}
+                "lr": lr, **moe_stats.summary(mesh, len(micro_batches))}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -110,7 +159,7 @@ class Trainer:
 def run_training(cfg: RunConfig, *, degrees: dict[str, int]) -> list[dict]:
     """Train as configured on this rank; returns the metrics rows (rank 0; empty elsewhere)."""
     mesh = init_parallel(tp=degrees["tp"], pp=degrees["pp"], dp=degrees["dp"],
-                         device=cfg.parallel.device)
+                         ep=degrees.get("ep", 1), device=cfg.parallel.device)
     trainer = Trainer.build(cfg, mesh)
     out = Path(cfg.checkpoint.out)
     start = trainer.resume(out) if cfg.checkpoint.resume else 0

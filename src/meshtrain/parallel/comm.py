@@ -157,6 +157,42 @@ def broadcast(tensor: torch.Tensor, axis: MeshAxis, *, src_axis_rank: int = 0) -
     dist.broadcast(tensor, src=axis.ranks[src_axis_rank], group=axis.group)
 
 
+def all_to_all(tensor: torch.Tensor, axis: MeshAxis, *, send_splits: list[int],
+               recv_splits: list[int]) -> torch.Tensor:
+    """Send `send_splits[r]` rows of `tensor` (in order) to axis rank r; receive
+    `recv_splits[r]` rows from each. Uneven splits are fine on gloo and NCCL."""
+    if axis.size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((sum(recv_splits),) + tuple(tensor.shape[1:]))
+    _record("all_to_all", axis, tensor)
+    dist.all_to_all_single(out, tensor, output_split_sizes=recv_splits,
+                           input_split_sizes=send_splits, group=axis.group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all forward; the reverse all_to_all (splits swapped) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, axis, send_splits, recv_splits):
+        ctx.axis, ctx.send_splits, ctx.recv_splits = axis, send_splits, recv_splits
+        return all_to_all(x, axis, send_splits=send_splits, recv_splits=recv_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.axis, send_splits=ctx.recv_splits,
+                          recv_splits=ctx.send_splits), None, None, None
+
+
+def all_to_all_differentiable(x: torch.Tensor, axis: MeshAxis, *, send_splits: list[int],
+                              recv_splits: list[int]) -> torch.Tensor:
+    """`all_to_all` that autograd can pass gradients back through (MoE token dispatch)."""
+    if axis.size == 1:
+        return x
+    return _AllToAll.apply(x, axis, list(send_splits), list(recv_splits))
+
+
 def barrier(axis: MeshAxis) -> None:
     if axis.size > 1:
         dist.barrier(group=axis.group)

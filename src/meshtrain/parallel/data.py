@@ -46,16 +46,18 @@ class _Bucket:
 class GradientReducer:
     """Average the gradients of `params` over `axis` (dp, or dp x cp), bucket by bucket.
 
-    Usage per optimizer step: `zero_grad()`; for each micro-batch set `sync = (last micro-batch)`
+    `scale` multiplies the averaged gradients (experts: see Trainer). Usage per optimizer step: `zero_grad()`; for each micro-batch set `sync = (last micro-batch)`
     before its backward; after the last backward `wait()`. The optimizer must not set grads to
     None (call `reducer.zero_grad()` instead of `optimizer.zero_grad()`).
     """
 
     def __init__(self, params: list[nn.Parameter], axis: MeshAxis, *,
-                 bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32):
+                 bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32,
+                 scale: float = 1.0):
         if bucket_bytes <= 0:
             raise ValueError(f"--bucket-mb must be positive, got {bucket_bytes / 2**20}")
         self.axis = axis
+        self.scale = scale
         self.sync = True
         params = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
@@ -93,15 +95,17 @@ class GradientReducer:
         e.g. holding a parameter that got no gradient this step)."""
         for bucket in self.buckets:
             bucket.check_views()
-        if self.axis.size == 1:
-            return
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.work = None
-            bucket.pending = len(bucket.params)
+        if self.axis.size > 1:
+            for bucket in self.buckets:
+                if bucket.work is None:
+                    self._launch(bucket)
+            for bucket in self.buckets:
+                bucket.work.wait()
+                bucket.work = None
+                bucket.pending = len(bucket.params)
+        if self.scale != 1.0:
+            for bucket in self.buckets:
+                bucket.buffer.mul_(self.scale)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:

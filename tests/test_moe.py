@@ -1,0 +1,190 @@
+"""Mixture-of-Experts: routing rules, and expert parallelism against a single-process MoE."""
+
+import pytest
+import torch
+from harness import run_on_ranks, worker_mesh
+from torch.testing import assert_close
+
+from meshtrain import GPT, ParallelMesh, preset
+from meshtrain.config import build_config
+from meshtrain.data import synthetic_corpus
+from meshtrain.optim import global_grad_norm
+from meshtrain.parallel import CommRecorder, named_full_tensors
+from meshtrain.parallel.comm import all_gather_objects
+from meshtrain.parallel.expert import capacity, route
+from meshtrain.train import Trainer
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_capacity_rule_first_choices_then_position_order():
+    # 6 tokens, 2 experts, k=2, capacity ceil(0.5 * 6 * 2 / 2) = 3
+    logits = torch.tensor([[2.0, 1.0]] * 4 + [[1.0, 2.0]] * 2)
+    r = route(logits, top_k=2, capacity_factor=0.5)
+    assert capacity(6, num_experts=2, top_k=2, capacity_factor=0.5) == 3
+    # expert 0: first choices of tokens 0-3 -> tokens 0,1,2 kept, 3 dropped; then second
+    # choices of tokens 4,5 come after all first choices -> dropped
+    assert r.experts[:, 0].tolist() == [0, 0, 0, 0, 1, 1]
+    assert r.kept[:, 0].tolist() == [True, True, True, False, True, True]
+    # second choices come after every first choice: tokens 0-3 go to expert 1 behind tokens 4
+    # and 5 (slots 2..5), tokens 4 and 5 to expert 0 behind its four first choices (slots 4, 5)
+    assert r.slots[:, 1].tolist() == [2, 3, 4, 5, 4, 5]
+    assert r.kept[:, 1].tolist() == [True, False, False, False, False, False]
+    assert r.tokens_per_expert.tolist() == [3 + 0, 2 + 1]
+    assert_close(r.weights.sum(-1), torch.ones(6))  # GShard: renormalised
+
+
+def test_switch_aux_loss_and_top1_weights():
+    torch.manual_seed(0)
+    logits = torch.randn(10, 4)
+    r = route(logits, top_k=1, capacity_factor=10.0)
+    probs = logits.softmax(-1)
+    f = torch.bincount(probs.argmax(-1), minlength=4).float() / 10
+    assert_close(r.aux_loss, 4 * (f * probs.mean(0)).sum())
+    assert_close(r.weights[:, 0], probs.max(-1).values)  # Switch: not renormalised
+    assert r.kept.all()
+    assert_close(r.z_loss, torch.logsumexp(logits, -1).pow(2).mean())
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(synthetic_corpus(30_000, seed=4).tobytes())
+    return str(path)
+
+
+def _cfg(corpus, top_k):
+    return build_config({}, {
+        "model": {"moe_experts": 4, "moe_top_k": top_k, "moe_every": 2,
+                  "moe_capacity_factor": 1.0, "moe_z_loss_coef": 0.001},
+        "train": {"steps": 4, "global_batch": 8, "micro_batch": 2, "seq_len": 16, "seed": 2,
+                  "clip_grad": 0.0},
+        "parallel": {"device": "cpu"}, "data": {"data": corpus},
+        "checkpoint": {"out": "/nonexistent"}})
+
+
+def _reference(cfg):
+    """Single process, ep=1: the same micro-batches one after another."""
+    model = GPT(cfg.gpt_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    trainer_data = Trainer.build(cfg, ParallelMesh.local()).train_data
+    batches = trainer_data.micro_batches(0, dp_rank=0, dp_size=1)
+    total, routing = 0.0, []
+    for inputs, targets in batches:
+        loss = model.loss(model(inputs), targets) / len(batches)
+        loss.backward()
+        total += loss.item()
+        routing.append([(m.last_stats["tokens_per_expert"].clone(), int(m.last_stats["dropped"]),
+                         m.last_aux_loss.item()) for m in model.moe_layers()])
+    return total, routing, dict(named_full_tensors(model, grads=True)), global_grad_norm(
+        model, ParallelMesh.local()).item()
+
+
+def _check_ep(corpus, tp, ep, top_k):
+    world = torch.distributed.get_world_size()
+    mesh = worker_mesh(tp=tp, dp=world // tp, ep=ep)
+    cfg = _cfg(corpus, top_k)
+    trainer = Trainer.build(cfg, mesh)
+    ref_loss, ref_routing, ref_grads, ref_norm = _reference(cfg)
+    with CommRecorder() as rec:
+        row = trainer.train_step(0)
+    assert row["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert row["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)  # each expert counted once
+
+    # Same routing as the reference for this rank's micro-batches (the last one it ran).
+    m = 4 // mesh.dp.size  # micro-batches per DP rank
+    mine = ref_routing[mesh.dp.rank * m + m - 1]
+    for moe, (tokens, dropped, aux) in zip(trainer.model.moe_layers(), mine, strict=True):
+        assert torch.equal(moe.last_stats["tokens_per_expert"], tokens)
+        assert int(moe.last_stats["dropped"]) == dropped
+        assert moe.last_aux_loss.item() == pytest.approx(aux, rel=1e-6)
+    total_tokens = sum(sum(t.sum().item() for t, _, _ in mb) for mb in ref_routing)
+    assert row["moe_tokens_per_expert_mean"] * 4 * len(ref_routing[0]) == total_tokens
+    dropped = sum(d for mb in ref_routing for _, d, _ in mb)
+    assert row["moe_drop_rate"] == pytest.approx(dropped / (dropped + total_tokens))
+    mean_aux = sum(a for mb in ref_routing for _, _, a in mb) / len(ref_routing)
+    assert row["moe_aux_loss"] == pytest.approx(mean_aux, rel=1e-6)
+
+    # Gradients: gather every expert from its EP owner, compare all with the reference.
+    grads = dict(named_full_tensors(trainer.model, grads=True))
+    if ep > 1:
+        merged = {}
+        for part in all_gather_objects(grads, mesh.ep):
+            merged.update(part)
+        grads = merged
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], **TOL, msg=name)
+
+    # All-to-all bytes: per MoE layer and micro-batch, the counts (E int64), this rank's kept
+    # rows out and the rows its experts served back (forward), the same two reversed (backward).
+    if ep > 1:
+        h = cfg.gpt_config(256).hidden_size
+        layers = len(mine)
+        sent = sum(int(t.sum()) for mb in ref_routing[mesh.dp.rank * m:(mesh.dp.rank + 1) * m]
+                   for t, _, _ in mb)
+        members = [mesh.dp.rank - mesh.ep.rank + j for j in range(ep)]  # dp ranks of my EP group
+        local = slice(mesh.ep.rank * 4 // ep, (mesh.ep.rank + 1) * 4 // ep)
+        served = sum(int(t[local].sum()) for d in members for mb in ref_routing[d * m:(d + 1) * m]
+                     for t, _, _ in mb)
+        a2a = rec.select("all_to_all", "ep")
+        assert len(a2a) == 5 * layers * m
+        assert sum(r.payload_bytes for r in a2a) == (2 * (sent + served) * h * 4
+                                                     + layers * m * 4 * 8)
+    else:
+        assert rec.count("all_to_all") == 0
+
+
+@pytest.mark.parametrize("tp,ep,top_k,world", [(1, 1, 1, 2), (1, 2, 1, 2), (1, 2, 2, 4),
+                                               (1, 4, 2, 4), (2, 2, 2, 4)])
+def test_expert_parallel_matches_single_process(corpus, tp, ep, top_k, world):
+    run_on_ranks(world, _check_ep, corpus, tp, ep, top_k)
+
+
+def test_bad_moe_settings():
+    with pytest.raises(ValueError, match="--moe-top-k 2 exceeds --moe-experts 1"):
+        preset("tiny", moe_experts=1, moe_top_k=2).validate()
+    with pytest.raises(ValueError, match="--moe-capacity-factor must be > 0"):
+        preset("tiny", moe_experts=4, moe_capacity_factor=0.0).validate()
+    with pytest.raises(ValueError, match="--moe-experts 6 must be divisible by --ep 4"):
+        preset("tiny", moe_experts=6).validate_for_ep(4)
+    with pytest.raises(ValueError, match="--ep 2 needs an MoE model"):
+        preset("tiny").validate_for_ep(2)
+    with pytest.raises(ValueError, match="--moe-top-k must be 1 or 2"):
+        preset("tiny", moe_experts=4, moe_top_k=3).validate()
+
+
+def test_moe_layers_and_parameter_count():
+    cfg = preset("tiny", vocab_size=64, moe_experts=4, moe_every=2)
+    model = GPT(cfg, mesh=ParallelMesh.local(), seed=5)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    names = [n for n, _ in model.named_parameters() if ".experts." in n]
+    assert len(names) == 2 * 4 * 4  # 2 MoE layers x 4 experts x (fc w, b, proj w, b)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
+
+
+def _save_moe(corpus, out, tp, ep):
+    world = torch.distributed.get_world_size()
+    cfg = _cfg(corpus, 2)
+    trainer = Trainer.build(cfg, worker_mesh(tp=tp, dp=world // tp, ep=ep))
+    trainer.train_step(0)
+    trainer.save(out, 1)
+    params = dict(named_full_tensors(trainer.model))
+    merged = {}
+    for part in all_gather_objects(params, trainer.mesh.ep):
+        merged.update(part)
+    return merged
+
+
+def _load_moe(corpus, out, tp, ep):
+    world = torch.distributed.get_world_size()
+    trainer = Trainer.build(_cfg(corpus, 2), worker_mesh(tp=tp, dp=world // tp, ep=ep))
+    assert trainer.resume(out) == 1
+    return dict(named_full_tensors(trainer.model))
+
+
+def test_moe_checkpoint_moves_between_ep_degrees(corpus, tmp_path):
+    saved = run_on_ranks(4, _save_moe, corpus, tmp_path, 1, 4)[0]
+    loaded = run_on_ranks(2, _load_moe, corpus, tmp_path, 2, 1)[0]  # ep=4 -> tp=2, ep=1
+    assert saved.keys() == loaded.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
