@@ -46,9 +46,10 @@ class _Bucket:
 class GradientReducer:
     """Average the gradients of `params` over `axis` (dp, or dp x cp), bucket by bucket.
 
-    `scale` multiplies the averaged gradients (experts: see Trainer). Usage per optimizer step: `zero_grad()`; for each micro-batch set `sync = (last micro-batch)`
-    before its backward; after the last backward `wait()`. The optimizer must not set grads to
-    None (call `reducer.zero_grad()` instead of `optimizer.zero_grad()`).
+    `scale` multiplies the averaged gradients (experts: see Trainer). Usage per optimizer step:
+    `zero_grad()`; for each micro-batch set `sync = (last micro-batch)` before its backward;
+    after the last backward `wait()`. The optimizer must not set grads to None (call
+    `reducer.zero_grad()` instead of `optimizer.zero_grad()`).
     """
 
     def __init__(self, params: list[nn.Parameter], axis: MeshAxis, *,
