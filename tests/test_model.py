@@ -88,7 +88,9 @@ def _check_dropout_consistent():
     mesh = worker_mesh(tp=2)
     model = GPT(preset("tiny", vocab_size=64, dropout=0.3), mesh=mesh, seed=1)
     inputs, targets = _batch(64)
-    hidden = model.embedding(inputs, model.rng)
+    from meshtrain.random import REPLICATED
+
+    hidden = model.embedding(inputs, torch.arange(inputs.shape[1]), model.rng, REPLICATED)
     for block in model.layers.values():
         hidden = block(hidden, model.rng)
     gathered = all_gather(hidden.detach().unsqueeze(0), mesh.tp, dim=0)

@@ -70,9 +70,9 @@ def _reference(cfg):
     batches = trainer_data.micro_batches(0, dp_rank=0, dp_size=1)
     total, routing = 0.0, []
     for inputs, targets in batches:
-        loss = model.loss(model(inputs), targets) / len(batches)
-        loss.backward()
-        total += loss.item()
+        cross_entropy = model.cross_entropy(model(inputs), targets)
+        ((cross_entropy + model.routing_loss()) / len(batches)).backward()
+        total += cross_entropy.item() / len(batches)
         routing.append([(m.last_stats["tokens_per_expert"].clone(), int(m.last_stats["dropped"]),
                          m.last_aux_loss.item()) for m in model.moe_layers()])
     return total, routing, dict(named_full_tensors(model, grads=True)), global_grad_norm(

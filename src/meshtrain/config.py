@@ -18,6 +18,7 @@ from typing import Any
 from meshtrain.data import BYTE_VOCAB_SIZE, check_batch_sizes
 from meshtrain.mesh import check_local_devices, resolve_degrees
 from meshtrain.model import PRESETS, GPTConfig, preset
+from meshtrain.parallel.plan import ParallelPlan, validate_plan
 
 
 def _f(default, help: str, **kw):
@@ -46,12 +47,20 @@ class ModelSettings:
 
 @dataclass
 class ParallelSettings:
-    nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x dp); omit under"
+    nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp); omit under"
                                  " torchrun")
     tp: int = _f(2, "tensor-parallel degree")
     pp: int = _f(1, "pipeline-parallel degree")
-    dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp))")
+    dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp x cp))")
     ep: int = _f(1, "expert-parallel degree: experts spread over this many of the dp ranks")
+    cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence")
+    cp_mode: str = _f("ring", "context-parallel attention: ring (K/V around a ring) or all2all"
+                              " (Ulysses: heads/tp divisible by cp)")
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism over the TP ranks"
+                                        " (needs --tp > 1)")
+    recompute: str = _f("none", "activation recomputation: none, selective (attention core) or"
+                                " full (whole layers)")
+    recompute_layers: int | None = _f(None, "with --recompute full, only the first k layers")
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
     device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
 
@@ -111,6 +120,11 @@ class RunConfig:
                     lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
+
+    def plan(self) -> ParallelPlan:
+        p = self.parallel
+        return ParallelPlan(sequence_parallel=p.sequence_parallel, cp_mode=p.cp_mode,
+                            recompute=p.recompute, recompute_layers=p.recompute_layers)
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         m = self.model
@@ -200,7 +214,7 @@ def world_size_of(cfg: RunConfig, env_world: int | None) -> int:
         return env_world
     if p.nproc is not None:
         return p.nproc
-    return p.tp * p.pp * (p.dp or 1)
+    return p.tp * p.pp * p.cp * (p.dp or 1)
 
 
 def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
@@ -211,7 +225,7 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     t, p = cfg.train, cfg.parallel
     if p.nproc is not None and p.nproc < 1:
         raise ValueError(f"--nproc must be positive, got {p.nproc}")
-    degrees = resolve_degrees(world_size, tp=p.tp, pp=p.pp, dp=p.dp, ep=p.ep)
+    degrees = resolve_degrees(world_size, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size))
     check_local_devices(p.device, local_ranks)
     for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches"):
@@ -239,6 +253,8 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     gpt.validate()
     gpt.validate_for_tp(p.tp)
     gpt.validate_for_ep(p.ep)
+    validate_plan(cfg.plan(), tp=p.tp, cp=p.cp, num_heads=gpt.num_heads, seq_len=t.seq_len,
+                  dropout=gpt.dropout, moe=gpt.moe_experts > 0)
     if p.pp > 1:
         raise ValueError("--pp > 1 is not supported yet (pipeline parallelism is a later"
                          " issue): use --pp 1")

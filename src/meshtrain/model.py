@@ -20,15 +20,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.attention import Attention
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.expert import MoE
 from meshtrain.parallel.loss import vocab_parallel_cross_entropy
+from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    tensor_parallel_parameters,
 )
 from meshtrain.random import REPLICATED, TENSOR_PARALLEL, RNGTracker
+from meshtrain.recompute import recomputed
 
 
 @dataclass(frozen=True)
@@ -177,20 +181,25 @@ def _generator(seed: int, stream: int) -> torch.Generator:
 
 
 class Embedding(nn.Module):
-    """Token (vocab-parallel) plus learned position embedding, then dropout."""
+    """Token (vocab-parallel) plus learned position embedding, then dropout. Under sequence
+    parallelism the output is this TP rank's `[b, s/tp, h]`."""
 
-    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, seed: int):
+    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, seed: int, plan: ParallelPlan):
         super().__init__()
         gen = _generator(seed, 0)
         self.word = VocabParallelEmbedding.from_dense(
             _init_embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std, gen), mesh=mesh)
         self.position = _init_embedding(cfg.max_seq_len, cfg.hidden_size, cfg.init_std, gen)
         self.dropout = cfg.dropout
+        self.sequence_parallel = plan.sequence_parallel and mesh.tp.size > 1
+        self.tp_axis = mesh.tp
 
-    def forward(self, ids: torch.Tensor, rng: RNGTracker) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        x = self.word(ids) + self.position(positions)  # [b, s, h]
-        return _dropout(x, self.dropout, self.training, rng, REPLICATED)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, rng: RNGTracker,
+                stream: str) -> torch.Tensor:
+        x = self.word(ids, sequence_parallel=self.sequence_parallel)  # [b, s(/tp), h]
+        if self.sequence_parallel:
+            positions = positions.chunk(self.tp_axis.size)[self.tp_axis.rank]
+        return _dropout(x + self.position(positions), self.dropout, self.training, rng, stream)
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool, rng: RNGTracker, stream: str):
@@ -200,61 +209,22 @@ def _dropout(x: torch.Tensor, p: float, training: bool, rng: RNGTracker, stream:
         return F.dropout(x, p, training=True)
 
 
-class Attention(nn.Module):
-    """Causal self-attention with heads split over TP: each rank owns num_heads/tp heads."""
-
-    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, gen: torch.Generator):
-        super().__init__()
-        h, std = cfg.hidden_size, cfg.init_std
-        out_std = std / math.sqrt(2 * cfg.num_layers)  # GPT-2's scaled residual init
-        self.qkv = ColumnParallelLinear.from_dense(_init_linear(h, 3 * h, std, gen), mesh=mesh,
-                                                   output_blocks=3)
-        self.proj = RowParallelLinear.from_dense(_init_linear(h, h, out_std, gen), mesh=mesh,
-                                                 input_is_parallel=True)
-        self.num_local_heads = cfg.num_heads // mesh.tp.size
-        self.head_dim = cfg.head_dim
-        self.dropout = cfg.dropout
-        self.eager = cfg.attention == "eager"
-
-    def forward(self, x: torch.Tensor, rng: RNGTracker) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x)  # [b, s, 3h/tp]
-        q, k, v = qkv.view(b, s, 3, self.num_local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        p = self.dropout if self.training else 0.0
-        with rng.fork(TENSOR_PARALLEL):  # heads differ per TP rank, so do their masks
-            if self.eager:
-                out = _eager_attention(q, k, v, p)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, h/tp]
-        return _dropout(self.proj(out), self.dropout, self.training, rng, REPLICATED)
-
-
-def _eager_attention(q, k, v, p: float) -> torch.Tensor:
-    s = q.shape[-2]
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a/tp, s, s]
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
-    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
-    if p > 0.0:
-        probs = F.dropout(probs, p, training=True)
-    return probs @ v
-
-
 class MLP(nn.Module):
     """h -> 4h (column-parallel, GeLU needs no communication) -> h (row-parallel)."""
 
-    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, gen: torch.Generator):
+    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, gen: torch.Generator,
+                 plan: ParallelPlan):
         super().__init__()
         h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
-        self.fc = ColumnParallelLinear.from_dense(_init_linear(h, f, std, gen), mesh=mesh)
+        sp = plan.sequence_parallel
+        self.fc = ColumnParallelLinear.from_dense(_init_linear(h, f, std, gen), mesh=mesh,
+                                                  sequence_parallel=sp)
         self.proj = RowParallelLinear.from_dense(
             _init_linear(f, h, std / math.sqrt(2 * cfg.num_layers), gen), mesh=mesh,
-            input_is_parallel=True)
-        self.dropout = cfg.dropout
+            input_is_parallel=True, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor, rng: RNGTracker) -> torch.Tensor:
-        y = self.proj(F.gelu(self.fc(x), approximate="tanh"))  # fc: [b, s, 4h/tp]
-        return _dropout(y, self.dropout, self.training, rng, REPLICATED)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # fc: [b, s, 4h/tp]
 
 
 def _moe(cfg: GPTConfig, mesh: ParallelMesh, seed: int, layer: int,
@@ -276,24 +246,32 @@ def _moe(cfg: GPTConfig, mesh: ParallelMesh, seed: int, layer: int,
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block; its MLP is routed experts on MoE layers."""
+    """Pre-LayerNorm transformer block; its MLP is routed experts on MoE layers.
 
-    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, seed: int, layer: int):
+    Residual-branch dropout draws from the replicated stream, or under sequence parallelism
+    (each TP rank holds different tokens) from the per-TP-rank stream.
+    """
+
+    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, seed: int, layer: int,
+                 plan: ParallelPlan):
         super().__init__()
         gen = _generator(seed, 1 + layer)
-        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-        self.attn = Attention(cfg, mesh, gen)
-        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+        h, std = cfg.hidden_size, cfg.init_std
+        self.ln1 = nn.LayerNorm(h, eps=cfg.layernorm_eps)
+        self.attn = Attention(_init_linear(h, 3 * h, std, gen),
+                              _init_linear(h, h, std / math.sqrt(2 * cfg.num_layers), gen),
+                              num_heads=cfg.num_heads, dropout=cfg.dropout,
+                              eager=cfg.attention == "eager", mesh=mesh, plan=plan)
+        self.ln2 = nn.LayerNorm(h, eps=cfg.layernorm_eps)
         self.mlp = _moe(cfg, mesh, seed, layer, gen) if cfg.is_moe_layer(layer) \
-            else MLP(cfg, mesh, gen)
+            else MLP(cfg, mesh, gen, plan)
         self.dropout = cfg.dropout
+        self.stream = TENSOR_PARALLEL if plan.sequence_parallel else REPLICATED
 
     def forward(self, x: torch.Tensor, rng: RNGTracker) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), rng)
-        if isinstance(self.mlp, MoE):
-            return x + _dropout(self.mlp(self.ln2(x)), self.dropout, self.training, rng,
-                                REPLICATED)
-        return x + self.mlp(self.ln2(x), rng)
+        x = x + _dropout(self.attn(self.ln1(x), rng), self.dropout, self.training, rng,
+                         self.stream)
+        return x + _dropout(self.mlp(self.ln2(x)), self.dropout, self.training, rng, self.stream)
 
 
 @dataclass
@@ -310,48 +288,87 @@ class GPT(nn.Module):
 
     Layers are kept in a ModuleDict keyed by their global index, so parameter names are the same
     at every layout. `seed` fixes the weights; dropout streams come from `RNGTracker.for_mesh`.
+    `plan` chooses sequence parallelism, the context-parallel attention and recomputation.
     """
 
     def __init__(self, cfg: GPTConfig, *, mesh: ParallelMesh, seed: int = 0,
-                 stage: StageSpec | None = None):
+                 stage: StageSpec | None = None, plan: ParallelPlan | None = None):
         super().__init__()
         cfg.validate()
         cfg.validate_for_tp(mesh.tp.size)
         cfg.validate_for_ep(mesh.ep.size)
         self.cfg, self.mesh = cfg, mesh
-        stage = stage or StageSpec(range(cfg.num_layers))
-        self.stage = stage
+        self.plan = plan = plan or ParallelPlan()
+        self.stage = stage = stage or StageSpec(range(cfg.num_layers))
         # The head reuses the word embedding, so a stage with the head holds it too.
-        self.embedding = Embedding(cfg, mesh, seed) if stage.has_embedding or stage.has_head \
-            else None
+        self.embedding = Embedding(cfg, mesh, seed, plan) \
+            if stage.has_embedding or stage.has_head else None
         self.layers = nn.ModuleDict(
-            {str(i): Block(cfg, mesh, seed, i) for i in stage.layers})
+            {str(i): Block(cfg, mesh, seed, i, plan) for i in stage.layers})
         self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps) \
             if stage.has_head else None
         self.to(mesh.device)
         self.rng = RNGTracker.for_mesh(mesh, seed)
+        self.sequence_parallel = plan.sequence_parallel and mesh.tp.size > 1
+        full = plan.recompute == "full"
+        limit = cfg.num_layers if plan.recompute_layers is None else plan.recompute_layers
+        self._recomputed_layers = {i for i in stage.layers if full and i < limit}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or hidden states -> hidden states or local logits (last)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states -> hidden states or local logits (last).
+
+        `positions`: the sequence positions of the tokens in `x` (context parallelism holds a
+        load-balanced subset); default 0..s-1. Under sequence parallelism hidden states between
+        stages and layers are this TP rank's `[b, s/tp, h]`.
+        """
         if self.stage.has_embedding:
-            x = self.embedding(x, self.rng)
-        for block in self.layers.values():
-            x = block(x, self.rng)
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)
+            stream = TENSOR_PARALLEL if self.sequence_parallel else REPLICATED
+            x = self.embedding(x, positions, self.rng, stream)
+        for index, block in self.layers.items():
+            if int(index) in self._recomputed_layers and self.training:
+                x = recomputed(block, self.rng, x, self.rng)
+            else:
+                x = block(x, self.rng)
         if self.stage.has_head:
-            x = self.embedding.word.logits(self.final_norm(x))  # [b, s, V_padded/tp]
-        return x
+            x = self.embedding.word.logits(self.final_norm(x),
+                                           sequence_parallel=self.sequence_parallel)
+        return x  # logits: [b, s, V_padded/tp]
+
+    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
+        """Parameters applied to s/tp of the tokens under sequence parallelism: their gradients
+        are partial sums and must be all-reduced over TP (LayerNorms, row-parallel biases,
+        positions). Empty without sequence parallelism."""
+        if not self.sequence_parallel:
+            return []
+        sharded = tensor_parallel_parameters(self)
+        experts = self.expert_parameters()
+        return [p for p in self.parameters()
+                if id(p) not in sharded and id(p) not in experts]
 
     def loss(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
              ignore_index: int = -100) -> torch.Tensor:
-        """Mean next-token cross-entropy over this batch's non-ignored tokens (vocab-parallel)."""
+        """Training loss: mean next-token cross-entropy over this batch's non-ignored tokens
+        (vocab-parallel) plus the MoE routing losses."""
+        return self.cross_entropy(local_logits, targets, ignore_index=ignore_index) \
+            + self.routing_loss()
+
+    def cross_entropy(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
+                      ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross-entropy alone (what metrics and evaluation report)."""
         per_token = vocab_parallel_cross_entropy(local_logits, targets, mesh=self.mesh,
                                                  ignore_index=ignore_index)
-        loss = per_token.sum() / (targets != ignore_index).sum().clamp(min=1)
-        for moe in self.moe_layers():  # routing losses of the forward that made these logits
-            loss = loss + self.cfg.moe_aux_loss_coef * moe.last_aux_loss
+        return per_token.sum() / (targets != ignore_index).sum().clamp(min=1)
+
+    def routing_loss(self) -> torch.Tensor | float:
+        """Weighted MoE auxiliary losses of the latest forward (0 for a dense model)."""
+        total = 0.0
+        for moe in self.moe_layers():
+            total = total + self.cfg.moe_aux_loss_coef * moe.last_aux_loss
             if self.cfg.moe_z_loss_coef:
-                loss = loss + self.cfg.moe_z_loss_coef * moe.last_z_loss
-        return loss
+                total = total + self.cfg.moe_z_loss_coef * moe.last_z_loss
+        return total
 
     def moe_layers(self) -> list[MoE]:
         return [block.mlp for block in self.layers.values() if isinstance(block.mlp, MoE)]

@@ -16,6 +16,7 @@ from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics
 from meshtrain.model import GPT
 from meshtrain.optim import build_adamw, clip_grad_norm_, lr_at
 from meshtrain.parallel import comm
+from meshtrain.parallel.context import context_parallel_positions
 from meshtrain.parallel.data import GradientReducer
 from meshtrain.plots import plot_loss_curve
 
@@ -79,7 +80,7 @@ class Trainer:
         tokens, vocab = load_corpus(cfg)
         train_tokens, val_tokens = data.split_tokens(tokens, cfg.data.val_fraction)
         t = cfg.train
-        model = GPT(cfg.gpt_config(vocab), mesh=mesh, seed=t.seed)
+        model = GPT(cfg.gpt_config(vocab), mesh=mesh, seed=t.seed, plan=cfg.plan())
         # Dense parameters are replicated over dp x cp, experts only over their edp replicas.
         experts = model.expert_parameters()
         bucket = int(cfg.parallel.bucket_mb * 2**20)
@@ -115,13 +116,14 @@ class Trainer:
         for i, (inputs, targets) in enumerate(micro_batches):
             for reducer in self.reducers:
                 reducer.sync = i == len(micro_batches) - 1  # communicate once per step
-            inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
-            loss = self.model.loss(self.model(inputs), targets) / len(micro_batches)
+            cross_entropy = self._cross_entropy(inputs, targets)
+            loss = (cross_entropy + self.model.routing_loss()) / len(micro_batches)
             loss.backward()
-            loss_sum += loss.detach()
+            loss_sum += cross_entropy.detach() / len(micro_batches)
             moe_stats.add(self.model)
         for reducer in self.reducers:
             reducer.wait()
+        self._sum_sequence_parallel_grads()
         grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad)
         self.optimizer.step()
         comm.all_reduce(loss_sum, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
@@ -136,11 +138,31 @@ class Trainer:
                                               dp_size=mesh.dp.size)
         total = torch.zeros((), device=mesh.device)
         for inputs, targets in batches:
-            inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
-            total += self.model.loss(self.model(inputs), targets)
+            total += self._cross_entropy(inputs, targets)
         total /= len(batches)
         comm.all_reduce(total, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
         return total.item()
+
+    def _cross_entropy(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of this rank's tokens: under context parallelism its load-balanced
+        slice of every sequence (equal token counts, so averaging over dp x cp gives the global
+        mean)."""
+        mesh = self.mesh
+        positions = context_parallel_positions(inputs.shape[1], mesh.cp.size, mesh.cp.rank)
+        inputs, targets = inputs[:, positions], targets[:, positions]
+        positions = positions.to(mesh.device)
+        inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
+        return self.model.cross_entropy(self.model(inputs, positions), targets)
+
+    def _sum_sequence_parallel_grads(self) -> None:
+        """Complete the partial gradients of parameters used on s/tp tokens (one all-reduce)."""
+        grads = [p.grad for p in self.model.sequence_parallel_parameters()]
+        if not grads:
+            return
+        flat = torch.cat([g.flatten() for g in grads])
+        comm.all_reduce(flat, self.mesh.tp)
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
 
     def save(self, out: Path, step: int) -> Path:
         return save_checkpoint(out / "checkpoints", step, model=self.model,
@@ -159,7 +181,8 @@ class Trainer:
 def run_training(cfg: RunConfig, *, degrees: dict[str, int]) -> list[dict]:
     """Train as configured on this rank; returns the metrics rows (rank 0; empty elsewhere)."""
     mesh = init_parallel(tp=degrees["tp"], pp=degrees["pp"], dp=degrees["dp"],
-                         ep=degrees.get("ep", 1), device=cfg.parallel.device)
+                         cp=degrees.get("cp", 1), ep=degrees.get("ep", 1),
+                         device=cfg.parallel.device)
     trainer = Trainer.build(cfg, mesh)
     out = Path(cfg.checkpoint.out)
     start = trainer.resume(out) if cfg.checkpoint.resume else 0

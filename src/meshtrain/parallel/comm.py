@@ -38,10 +38,14 @@ class CommRecord:
     group_size: int
     dtype: torch.dtype
     payload_bytes: int
+    sent_bytes: int | None = None  # exact bytes leaving this rank, where the formula is not
 
     @property
     def ring_bytes(self) -> float:
-        """Bytes each rank sends in a ring (or pairwise) implementation of this call."""
+        """Bytes each rank sends in a ring (or pairwise) implementation of this call; for an
+        all-to-all with known splits, exactly the rows sent to other ranks."""
+        if self.sent_bytes is not None:
+            return float(self.sent_bytes)
         n = self.group_size
         if self.op == "all_reduce":
             return 2 * (n - 1) / n * self.payload_bytes
@@ -86,10 +90,10 @@ class CommRecorder:
 _active_recorders: list[CommRecorder] = []
 
 
-def _record(op: str, axis: MeshAxis, tensor: torch.Tensor, numel: int | None = None) -> None:
+def _record(op: str, axis: MeshAxis, tensor: torch.Tensor, sent_bytes: int | None = None) -> None:
     if _active_recorders:
-        nbytes = (tensor.numel() if numel is None else numel) * tensor.element_size()
-        record = CommRecord(op, axis.name, axis.size, tensor.dtype, nbytes)
+        nbytes = tensor.numel() * tensor.element_size()
+        record = CommRecord(op, axis.name, axis.size, tensor.dtype, nbytes, sent_bytes)
         for recorder in _active_recorders:
             recorder.records.append(record)
 
@@ -165,7 +169,9 @@ def all_to_all(tensor: torch.Tensor, axis: MeshAxis, *, send_splits: list[int],
         return tensor
     tensor = tensor.contiguous()
     out = tensor.new_empty((sum(recv_splits),) + tuple(tensor.shape[1:]))
-    _record("all_to_all", axis, tensor)
+    row_bytes = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
+    _record("all_to_all", axis, tensor,
+            sent_bytes=(sum(send_splits) - send_splits[axis.rank]) * row_bytes)
     dist.all_to_all_single(out, tensor, output_split_sizes=recv_splits,
                            input_split_sizes=send_splits, group=axis.group)
     return out
@@ -191,6 +197,21 @@ def all_to_all_differentiable(x: torch.Tensor, axis: MeshAxis, *, send_splits: l
     if axis.size == 1:
         return x
     return _AllToAll.apply(x, axis, list(send_splits), list(recv_splits))
+
+
+def ring_shift(tensor: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """Send `tensor` to the next rank of `axis` and return the previous rank's (a ring step)."""
+    if axis.size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    out = torch.empty_like(tensor)
+    _record("send", axis, tensor)
+    nxt, prev = axis.ranks[(axis.rank + 1) % axis.size], axis.ranks[(axis.rank - 1) % axis.size]
+    ops = [dist.P2POp(dist.isend, tensor, nxt, axis.group),
+           dist.P2POp(dist.irecv, out, prev, axis.group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out
 
 
 def barrier(axis: MeshAxis) -> None:
@@ -264,6 +285,61 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return split_along(grad, ctx.axis, dim=-1), None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    """Keep this rank's chunk of the sequence (dim 1); backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return split_along(x, axis, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.axis, dim=1), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """All-gather the sequence (dim 1); backward reduce-scatters the gradient (the conjugate)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return all_gather(x, axis, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.axis, dim=1), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """Sum partial results over TP, keeping this rank's chunk of the sequence; backward
+    all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return reduce_scatter(x, axis, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.axis, dim=1), None
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """Split `[b, s, h]` into this rank's `[b, s/t, h]`."""
+    return x if axis.size == 1 else _ScatterToSequenceRegion.apply(x, axis)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """`[b, s/t, h]` -> `[b, s, h]` (all-gather); the gradient is reduce-scattered."""
+    return x if axis.size == 1 else _GatherFromSequenceRegion.apply(x, axis)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """Partial `[b, s, h]` -> summed `[b, s/t, h]` (reduce-scatter); the gradient all-gathered."""
+    return x if axis.size == 1 else _ReduceScatterToSequenceRegion.apply(x, axis)
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:

@@ -154,7 +154,7 @@ class MoE(nn.Module):
                 n = int(per_source[src, local])
                 perm.append(torch.arange(n, device=rows.device) + starts[src, local])
             sizes.append(int(per_source[:, local].sum()))
-        perm = torch.cat(perm) if perm else torch.empty(0, dtype=torch.long)
+        perm = torch.cat(perm)
         grouped = rows[perm]
         outs = [self.experts[str(self.first_local + local)](chunk)
                 for local, chunk in enumerate(grouped.split(sizes))]

@@ -77,6 +77,30 @@ def _sharded_copy(cls, dense: nn.Module, mesh, **options) -> nn.Module:
     return layer
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """All-gather the `[b, s/tp, in]` input along the sequence, then the local matmul.
+
+    Only the s/tp shard is saved; backward all-gathers it again for the weight gradient (one
+    extra all-gather, as in Megatron) and reduce-scatters the input gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, axis: MeshAxis):
+        ctx.save_for_backward(x, weight)
+        ctx.axis, ctx.has_bias = axis, bias is not None
+        return F.linear(comm.all_gather(x, axis, dim=1), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = comm.all_gather(x, ctx.axis, dim=1)  # [b, s, in]
+        grad_x = comm.reduce_scatter(grad @ weight, ctx.axis, dim=1)
+        flat_grad = grad.flatten(0, -2)
+        grad_weight = flat_grad.T @ full.flatten(0, -2)
+        grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
 class _TensorParallelModule(nn.Module):
     shards: dict[str, Shard]
 
@@ -101,15 +125,19 @@ class _TensorParallelModule(nn.Module):
 class ColumnParallelLinear(_TensorParallelModule):
     """Y = X A^T with A split by rows of its `[out, in]` weight: this rank computes out/tp
     features. No communication forward when `gather_output=False`; the input enters through f.
+    With `sequence_parallel` the input is `[b, s/tp, in]` and is all-gathered along the sequence
+    instead (see `_SequenceParallelLinear`).
 
     `output_blocks` > 1 treats the output as equal blocks (q, k, v of a fused projection) each
     split over TP, so every rank holds matching rows of each block.
     """
 
     def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
-                 bias: bool = True, gather_output: bool = False, output_blocks: int = 1):
+                 bias: bool = True, gather_output: bool = False, output_blocks: int = 1,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.tp_axis = _tp_axis(mesh)
+        self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
         tp = self.tp_axis.size
         _check_divisible("ColumnParallelLinear out_features", out_features, tp, output_blocks)
         self.in_features, self.out_features = in_features, out_features
@@ -138,8 +166,11 @@ class ColumnParallelLinear(_TensorParallelModule):
         return dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.copy_to_tensor_parallel_region(x, self.tp_axis)
-        y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
+        if self.sequence_parallel:  # x: [b, s/tp, in]
+            y = _SequenceParallelLinear.apply(x, self.weight, self.bias, self.tp_axis)
+        else:
+            x = comm.copy_to_tensor_parallel_region(x, self.tp_axis)
+            y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
         if not self.gather_output or self.tp_axis.size == 1:
             return y
         y = comm.gather_from_tensor_parallel_region(y, self.tp_axis)  # [..., tp * out/tp]
@@ -154,12 +185,15 @@ class ColumnParallelLinear(_TensorParallelModule):
 class RowParallelLinear(_TensorParallelModule):
     """Y = X A^T with A split by columns of its `[out, in]` weight: each rank multiplies its
     in/tp slice of X and the partial results are summed by g (one all-reduce forward).
-    The bias is added once, after the sum."""
+    The bias is added once, after the sum. With `sequence_parallel` the sum is a reduce-scatter
+    along the sequence and the output `[b, s/tp, out]`."""
 
     def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
-                 bias: bool = True, input_is_parallel: bool = False):
+                 bias: bool = True, input_is_parallel: bool = False,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.tp_axis = _tp_axis(mesh)
+        self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
         tp = self.tp_axis.size
         _check_divisible("RowParallelLinear in_features", in_features, tp)
         self.in_features, self.out_features = in_features, out_features
@@ -190,7 +224,10 @@ class RowParallelLinear(_TensorParallelModule):
         if not self.input_is_parallel:
             x = comm.scatter_to_tensor_parallel_region(x, self.tp_axis)
         y = F.linear(x, self.weight)  # partial sums: [..., out]
-        y = comm.reduce_from_tensor_parallel_region(y, self.tp_axis)
+        if self.sequence_parallel:  # summed and split along the sequence: [b, s/tp, out]
+            y = comm.reduce_scatter_to_sequence_parallel_region(y, self.tp_axis)
+        else:
+            y = comm.reduce_from_tensor_parallel_region(y, self.tp_axis)
         return y if self.bias is None else y + self.bias
 
 
@@ -229,22 +266,29 @@ class VocabParallelEmbedding(_TensorParallelModule):
             dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
         return dense
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+        """`[b, s]` ids -> `[b, s, h]`, or this rank's `[b, s/tp, h]` with sequence_parallel."""
         if self.tp_axis.size == 1:
             return F.embedding(ids, self.weight)
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.num_local)
         out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)  # [b, s, h] partial
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if sequence_parallel:
+            return comm.reduce_scatter_to_sequence_parallel_region(out, self.tp_axis)
         return comm.reduce_from_tensor_parallel_region(out, self.tp_axis)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
         """Use the (tied) embedding as the output layer: local logits `[b, s, V_padded/tp]`.
 
-        The input enters through f, so its gradient is summed over TP in backward; padded
-        vocabulary entries get -inf, so they take no probability and no gradient.
+        The input enters through f (or, sequence parallel, an all-gather of `[b, s/tp, h]`), so
+        its gradient is summed over TP in backward; padded vocabulary entries get -inf, so they
+        take no probability and no gradient.
         """
-        hidden = comm.copy_to_tensor_parallel_region(hidden, self.tp_axis)
+        if sequence_parallel and self.tp_axis.size > 1:
+            hidden = comm.gather_from_sequence_parallel_region(hidden, self.tp_axis)
+        else:
+            hidden = comm.copy_to_tensor_parallel_region(hidden, self.tp_axis)
         logits = F.linear(hidden, self.weight)
         num_valid = self.num_embeddings - self.vocab_start
         if num_valid < self.num_local:
