@@ -228,7 +228,8 @@ class DenseGPT(nn.Module):
         for i in range(len(self.blocks)):
             src, dst = f"layers.{i}.", f"blocks.{i}."
             for kind in ("weight", "bias"):
-                for q_k_v, part in zip("qkv", weights[f"{src}attn.qkv.{kind}"].chunk(3), strict=True):
+                parts = weights[f"{src}attn.qkv.{kind}"].chunk(3)
+                for q_k_v, part in zip("qkv", parts, strict=True):
                     state[f"{dst}{q_k_v}.{kind}"] = part
                 for theirs, ours in (("ln1", "ln1"), ("ln2", "ln2"), ("attn.proj", "proj"),
                                      ("mlp.fc", "fc"), ("mlp.proj", "fc_proj")):
