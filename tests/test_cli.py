@@ -70,6 +70,10 @@ def _error(capsys, argv) -> str:
     (["--moe-experts", "4", "--moe-capacity-factor", "0"], "--moe-capacity-factor must be > 0"),
     (["--nproc", "4", "--tp", "2", "--ep", "4", "--moe-experts", "4"],
      "ep=4 must divide dp x cp = 2 x 1 = 2"),
+    (["--tp", "1", "--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
+    (["--nproc", "4", "--tp", "2", "--cp", "2", "--seq-len", "34"],
+     "--seq-len 34 must be divisible by 2 x cp (4) = 4"),
+    (["--recompute", "most"], "--recompute must be none, selective or full"),
 ])
 def test_bad_input_is_one_line(capsys, corpus, tmp_path, flags, needle):
     argv = ["train", "--device", "cpu", "--data", corpus, "--out", str(tmp_path / "run"), *flags]

@@ -1,0 +1,47 @@
+"""Measuring memory: bytes autograd saves for backward (activations)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+def saved_activation_bytes(fn: Callable[[], object],
+                           exclude: Iterable[torch.Tensor] = ()) -> tuple[int, object]:
+    """Run `fn()` and count the bytes autograd saves for its backward.
+
+    Each storage counts once (views of one tensor share it); storages of `exclude` (the model's
+    parameters, whose transposes autograd also saves) do not count. Returns (bytes, fn's result).
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return sum(storages.values()), result
+
+
+def layer_activation_formula(*, s: int, b: int, h: int, a: int, tp: int = 1,
+                             sequence_parallel: bool = False, recompute: str = "none",
+                             element_size: int = 2, mask_size: int = 1) -> float:
+    """Bytes one transformer layer saves for backward (Korthikanti et al., seed 002 section 5),
+    in the dtype-aware form of TESTING.md: e bytes per activation, mu per dropout-mask element.
+
+    No parallelism: sbh(16e + 2mu) + as^2b(2e + mu). TP: the 4e + 2mu of LayerNorm/dropout/
+    residual regions stay whole, the rest is divided by t. SP divides everything by t.
+    Selective recompute drops the as^2b term; full recompute keeps only the layer input sbh e.
+    """
+    e, mu, t = element_size, mask_size, tp
+    if recompute == "full":
+        return s * b * h * e / (t if sequence_parallel else 1)
+    replicated = s * b * h * (4 * e + 2 * mu)
+    split = s * b * h * 12 * e / t
+    attention = 0.0 if recompute == "selective" else a * s * s * b * (2 * e + mu) / t
+    return (replicated / (t if sequence_parallel else 1)) + split + attention
