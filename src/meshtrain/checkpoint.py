@@ -31,6 +31,7 @@ from meshtrain.mesh import ParallelMesh
 from meshtrain.model import GPTConfig
 from meshtrain.parallel import comm
 from meshtrain.parallel.tensor import Shard, parameter_shards, shard_pieces, shard_tensor
+from meshtrain.precision import MasterWeights
 
 FORMAT = "meshtrain-checkpoint-1"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len",
@@ -98,8 +99,10 @@ def _logical_shape(tensor: torch.Tensor, shard: Shard | None) -> list[int]:
 
 def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
                     optimizer: torch.optim.Optimizer, mesh: ParallelMesh,
-                    train_state: dict, config_toml: str) -> Path:
-    """Write the checkpoint of `step` collectively (every rank calls this)."""
+                    train_state: dict, config_toml: str,
+                    masters: MasterWeights | None = None) -> Path:
+    """Write the checkpoint of `step` collectively (every rank calls this). With 16-bit
+    parameters, the fp32 master weights are what is saved as the model."""
     root = Path(root)
     final = step_dir(root, step)
     tmp = root / f".tmp_step_{step:08d}"
@@ -116,8 +119,9 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
     experts = model.expert_parameters()
     replica = {n: mesh.axis("edp").rank if id(p) in experts else mesh.dp_cp.rank
                for n, p in params.items()}
-    sources = [("model/" + n, p.detach(), n) for n, p in params.items()]
-    for n, p in params.items():
+    stepped = {n: masters.master_of[id(p)] if masters else p for n, p in params.items()}
+    sources = [("model/" + n, p.detach(), n) for n, p in stepped.items()]
+    for n, p in stepped.items():
         state = optimizer.state.get(p, {})
         sources += [(f"optim/{s}/{n}", state[s], n) for s in OPTIMIZER_STATES if s in state]
     for name, tensor, param_name in sources:
@@ -239,7 +243,7 @@ class _Reader:
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    mesh: ParallelMesh) -> dict:
+                    mesh: ParallelMesh, masters: MasterWeights | None = None) -> dict:
     """Load a checkpoint of any layout into this rank's model (and optimizer); returns the saved
     train state. RNG streams are restored only when the layout is the same as at save time."""
     path = Path(path)
@@ -253,13 +257,17 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(local("model/" + name, shards[name]))
+            value = local("model/" + name, shards[name])
+            param.copy_(value)
+            if masters is not None:
+                masters.master_of[id(param)].copy_(value)
         if optimizer is not None:
             step = reader.full("optim/step")
             for name, param in model.named_parameters():
+                stepped = masters.master_of[id(param)] if masters else param
                 state = {s: local(f"optim/{s}/{name}", shards[name]).to(param.device)
                          for s in OPTIMIZER_STATES}
-                optimizer.state[param] = {"step": step.reshape(()).clone(), **state}
+                optimizer.state[stepped] = {"step": step.reshape(()).clone(), **state}
     if manifest["layout"] == mesh.degrees:
         model.rng.set_states({name: reader.raw(f"rng/{mesh.rank}/{name}")
                               for name in model.rng.get_states()})

@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from meshtrain.data import BYTE_VOCAB_SIZE, check_batch_sizes
 from meshtrain.mesh import check_local_devices, resolve_degrees
 from meshtrain.model import PRESETS, GPTConfig, preset
 from meshtrain.parallel.plan import ParallelPlan, validate_plan
+from meshtrain.precision import parse_dtype
 
 
 def _f(default, help: str, **kw):
@@ -81,6 +84,11 @@ class TrainSettings:
     seed: int = _f(0, "seed for weights, data order and dropout")
     eval_every: int = _f(100, "evaluate the held-out loss every N steps (0 disables)")
     eval_batches: int = _f(4, "global batches per evaluation")
+    precision: str = _f("fp32", "parameter/activation dtype: fp32, bf16 or fp16 (16-bit keeps fp32"
+                                " master weights; fp16 adds dynamic loss scaling)")
+    grad_dtype: str = _f("fp32", "dtype gradients are accumulated and reduced in: fp32, or the"
+                                 " 16-bit --precision dtype")
+    loss_scale_window: int = _f(1000, "fp16: double the loss scale after this many clean steps")
 
 
 @dataclass
@@ -243,6 +251,13 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     if t.weight_decay < 0 or t.clip_grad < 0:
         raise ValueError("--weight-decay and --clip-grad must be >= 0")
     check_batch_sizes(global_batch=t.global_batch, micro_batch=t.micro_batch, dp=degrees["dp"])
+    precision = parse_dtype(t.precision, "--precision")
+    grad_dtype = parse_dtype(t.grad_dtype, "--grad-dtype")
+    if grad_dtype not in (torch.float32, precision):
+        raise ValueError(f"--grad-dtype {t.grad_dtype} must be fp32 or the --precision dtype"
+                         f" ({t.precision})")
+    if t.loss_scale_window < 1:
+        raise ValueError(f"--loss-scale-window must be positive, got {t.loss_scale_window}")
     if p.bucket_mb <= 0:
         raise ValueError(f"--bucket-mb must be positive, got {p.bucket_mb}")
     if cfg.checkpoint.save_every < 0:

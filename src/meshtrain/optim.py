@@ -4,6 +4,7 @@ that counts every parameter exactly once across the mesh."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -13,11 +14,12 @@ from meshtrain.parallel import comm
 from meshtrain.parallel.tensor import tensor_parallel_parameters
 
 
-def build_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                eps: float = 1e-8) -> torch.optim.AdamW:
+def build_adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float,
+                betas=(0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
     """Decay matrices and embeddings; never biases or LayerNorm parameters (all 1-D)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
@@ -33,14 +35,16 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def global_grad_norm(model: nn.Module, mesh: ParallelMesh) -> torch.Tensor:
+def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
+                     grads: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each logical parameter counted once.
 
     TP-sharded parameters: every rank's shard counts (summed over TP). Replicated parameters
     (LayerNorms, row-parallel biases, positions): counted on TP rank 0 only. Pipeline stages
     hold different layers and are summed over PP. DP replicas hold the same averaged gradient,
     so nothing is summed over DP; experts are summed over EP (each EP rank holds different
-    experts) but not over their replicas (edp).
+    experts) but not over their replicas (edp). `grads` maps id(parameter) to its gradient
+    where it does not live in `.grad` (fp32 buffers of 16-bit parameters).
     """
     sharded = tensor_parallel_parameters(model)
     experts = model.expert_parameters() if hasattr(model, "expert_parameters") else set()
@@ -48,9 +52,10 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh) -> torch.Tensor:
     dense = torch.zeros((), dtype=torch.float32, device=device)
     expert = torch.zeros((), dtype=torch.float32, device=device)
     for p in model.parameters():
-        if p.grad is None or not (id(p) in sharded or mesh.tp.rank == 0):
+        grad = p.grad if grads is None else grads.get(id(p))
+        if grad is None or not (id(p) in sharded or mesh.tp.rank == 0):
             continue
-        square = p.grad.detach().float().pow(2).sum()
+        square = grad.detach().float().pow(2).sum()
         if id(p) in experts:
             expert += square
         else:
@@ -62,11 +67,15 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh) -> torch.Tensor:
     return total.sqrt()
 
 
-def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, max_norm: float,
+                    grads: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Scale gradients so the global norm is at most `max_norm` (0 disables); returns the norm
     before clipping."""
-    norm = global_grad_norm(model, mesh)
+    norm = global_grad_norm(model, mesh, grads)
     if max_norm > 0:
-        params = [p for p in model.parameters() if p.grad is not None]
-        nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        tensors = list(grads.values()) if grads is not None else \
+            [p.grad for p in model.parameters() if p.grad is not None]
+        for grad in tensors:
+            grad.mul_(coef)
     return norm

@@ -19,6 +19,7 @@ from meshtrain.parallel import comm
 from meshtrain.parallel.context import context_parallel_positions
 from meshtrain.parallel.data import GradientReducer
 from meshtrain.plots import plot_loss_curve
+from meshtrain.precision import LossScaler, MasterWeights, parse_dtype
 
 
 def load_corpus(cfg: RunConfig) -> tuple:
@@ -74,6 +75,8 @@ class Trainer:
     reducers: list[GradientReducer]
     train_data: data.BatchSampler
     eval_data: data.BatchSampler
+    masters: MasterWeights | None  # fp32 copies the optimizer steps (16-bit precision)
+    scaler: LossScaler
 
     @classmethod
     def build(cls, cfg: RunConfig, mesh: ParallelMesh) -> Trainer:
@@ -81,23 +84,31 @@ class Trainer:
         train_tokens, val_tokens = data.split_tokens(tokens, cfg.data.val_fraction)
         t = cfg.train
         model = GPT(cfg.gpt_config(vocab), mesh=mesh, seed=t.seed, plan=cfg.plan())
+        precision = parse_dtype(t.precision, "--precision")
+        model.to(precision)
+        grad_dtype = parse_dtype(t.grad_dtype, "--grad-dtype")
         # Dense parameters are replicated over dp x cp, experts only over their edp replicas.
         experts = model.expert_parameters()
         bucket = int(cfg.parallel.bucket_mb * 2**20)
         reducers = [GradientReducer([p for p in model.parameters() if id(p) not in experts],
-                                    mesh.dp_cp, bucket_bytes=bucket)]
+                                    mesh.dp_cp, bucket_bytes=bucket, grad_dtype=grad_dtype)]
         if experts:
             # An expert's gradient already sums the losses of all ep ranks whose tokens it
             # served; averaging over its edp replicas and 1/ep gives the mean over dp x cp.
             reducers.append(GradientReducer([p for p in model.parameters() if id(p) in experts],
                                             mesh.axis("edp"), bucket_bytes=bucket,
-                                            scale=1.0 / mesh.ep.size))
-        optimizer = build_adamw(model, lr=t.lr, weight_decay=t.weight_decay)
+                                            grad_dtype=grad_dtype, scale=1.0 / mesh.ep.size))
+        masters = MasterWeights(list(model.parameters())) \
+            if precision != torch.float32 else None
+        optimizer = build_adamw(masters.params if masters else model.parameters(), lr=t.lr,
+                                weight_decay=t.weight_decay)
+        scaler = LossScaler(enabled=precision == torch.float16,
+                            growth_interval=t.loss_scale_window)
         sampler = dict(seq_len=t.seq_len, global_batch=t.global_batch,
                        micro_batch=t.micro_batch, seed=t.seed)
         return cls(cfg, mesh, model, optimizer, reducers,
                    data.BatchSampler(train_tokens, **sampler),
-                   data.BatchSampler(val_tokens, **sampler))
+                   data.BatchSampler(val_tokens, **sampler), masters, scaler)
 
     def train_step(self, step: int) -> dict:
         """One optimizer step (0-based index `step`); returns its metrics."""
@@ -118,17 +129,52 @@ class Trainer:
                 reducer.sync = i == len(micro_batches) - 1  # communicate once per step
             cross_entropy = self._cross_entropy(inputs, targets)
             loss = (cross_entropy + self.model.routing_loss()) / len(micro_batches)
-            loss.backward()
-            loss_sum += cross_entropy.detach() / len(micro_batches)
+            (loss * self.scaler.scale).backward()
+            loss_sum += cross_entropy.detach().float() / len(micro_batches)
             moe_stats.add(self.model)
         for reducer in self.reducers:
             reducer.wait()
-        self._sum_sequence_parallel_grads()
-        grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad)
-        self.optimizer.step()
+        grads = self._gradients()
+        self._sum_sequence_parallel_grads(grads)
+        row = {"step": step + 1}
+        if self.scaler.enabled:
+            for grad in grads.values():
+                grad.mul_(1.0 / self.scaler.scale)
+            row["loss_scale"] = self.scaler.scale
+        overflow = self.scaler.enabled and self._any_overflow(grads)
+        grad_norm = torch.full((), float("nan"))
+        if not overflow:
+            grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad, grads)
+            self._optimizer_step(grads)
+        self.scaler.update(overflow)
+        if self.scaler.enabled:
+            row["skipped"] = int(overflow)
         comm.all_reduce(loss_sum, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
-        return {"step": step + 1, "loss": loss_sum.item(), "grad_norm": grad_norm.item(),
-                "lr": lr, **moe_stats.summary(mesh, len(micro_batches))}
+        return row | {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
+                      **moe_stats.summary(mesh, len(micro_batches))}
+
+    def _gradients(self) -> dict[int, torch.Tensor]:
+        """id(model parameter) -> its reduced gradient (in the reducers' buffers)."""
+        return {id(p): reducer.grad(p) for reducer in self.reducers for p in reducer.params}
+
+    def _any_overflow(self, grads: dict[int, torch.Tensor]) -> bool:
+        """An inf/nan anywhere on any rank: every rank must skip the same step."""
+        found = torch.zeros((), device=self.mesh.device)
+        for grad in grads.values():
+            if not torch.isfinite(grad).all():
+                found.fill_(1.0)
+                break
+        comm.all_reduce(found, self.mesh.world, op=torch.distributed.ReduceOp.MAX)
+        return bool(found.item())
+
+    def _optimizer_step(self, grads: dict[int, torch.Tensor]) -> None:
+        if self.masters is None:
+            self.optimizer.step()
+            return
+        for param in self.masters.model_params:
+            self.masters.master_of[id(param)].grad = grads[id(param)].float()
+        self.optimizer.step()
+        self.masters.copy_to_model()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -154,9 +200,9 @@ class Trainer:
         inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
         return self.model.cross_entropy(self.model(inputs, positions), targets)
 
-    def _sum_sequence_parallel_grads(self) -> None:
+    def _sum_sequence_parallel_grads(self, all_grads: dict[int, torch.Tensor]) -> None:
         """Complete the partial gradients of parameters used on s/tp tokens (one all-reduce)."""
-        grads = [p.grad for p in self.model.sequence_parallel_parameters()]
+        grads = [all_grads[id(p)] for p in self.model.sequence_parallel_parameters()]
         if not grads:
             return
         flat = torch.cat([g.flatten() for g in grads])
@@ -166,15 +212,19 @@ class Trainer:
 
     def save(self, out: Path, step: int) -> Path:
         return save_checkpoint(out / "checkpoints", step, model=self.model,
-                               optimizer=self.optimizer, mesh=self.mesh,
-                               train_state={"step": step}, config_toml=self.cfg.to_toml())
+                               optimizer=self.optimizer, mesh=self.mesh, masters=self.masters,
+                               train_state={"step": step, "loss_scaler": self.scaler.state_dict()},
+                               config_toml=self.cfg.to_toml())
 
     def resume(self, out: Path) -> int:
         """Load the latest checkpoint in `out` (any layout); returns the step to continue at."""
         path = latest_checkpoint(out / "checkpoints")
         if path is None:
             return 0
-        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, mesh=self.mesh)
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, mesh=self.mesh,
+                                masters=self.masters)
+        if "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
         return int(state["step"])
 
 

@@ -5,7 +5,9 @@ Every parameter's `.grad` is a view into one flat buffer per bucket, so a ready 
 in place with no packing copy. Buckets are filled in reverse parameter order (roughly the order
 backward produces gradients) and closed before they would overflow, so the (tied) word embedding,
 whose gradient is complete only at the very end of backward, does not hold back the layers next
-to it; each launches an asynchronous all-reduce from a post-accumulate-grad
+to it. When the gradient dtype differs from the parameters' (16-bit parameters, fp32
+accumulation) the hook instead adds each fresh gradient into its fp32 view and frees it. Each
+bucket launches an asynchronous all-reduce from a post-accumulate-grad
 hook as soon as its last gradient of the step has arrived. With gradient accumulation only the
 last micro-batch's backward communicates (`sync` is False before it).
 """
@@ -21,19 +23,26 @@ from meshtrain.parallel import comm
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device):
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
+                 *, as_grads: bool):
         self.params = params
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         self.pending = len(params)
         self.work: dist.Work | None = None
+        self.as_grads = as_grads
+        self.views: dict[int, torch.Tensor] = {}
         offset = 0
         for p in params:
-            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            self.views[id(p)] = self.buffer[offset:offset + p.numel()].view_as(p)
+            if as_grads:
+                p.grad = self.views[id(p)]
             offset += p.numel()
 
     def check_views(self) -> None:
         """Fail loudly if a gradient was replaced (e.g. `optimizer.zero_grad()` set it to None
         and backward made a fresh one): it would silently escape the reduction."""
+        if not self.as_grads:
+            return
         start = self.buffer.data_ptr()
         end = start + self.buffer.numel() * self.buffer.element_size()
         for p in self.params:
@@ -61,6 +70,8 @@ class GradientReducer:
         self.scale = scale
         self.sync = True
         params = [p for p in params if p.requires_grad]
+        self.params = params
+        as_grads = all(p.dtype == grad_dtype for p in params)
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
         current_bytes = 0
@@ -68,21 +79,30 @@ class GradientReducer:
         for p in reversed(params):
             nbytes = p.numel() * itemsize
             if current and current_bytes + nbytes > bucket_bytes:  # close before overflowing
-                self.buckets.append(_Bucket(current, grad_dtype, current[0].device))
+                self.buckets.append(_Bucket(current, grad_dtype, current[0].device,
+                                            as_grads=as_grads))
                 current, current_bytes = [], 0
             current.append(p)
             current_bytes += nbytes
         if current:
-            self.buckets.append(_Bucket(current, grad_dtype, current[0].device))
+            self.buckets.append(_Bucket(current, grad_dtype, current[0].device,
+                                        as_grads=as_grads))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        if axis.size > 1:
+        if axis.size > 1 or not as_grads:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
+    def grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The (reduced, after `wait()`) gradient of `param` in its bucket."""
+        return self._bucket_of[id(param)].views[id(param)]
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.sync:
-            return
         bucket = self._bucket_of[id(param)]
+        if not bucket.as_grads:  # accumulate in the bucket's dtype, free the 16-bit gradient
+            bucket.views[id(param)].add_(param.grad)
+            param.grad = None
+        if not self.sync or self.axis.size == 1:
+            return
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch(bucket)

@@ -77,6 +77,50 @@ def _sharded_copy(cls, dense: nn.Module, mesh, **options) -> nn.Module:
     return layer
 
 
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    """f fused with the matmul: identity forward; backward launches the input gradient's
+    all-reduce over TP and computes the weight gradient while it is in flight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, axis: MeshAxis):
+        ctx.save_for_backward(x, weight)
+        ctx.axis, ctx.has_bias = axis, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x, work = None, None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ weight
+            work = comm.all_reduce(grad_x, ctx.axis, async_op=True)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = flat_grad.T @ x.reshape(-1, x.shape[-1])
+        grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_weight, grad_bias, None
+
+
+class _RowParallelLinearFn(torch.autograd.Function):
+    """The matmul fused with g: the partial product is all-reduced in place (no copy);
+    backward is local."""
+
+    @staticmethod
+    def forward(ctx, x, weight, axis: MeshAxis):
+        ctx.save_for_backward(x, weight)
+        y = F.linear(x, weight)
+        comm.all_reduce(y, axis)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_weight, None
+
+
 class _SequenceParallelLinear(torch.autograd.Function):
     """All-gather the `[b, s/tp, in]` input along the sequence, then the local matmul.
 
@@ -168,8 +212,9 @@ class ColumnParallelLinear(_TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # x: [b, s/tp, in]
             y = _SequenceParallelLinear.apply(x, self.weight, self.bias, self.tp_axis)
+        elif self.tp_axis.size > 1:
+            y = _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.tp_axis)
         else:
-            x = comm.copy_to_tensor_parallel_region(x, self.tp_axis)
             y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
         if not self.gather_output or self.tp_axis.size == 1:
             return y
@@ -223,11 +268,13 @@ class RowParallelLinear(_TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to_tensor_parallel_region(x, self.tp_axis)
-        y = F.linear(x, self.weight)  # partial sums: [..., out]
         if self.sequence_parallel:  # summed and split along the sequence: [b, s/tp, out]
-            y = comm.reduce_scatter_to_sequence_parallel_region(y, self.tp_axis)
+            y = comm.reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight),
+                                                                self.tp_axis)
+        elif self.tp_axis.size > 1:
+            y = _RowParallelLinearFn.apply(x, self.weight, self.tp_axis)  # summed partials
         else:
-            y = comm.reduce_from_tensor_parallel_region(y, self.tp_axis)
+            y = F.linear(x, self.weight)
         return y if self.bias is None else y + self.bias
 
 
@@ -287,9 +334,11 @@ class VocabParallelEmbedding(_TensorParallelModule):
         """
         if sequence_parallel and self.tp_axis.size > 1:
             hidden = comm.gather_from_sequence_parallel_region(hidden, self.tp_axis)
+            logits = F.linear(hidden, self.weight)
+        elif self.tp_axis.size > 1:  # f fused: the all-reduce overlaps the weight gradient
+            logits = _ColumnParallelLinearFn.apply(hidden, self.weight, None, self.tp_axis)
         else:
-            hidden = comm.copy_to_tensor_parallel_region(hidden, self.tp_axis)
-        logits = F.linear(hidden, self.weight)
+            logits = F.linear(hidden, self.weight)
         num_valid = self.num_embeddings - self.vocab_start
         if num_valid < self.num_local:
             logits[..., max(num_valid, 0):] = float("-inf")

@@ -1,0 +1,65 @@
+"""Mixed precision: 16-bit parameters for compute, fp32 master weights for the optimizer, and
+dynamic loss scaling for fp16.
+
+The model's parameters (and so its activations and gradients) are bf16 or fp16. Gradients are
+accumulated into fp32 buffers by default (the GradientReducer adds each 16-bit gradient into its
+fp32 bucket and frees it), the optimizer steps fp32 copies of the parameters, and the model gets
+the rounded result. fp16 needs loss scaling: the loss is multiplied by a scale before backward,
+gradients are divided by it afterwards, and a step whose gradients overflowed on any rank is
+skipped on every rank (the scale halves); after `growth_interval` clean steps it doubles.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str, flag: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+class MasterWeights:
+    """fp32 copies of 16-bit parameters; `params` are what the optimizer steps."""
+
+    def __init__(self, model_params: list[nn.Parameter]):
+        self.model_params = model_params
+        self.params = [nn.Parameter(p.detach().float().clone()) for p in model_params]
+        self.master_of = {id(p): m for p, m in zip(model_params, self.params, strict=True)}
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for param, master in zip(self.model_params, self.params, strict=True):
+            param.copy_(master)
+
+
+class LossScaler:
+    """Dynamic loss scale (fp16); a constant 1 that never skips when disabled."""
+
+    def __init__(self, *, enabled: bool, initial: float = 2.0**16, growth_interval: int = 1000):
+        self.enabled = enabled
+        self.scale = initial if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+
+    def update(self, found_overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if found_overflow:
+            self.scale /= 2.0
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == self.growth_interval:
+                self.scale *= 2.0
+                self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])

@@ -1,0 +1,113 @@
+"""Mixed precision: bf16 and fp16 (loss scaling) track fp32; overflow skips on every rank."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_on_ranks, worker_mesh
+
+from meshtrain.config import build_config, validate
+from meshtrain.data import synthetic_corpus
+from meshtrain.train import Trainer, run_training
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(synthetic_corpus(40_000, seed=7).tobytes())
+    return str(path)
+
+
+def _cfg(corpus, out="/nonexistent", **train):
+    settings = {"steps": 50, "global_batch": 8, "micro_batch": 4, "seq_len": 32, "seed": 8,
+                "lr": 2e-3, "warmup_steps": 5} | train
+    return build_config({}, {"train": settings, "parallel": {"device": "cpu"},
+                             "data": {"data": corpus}, "checkpoint": {"out": out}})
+
+
+def _trajectory(corpus, tp, **train):
+    world = torch.distributed.get_world_size()
+    trainer = Trainer.build(_cfg(corpus, **train), worker_mesh(tp=tp, dp=world // tp))
+    return [trainer.train_step(step) for step in range(trainer.cfg.train.steps)]
+
+
+def _max_rel(rows, reference):
+    return max(abs(r["loss"] - f["loss"]) / f["loss"] for r, f in zip(rows, reference,
+                                                                       strict=True))
+
+
+def test_bf16_tracks_fp32_over_50_steps(corpus):
+    fp32 = run_on_ranks(2, _trajectory, corpus, 2)[0]
+    assert fp32[-1]["loss"] < fp32[0]["loss"] - 1.0
+    bf16 = run_on_ranks(2, _trajectory, corpus, 2, precision="bf16")[0]
+    assert _max_rel(bf16, fp32) < 2e-2
+    bf16_grads = run_on_ranks(2, _trajectory, corpus, 2, precision="bf16", grad_dtype="bf16")[0]
+    assert _max_rel(bf16_grads, fp32) < 2e-2
+
+
+def test_fp16_with_loss_scaling_tracks_fp32_over_50_steps(corpus):
+    fp32 = run_on_ranks(1, _trajectory, corpus, 1)[0]
+    fp16 = run_on_ranks(1, _trajectory, corpus, 1, precision="fp16")[0]
+    assert _max_rel(fp16, fp32) < 5e-3
+    assert all(r["skipped"] == 0 for r in fp16) and fp16[0]["loss_scale"] == 2.0**16
+
+
+def _forced_overflow(corpus):
+    mesh = worker_mesh(tp=1, dp=2)
+    trainer = Trainer.build(_cfg(corpus, steps=4, precision="fp16"), mesh)
+    trainer.train_step(0)
+    before = [m.detach().clone() for m in trainer.masters.params]
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    param = trainer.model.layers["0"].ln1.weight
+    handle = param.register_hook(lambda g: g * math.inf) if mesh.rank == 1 else None
+    row = trainer.train_step(1)  # only rank 1 overflows
+    if handle:
+        handle.remove()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, trainer.masters.params,
+                                                      strict=True))
+    model_unchanged = all(torch.equal(a, b) for a, b in zip(weights,
+                                                            trainer.model.parameters(),
+                                                            strict=True))
+    after = trainer.train_step(2)
+    return row["skipped"], row["loss_scale"], after["loss_scale"], unchanged, model_unchanged
+
+
+def test_overflow_on_one_rank_skips_the_step_everywhere(corpus):
+    for skipped, scale, next_scale, unchanged, model_unchanged in run_on_ranks(
+            2, _forced_overflow, corpus):
+        assert skipped == 1 and next_scale == scale / 2
+        assert unchanged and model_unchanged
+
+
+def _run(corpus, out, **train):
+    cfg = _cfg(corpus, out, steps=8, **train)
+    cfg.checkpoint.resume = "stop_at" not in train and Path(out, "checkpoints").exists()
+    run_training(cfg, degrees={"tp": 2, "pp": 1, "dp": 1})
+
+
+def _losses(out):
+    rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r.get("loss_scale")) for r in rows if "loss" in r]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_resume_in_16_bit_is_bitwise(corpus, tmp_path, precision):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run_on_ranks(2, _run, corpus, str(whole), precision=precision)
+    run_on_ranks(2, _run, corpus, str(parts), precision=precision, stop_at=4)
+    run_on_ranks(2, _run, corpus, str(parts), precision=precision)
+    assert _losses(parts) == _losses(whole)
+
+
+@pytest.mark.parametrize("train,match", [
+    ({"precision": "fp8"}, "--precision must be one of fp32, bf16, fp16"),
+    ({"precision": "fp16", "grad_dtype": "bf16"}, "--grad-dtype bf16 must be fp32 or the"),
+    ({"loss_scale_window": 0}, "--loss-scale-window must be positive"),
+])
+def test_bad_precision_settings(corpus, train, match):
+    cfg = _cfg(corpus, **train)
+    cfg.parallel.tp = 1
+    with pytest.raises(ValueError, match=match):
+        validate(cfg, 1)
