@@ -83,13 +83,15 @@ def test_bad_input_is_one_line(capsys, corpus, tmp_path, flags, needle):
 def test_bad_files_are_one_line(capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert "--data" in _error(capsys, ["train", "--data", str(empty)])
+    assert "--data" in _error(capsys, ["train", "--device", "cpu", "--data", str(empty)])
     bad_toml = tmp_path / "bad.toml"
     bad_toml.write_text("[train\nsteps = ")
-    assert "is not valid TOML" in _error(capsys, ["train", "--config", str(bad_toml)])
+    assert "is not valid TOML" in _error(capsys, ["train", "--device", "cpu", "--config",
+                                                  str(bad_toml)])
     unknown = tmp_path / "unknown.toml"
     unknown.write_text("[train]\nstepz = 3\n")
-    assert "unknown setting train.stepz" in _error(capsys, ["train", "--config", str(unknown)])
+    assert "unknown setting train.stepz" in _error(capsys, ["train", "--device", "cpu",
+                                                            "--config", str(unknown)])
 
 
 def _run_cli(*args, check=True) -> subprocess.CompletedProcess:
