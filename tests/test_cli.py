@@ -72,8 +72,10 @@ def _error(capsys, argv) -> str:
      "ep=4 must divide dp x cp = 2 x 1 = 2"),
     (["--tp", "1", "--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
     (["--nproc", "4", "--tp", "2", "--cp", "2", "--seq-len", "34"],
-     "--seq-len 34 must be divisible by 2 x cp (4) = 4"),
+     "--seq-len 34 must be divisible by 2 x cp = 4"),
     (["--recompute", "most"], "--recompute must be none, selective or full"),
+    (["--seed", "-1"], "--seed must be non-negative"),
+    (["--bucket-mb", "1e-9"], "--bucket-mb must be positive"),
 ])
 def test_bad_input_is_one_line(capsys, corpus, tmp_path, flags, needle):
     argv = ["train", "--device", "cpu", "--data", corpus, "--out", str(tmp_path / "run"), *flags]

@@ -188,3 +188,15 @@ def test_moe_checkpoint_moves_between_ep_degrees(corpus, tmp_path):
     assert saved.keys() == loaded.keys()
     for name, tensor in saved.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_checkpoint_of_another_moe_shape_is_refused(corpus, tmp_path):
+    from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+
+    run_on_ranks(2, _save_moe, corpus, tmp_path, 1, 2)
+    path = latest_checkpoint(tmp_path / "checkpoints")
+    other = _cfg(corpus, 2).gpt_config(256)
+    import dataclasses
+
+    with pytest.raises(CheckpointError, match="moe_experts 4 there vs 2 here"):
+        read_manifest(path, dataclasses.replace(other, moe_experts=2))

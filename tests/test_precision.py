@@ -10,6 +10,7 @@ from harness import run_on_ranks, worker_mesh
 
 from meshtrain.config import build_config, validate
 from meshtrain.data import synthetic_corpus
+from meshtrain.memory import zero_formula_bytes
 from meshtrain.train import Trainer, run_training
 
 
@@ -111,3 +112,20 @@ def test_bad_precision_settings(corpus, train, match):
     cfg.parallel.tp = 1
     with pytest.raises(ValueError, match=match):
         validate(cfg, 1)
+
+
+def _memory(corpus, **train):
+    trainer = Trainer.build(_cfg(corpus, steps=2, **train), worker_mesh(tp=2))
+    trainer.train_step(0)
+    return trainer.memory_report()
+
+
+@pytest.mark.parametrize("train,p,g,k", [({}, 4, 4, 8),
+                                         ({"precision": "bf16"}, 2, 4, 12),
+                                         ({"precision": "bf16", "grad_dtype": "bf16"}, 2, 2, 12)])
+def test_model_state_bytes_match_the_zero_paper_baseline(corpus, train, p, g, k):
+    report = run_on_ranks(2, _memory, corpus, **train)[0]
+    psi = report["num_parameters"]
+    assert report["parameters"] == p * psi and report["gradients"] == g * psi
+    expected = zero_formula_bytes(psi, param_bytes=p, grad_bytes=g, state_bytes=k)
+    assert abs(report["total"] - expected) / expected < 0.05, (report, expected)

@@ -132,10 +132,12 @@ def test_load_balanced_positions():
 @pytest.mark.parametrize("kwargs,match", [
     ({"tp": 1, "plan": ParallelPlan(sequence_parallel=True)}, "--sequence-parallel needs --tp"),
     ({"tp": 4, "seq_len": 30, "plan": ParallelPlan(sequence_parallel=True)},
-     r"--seq-len 30 must be divisible by tp \(4\) = 4"),
-    ({"cp": 2, "seq_len": 30}, r"--seq-len 30 must be divisible by 2 x cp \(4\) = 4"),
-    ({"cp": 2, "tp": 2, "seq_len": 36, "plan": ParallelPlan(sequence_parallel=True)},
-     r"divisible by 2 x cp \(4\) x tp \(2\) = 8"),
+     r"--seq-len 30 / cp \(1\) = 30 tokens per rank must be divisible by tp \(4\)"),
+    ({"cp": 2, "seq_len": 30}, r"--seq-len 30 must be divisible by 2 x cp = 4"),
+    ({"cp": 2, "tp": 4, "seq_len": 36, "plan": ParallelPlan(sequence_parallel=True)},
+     r"36 / cp \(2\) = 18 tokens per rank must be divisible by tp \(4\)"),
+    ({"plan": ParallelPlan(recompute="selective", recompute_layers=2)},
+     "--recompute-layers applies to --recompute full only"),
     ({"cp": 2, "dropout": 0.1}, "attention dropout with --cp > 1"),
     ({"cp": 4, "tp": 2, "plan": ParallelPlan(cp_mode="all2all")},
      r"heads per TP rank \(2\) divisible by --cp 4"),
@@ -147,3 +149,29 @@ def test_bad_plans(kwargs, match):
     plan = args.pop("plan")
     with pytest.raises(ValueError, match=match):
         validate_plan(plan, **args)
+
+
+def _ring_bf16():
+    """Ring attention in bf16 keeps its running max/sum in fp32: as accurate as SDPA in bf16."""
+    from meshtrain.parallel.context import ring_attention
+
+    mesh = worker_mesh(cp=2)
+    torch.manual_seed(0)
+    s, d = 64, 16
+    full = [torch.randn(1, 2, s, d, dtype=torch.float64) for _ in range(3)]
+    reference = torch.nn.functional.scaled_dot_product_attention(*full, is_causal=True)
+    positions = context_parallel_positions(s, 2, mesh.cp.rank)
+    local = [t[:, :, positions].to(torch.bfloat16).requires_grad_() for t in full]
+    out = ring_attention(*local, mesh.cp, s)
+    assert out.dtype == torch.bfloat16
+    error = (out.double() - reference[:, :, positions]).abs().max().item()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        *(t.to(torch.bfloat16) for t in full), is_causal=True)[:, :, positions]
+    sdpa_error = (sdpa.double() - reference[:, :, positions]).abs().max().item()
+    out.sum().backward()
+    assert all(t.grad.dtype == torch.bfloat16 for t in local)
+    assert error <= 1.5 * sdpa_error + 1e-3, (error, sdpa_error)
+
+
+def test_ring_attention_accumulates_in_fp32_for_bf16_inputs():
+    run_on_ranks(2, _ring_bf16)

@@ -35,7 +35,7 @@ from meshtrain.precision import MasterWeights
 
 FORMAT = "meshtrain-checkpoint-1"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len",
-                "ffn_hidden_size")
+                "ffn_hidden_size", "moe_experts", "moe_every")
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -105,11 +105,16 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
     parameters, the fp32 master weights are what is saved as the model."""
     root = Path(root)
     final = step_dir(root, step)
+    version = 1
+    while final.exists():  # a step saved again gets a new name: nothing existing is touched
+        final, version = root / f"{step_dir(root, step).name}.{version}", version + 1
     tmp = root / f".tmp_step_{step:08d}"
-    if mesh.rank == 0:
+
+    def make_tmp():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    comm.barrier(mesh.world)
+
+    _on_every_rank_or_none(make_tmp if mesh.rank == 0 else None, mesh, "creating " + str(tmp))
 
     shards = parameter_shards(model)
     params = dict(model.named_parameters())
@@ -143,12 +148,16 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
         tensors[f"{rng_key}/{name}"] = state.cpu()
 
     path = tmp / file_name
-    save_file(tensors, str(path))
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+
+    def write_file():
+        save_file(tensors, str(path))
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+    _on_every_rank_or_none(write_file, mesh, "writing " + file_name)
     gathered = comm.all_gather_objects((file_name, _sha256(path), entries), mesh.world)
 
-    if mesh.rank == 0:
+    def publish():
         merged: dict[str, dict] = {}
         for _, _, rank_entries in gathered:
             for name, entry in rank_entries.items():
@@ -164,18 +173,29 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
         _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1))
         _fsync_write(tmp / "train_state.json", json.dumps(train_state))
         _fsync_write(tmp / "config.toml", config_toml)
-        if final.exists():  # re-saving a step: keep the old copy until the new one is in place
-            stale = root / f".stale_step_{step:08d}"
-            shutil.rmtree(stale, ignore_errors=True)
-            final.rename(stale)
-            tmp.rename(final)
-            shutil.rmtree(stale)
-        else:
-            tmp.rename(final)
+        tmp.rename(final)
         _fsync_write(root / ".latest.tmp", final.name)
         os.replace(root / ".latest.tmp", root / "latest")
-    comm.barrier(mesh.world)
+
+    _on_every_rank_or_none(publish if mesh.rank == 0 else None, mesh, "publishing " + final.name)
     return final
+
+
+def _on_every_rank_or_none(action, mesh: ParallelMesh, what: str) -> None:
+    """Run this rank's part of a save (or nothing) and agree with every rank on the outcome, so
+    a failure anywhere raises the same one-line error everywhere instead of stranding peers."""
+    failed = torch.zeros((), device=mesh.device)
+    reason = ""
+    try:
+        if action is not None:
+            action()
+    except OSError as e:
+        failed.fill_(1.0)
+        reason = f": {e}"
+    comm.all_reduce(failed, mesh.world, op=torch.distributed.ReduceOp.MAX)
+    if failed.item():
+        raise CheckpointError(f"saving the checkpoint failed on some rank ({what}{reason}); the"
+                              " previous checkpoint is intact")
 
 
 def read_manifest(path: str | Path, cfg: GPTConfig | None = None) -> dict:
@@ -255,13 +275,21 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         full = reader.full(name)
         return full if shard is None else shard_tensor(full, shard, mesh.tp)
 
+    for name, param in model.named_parameters():  # every shape, before anything is copied
+        entry = manifest["tensors"].get("model/" + name)
+        expected = _logical_shape(param, shards[name])
+        if entry is None or entry["shape"] != expected:
+            found = None if entry is None else entry["shape"]
+            raise CheckpointError(f"checkpoint {path}: {name} has shape {found} there, {expected}"
+                                  " here: it is from a different model; use its model flags")
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             value = local("model/" + name, shards[name])
             param.copy_(value)
             if masters is not None:
                 masters.master_of[id(param)].copy_(value)
-        if optimizer is not None:
+        if optimizer is not None and "optim/step" in manifest["tensors"]:  # else: no step yet
             step = reader.full("optim/step")
             for name, param in model.named_parameters():
                 stepped = masters.master_of[id(param)] if masters else param

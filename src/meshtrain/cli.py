@@ -17,7 +17,7 @@ from pathlib import Path
 
 from meshtrain import config as config_mod
 from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from meshtrain.mesh import check_local_devices
+from meshtrain.mesh import check_local_devices, resolve_degrees
 
 EXIT_BAD_INPUT = 2
 
@@ -174,6 +174,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
     if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature <= 0:
         raise ValueError("--max-new-tokens must be positive, --top-k >= 0, --temperature > 0")
+    if args.tp < 1 or args.nproc < 1:
+        raise ValueError("--tp and --nproc must be positive")
+    resolve_degrees(int(os.environ.get("WORLD_SIZE", args.nproc)), tp=args.tp)
     path = _resolve_checkpoint(args.run)
     manifest = read_manifest(path)
     from meshtrain.model import GPTConfig

@@ -190,7 +190,14 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
                                      f" {', '.join(known)}")
                 setattr(sec, key, _coerce(f"{section}.{key}", known[key], value))
     if cfg.checkpoint.out is None:
-        cfg.checkpoint.out = "runs/" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if "RANK" in os.environ and not run_id:
+            raise ValueError("--out is required under this launcher: ranks cannot agree on a"
+                             " default directory; pass --out DIR")
+        # Under torchrun every rank must name the same directory: use the shared run id.
+        stamp = run_id if run_id and "RANK" in os.environ else \
+            datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg.checkpoint.out = "runs/" + stamp
     return cfg
 
 
@@ -258,8 +265,10 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
                          f" ({t.precision})")
     if t.loss_scale_window < 1:
         raise ValueError(f"--loss-scale-window must be positive, got {t.loss_scale_window}")
-    if p.bucket_mb <= 0:
+    if int(p.bucket_mb * 2**20) < 1:
         raise ValueError(f"--bucket-mb must be positive, got {p.bucket_mb}")
+    if t.seed < 0:
+        raise ValueError(f"--seed must be non-negative, got {t.seed}")
     if cfg.checkpoint.save_every < 0:
         raise ValueError(f"--save-every must be >= 0, got {cfg.checkpoint.save_every}")
     if not 0.0 < cfg.data.val_fraction < 1.0:

@@ -45,3 +45,31 @@ def layer_activation_formula(*, s: int, b: int, h: int, a: int, tp: int = 1,
     split = s * b * h * 12 * e / t
     attention = 0.0 if recompute == "selective" else a * s * s * b * (2 * e + mu) / t
     return (replicated / (t if sequence_parallel else 1)) + split + attention
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def model_state_bytes(*, params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
+                      optimizer: torch.optim.Optimizer,
+                      masters: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer states (fp32 master weights
+    count as optimizer state, as in the ZeRO paper), summing the storages actually alive."""
+    states = [t for state in optimizer.state.values() for t in state.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {"parameters": _storage_bytes(params), "gradients": _storage_bytes(grads),
+            "optimizer_states": _storage_bytes([*states, *masters])}
+
+
+def zero_formula_bytes(num_params: int, *, param_bytes: int, grad_bytes: int, state_bytes: int,
+                       dp: int = 1, stage: int = 0) -> float:
+    """The ZeRO paper's per-rank model-state bytes: baseline (p+g+K)Psi, stage 1 (p+g+K/N)Psi,
+    stage 2 (p+(g+K)/N)Psi, stage 3 (p+g+K)Psi/N."""
+    p, g, k, n = param_bytes, grad_bytes, state_bytes, dp
+    per_param = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+    return per_param * num_params

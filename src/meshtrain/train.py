@@ -4,6 +4,7 @@ gradient reduction -> clipping -> AdamW step -> metrics, evaluation and checkpoi
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from meshtrain import data
 from meshtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from meshtrain.config import RunConfig
+from meshtrain.memory import model_state_bytes
 from meshtrain.mesh import ParallelMesh, init_parallel
 from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics
 from meshtrain.model import GPT
@@ -210,6 +212,15 @@ class Trainer:
         for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             grad.copy_(part.view_as(grad))
 
+    def memory_report(self) -> dict:
+        """Model-state bytes on this rank (after a step, so the optimizer states exist)."""
+        grads = [reducer.grad(p) for reducer in self.reducers for p in reducer.params]
+        held = model_state_bytes(params=list(self.model.parameters()), grads=grads,
+                                 optimizer=self.optimizer,
+                                 masters=self.masters.params if self.masters else ())
+        return held | {"total": sum(held.values()),
+                       "num_parameters": sum(p.numel() for p in self.model.parameters())}
+
     def save(self, out: Path, step: int) -> Path:
         return save_checkpoint(out / "checkpoints", step, model=self.model,
                                optimizer=self.optimizer, mesh=self.mesh, masters=self.masters,
@@ -252,6 +263,13 @@ def run_training(cfg: RunConfig, *, degrees: dict[str, int]) -> list[dict]:
     rows = []
     for step in range(start, stop):
         row = trainer.train_step(step)
+        if step == start:
+            report = comm.all_gather_objects(trainer.memory_report(), mesh.world)
+            if is_logger:
+                (out / "memory.json").write_text(json.dumps({"ranks": report}, indent=1))
+                mib = report[0]["total"] / 2**20
+                progress.write(f"model states on rank 0: {mib:.1f} MiB (parameters, gradients,"
+                               f" optimizer states; all ranks in {out / 'memory.json'})")
         elapsed = timer.lap()
         row |= {"tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed}
         done = step + 1

@@ -42,7 +42,10 @@ def _block_scores(q, k, q_pos, k_pos, scale):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis: MeshAxis, seq_len: int):
-        # q, k, v: [b, a, n, d] for this rank's n tokens
+        # q, k, v: [b, a, n, d] for this rank's n tokens. The running output and log-sum-exp
+        # are kept in fp32 whatever the input dtype (16-bit would lose digits at every step).
+        ctx.dtype = q.dtype
+        q, k, v = q.float(), k.float(), v.float()
         scale = 1.0 / math.sqrt(q.shape[-1])
         positions = [context_parallel_positions(seq_len, axis.size, r).to(q.device)
                      for r in range(axis.size)]
@@ -67,11 +70,12 @@ class _RingAttention(torch.autograd.Function):
                 kv = comm.ring_shift(kv, axis)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.axis, ctx.seq_len = axis, seq_len
-        return out
+        return out.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        grad_out = grad_out.float()
         axis = ctx.axis
         scale = 1.0 / math.sqrt(q.shape[-1])
         positions = [context_parallel_positions(ctx.seq_len, axis.size, r).to(q.device)
@@ -95,8 +99,8 @@ class _RingAttention(torch.autograd.Function):
                 kv = comm.ring_shift(kv, axis)
             # the gradient travels with its block; the last shift brings it home
             grad_kv = comm.ring_shift(grad_kv, axis)
-        grad_k, grad_v = grad_kv.chunk(2)
-        return grad_q, grad_k, grad_v, None, None
+        grad_k, grad_v = (g.to(ctx.dtype) for g in grad_kv.chunk(2))
+        return grad_q.to(ctx.dtype), grad_k, grad_v, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,

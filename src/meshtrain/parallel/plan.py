@@ -29,15 +29,19 @@ def validate_plan(plan: ParallelPlan, *, tp: int, cp: int, num_heads: int, seq_l
         raise ValueError(f"--recompute must be none, selective or full, got {plan.recompute!r}")
     if plan.recompute_layers is not None and plan.recompute_layers < 0:
         raise ValueError(f"--recompute-layers must be >= 0, got {plan.recompute_layers}")
+    if plan.recompute_layers is not None and plan.recompute != "full":
+        raise ValueError("--recompute-layers applies to --recompute full only: add it or drop"
+                         " --recompute-layers")
     if plan.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel needs --tp > 1 (it splits the sequence over the"
                          " tensor-parallel ranks)")
-    split = (2 * cp if cp > 1 else 1) * (tp if plan.sequence_parallel else 1)
-    if seq_len % split:
-        parts = [f"2 x cp ({2 * cp})"] if cp > 1 else []
-        parts += [f"tp ({tp})"] if plan.sequence_parallel else []
-        raise ValueError(f"--seq-len {seq_len} must be divisible by {' x '.join(parts)} = {split}:"
-                         " choose a multiple")
+    if cp > 1 and seq_len % (2 * cp):
+        raise ValueError(f"--seq-len {seq_len} must be divisible by 2 x cp = {2 * cp} (each rank"
+                         " holds 2 of 2 x cp chunks): choose a multiple")
+    local = seq_len // cp  # tokens per CP rank, split again over TP by sequence parallelism
+    if plan.sequence_parallel and local % tp:
+        raise ValueError(f"--seq-len {seq_len} / cp ({cp}) = {local} tokens per rank must be"
+                         f" divisible by tp ({tp}) for --sequence-parallel: choose a multiple")
     if cp > 1 and dropout > 0:
         raise ValueError("attention dropout with --cp > 1 is not supported: use --dropout 0")
     if cp > 1 and plan.cp_mode == "all2all" and (num_heads // tp) % cp:
