@@ -166,6 +166,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
             "format": FORMAT,
             "step": step,
             "layout": mesh.degrees,
+            "device": mesh.device.type,
             "model": dataclasses.asdict(model.cfg),
             "files": {f: digest for f, digest, _ in gathered},
             "tensors": merged,
@@ -265,7 +266,8 @@ class _Reader:
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     mesh: ParallelMesh, masters: MasterWeights | None = None) -> dict:
     """Load a checkpoint of any layout into this rank's model (and optimizer); returns the saved
-    train state. RNG streams are restored only when the layout is the same as at save time."""
+    train state. RNG streams are restored only when the layout and the device type are the same
+    as at save time."""
     path = Path(path)
     manifest = read_manifest(path, model.cfg)
     reader = _Reader(path, manifest, mesh.device)
@@ -296,7 +298,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
                 state = {s: local(f"optim/{s}/{name}", shards[name]).to(param.device)
                          for s in OPTIMIZER_STATES}
                 optimizer.state[stepped] = {"step": step.reshape(()).clone(), **state}
-    if manifest["layout"] == mesh.degrees:
+    if manifest["layout"] == mesh.degrees and manifest.get("device") == mesh.device.type:
         model.rng.set_states({name: reader.raw(f"rng/{mesh.rank}/{name}")
                               for name in model.rng.get_states()})
     return json.loads((path / "train_state.json").read_text())
