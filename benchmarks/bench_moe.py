@@ -28,7 +28,6 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
-import queue
 import socket
 import statistics
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_messages import collect
 
 from meshtrain import ParallelMesh, init_parallel
 from meshtrain.config import RunConfig, build_config, validate
@@ -232,20 +232,7 @@ class Workers:
 
     def collect(self, kind: str) -> list:
         """One `kind` message from every rank, in rank order; raise on a worker's error."""
-        got: dict[int, object] = {}
-        while len(got) < WORLD:
-            try:
-                msg = self.results.get(timeout=5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"rank(s) {dead} exited without a report") from None
-                continue
-            if msg[0] == "error":
-                raise RuntimeError(f"rank {msg[1]} failed:\n{msg[2]}")
-            assert msg[0] == kind, msg
-            got[msg[1]] = msg[2]
-        return [got[r] for r in range(WORLD)]
+        return [payload[0] for payload in collect(self.results, self.procs, kind)]
 
     def close(self) -> None:
         for q in self.commands:

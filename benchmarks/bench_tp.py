@@ -24,7 +24,6 @@ import functools
 import math
 import multiprocessing as mp
 import os
-import queue
 import socket
 import statistics
 import sys
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rank_messages import collect
 from torch import nn
 
 import meshtrain
@@ -539,21 +539,7 @@ class Workers:
         return self._collect("ready")[0][0]
 
     def _collect(self, kind: str) -> list[tuple]:
-        """One `kind` message from every rank (in rank order); raise on a worker's error."""
-        got: dict[int, tuple] = {}
-        while len(got) < WORLD:
-            try:
-                msg = self.results.get(timeout=5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"rank(s) {dead} exited without a report") from None
-                continue
-            if msg[0] == "error":
-                raise RuntimeError(f"rank {msg[1]} failed:\n{msg[2]}")
-            assert msg[0] == kind, msg
-            got[msg[1]] = msg[2:]
-        return [got[r] for r in range(WORLD)]
+        return collect(self.results, self.procs, kind)
 
     def run(self, index: int, n: int) -> tuple[list[float], list[float]]:
         """Per step, the slowest rank's time (the step ends when every rank has finished)."""
