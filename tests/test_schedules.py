@@ -1,0 +1,76 @@
+"""Pipeline schedules as data: the simulator reproduces the bubble and memory formulas exactly."""
+
+import pytest
+
+from meshtrain.parallel.schedules import (
+    BACKWARD,
+    FORWARD,
+    RECV_ACTIVATION,
+    SEND_GRAD,
+    Action,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    pipedream_2bw,
+    simulate,
+)
+
+LAYOUTS = [(2, 4), (4, 8), (4, 4), (3, 5), (4, 16)]
+
+
+@pytest.mark.parametrize("p,m", LAYOUTS)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_flush_schedules_idle_exactly_p_minus_1_over_m_plus_p_minus_1(name, p, m):
+    sim = simulate(gpipe(p, m) if name == "gpipe" else one_f_one_b(p, m))
+    for s in range(p):
+        assert sim.idle_fraction(s) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", LAYOUTS)
+def test_peak_activations_gpipe_m_and_1f1b_min_m_p_minus_s(p, m):
+    assert simulate(gpipe(p, m)).peak_in_flight == [m] * p
+    assert simulate(one_f_one_b(p, m)).peak_in_flight == [min(m, p - s) for s in range(p)]
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 4, 2), (2, 8, 3), (4, 8, 4)])
+def test_interleaved_idle_and_peak(p, m, v):
+    sim = simulate(interleaved(p, m, v), v=v)
+    for s in range(p):
+        assert sim.idle_fraction(s) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    # peak live model chunks (each 1/v of the stage's layers): its warm-up plus one
+    assert sim.peak_in_flight == [min(m * v, 2 * (p - s - 1) + (v - 1) * p + 1)
+                                  for s in range(p)]
+
+
+@pytest.mark.parametrize("p,m,steps", [(2, 4, 3), (4, 4, 5), (4, 8, 2)])
+def test_2bw_has_only_one_fill_and_drain_per_run(p, m, steps):
+    sim = simulate(pipedream_2bw(p, m, steps))
+    for s in range(p):
+        assert sim.idle_fraction(s) == pytest.approx((p - 1) / (steps * m + p - 1), abs=1e-12)
+    # a new weight version every m micro-batches, on every stage
+    for rank in pipedream_2bw(p, m, steps):
+        assert [a.micro for a in rank if a.kind == "step"] == list(range(steps))
+
+
+def test_every_forward_and_backward_once_with_matching_communication():
+    p, m, v = 4, 8, 2
+    schedule = interleaved(p, m, v)
+    for s, actions in enumerate(schedule):
+        computed = sorted((a.kind, a.micro, a.chunk) for a in actions
+                          if a.kind in (FORWARD, BACKWARD))
+        assert computed == sorted((k, i, c) for k in (FORWARD, BACKWARD) for i in range(m)
+                                  for c in range(v))
+        # the very first model chunk receives nothing; the others receive each activation once
+        receives = [a for a in actions if a.kind == RECV_ACTIVATION]
+        assert len(receives) == m * v - (m if s == 0 else 0)
+        assert len([a for a in actions if a.kind == SEND_GRAD]) == m * v - (m if s == 0 else 0)
+    assert schedule[0][0] == Action(FORWARD, 0, 0)
+
+
+def test_bad_schedule_settings():
+    with pytest.raises(ValueError, match=r"micro-batches \(6\) divisible by --pp \(4\)"):
+        interleaved(4, 6, 2)
+    with pytest.raises(ValueError, match=r"PipeDream-2BW needs micro-batches \(2\) >= --pp \(4\)"):
+        pipedream_2bw(4, 2, 3)
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        simulate([[Action(BACKWARD, 0)], [Action(FORWARD, 1)]])
