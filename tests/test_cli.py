@@ -75,6 +75,7 @@ def _error(capsys, argv) -> str:
      "--seq-len 34 must be divisible by 2 x cp = 4"),
     (["--recompute", "most"], "--recompute must be none, selective or full"),
     (["--seed", "-1"], "--seed must be non-negative"),
+    (["--seq-len", "64", "--max-seq-len", "32"], "--seq-len 64 exceeds --max-seq-len 32"),
     (["--bucket-mb", "1e-9"], "--bucket-mb must be positive"),
 ])
 def test_bad_input_is_one_line(capsys, corpus, tmp_path, flags, needle):

@@ -36,6 +36,8 @@ class ModelSettings:
     num_heads: int | None = _f(None, "override the preset's number of attention heads")
     vocab_size: int | None = _f(None, "override the vocabulary (default: the data's, 256 for"
                                       " text)")
+    max_seq_len: int | None = _f(None, "positions the model can embed (default: the larger of"
+                                       " the preset's and --seq-len)")
     dropout: float = _f(0.0, "dropout on embeddings, attention and residuals (0 keeps runs"
                              " comparable across layouts)")
     attention: str = _f("sdpa", "attention kernel: sdpa (fused) or eager (explicit softmax)")
@@ -143,7 +145,8 @@ class RunConfig:
         moe = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
                if f.name.startswith("moe_")}
         return dataclasses.replace(base, **overrides, **moe, vocab_size=m.vocab_size or vocab_size,
-                                   max_seq_len=max(seq, base.max_seq_len), dropout=m.dropout,
+                                   max_seq_len=m.max_seq_len or max(seq, base.max_seq_len),
+                                   dropout=m.dropout,
                                    attention=m.attention)
 
 
@@ -275,6 +278,9 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
         raise ValueError(f"--val-fraction must be in (0, 1), got {cfg.data.val_fraction}")
     gpt = cfg.gpt_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
     gpt.validate()
+    if t.seq_len > gpt.max_seq_len:
+        raise ValueError(f"--seq-len {t.seq_len} exceeds --max-seq-len {gpt.max_seq_len}: raise"
+                         " --max-seq-len or shorten --seq-len")
     gpt.validate_for_tp(p.tp)
     gpt.validate_for_ep(p.ep)
     validate_plan(cfg.plan(), tp=p.tp, cp=p.cp, num_heads=gpt.num_heads, seq_len=t.seq_len,
