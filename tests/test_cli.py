@@ -75,6 +75,11 @@ def _error(capsys, argv) -> str:
      "--seq-len 34 must be divisible by 2 x cp = 4"),
     (["--recompute", "most"], "--recompute must be none, selective or full"),
     (["--seed", "-1"], "--seed must be non-negative"),
+    (["--nproc", "8", "--tp", "1", "--pp", "8"], "--pp 8 exceeds the model's 4 layers"),
+    (["--nproc", "4", "--tp", "2", "--pp", "2", "--sequence-parallel"],
+     "--pp > 1 with --sequence-parallel, --cp or --moe-experts is not supported yet"),
+    (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "interleaved"],
+     "--pp-schedule must be gpipe or 1f1b"),
     (["--seq-len", "64", "--max-seq-len", "32"], "--seq-len 64 exceeds --max-seq-len 32"),
     (["--bucket-mb", "1e-9"], "--bucket-mb must be positive"),
 ])

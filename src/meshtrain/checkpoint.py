@@ -161,7 +161,11 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
         merged: dict[str, dict] = {}
         for _, _, rank_entries in gathered:
             for name, entry in rank_entries.items():
-                merged.setdefault(name, {**entry, "pieces": []})["pieces"] += entry["pieces"]
+                pieces = merged.setdefault(name, {**entry, "pieces": []})["pieces"]
+                held = {(q["dim"], q["offset"], q["length"]) for q in pieces}
+                # the tied embedding lives on the first and the last pipeline stage: once is enough
+                pieces += [q for q in entry["pieces"]
+                           if (q["dim"], q["offset"], q["length"]) not in held]
         manifest = {
             "format": FORMAT,
             "step": step,

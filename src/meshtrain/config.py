@@ -55,7 +55,10 @@ class ParallelSettings:
     nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp); omit under"
                                  " torchrun")
     tp: int = _f(2, "tensor-parallel degree")
-    pp: int = _f(1, "pipeline-parallel degree")
+    pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
+                    " remainder)")
+    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe or 1f1b (interleaved and 2bw are not"
+                                  " executable yet)")
     dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp x cp))")
     ep: int = _f(1, "expert-parallel degree: experts spread over this many of the dp ranks")
     cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence")
@@ -286,6 +289,12 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     validate_plan(cfg.plan(), tp=p.tp, cp=p.cp, num_heads=gpt.num_heads, seq_len=t.seq_len,
                   dropout=gpt.dropout, moe=gpt.moe_experts > 0)
     if p.pp > 1:
-        raise ValueError("--pp > 1 is not supported yet (pipeline parallelism is a later"
-                         " issue): use --pp 1")
+        if p.pp > gpt.num_layers:
+            raise ValueError(f"--pp {p.pp} exceeds the model's {gpt.num_layers} layers: every"
+                             " stage needs at least one")
+        if p.pp_schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"--pp-schedule must be gpipe or 1f1b, got {p.pp_schedule!r}")
+        if p.sequence_parallel or p.cp > 1 or gpt.moe_experts:
+            raise ValueError("--pp > 1 with --sequence-parallel, --cp or --moe-experts is not"
+                             " supported yet: use --pp 1")
     return degrees

@@ -105,7 +105,8 @@ def _axis_groups(degrees: dict[str, int], varying: tuple[str, ...]) -> list[list
 class ParallelMesh:
     """Process groups and coordinates of this rank on every parallel axis.
 
-    Axes: pp, dp, cp, tp; dp_cp (dp x cp flattened: where replicated gradients are averaged);
+    Axes: pp, dp, cp, tp; embed (first and last pipeline stage); dp_cp (dp x cp flattened:
+    where replicated gradients are averaged);
     ep (expert parallel, consecutive blocks of dp_cp) and edp (the dp_cp ranks holding the same
     experts). Build it with `init_parallel`.
     """
@@ -124,6 +125,10 @@ class ParallelMesh:
         ep = degrees["ep"]
         self._add_axis("ep", [g[i : i + ep] for g in dp_cp_groups for i in range(0, len(g), ep)])
         self._add_axis("edp", [g[i::ep] for g in dp_cp_groups for i in range(ep)])
+        # First and last pipeline stage: both hold the tied word embedding.
+        pp_groups = _axis_groups(degrees, ("pp",))
+        self._add_axis("embed", [[g[0], g[-1]] for g in pp_groups if len(g) > 1]
+                       + [[r] for g in pp_groups for r in (g[1:-1] if len(g) > 1 else g)])
         world_ranks = tuple(range(self.world_size))
         self._axes["world"] = MeshAxis("world", self.world_size, rank, world_ranks,
                                        dist.group.WORLD if self.world_size > 1 else None)

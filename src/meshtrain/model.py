@@ -184,12 +184,15 @@ class Embedding(nn.Module):
     """Token (vocab-parallel) plus learned position embedding, then dropout. Under sequence
     parallelism the output is this TP rank's `[b, s/tp, h]`."""
 
-    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, seed: int, plan: ParallelPlan):
+    def __init__(self, cfg: GPTConfig, mesh: ParallelMesh, seed: int, plan: ParallelPlan, *,
+                 with_position: bool = True):
         super().__init__()
         gen = _generator(seed, 0)
         self.word = VocabParallelEmbedding.from_dense(
             _init_embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std, gen), mesh=mesh)
-        self.position = _init_embedding(cfg.max_seq_len, cfg.hidden_size, cfg.init_std, gen)
+        # The last pipeline stage keeps only the word table (for the tied output layer).
+        self.position = _init_embedding(cfg.max_seq_len, cfg.hidden_size, cfg.init_std, gen) \
+            if with_position else None
         self.dropout = cfg.dropout
         self.sequence_parallel = plan.sequence_parallel and mesh.tp.size > 1
         self.tp_axis = mesh.tp
@@ -301,7 +304,7 @@ class GPT(nn.Module):
         self.plan = plan = plan or ParallelPlan()
         self.stage = stage = stage or StageSpec(range(cfg.num_layers))
         # The head reuses the word embedding, so a stage with the head holds it too.
-        self.embedding = Embedding(cfg, mesh, seed, plan) \
+        self.embedding = Embedding(cfg, mesh, seed, plan, with_position=stage.has_embedding) \
             if stage.has_embedding or stage.has_head else None
         self.layers = nn.ModuleDict(
             {str(i): Block(cfg, mesh, seed, i, plan) for i in stage.layers})

@@ -36,7 +36,8 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 
 
 def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
-                     grads: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                     grads: dict[int, torch.Tensor] | None = None,
+                     duplicates: set[int] = frozenset()) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each logical parameter counted once.
 
     TP-sharded parameters: every rank's shard counts (summed over TP). Replicated parameters
@@ -44,7 +45,8 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
     hold different layers and are summed over PP. DP replicas hold the same averaged gradient,
     so nothing is summed over DP; experts are summed over EP (each EP rank holds different
     experts) but not over their replicas (edp). `grads` maps id(parameter) to its gradient
-    where it does not live in `.grad` (fp32 buffers of 16-bit parameters).
+    where it does not live in `.grad` (fp32 buffers of 16-bit parameters); `duplicates` are
+    copies counted elsewhere (the last pipeline stage's tied embedding).
     """
     sharded = tensor_parallel_parameters(model)
     experts = model.expert_parameters() if hasattr(model, "expert_parameters") else set()
@@ -53,7 +55,7 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
     expert = torch.zeros((), dtype=torch.float32, device=device)
     for p in model.parameters():
         grad = p.grad if grads is None else grads.get(id(p))
-        if grad is None or not (id(p) in sharded or mesh.tp.rank == 0):
+        if grad is None or id(p) in duplicates or not (id(p) in sharded or mesh.tp.rank == 0):
             continue
         square = grad.detach().float().pow(2).sum()
         if id(p) in experts:
@@ -68,10 +70,11 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
 
 
 def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, max_norm: float,
-                    grads: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                    grads: dict[int, torch.Tensor] | None = None,
+                    duplicates: set[int] = frozenset()) -> torch.Tensor:
     """Scale gradients so the global norm is at most `max_norm` (0 disables); returns the norm
     before clipping."""
-    norm = global_grad_norm(model, mesh, grads)
+    norm = global_grad_norm(model, mesh, grads, duplicates)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         tensors = list(grads.values()) if grads is not None else \

@@ -15,11 +15,20 @@ from meshtrain.config import RunConfig
 from meshtrain.memory import model_state_bytes
 from meshtrain.mesh import ParallelMesh, init_parallel
 from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics
-from meshtrain.model import GPT
+from meshtrain.model import GPT, StageSpec
 from meshtrain.optim import build_adamw, clip_grad_norm_, lr_at
 from meshtrain.parallel import comm
 from meshtrain.parallel.context import context_parallel_positions
 from meshtrain.parallel.data import GradientReducer
+from meshtrain.parallel.pipeline import run_schedule, stage_layers
+from meshtrain.parallel.schedules import (
+    FORWARD,
+    RECV_ACTIVATION,
+    SEND_ACTIVATION,
+    Action,
+    gpipe,
+    one_f_one_b,
+)
 from meshtrain.plots import plot_loss_curve
 from meshtrain.precision import LossScaler, MasterWeights, parse_dtype
 
@@ -85,7 +94,11 @@ class Trainer:
         tokens, vocab = load_corpus(cfg)
         train_tokens, val_tokens = data.split_tokens(tokens, cfg.data.val_fraction)
         t = cfg.train
-        model = GPT(cfg.gpt_config(vocab), mesh=mesh, seed=t.seed, plan=cfg.plan())
+        gpt = cfg.gpt_config(vocab)
+        pp = mesh.pp
+        stage = StageSpec(stage_layers(gpt.num_layers, pp.size)[pp.rank],
+                          has_embedding=pp.rank == 0, has_head=pp.rank == pp.size - 1)
+        model = GPT(gpt, mesh=mesh, seed=t.seed, plan=cfg.plan(), stage=stage)
         precision = parse_dtype(t.precision, "--precision")
         model.to(precision)
         grad_dtype = parse_dtype(t.grad_dtype, "--grad-dtype")
@@ -126,9 +139,22 @@ class Trainer:
                                                       dp_size=mesh.dp.size)
         loss_sum = torch.zeros((), device=mesh.device)
         moe_stats = MoEStats()
-        for i, (inputs, targets) in enumerate(micro_batches):
+
+        def mark_last(i: int) -> None:
             for reducer in self.reducers:
                 reducer.sync = i == len(micro_batches) - 1  # communicate once per step
+
+        if mesh.pp.size > 1:
+            actions = self._schedule(len(micro_batches))
+            for loss in run_schedule(actions, stage=self.model, loss_fn=self.model.cross_entropy,
+                                     micro_batches=micro_batches, mesh=mesh,
+                                     activation_shape=self._activation_shape(),
+                                     dtype=self._dtype(), before_backward=mark_last,
+                                     loss_scale=self.scaler.scale):
+                loss_sum += loss.float()
+            comm.all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
+        for i, (inputs, targets) in enumerate(micro_batches if mesh.pp.size == 1 else ()):
+            mark_last(i)
             cross_entropy = self._cross_entropy(inputs, targets)
             loss = (cross_entropy + self.model.routing_loss()) / len(micro_batches)
             (loss * self.scaler.scale).backward()
@@ -137,6 +163,9 @@ class Trainer:
         for reducer in self.reducers:
             reducer.wait()
         grads = self._gradients()
+        tied = self._tied_embedding()
+        if tied is not None:  # first and last stage each hold it: keep the copies equal
+            comm.all_reduce(grads[id(tied)], mesh.axis("embed"))
         self._sum_sequence_parallel_grads(grads)
         row = {"step": step + 1}
         if self.scaler.enabled:
@@ -146,7 +175,8 @@ class Trainer:
         overflow = self.scaler.enabled and self._any_overflow(grads)
         grad_norm = torch.full((), float("nan"))
         if not overflow:
-            grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad, grads)
+            duplicates = {id(tied)} if tied is not None and mesh.pp.rank > 0 else set()
+            grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad, grads, duplicates)
             self._optimizer_step(grads)
         self.scaler.update(overflow)
         if self.scaler.enabled:
@@ -154,6 +184,24 @@ class Trainer:
         comm.all_reduce(loss_sum, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
         return row | {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
                       **moe_stats.summary(mesh, len(micro_batches))}
+
+    def _schedule(self, num_micro_batches: int) -> list[Action]:
+        p, s = self.mesh.pp.size, self.mesh.pp.rank
+        make = gpipe if self.cfg.parallel.pp_schedule == "gpipe" else one_f_one_b
+        return make(p, num_micro_batches)[s]
+
+    def _activation_shape(self) -> tuple[int, int, int]:
+        t = self.cfg.train
+        return (t.micro_batch, t.seq_len, self.model.cfg.hidden_size)
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _tied_embedding(self) -> torch.nn.Parameter | None:
+        """The word embedding when two pipeline stages hold it (else None)."""
+        if self.mesh.pp.size == 1:
+            return None
+        return self.model.embedding.word.weight if self.model.embedding is not None else None
 
     def _gradients(self) -> dict[int, torch.Tensor]:
         """id(model parameter) -> its reduced gradient (in the reducers' buffers)."""
@@ -185,9 +233,19 @@ class Trainer:
         batches = self.eval_data.eval_batches(self.cfg.train.eval_batches, dp_rank=mesh.dp.rank,
                                               dp_size=mesh.dp.size)
         total = torch.zeros((), device=mesh.device)
-        for inputs, targets in batches:
-            total += self._cross_entropy(inputs, targets)
-        total /= len(batches)
+        if mesh.pp.size > 1:
+            forwards = [a for a in gpipe(mesh.pp.size, len(batches))[mesh.pp.rank]
+                        if a.kind in (FORWARD, RECV_ACTIVATION, SEND_ACTIVATION)]
+            for loss in run_schedule(forwards, stage=self.model, loss_fn=self.model.cross_entropy,
+                                     micro_batches=batches, mesh=mesh,
+                                     activation_shape=self._activation_shape(),
+                                     dtype=self._dtype()):
+                total += loss.float()
+            comm.all_reduce(total, mesh.pp)
+        else:
+            for inputs, targets in batches:
+                total += self._cross_entropy(inputs, targets)
+            total /= len(batches)
         comm.all_reduce(total, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
         return total.item()
 

@@ -199,6 +199,18 @@ def all_to_all_differentiable(x: torch.Tensor, axis: MeshAxis, *, send_splits: l
     return _AllToAll.apply(x, axis, list(send_splits), list(recv_splits))
 
 
+def send(tensor: torch.Tensor, axis: MeshAxis, to: int, *, tag: int = 0) -> dist.Work:
+    """Start sending `tensor` to axis rank `to`; wait on the returned work before reusing it."""
+    _record("send", axis, tensor)
+    return dist.isend(tensor.contiguous(), dst=axis.ranks[to], group=axis.group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, axis: MeshAxis, src: int, *, tag: int = 0) -> None:
+    """Receive into `tensor` from axis rank `src` (blocking)."""
+    _record("recv", axis, tensor)
+    dist.irecv(tensor, src=axis.ranks[src], group=axis.group, tag=tag).wait()
+
+
 def ring_shift(tensor: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
     """Send `tensor` to the next rank of `axis` and return the previous rank's (a ring step)."""
     if axis.size == 1:

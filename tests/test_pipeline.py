@@ -1,0 +1,137 @@
+"""Pipeline parallelism (flush schedules) against the single-process model."""
+
+import pytest
+import torch
+from harness import run_on_ranks, worker_mesh
+from torch.testing import assert_close
+
+from meshtrain import GPT, ParallelMesh
+from meshtrain.config import build_config
+from meshtrain.data import synthetic_corpus
+from meshtrain.optim import global_grad_norm
+from meshtrain.parallel import named_full_tensors
+from meshtrain.parallel.comm import all_gather_objects
+from meshtrain.parallel.pipeline import stage_layers
+from meshtrain.train import Trainer
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(synthetic_corpus(30_000, seed=9).tobytes())
+    return str(path)
+
+
+def _cfg(corpus, schedule, steps=3):
+    return build_config({}, {
+        "train": {"steps": steps, "global_batch": 8, "micro_batch": 2, "seq_len": 16, "seed": 3,
+                  "eval_batches": 1, "clip_grad": 0.0},
+        "parallel": {"device": "cpu", "pp_schedule": schedule},
+        "data": {"data": corpus}, "checkpoint": {"out": "/nonexistent"}})
+
+
+def _check(corpus, tp, pp, schedule):
+    world = torch.distributed.get_world_size()
+    mesh = worker_mesh(tp=tp, pp=pp, dp=world // (tp * pp))
+    cfg = _cfg(corpus, schedule)
+    trainer = Trainer.build(cfg, mesh)
+    reference = Trainer.build(cfg, ParallelMesh.local())
+    dense = GPT(cfg.gpt_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    batches = trainer.train_data.micro_batches(0, dp_rank=0, dp_size=1)
+    for inputs, targets in batches:
+        (dense.loss(dense(inputs), targets) / len(batches)).backward()
+    ref_grads = dict(named_full_tensors(dense, grads=True))
+    ref_norm = global_grad_norm(dense, ParallelMesh.local()).item()
+
+    row = trainer.train_step(0)
+    ref_row = reference.train_step(0)
+    assert row["loss"] == pytest.approx(ref_row["loss"], rel=1e-5)
+    assert row["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)  # tied embedding once
+    grads = {}
+    for part in all_gather_objects(dict(named_full_tensors(trainer.model, grads=True)), mesh.pp):
+        grads.update(part)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    # a few more steps: the trajectory and the evaluation follow the single process
+    for step in (1, 2):
+        assert trainer.train_step(step)["loss"] == pytest.approx(
+            reference.train_step(step)["loss"], rel=1e-4)
+    assert trainer.evaluate() == pytest.approx(reference.evaluate(), rel=1e-4)
+    # the two copies of the tied embedding stay equal
+    if mesh.pp.rank in (0, pp - 1):
+        word = trainer.model.embedding.word.weight.detach().unsqueeze(0)
+        copies = all_gather_objects(word, mesh.axis("embed"))
+        assert torch.equal(copies[0], copies[-1])
+
+
+@pytest.mark.parametrize("tp,pp,world,schedule", [
+    (1, 2, 2, "1f1b"), (1, 2, 2, "gpipe"), (2, 2, 4, "1f1b"), (1, 2, 4, "1f1b"),
+    (1, 4, 4, "1f1b"), (1, 4, 4, "gpipe"),
+], ids=lambda v: str(v))
+def test_pipeline_matches_single_process(corpus, tp, pp, world, schedule):
+    run_on_ranks(world, _check, corpus, tp, pp, schedule)
+
+
+def test_stage_layers():
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(8, 2, [3, 5]) == [range(0, 3), range(3, 8)]
+    with pytest.raises(ValueError, match="must give each of the 2 stages at least one layer"):
+        stage_layers(4, 2, [1, 2])
+
+
+
+def _p2p_bytes(corpus, pp):
+    from meshtrain.parallel import CommRecorder
+
+    mesh = worker_mesh(tp=1, pp=pp, dp=1)
+    trainer = Trainer.build(_cfg(corpus, "1f1b"), mesh)
+    with CommRecorder() as rec:
+        trainer.train_step(0)
+    return rec.payload_bytes("send", "pp"), rec.payload_bytes("recv", "pp")
+
+
+def test_p2p_bytes_per_step_are_analytic(corpus):
+    # m = 4 micro-batches of [2, 16, 64] fp32: each inner stage boundary carries m activations
+    # forward and m gradients backward
+    activation = 2 * 16 * 64 * 4
+    sends = run_on_ranks(2, _p2p_bytes, corpus, 2)
+    assert [s for s, _ in sends] == [4 * activation, 4 * activation]
+    assert [r for _, r in sends] == [4 * activation, 4 * activation]
+    sends = run_on_ranks(4, _p2p_bytes, corpus, 4)
+    assert sum(s for s, _ in sends) == 2 * 3 * 4 * activation  # 3 boundaries, both directions
+
+
+def _save_pp(corpus, out, pp):
+    world = torch.distributed.get_world_size()
+    trainer = Trainer.build(_cfg(corpus, "1f1b"), worker_mesh(tp=1, pp=pp, dp=world // pp))
+    trainer.train_step(0)
+    trainer.save(out, 1)
+    merged = {}
+    for part in all_gather_objects(dict(named_full_tensors(trainer.model)), trainer.mesh.pp):
+        merged.update(part)
+    return merged
+
+
+def _load_pp(corpus, out, pp):
+    world = torch.distributed.get_world_size()
+    trainer = Trainer.build(_cfg(corpus, "1f1b"), worker_mesh(tp=1, pp=pp, dp=world // pp))
+    assert trainer.resume(out) == 1
+    merged = {}
+    params = {name: t.clone() for name, t in named_full_tensors(trainer.model)}
+    for part in all_gather_objects(params, trainer.mesh.pp):
+        merged.update(part)
+    return merged, trainer.train_step(1)["loss"]
+
+
+def test_checkpoint_moves_between_pipeline_degrees(corpus, tmp_path):
+    saved = run_on_ranks(2, _save_pp, corpus, tmp_path, 2)[0]
+    loaded, loss_pp1 = run_on_ranks(2, _load_pp, corpus, tmp_path, 1)[0]  # pp2 -> dp2
+    assert saved.keys() == loaded.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+    _, loss_pp4 = run_on_ranks(4, _load_pp, corpus, tmp_path, 4)[0]  # pp2 -> pp4
+    assert loss_pp4 == pytest.approx(loss_pp1, rel=1e-5)
