@@ -32,10 +32,12 @@ def _cfg(corpus, schedule, steps=3):
         "data": {"data": corpus}, "checkpoint": {"out": "/nonexistent"}})
 
 
-def _check(corpus, tp, pp, schedule):
+def _check(corpus, tp, pp, schedule, cp=1, parallel=None):
     world = torch.distributed.get_world_size()
-    mesh = worker_mesh(tp=tp, pp=pp, dp=world // (tp * pp))
+    mesh = worker_mesh(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp))
     cfg = _cfg(corpus, schedule)
+    for key, value in (parallel or {}).items():
+        setattr(cfg.parallel, key, value)
     trainer = Trainer.build(cfg, mesh)
     reference = Trainer.build(cfg, ParallelMesh.local())
     dense = GPT(cfg.gpt_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
@@ -73,6 +75,13 @@ def _check(corpus, tp, pp, schedule):
 ], ids=lambda v: str(v))
 def test_pipeline_matches_single_process(corpus, tp, pp, world, schedule):
     run_on_ranks(world, _check, corpus, tp, pp, schedule)
+
+
+@pytest.mark.parametrize("tp,cp,parallel", [(2, 1, {"sequence_parallel": True}),
+                                            (1, 2, {"cp_mode": "ring"}),
+                                            (1, 2, {"cp_mode": "all2all"})], ids=str)
+def test_pipeline_with_sequence_and_context_parallelism(corpus, tp, cp, parallel):
+    run_on_ranks(2 * tp * cp, _check, corpus, tp, 2, "1f1b", cp, parallel)
 
 
 def test_stage_layers():

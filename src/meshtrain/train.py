@@ -146,8 +146,9 @@ class Trainer:
 
         if mesh.pp.size > 1:
             actions = self._schedule(len(micro_batches))
-            for loss in run_schedule(actions, stage=self.model, loss_fn=self.model.cross_entropy,
-                                     micro_batches=micro_batches, mesh=mesh,
+            stage, local = self._pipeline_inputs(micro_batches)
+            for loss in run_schedule(actions, stage=stage, loss_fn=self.model.cross_entropy,
+                                     micro_batches=local, mesh=mesh,
                                      activation_shape=self._activation_shape(),
                                      dtype=self._dtype(), before_backward=mark_last,
                                      loss_scale=self.scaler.scale):
@@ -190,9 +191,20 @@ class Trainer:
         make = gpipe if self.cfg.parallel.pp_schedule == "gpipe" else one_f_one_b
         return make(p, num_micro_batches)[s]
 
+    def _pipeline_inputs(self, micro_batches):
+        """The stage function and this rank's (context-parallel) slice of every micro-batch."""
+        mesh = self.mesh
+        positions = context_parallel_positions(self.cfg.train.seq_len, mesh.cp.size,
+                                               mesh.cp.rank)
+        local = [(x[:, positions], y[:, positions]) for x, y in micro_batches]
+        on_device = positions.to(mesh.device)
+        return (lambda x: self.model(x, on_device)), local
+
     def _activation_shape(self) -> tuple[int, int, int]:
-        t = self.cfg.train
-        return (t.micro_batch, t.seq_len, self.model.cfg.hidden_size)
+        """What flows between stages: this rank's `[micro, s/cp (/tp with SP), h]`."""
+        t, mesh = self.cfg.train, self.mesh
+        tokens = t.seq_len // mesh.cp.size // (mesh.tp.size if self.model.sequence_parallel else 1)
+        return (t.micro_batch, tokens, self.model.cfg.hidden_size)
 
     def _dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
@@ -236,8 +248,9 @@ class Trainer:
         if mesh.pp.size > 1:
             forwards = [a for a in gpipe(mesh.pp.size, len(batches))[mesh.pp.rank]
                         if a.kind in (FORWARD, RECV_ACTIVATION, SEND_ACTIVATION)]
-            for loss in run_schedule(forwards, stage=self.model, loss_fn=self.model.cross_entropy,
-                                     micro_batches=batches, mesh=mesh,
+            stage, local = self._pipeline_inputs(batches)
+            for loss in run_schedule(forwards, stage=stage, loss_fn=self.model.cross_entropy,
+                                     micro_batches=local, mesh=mesh,
                                      activation_shape=self._activation_shape(),
                                      dtype=self._dtype()):
                 total += loss.float()
