@@ -76,8 +76,7 @@ def _error(capsys, argv) -> str:
     (["--recompute", "most"], "--recompute must be none, selective or full"),
     (["--seed", "-1"], "--seed must be non-negative"),
     (["--nproc", "8", "--tp", "1", "--pp", "8"], "--pp 8 exceeds the model's 4 layers"),
-    (["--nproc", "2", "--tp", "1", "--pp", "2", "--moe-experts", "4"],
-     "--pp > 1 with --moe-experts is not supported yet"),
+
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "interleaved"],
      "--pp-schedule must be gpipe or 1f1b"),
     (["--seq-len", "64", "--max-seq-len", "32"], "--seq-len 64 exceeds --max-seq-len 32"),

@@ -144,3 +144,32 @@ def test_checkpoint_moves_between_pipeline_degrees(corpus, tmp_path):
         assert torch.equal(loaded[name], tensor), name
     _, loss_pp4 = run_on_ranks(4, _load_pp, corpus, tmp_path, 4)[0]  # pp2 -> pp4
     assert loss_pp4 == pytest.approx(loss_pp1, rel=1e-5)
+
+
+def _check_moe(corpus, pp, ep):
+    from test_moe import _cfg as moe_cfg
+    from test_moe import _reference
+
+    world = torch.distributed.get_world_size()
+    mesh = worker_mesh(pp=pp, dp=world // pp, ep=ep)
+    cfg = moe_cfg(corpus, 2)  # 4 experts, top-2, every 2nd layer: one MoE layer per stage
+    trainer = Trainer.build(cfg, mesh)
+    ref_loss, ref_routing, ref_grads, ref_norm = _reference(cfg)
+    row = trainer.train_step(0)
+    assert row["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert row["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+    mean_aux = sum(a for mb in ref_routing for _, _, a in mb) / len(ref_routing)
+    assert row["moe_aux_loss"] == pytest.approx(mean_aux, rel=1e-6)  # both stages' layers
+    grads = {}
+    for axis in (mesh.ep, mesh.pp):
+        parts = all_gather_objects(dict(grads or named_full_tensors(trainer.model, grads=True)),
+                                   axis)
+        grads = {k: v for part in parts for k, v in part.items()}
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("pp,ep,world", [(2, 1, 2), (2, 2, 4)])
+def test_pipeline_with_experts(corpus, pp, ep, world):
+    run_on_ranks(world, _check_moe, corpus, pp, ep)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -59,19 +60,30 @@ class MoEStats:
             sum(float(m.last_stats["assigned"]) for m in layers),
             sum(m.last_aux_loss.item() for m in layers)])
 
-    def summary(self, mesh: ParallelMesh, num_micro_batches: int) -> dict:
-        """Over the whole global batch (summed over DP ranks): tokens each expert processed
-        (min/mean/max over layers and experts), drop rate, aux loss per micro-batch."""
-        if self.tokens_per_expert is None:
+    def summary(self, mesh: ParallelMesh, num_micro_batches: int, *, moe: bool) -> dict:
+        """Over the whole global batch (summed over DP ranks, and over pipeline stages):
+        tokens each expert processed (min/mean/max over layers and experts), drop rate, aux
+        loss per micro-batch. Every rank of a pipeline joins, with or without MoE layers."""
+        if not moe:
             return {}
-        tokens = self.tokens_per_expert.double().to(mesh.device)
-        counts = self.counts.double().to(mesh.device)
+        device = mesh.device
+        tokens = self.tokens_per_expert.double().to(device) \
+            if self.tokens_per_expert is not None else torch.zeros(0, 1, dtype=torch.double,
+                                                                   device=device)
+        counts = self.counts.double().to(device)
         comm.all_reduce(tokens, mesh.dp_cp)
         comm.all_reduce(counts, mesh.dp_cp)
+        spread = torch.tensor([tokens.sum().item(), tokens.numel()], dtype=torch.double,
+                              device=device)
+        low = torch.tensor(tokens.min().item() if tokens.numel() else math.inf, device=device)
+        high = torch.tensor(tokens.max().item() if tokens.numel() else -math.inf, device=device)
+        for tensor, op in ((counts, None), (spread, None), (low, torch.distributed.ReduceOp.MIN),
+                           (high, torch.distributed.ReduceOp.MAX)):
+            comm.all_reduce(tensor, mesh.pp, op=op or torch.distributed.ReduceOp.SUM)
         aux = counts[2].item() / (num_micro_batches * mesh.dp_cp.size)
-        return {"moe_tokens_per_expert_min": tokens.min().item(),
-                "moe_tokens_per_expert_mean": tokens.mean().item(),
-                "moe_tokens_per_expert_max": tokens.max().item(),
+        return {"moe_tokens_per_expert_min": low.item(),
+                "moe_tokens_per_expert_mean": (spread[0] / spread[1]).item(),
+                "moe_tokens_per_expert_max": high.item(),
                 "moe_drop_rate": (counts[0] / counts[1]).item(), "moe_aux_loss": aux}
 
 
@@ -147,11 +159,16 @@ class Trainer:
         if mesh.pp.size > 1:
             actions = self._schedule(len(micro_batches))
             stage, local = self._pipeline_inputs(micro_batches)
+
+            def routing_loss():
+                moe_stats.add(self.model)
+                return self.model.routing_loss()
+
             for loss in run_schedule(actions, stage=stage, loss_fn=self.model.cross_entropy,
                                      micro_batches=local, mesh=mesh,
                                      activation_shape=self._activation_shape(),
                                      dtype=self._dtype(), before_backward=mark_last,
-                                     loss_scale=self.scaler.scale):
+                                     stage_loss=routing_loss, loss_scale=self.scaler.scale):
                 loss_sum += loss.float()
             comm.all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
         for i, (inputs, targets) in enumerate(micro_batches if mesh.pp.size == 1 else ()):
@@ -184,7 +201,8 @@ class Trainer:
             row["skipped"] = int(overflow)
         comm.all_reduce(loss_sum, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
         return row | {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
-                      **moe_stats.summary(mesh, len(micro_batches))}
+                      **moe_stats.summary(mesh, len(micro_batches),
+                                          moe=self.model.cfg.moe_experts > 0)}
 
     def _schedule(self, num_micro_batches: int) -> list[Action]:
         p, s = self.mesh.pp.size, self.mesh.pp.rank

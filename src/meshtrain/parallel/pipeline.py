@@ -45,10 +45,13 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                  micro_batches: list[tuple[torch.Tensor, torch.Tensor]], mesh: ParallelMesh,
                  activation_shape: tuple[int, ...], dtype: torch.dtype,
                  before_backward: Callable[[int], None] = lambda micro: None,
+                 stage_loss: Callable[[], torch.Tensor | float] = lambda: 0.0,
                  loss_scale: float = 1.0) -> list[torch.Tensor]:
     """Run this rank's actions; returns the last stage's per-micro-batch losses (already
     divided by the number of micro-batches), empty elsewhere. `before_backward(i)` lets the
-    caller mark the last backward of a step (data-parallel reduction)."""
+    caller mark the last backward of a step (data-parallel reduction); `stage_loss()`, called
+    after each forward, gives this stage's own extra loss for it (MoE routing losses), which
+    joins that micro-batch's backward."""
     axis, s = mesh.pp, mesh.pp.rank
     first, last = s == 0, s == mesh.pp.size - 1
     m = len(micro_batches)
@@ -56,6 +59,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     outputs: dict[int, torch.Tensor] = {}
     grads: dict[int, torch.Tensor] = {}
     losses: list[torch.Tensor] = []
+    extra: dict[int, torch.Tensor | float] = {}
     sends = []
     for a in actions:
         i = a.micro
@@ -66,6 +70,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
         elif a.kind == FORWARD:
             ids, targets = micro_batches[i]
             out = stage(ids.to(mesh.device) if first else inputs[i])
+            extra[i] = stage_loss()
             if last:
                 out = loss_fn(out, targets.to(mesh.device)) / m
                 losses.append(out.detach())
@@ -78,8 +83,12 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
             comm.recv(grads[i], axis, s + 1, tag=2 * i + 1)
         elif a.kind == BACKWARD:
             before_backward(i)
+            own = extra.pop(i)
             if last:
-                (outputs.pop(i) * loss_scale).backward()
+                ((outputs.pop(i) + own / m) * loss_scale).backward()
+            elif isinstance(own, torch.Tensor):
+                torch.autograd.backward([outputs.pop(i), own * (loss_scale / m)],
+                                        [grads.pop(i), None])
             else:
                 outputs.pop(i).backward(grads.pop(i))
         elif a.kind == SEND_GRAD:
