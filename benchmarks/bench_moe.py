@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rank_messages import collect
+from rank_messages import collect, stop_workers
 
 from meshtrain import ParallelMesh, init_parallel
 from meshtrain.config import RunConfig, build_config, validate
@@ -235,12 +235,7 @@ class Workers:
         return [payload[0] for payload in collect(self.results, self.procs, kind)]
 
     def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
+        stop_workers(self.commands, self.procs)
 
 
 @dataclass

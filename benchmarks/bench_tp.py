@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rank_messages import collect
+from rank_messages import collect, stop_workers
 from torch import nn
 
 import meshtrain
@@ -550,12 +550,7 @@ class Workers:
         return times, per_rank[0][1]
 
     def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
+        stop_workers(self.commands, self.procs)
 
 
 @dataclass

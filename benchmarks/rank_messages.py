@@ -1,4 +1,4 @@
-"""Collecting replies from the long-lived worker ranks the benchmarks keep between rounds."""
+"""Talking to the long-lived worker ranks the benchmarks keep between rounds."""
 
 from __future__ import annotations
 
@@ -25,3 +25,13 @@ def collect(results, procs, kind: str) -> list[tuple]:
         assert msg[0] == kind, msg
         got[msg[1]] = msg[2:]
     return [got[r] for r in range(len(procs))]
+
+
+def stop_workers(commands, procs) -> None:
+    """Ask every worker to exit (a None command), then make sure it has."""
+    for q in commands:
+        q.put(None)
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.terminate()

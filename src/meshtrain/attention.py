@@ -70,6 +70,8 @@ class Attention(nn.Module):
         q, k, v = qkv.view(b, s, 3, self.num_local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
 
         def core(q, k, v):
+            if not (self.dropout and self.training):  # nothing random: skip the RNG swap
+                return self._core(q, k, v)
             with rng.fork(TENSOR_PARALLEL):  # heads differ per TP rank, so do their masks
                 return self._core(q, k, v)
 
