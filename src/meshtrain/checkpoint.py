@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,7 +32,6 @@ from meshtrain.mesh import ParallelMesh
 from meshtrain.model import GPTConfig
 from meshtrain.parallel import comm
 from meshtrain.parallel.tensor import Shard, parameter_shards, shard_pieces, shard_tensor
-from meshtrain.precision import MasterWeights
 
 FORMAT = "meshtrain-checkpoint-1"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len",
@@ -97,12 +97,15 @@ def _logical_shape(tensor: torch.Tensor, shard: Shard | None) -> list[int]:
     return shape
 
 
-def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, mesh: ParallelMesh,
-                    train_state: dict, config_toml: str,
-                    masters: MasterWeights | None = None) -> Path:
-    """Write the checkpoint of `step` collectively (every rank calls this). With 16-bit
-    parameters, the fp32 master weights are what is saved as the model."""
+def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: ParallelMesh,
+                    train_state: dict, config_toml: str, values: dict[str, torch.Tensor],
+                    states: dict[str, dict[str, torch.Tensor]] | None = None,
+                    optimizer_step: torch.Tensor | None = None) -> Path:
+    """Write the checkpoint of `step` collectively (every rank calls this).
+
+    `values` are this rank's (TP-local) full tensors of every parameter by name - the fp32
+    master weights under mixed precision - and `states` their Adam moments (None before the
+    first step); ZeRO gathers its shards into these before calling (`ModelStates`)."""
     root = Path(root)
     final = step_dir(root, step)
     version = 1
@@ -124,10 +127,9 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
     experts = model.expert_parameters()
     replica = {n: mesh.axis("edp").rank if id(p) in experts else mesh.dp_cp.rank
                for n, p in params.items()}
-    stepped = {n: masters.master_of[id(p)] if masters else p for n, p in params.items()}
-    sources = [("model/" + n, p.detach(), n) for n, p in stepped.items()]
-    for n, p in stepped.items():
-        state = optimizer.state.get(p, {})
+    sources = [("model/" + n, values[n].detach(), n) for n in params]
+    for n in params:
+        state = (states or {}).get(n, {})
         sources += [(f"optim/{s}/{n}", state[s], n) for s in OPTIMIZER_STATES if s in state]
     for name, tensor, param_name in sources:
         shard = shards[param_name]
@@ -137,12 +139,10 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module,
         for key, piece, where in _owned_pieces(name, tensor, shard, replica[param_name], mesh):
             tensors[key] = piece.contiguous().cpu()
             entries[name]["pieces"].append({"file": file_name, "key": key, **where})
-    if mesh.rank == 0:
-        step_tensor = next((s["step"] for s in optimizer.state.values() if "step" in s), None)
-        if step_tensor is not None:
-            tensors["optim/step"] = step_tensor.detach().reshape(1).float().cpu()
-            entries["optim/step"] = {"shape": [1], "dtype": "float32", "pieces": [
-                {"file": file_name, "key": "optim/step", "dim": 0, "offset": 0, "length": 1}]}
+    if mesh.rank == 0 and optimizer_step is not None:
+        tensors["optim/step"] = optimizer_step.detach().reshape(1).float().cpu()
+        entries["optim/step"] = {"shape": [1], "dtype": "float32", "pieces": [
+            {"file": file_name, "key": "optim/step", "dim": 0, "offset": 0, "length": 1}]}
     rng_key = f"rng/{mesh.rank}"
     for name, state in model.rng.get_states().items():
         tensors[f"{rng_key}/{name}"] = state.cpu()
@@ -267,11 +267,15 @@ class _Reader:
         return None
 
 
-def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    mesh: ParallelMesh, masters: MasterWeights | None = None) -> dict:
-    """Load a checkpoint of any layout into this rank's model (and optimizer); returns the saved
-    train state. RNG streams are restored only when the layout and the device type are the same
-    as at save time."""
+def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
+                    load_states: Callable[[dict, dict | None, torch.Tensor | None], None]
+                    | None = None) -> dict:
+    """Load a checkpoint of any layout for this rank; returns the saved train state.
+
+    Without `load_states` the values go into the model's parameters (inference). With it, it
+    receives ({name: this rank's value}, {name: {moment: tensor}} or None, optimizer step or
+    None) and places them (master weights, optimizer, ZeRO shards). RNG streams are restored
+    only when the layout and the device type are the same as at save time."""
     path = Path(path)
     manifest = read_manifest(path, model.cfg)
     reader = _Reader(path, manifest, mesh.device)
@@ -289,19 +293,19 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
             raise CheckpointError(f"checkpoint {path}: {name} has shape {found} there, {expected}"
                                   " here: it is from a different model; use its model flags")
 
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            value = local("model/" + name, shards[name])
-            param.copy_(value)
-            if masters is not None:
-                masters.master_of[id(param)].copy_(value)
-        if optimizer is not None and "optim/step" in manifest["tensors"]:  # else: no step yet
-            step = reader.full("optim/step")
+    names = [name for name, _ in model.named_parameters()]
+    values = {name: local("model/" + name, shards[name]) for name in names}
+    if load_states is None:
+        with torch.no_grad():
             for name, param in model.named_parameters():
-                stepped = masters.master_of[id(param)] if masters else param
-                state = {s: local(f"optim/{s}/{name}", shards[name]).to(param.device)
-                         for s in OPTIMIZER_STATES}
-                optimizer.state[stepped] = {"step": step.reshape(()).clone(), **state}
+                param.copy_(values[name])
+    else:
+        states, step = None, None
+        if "optim/step" in manifest["tensors"]:  # else: saved before any step
+            step = reader.full("optim/step")
+            states = {name: {s: local(f"optim/{s}/{name}", shards[name])
+                             for s in OPTIMIZER_STATES} for name in names}
+        load_states(values, states, step)
     if manifest["layout"] == mesh.degrees and manifest.get("device") == mesh.device.type:
         model.rng.set_states({name: reader.raw(f"rng/{mesh.rank}/{name}")
                               for name in model.rng.get_states()})

@@ -69,7 +69,14 @@ class ParallelSettings:
     recompute: str = _f("none", "activation recomputation: none, selective (attention core) or"
                                 " full (whole layers)")
     recompute_layers: int | None = _f(None, "with --recompute full, only the first k layers")
-    bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
+    bucket_mb: float = _f(25.0, "gradient all-reduce (ZeRO 1/2: reduce-scatter) bucket size in"
+                                " MiB")
+    zero: int = _f(0, "ZeRO stage over the data-parallel ranks: 0 replicates everything, 1 shards"
+                      " optimizer states, 2 also gradients, 3 also parameters (gathered per"
+                      " layer); 2 and 3 not with --pp > 1")
+    offload_optimizer: str = _f("none", "none, or cpu: keep ZeRO's fp32 master shard, its"
+                                        " gradient and the Adam moments in host memory and step"
+                                        " there (needs --zero >= 1)")
     device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
 
 
@@ -238,6 +245,24 @@ def world_size_of(cfg: RunConfig, env_world: int | None) -> int:
     return p.tp * p.pp * p.cp * (p.dp or 1)
 
 
+def validate_zero(p: ParallelSettings, *, moe: bool) -> None:
+    if p.zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {p.zero}")
+    if p.offload_optimizer not in ("none", "cpu"):
+        raise ValueError(f"--offload-optimizer must be none or cpu, got {p.offload_optimizer!r}")
+    if p.offload_optimizer == "cpu" and p.zero == 0:
+        raise ValueError("--offload-optimizer cpu offloads ZeRO's optimizer shard: add --zero 1"
+                         " (or 2, 3)")
+    if p.zero >= 2 and p.pp > 1:
+        raise ValueError(f"--zero {p.zero} does not combine with --pp {p.pp}: a pipeline"
+                         " interleaves the backwards of many micro-batches, so sharded gradients"
+                         " would be reduce-scattered once per micro-batch per stage; use --zero 1"
+                         " with pipelines")
+    if p.zero == 3 and moe:
+        raise ValueError("--zero 3 does not shard MoE experts yet: use --zero 1 or 2 with"
+                         " --moe-experts")
+
+
 def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     """Check every setting before any rank starts; returns the resolved mesh degrees.
 
@@ -288,6 +313,7 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     gpt.validate_for_ep(p.ep)
     validate_plan(cfg.plan(), tp=p.tp, cp=p.cp, num_heads=gpt.num_heads, seq_len=t.seq_len,
                   dropout=gpt.dropout, moe=gpt.moe_experts > 0)
+    validate_zero(p, moe=gpt.moe_experts > 0)
     if p.pp > 1:
         if p.pp > gpt.num_layers:
             raise ValueError(f"--pp {p.pp} exceeds the model's {gpt.num_layers} layers: every"

@@ -46,7 +46,7 @@ def sample_from_checkpoint(path: Path, *, prompt: str, tp: int, max_new_tokens: 
                          " it was trained on pre-tokenised data")
     mesh = init_parallel(tp=tp, device=device)
     model = GPT(cfg, mesh=mesh, seed=0)
-    load_checkpoint(path, model=model, optimizer=None, mesh=mesh)
+    load_checkpoint(path, model=model, mesh=mesh)
     ids = torch.tensor(encode(prompt or "\n").tolist(), dtype=torch.long, device=mesh.device)[None]
     out = generate(model, ids, max_new_tokens=max_new_tokens, top_k=top_k,
                    temperature=temperature, seed=seed)

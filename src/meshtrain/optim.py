@@ -15,11 +15,14 @@ from meshtrain.parallel.tensor import tensor_parallel_parameters
 
 
 def build_adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float,
-                betas=(0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
-    """Decay matrices and embeddings; never biases or LayerNorm parameters (all 1-D)."""
+                betas=(0.9, 0.95), eps: float = 1e-8,
+                no_decay: set[int] | None = None) -> torch.optim.AdamW:
+    """Decay matrices and embeddings; never biases or LayerNorm parameters (all 1-D). ZeRO's
+    flat pieces are 1-D whatever they came from: `no_decay` then names them (ids)."""
     params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    skip = no_decay if no_decay is not None else {id(p) for p in params if p.dim() < 2}
+    decay = [p for p in params if id(p) not in skip]
+    no_decay = [p for p in params if id(p) in skip]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
@@ -37,7 +40,7 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 
 def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
                      grads: dict[int, torch.Tensor] | None = None,
-                     duplicates: set[int] = frozenset()) -> torch.Tensor:
+                     duplicates: set[int] = frozenset(), *, sharded: bool = False) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each logical parameter counted once.
 
     TP-sharded parameters: every rank's shard counts (summed over TP). Replicated parameters
@@ -46,22 +49,27 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
     so nothing is summed over DP; experts are summed over EP (each EP rank holds different
     experts) but not over their replicas (edp). `grads` maps id(parameter) to its gradient
     where it does not live in `.grad` (fp32 buffers of 16-bit parameters); `duplicates` are
-    copies counted elsewhere (the last pipeline stage's tied embedding).
+    copies counted elsewhere (the last pipeline stage's tied embedding). `sharded`: ZeRO
+    gradients, each DP rank holding a different piece, so the squares are also summed over the
+    data-parallel axes (dp x cp for dense parameters, edp for experts).
     """
-    sharded = tensor_parallel_parameters(model)
+    tp_sharded = tensor_parallel_parameters(model)
     experts = model.expert_parameters() if hasattr(model, "expert_parameters") else set()
     device = next(model.parameters()).device
     dense = torch.zeros((), dtype=torch.float32, device=device)
     expert = torch.zeros((), dtype=torch.float32, device=device)
     for p in model.parameters():
         grad = p.grad if grads is None else grads.get(id(p))
-        if grad is None or id(p) in duplicates or not (id(p) in sharded or mesh.tp.rank == 0):
+        if grad is None or id(p) in duplicates or not (id(p) in tp_sharded or mesh.tp.rank == 0):
             continue
         square = grad.detach().float().pow(2).sum()
         if id(p) in experts:
             expert += square
         else:
             dense += square
+    if sharded:
+        comm.all_reduce(dense, mesh.dp_cp)
+        comm.all_reduce(expert, mesh.axis("edp"))
     comm.all_reduce(expert, mesh.ep)  # EP ranks hold different experts
     total = dense + expert
     comm.all_reduce(total, mesh.tp)
@@ -71,10 +79,10 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
 
 def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, max_norm: float,
                     grads: dict[int, torch.Tensor] | None = None,
-                    duplicates: set[int] = frozenset()) -> torch.Tensor:
+                    duplicates: set[int] = frozenset(), *, sharded: bool = False) -> torch.Tensor:
     """Scale gradients so the global norm is at most `max_norm` (0 disables); returns the norm
     before clipping."""
-    norm = global_grad_norm(model, mesh, grads, duplicates)
+    norm = global_grad_norm(model, mesh, grads, duplicates, sharded=sharded)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         tensors = list(grads.values()) if grads is not None else \

@@ -30,6 +30,7 @@ from meshtrain.parallel.schedules import (
     gpipe,
     one_f_one_b,
 )
+from meshtrain.parallel.zero import ZeroDataParallel, unit_parameters
 from meshtrain.plots import plot_loss_curve
 from meshtrain.precision import LossScaler, MasterWeights, parse_dtype
 
@@ -95,7 +96,7 @@ class Trainer:
     mesh: ParallelMesh
     model: GPT
     optimizer: torch.optim.Optimizer
-    reducers: list[GradientReducer]
+    reducers: list[GradientReducer] | list[ZeroDataParallel]  # dense, then experts
     train_data: data.BatchSampler
     eval_data: data.BatchSampler
     masters: MasterWeights | None  # fp32 copies the optimizer steps (16-bit precision)
@@ -114,21 +115,29 @@ class Trainer:
         precision = parse_dtype(t.precision, "--precision")
         model.to(precision)
         grad_dtype = parse_dtype(t.grad_dtype, "--grad-dtype")
-        # Dense parameters are replicated over dp x cp, experts only over their edp replicas.
-        experts = model.expert_parameters()
-        bucket = int(cfg.parallel.bucket_mb * 2**20)
-        reducers = [GradientReducer([p for p in model.parameters() if id(p) not in experts],
-                                    mesh.dp_cp, bucket_bytes=bucket, grad_dtype=grad_dtype)]
-        if experts:
-            # An expert's gradient already sums the losses of all ep ranks whose tokens it
-            # served; averaging over its edp replicas and 1/ep gives the mean over dp x cp.
-            reducers.append(GradientReducer([p for p in model.parameters() if id(p) in experts],
-                                            mesh.axis("edp"), bucket_bytes=bucket,
-                                            grad_dtype=grad_dtype, scale=1.0 / mesh.ep.size))
-        masters = MasterWeights(list(model.parameters())) \
-            if precision != torch.float32 else None
-        optimizer = build_adamw(masters.params if masters else model.parameters(), lr=t.lr,
-                                weight_decay=t.weight_decay)
+        if cfg.parallel.zero:
+            reducers = cls._sharded(cfg, mesh, model, grad_dtype)
+            pieces = [pair for reducer in reducers for pair in reducer.step_pieces()]
+            masters = None
+            optimizer = build_adamw([piece for _, piece in pieces], lr=t.lr,
+                                    weight_decay=t.weight_decay,
+                                    no_decay={id(piece) for p, piece in pieces if p.dim() < 2})
+        else:
+            # Dense parameters are replicated over dp x cp, experts only over their edp
+            # replicas. An expert's gradient already sums the losses of all ep ranks whose
+            # tokens it served; averaging over edp and 1/ep gives the mean over dp x cp.
+            experts = model.expert_parameters()
+            bucket = int(cfg.parallel.bucket_mb * 2**20)
+            reducers = [GradientReducer([p for p in model.parameters() if id(p) not in experts],
+                                        mesh.dp_cp, bucket_bytes=bucket, grad_dtype=grad_dtype)]
+            if experts:
+                reducers.append(GradientReducer(
+                    [p for p in model.parameters() if id(p) in experts], mesh.axis("edp"),
+                    bucket_bytes=bucket, grad_dtype=grad_dtype, scale=1.0 / mesh.ep.size))
+            masters = MasterWeights(list(model.parameters())) \
+                if precision != torch.float32 else None
+            optimizer = build_adamw(masters.params if masters else model.parameters(),
+                                    lr=t.lr, weight_decay=t.weight_decay)
         scaler = LossScaler(enabled=precision == torch.float16,
                             growth_interval=t.loss_scale_window)
         sampler = dict(seq_len=t.seq_len, global_batch=t.global_batch,
@@ -136,6 +145,28 @@ class Trainer:
         return cls(cfg, mesh, model, optimizer, reducers,
                    data.BatchSampler(train_tokens, **sampler),
                    data.BatchSampler(val_tokens, **sampler), masters, scaler)
+
+    @staticmethod
+    def _sharded(cfg: RunConfig, mesh: ParallelMesh, model: GPT,
+                 grad_dtype: torch.dtype) -> list[ZeroDataParallel]:
+        """ZeRO over dp x cp for dense parameters and over edp for experts (as above)."""
+        p = cfg.parallel
+        blocks = list(model.layers.values())
+        units = unit_parameters(model, blocks)
+        experts = model.expert_parameters()
+        tied = model.embedding.word.weight \
+            if mesh.pp.size > 1 and model.embedding is not None else None
+        common = dict(stage=p.zero, bucket_bytes=int(p.bucket_mb * 2**20), grad_dtype=grad_dtype,
+                      offload=p.offload_optimizer == "cpu")
+        dense = ZeroDataParallel([[q for q in unit if id(q) not in experts] for unit in units],
+                                 mesh.dp_cp, **common,
+                                 deferred=(tied, mesh.axis("embed")) if tied is not None else None)
+        if p.zero == 3:
+            dense.attach(model, blocks)
+        if not experts:
+            return [dense]
+        return [dense, ZeroDataParallel([[q for q in unit if id(q) in experts] for unit in units],
+                                        mesh.axis("edp"), **common, scale=1.0 / mesh.ep.size)]
 
     def train_step(self, step: int) -> dict:
         """One optimizer step (0-based index `step`); returns its metrics."""
@@ -182,7 +213,9 @@ class Trainer:
             reducer.wait()
         grads = self._gradients()
         tied = self._tied_embedding()
-        if tied is not None:  # first and last stage each hold it: keep the copies equal
+        if tied is not None and not self.cfg.parallel.zero:
+            # first and last stage each hold it: keep the copies equal (ZeRO sums the local
+            # gradients before its reduce-scatter)
             comm.all_reduce(grads[id(tied)], mesh.axis("embed"))
         self._sum_sequence_parallel_grads(grads)
         row = {"step": step + 1}
@@ -194,7 +227,8 @@ class Trainer:
         grad_norm = torch.full((), float("nan"))
         if not overflow:
             duplicates = {id(tied)} if tied is not None and mesh.pp.rank > 0 else set()
-            grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad, grads, duplicates)
+            grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad, grads, duplicates,
+                                        sharded=self.cfg.parallel.zero > 0)
             self._optimizer_step(grads)
         self.scaler.update(overflow)
         if self.scaler.enabled:
@@ -234,8 +268,10 @@ class Trainer:
         return self.model.embedding.word.weight if self.model.embedding is not None else None
 
     def _gradients(self) -> dict[int, torch.Tensor]:
-        """id(model parameter) -> its reduced gradient (in the reducers' buffers)."""
-        return {id(p): reducer.grad(p) for reducer in self.reducers for p in reducer.params}
+        """id(model parameter) -> its reduced gradient (in the reducers' buffers); under ZeRO
+        this rank's piece of it, and nothing for parameters it owns no piece of."""
+        grads = {id(p): reducer.grad(p) for reducer in self.reducers for p in reducer.params}
+        return {key: grad for key, grad in grads.items() if grad is not None}
 
     def _any_overflow(self, grads: dict[int, torch.Tensor]) -> bool:
         """An inf/nan anywhere on any rank: every rank must skip the same step."""
@@ -248,6 +284,13 @@ class Trainer:
         return bool(found.item())
 
     def _optimizer_step(self, grads: dict[int, torch.Tensor]) -> None:
+        if self.cfg.parallel.zero:
+            for reducer in self.reducers:
+                reducer.prepare_step()
+            self.optimizer.step()
+            for reducer in self.reducers:
+                reducer.finish_step()
+            return
         if self.masters is None:
             self.optimizer.step()
             return
@@ -293,7 +336,8 @@ class Trainer:
 
     def _sum_sequence_parallel_grads(self, all_grads: dict[int, torch.Tensor]) -> None:
         """Complete the partial gradients of parameters used on s/tp tokens (one all-reduce)."""
-        grads = [all_grads[id(p)] for p in self.model.sequence_parallel_parameters()]
+        grads = [all_grads[id(p)] for p in self.model.sequence_parallel_parameters()
+                 if id(p) in all_grads]  # ZeRO: the pieces (same on every TP rank)
         if not grads:
             return
         flat = torch.cat([g.flatten() for g in grads])
@@ -302,27 +346,79 @@ class Trainer:
             grad.copy_(part.view_as(grad))
 
     def memory_report(self) -> dict:
-        """Model-state bytes on this rank (after a step, so the optimizer states exist)."""
-        grads = [reducer.grad(p) for reducer in self.reducers for p in reducer.params]
-        held = model_state_bytes(params=list(self.model.parameters()), grads=grads,
-                                 optimizer=self.optimizer,
-                                 masters=self.masters.params if self.masters else ())
-        return held | {"total": sum(held.values()),
-                       "num_parameters": sum(p.numel() for p in self.model.parameters())}
+        """Model-state bytes on this rank (after a step, so the optimizer states exist). Under
+        ZeRO the full buffers that live only while a unit computes or a bucket is reduced are
+        not held; their peak is reported as `peak_transient`."""
+        extra = {}
+        if self.cfg.parallel.zero:
+            held = {"parameters": 0, "gradients": 0, "optimizer_states": 0}
+            for reducer in self.reducers:
+                for key, nbytes in reducer.memory(self.optimizer).items():
+                    held[key] += nbytes
+            extra["peak_transient"] = sum(r.peak_transient_bytes for r in self.reducers)
+        else:
+            grads = [reducer.grad(p) for reducer in self.reducers for p in reducer.params]
+            held = model_state_bytes(params=list(self.model.parameters()), grads=grads,
+                                     optimizer=self.optimizer,
+                                     masters=self.masters.params if self.masters else ())
+        return held | extra | {"total": sum(held.values()),
+                               "num_parameters": sum(p.numel() for p in self.model.parameters())}
+
+    def _export_states(self) -> tuple[dict, dict | None, torch.Tensor | None]:
+        """For a checkpoint: ({name: fp32 master or parameter}, {name: Adam moments} or None,
+        the optimizer's step count or None); ZeRO gathers its shards (collective)."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        step = next((s["step"] for s in self.optimizer.state.values() if "step" in s), None)
+        if self.cfg.parallel.zero:
+            values, states = {}, {}
+            for reducer in self.reducers:
+                reducer_values, reducer_states = reducer.export(self.optimizer)
+                values |= reducer_values
+                states |= reducer_states or {}
+            return ({names[i]: v for i, v in values.items()},
+                    {names[i]: s for i, s in states.items()} if step is not None else None, step)
+        values, states = {}, {}
+        for param in self.model.parameters():
+            stepped = self.masters.master_of[id(param)] if self.masters else param
+            values[names[id(param)]] = stepped
+            if stepped in self.optimizer.state:
+                states[names[id(param)]] = self.optimizer.state[stepped]
+        return values, states or None, step
+
+    def _load_states(self, values: dict, states: dict | None, step: torch.Tensor | None) -> None:
+        """Place a checkpoint's per-parameter values and moments (see `_export_states`)."""
+        named = dict(self.model.named_parameters())
+        if self.cfg.parallel.zero:
+            by_id = {id(named[n]): v for n, v in values.items()}
+            states_by_id = {id(named[n]): s for n, s in states.items()} if states else None
+            for reducer in self.reducers:
+                reducer.load(self.optimizer, by_id, states_by_id, step)
+            return
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(values[name])
+                stepped = self.masters.master_of[id(param)] if self.masters else param
+                if self.masters:
+                    stepped.copy_(values[name])
+                if states is not None:
+                    self.optimizer.state[stepped] = {
+                        "step": step.reshape(()).clone(),
+                        **{s: t.to(param.device) for s, t in states[name].items()}}
 
     def save(self, out: Path, step: int) -> Path:
-        return save_checkpoint(out / "checkpoints", step, model=self.model,
-                               optimizer=self.optimizer, mesh=self.mesh, masters=self.masters,
+        values, states, optimizer_step = self._export_states()
+        return save_checkpoint(out / "checkpoints", step, model=self.model, mesh=self.mesh,
                                train_state={"step": step, "loss_scaler": self.scaler.state_dict()},
-                               config_toml=self.cfg.to_toml())
+                               config_toml=self.cfg.to_toml(), values=values, states=states,
+                               optimizer_step=optimizer_step)
 
     def resume(self, out: Path) -> int:
         """Load the latest checkpoint in `out` (any layout); returns the step to continue at."""
         path = latest_checkpoint(out / "checkpoints")
         if path is None:
             return 0
-        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, mesh=self.mesh,
-                                masters=self.masters)
+        state = load_checkpoint(path, model=self.model, mesh=self.mesh,
+                                load_states=self._load_states)
         if "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
         return int(state["step"])

@@ -143,6 +143,27 @@ def reduce_scatter(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = 0,
     return out
 
 
+def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, axis: MeshAxis, *,
+                        op: dist.ReduceOp = dist.ReduceOp.SUM,
+                        async_op: bool = False) -> dist.Work | None:
+    """Reduce the flat `flat` over `axis` into `output` (this rank's 1/N of it). `output` may be
+    this rank's slice of `flat` itself (in place: no extra buffer)."""
+    if axis.size == 1:
+        return None
+    _record("reduce_scatter", axis, flat)
+    return dist.reduce_scatter_tensor(output, flat, op=op, group=axis.group, async_op=async_op)
+
+
+def all_gather_into(flat: torch.Tensor, shard: torch.Tensor, axis: MeshAxis, *,
+                    async_op: bool = False) -> dist.Work | None:
+    """Concatenate every rank's flat `shard` into `flat`; `shard` may be this rank's slice of
+    `flat` (in place)."""
+    if axis.size == 1:
+        return None
+    _record("all_gather", axis, flat)
+    return dist.all_gather_into_tensor(flat, shard, group=axis.group, async_op=async_op)
+
+
 def split_along(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = -1) -> torch.Tensor:
     """This rank's 1/N chunk of `tensor` along `dim` (no communication)."""
     if axis.size == 1:
