@@ -19,6 +19,7 @@ besides torch are numpy and packaging; transformer-engine and apex are not neede
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import math
@@ -46,6 +47,7 @@ WORLD = 2
 LR = 1e-4
 TIMEOUT = datetime.timedelta(minutes=3)  # a hung collective fails fast instead of eating the host
 LOSS_RTOL = 1e-4  # TESTING.md: fp32 loss trajectory across layouts
+MEMORY = -1  # a worker command's step count that asks for the step's memory figures instead
 
 Step = Callable[[], torch.Tensor]
 """One training step (zero grads, forward, backward, optimizer step); returns the loss."""
@@ -509,6 +511,9 @@ def _worker(rank: int, port: int, shape: Shape, contenders: list[Contender],
         results.put(("ready", rank, unavailable))
         while (command := commands.get()) is not None:
             i, n = command
+            if n == MEMORY:
+                results.put(("memory", rank, getattr(steps[i], "memory", {})))
+                continue
             results.put(("times", rank, *time_steps(steps[i], n, dist.barrier)))
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
@@ -549,6 +554,12 @@ class Workers:
         times = [max(ts) for ts in zip(*(t for t, _ in per_rank), strict=True)]
         return times, per_rank[0][1]
 
+    def memory(self, index: int) -> list[dict]:
+        """Each rank's `step.memory` (what a contender measured of its memory), if any."""
+        for q in self.commands:
+            q.put((index, MEMORY))
+        return [m for (m,) in self._collect("memory")]
+
     def close(self) -> None:
         stop_workers(self.commands, self.procs)
 
@@ -559,18 +570,24 @@ class Result:
     rounds: list[list[float]]  # measured step times, one list per round
     losses: list[float]  # every step's loss, warmup included
 
+    memory: list[dict] = dataclasses.field(default_factory=list)  # per rank, if measured
+
     @property
     def median(self) -> float:
         return statistics.median(t for r in self.rounds for t in r)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, candidates: list[Contender] | None = None,
+         description: str = __doc__) -> int:
+    """Parse the flags, time the chosen contenders alternately, print the table. Other
+    benchmarks (bench_zero.py) pass their own `candidates` and shares this machinery."""
+    candidates = CONTENDERS if candidates is None else candidates
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="measured steps per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
-    keys = [c.key for c in CONTENDERS]
+    keys = [c.key for c in candidates]
     parser.add_argument("--only", metavar="NAMES", default=",".join(keys),
                         help=f"comma-separated contenders to run (default: all): {','.join(keys)}")
     args = parser.parse_args(argv)
@@ -581,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(only - set(keys)):
         parser.error(f"--only: unknown contender(s) {', '.join(unknown)}; choose from"
                      f" {', '.join(keys)}")
-    contenders = [c for c in CONTENDERS if c.key in only]
+    contenders = [c for c in candidates if c.key in only]
     shape = QUICK if args.quick else FULL
     peak_n = 256 if args.quick else 2048
 
@@ -610,6 +627,11 @@ def main(argv: list[str] | None = None) -> int:
                 r.losses += losses
                 if measured:
                     r.rounds.append(times)
+        for r in results:
+            if r.contender.ranks == WORLD:
+                r.memory = workers.memory(ranked.index(r.contender))
+            else:
+                r.memory = [getattr(local_steps[id(r.contender)], "memory", {})]
     finally:
         workers.close()
 
@@ -649,6 +671,15 @@ def report(args, shape: Shape, peak_n: int, peak1: float, peak2: float, results:
               f"  {r.losses[0]:.6f} -> {r.losses[-1]:.6f}")
     for name, why in unavailable.items():
         print(f"{name:34} not run: {why}")
+    measured = [r for r in results if any(r.memory)]
+    if measured:
+        print("\nmemory per rank, MiB (max over ranks): held = growth of resident memory from"
+              " before build to after the first step; peak = held + the largest rise during a"
+              " step")
+        for r in measured:
+            held = max(m["held"] for m in r.memory) / 2**20
+            peak = max(m["held"] + m["transient"] for m in r.memory) / 2**20
+            print(f"  {r.contender.name:34} held {held:8.1f}   peak {peak:8.1f}")
     if reference:
         last = reference.losses[-1]
         worst = max(abs(r.losses[-1] - last) / abs(last) for r in results)
