@@ -55,19 +55,20 @@ def test_fp16_with_loss_scaling_tracks_fp32_over_50_steps(corpus):
     assert all(r["skipped"] == 0 for r in fp16) and fp16[0]["loss_scale"] == 2.0**16
 
 
-def _forced_overflow(corpus):
+def _forced_overflow(corpus, zero):
     mesh = worker_mesh(tp=1, dp=2)
-    trainer = Trainer.build(_cfg(corpus, steps=4, precision="fp16"), mesh)
+    cfg = _cfg(corpus, steps=4, precision="fp16")
+    cfg.parallel.zero = zero
+    trainer = Trainer.build(cfg, mesh)
     trainer.train_step(0)
-    before = [m.detach().clone() for m in trainer.masters.params]
+    before = {k: v.clone() for k, v in trainer._export_states()[0].items()}  # fp32 masters
     weights = [p.detach().clone() for p in trainer.model.parameters()]
     param = trainer.model.layers["0"].ln1.weight
     handle = param.register_hook(lambda g: g * math.inf) if mesh.rank == 1 else None
     row = trainer.train_step(1)  # only rank 1 overflows
     if handle:
         handle.remove()
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, trainer.masters.params,
-                                                      strict=True))
+    unchanged = all(torch.equal(v, before[k]) for k, v in trainer._export_states()[0].items())
     model_unchanged = all(torch.equal(a, b) for a, b in zip(weights,
                                                             trainer.model.parameters(),
                                                             strict=True))
@@ -75,9 +76,11 @@ def _forced_overflow(corpus):
     return row["skipped"], row["loss_scale"], after["loss_scale"], unchanged, model_unchanged
 
 
-def test_overflow_on_one_rank_skips_the_step_everywhere(corpus):
+@pytest.mark.parametrize("zero", [0, 2])
+def test_overflow_on_one_rank_skips_the_step_everywhere(corpus, zero):
+    # under ZeRO-2 the inf reaches whichever rank owns that gradient's shard: still all skip
     for skipped, scale, next_scale, unchanged, model_unchanged in run_on_ranks(
-            2, _forced_overflow, corpus):
+            2, _forced_overflow, corpus, zero):
         assert skipped == 1 and next_scale == scale / 2
         assert unchanged and model_unchanged
 
