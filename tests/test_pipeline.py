@@ -88,9 +88,25 @@ def test_stage_layers():
     assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
     assert stage_layers(8, 2, [3, 5]) == [range(0, 3), range(3, 8)]
-    with pytest.raises(ValueError, match="must give each of the 2 stages at least one layer"):
+    with pytest.raises(ValueError, match="sums to 3: the counts must sum to the model's 4"):
         stage_layers(4, 2, [1, 2])
+    with pytest.raises(ValueError, match="has 3 entries: give one layer count per"):
+        stage_layers(4, 2, [1, 1, 2])
+    with pytest.raises(ValueError, match="leaves a stage without layers"):
+        stage_layers(4, 2, [0, 4])
 
+
+def _layers_of_stage(corpus, split):
+    cfg = _cfg(corpus, "1f1b")
+    cfg.parallel.pp_layers = split
+    return list(Trainer.build(cfg, worker_mesh(tp=1, pp=2, dp=1)).model.layers)
+
+
+@pytest.mark.parametrize("split,layers", [("1,3", [["0"], ["1", "2", "3"]]),
+                                          ("3,1", [["0", "1", "2"], ["3"]])])
+def test_uneven_pipeline_split_matches_single_process(corpus, split, layers):
+    assert run_on_ranks(2, _layers_of_stage, corpus, split) == layers
+    run_on_ranks(2, _check, corpus, 1, 2, "1f1b", 1, {"pp_layers": split})
 
 
 def _p2p_bytes(corpus, pp):

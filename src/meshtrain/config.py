@@ -20,6 +20,7 @@ import torch
 from meshtrain.data import BYTE_VOCAB_SIZE, check_batch_sizes
 from meshtrain.mesh import check_local_devices, resolve_degrees
 from meshtrain.model import PRESETS, GPTConfig, preset
+from meshtrain.parallel.pipeline import stage_layers
 from meshtrain.parallel.plan import ParallelPlan, validate_plan
 from meshtrain.precision import parse_dtype
 
@@ -57,6 +58,8 @@ class ParallelSettings:
     tp: int = _f(2, "tensor-parallel degree")
     pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
                     " remainder)")
+    pp_layers: str | None = _f(None, "layers per pipeline stage, comma-separated (e.g. 3,5);"
+                                     " default: an even split")
     pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe or 1f1b (interleaved and 2bw are not"
                                   " executable yet)")
     dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp x cp))")
@@ -133,6 +136,17 @@ class RunConfig:
                     lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
+
+    def pp_split(self) -> list[int] | None:
+        """--pp-layers as a list of per-stage layer counts (None: an even split)."""
+        text = self.parallel.pp_layers
+        if text is None:
+            return None
+        try:
+            return [int(n) for n in text.split(",")]
+        except ValueError:
+            raise ValueError(f"--pp-layers must be comma-separated layer counts such as 3,5,"
+                             f" got {text!r}") from None
 
     def plan(self) -> ParallelPlan:
         p = self.parallel
@@ -288,10 +302,12 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     gpt.validate_for_ep(p.ep)
     validate_plan(cfg.plan(), tp=p.tp, cp=p.cp, num_heads=gpt.num_heads, seq_len=t.seq_len,
                   dropout=gpt.dropout, moe=gpt.moe_experts > 0)
+    if p.pp > gpt.num_layers:
+        raise ValueError(f"--pp {p.pp} exceeds the model's {gpt.num_layers} layers: every"
+                         " stage needs at least one")
+    if p.pp_layers is not None:
+        stage_layers(gpt.num_layers, p.pp, cfg.pp_split())
     if p.pp > 1:
-        if p.pp > gpt.num_layers:
-            raise ValueError(f"--pp {p.pp} exceeds the model's {gpt.num_layers} layers: every"
-                             " stage needs at least one")
         if p.pp_schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"--pp-schedule must be gpipe or 1f1b, got {p.pp_schedule!r}")
 

@@ -108,7 +108,8 @@ class Trainer:
         t = cfg.train
         gpt = cfg.gpt_config(vocab)
         pp = mesh.pp
-        stage = StageSpec(stage_layers(gpt.num_layers, pp.size)[pp.rank],
+        split = cfg.pp_split() if pp.size > 1 else None  # a one-rank reference ignores it
+        stage = StageSpec(stage_layers(gpt.num_layers, pp.size, split)[pp.rank],
                           has_embedding=pp.rank == 0, has_head=pp.rank == pp.size - 1)
         model = GPT(gpt, mesh=mesh, seed=t.seed, plan=cfg.plan(), stage=stage)
         precision = parse_dtype(t.precision, "--precision")

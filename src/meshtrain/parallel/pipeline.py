@@ -28,16 +28,23 @@ from meshtrain.parallel.schedules import (
 )
 
 
-def stage_layers(num_layers: int, pp: int, split: list[int] | None = None) -> list[range]:
-    """Layers of each stage: `split` (counts per stage) or balanced, earlier stages taking the
-    remainder."""
+def stage_layers(num_layers: int, num_stages: int, split: list[int] | None = None) -> list[range]:
+    """Layers of each stage: `split` (counts per stage, from --pp-layers) or balanced, earlier
+    stages taking the remainder."""
     if split is None:
-        base, extra = divmod(num_layers, pp)
-        split = [base + (1 if s < extra else 0) for s in range(pp)]
-    if len(split) != pp or sum(split) != num_layers or min(split) < 1:
-        raise ValueError(f"--pp-layers {','.join(map(str, split))} must give each of the {pp}"
-                         f" stages at least one layer and sum to {num_layers}")
-    starts = [sum(split[:s]) for s in range(pp)]
+        base, extra = divmod(num_layers, num_stages)
+        split = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    text = ",".join(map(str, split))
+    if len(split) != num_stages:
+        raise ValueError(f"--pp-layers {text} has {len(split)} entries: give one layer count per"
+                         f" pipeline stage ({num_stages})")
+    if min(split) < 1:
+        raise ValueError(f"--pp-layers {text} leaves a stage without layers: every count must be"
+                         " at least 1")
+    if sum(split) != num_layers:
+        raise ValueError(f"--pp-layers {text} sums to {sum(split)}: the counts must sum to the"
+                         f" model's {num_layers} layers")
+    starts = [sum(split[:s]) for s in range(num_stages)]
     return [range(start, start + n) for start, n in zip(starts, split, strict=True)]
 
 
