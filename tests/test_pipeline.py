@@ -96,17 +96,32 @@ def test_stage_layers():
         stage_layers(4, 2, [0, 4])
 
 
-def _layers_of_stage(corpus, split):
-    cfg = _cfg(corpus, "1f1b")
-    cfg.parallel.pp_layers = split
+def _layers_of_stage(corpus, parallel, num_layers=None):
+    cfg = _cfg(corpus, parallel.get("pp_schedule", "1f1b"))
+    cfg.model.num_layers = num_layers
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
     return list(Trainer.build(cfg, worker_mesh(tp=1, pp=2, dp=1)).model.layers)
 
 
 @pytest.mark.parametrize("split,layers", [("1,3", [["0"], ["1", "2", "3"]]),
                                           ("3,1", [["0", "1", "2"], ["3"]])])
 def test_uneven_pipeline_split_matches_single_process(corpus, split, layers):
-    assert run_on_ranks(2, _layers_of_stage, corpus, split) == layers
+    assert run_on_ranks(2, _layers_of_stage, corpus, {"pp_layers": split}) == layers
     run_on_ranks(2, _check, corpus, 1, 2, "1f1b", 1, {"pp_layers": split})
+
+
+def test_interleaved_stages_hold_every_pth_chunk(corpus):
+    # 4 layers, pp 2 x 2 virtual stages: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3
+    parallel = {"pp_schedule": "interleaved", "virtual_stages": 2}
+    assert run_on_ranks(2, _layers_of_stage, corpus, parallel) == [["0", "2"], ["1", "3"]]
+    split = run_on_ranks(2, _layers_of_stage, corpus, parallel | {"pp_layers": "1,2,2,1"}, 6)
+    assert split == [["0", "3", "4"], ["1", "2", "5"]]
+
+
+@pytest.mark.parametrize("tp,world", [(1, 2), (1, 4), (2, 4)], ids=str)
+def test_interleaved_matches_single_process(corpus, tp, world):
+    run_on_ranks(world, _check, corpus, tp, 2, "interleaved", 1, {"virtual_stages": 2})
 
 
 def _p2p_bytes(corpus, pp):
@@ -116,7 +131,9 @@ def _p2p_bytes(corpus, pp):
     trainer = Trainer.build(_cfg(corpus, "1f1b"), mesh)
     with CommRecorder() as rec:
         trainer.train_step(0)
-    return rec.payload_bytes("send", "pp"), rec.payload_bytes("recv", "pp")
+    # activations travel on the pp groups, gradients on pp_grad
+    return (rec.payload_bytes("send", "pp") + rec.payload_bytes("send", "pp_grad"),
+            rec.payload_bytes("recv", "pp") + rec.payload_bytes("recv", "pp_grad"))
 
 
 def test_p2p_bytes_per_step_are_analytic(corpus):
@@ -130,9 +147,12 @@ def test_p2p_bytes_per_step_are_analytic(corpus):
     assert sum(s for s, _ in sends) == 2 * 3 * 4 * activation  # 3 boundaries, both directions
 
 
-def _save_pp(corpus, out, pp):
+def _save_pp(corpus, out, pp, parallel=None):
     world = torch.distributed.get_world_size()
-    trainer = Trainer.build(_cfg(corpus, "1f1b"), worker_mesh(tp=1, pp=pp, dp=world // pp))
+    cfg = _cfg(corpus, "1f1b")
+    for key, value in (parallel or {}).items():
+        setattr(cfg.parallel, key, value)
+    trainer = Trainer.build(cfg, worker_mesh(tp=1, pp=pp, dp=world // pp))
     trainer.train_step(0)
     trainer.save(out, 1)
     merged = {}
@@ -160,6 +180,16 @@ def test_checkpoint_moves_between_pipeline_degrees(corpus, tmp_path):
         assert torch.equal(loaded[name], tensor), name
     _, loss_pp4 = run_on_ranks(4, _load_pp, corpus, tmp_path, 4)[0]  # pp2 -> pp4
     assert loss_pp4 == pytest.approx(loss_pp1, rel=1e-5)
+
+
+def test_checkpoint_from_interleaved_loads_without_pipeline(corpus, tmp_path):
+    parallel = {"pp_schedule": "interleaved", "virtual_stages": 2}
+    saved = run_on_ranks(2, _save_pp, corpus, tmp_path, 2, parallel)[0]
+    loaded, _ = run_on_ranks(2, _load_pp, corpus, tmp_path, 1)[0]
+    assert sorted(saved) == sorted(loaded)
+    assert any(name.startswith("layers.3.") for name in saved)  # logical names, not per chunk
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
 
 
 def _check_moe(corpus, pp, ep):

@@ -59,9 +59,11 @@ class ParallelSettings:
     pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
                     " remainder)")
     pp_layers: str | None = _f(None, "layers per pipeline stage, comma-separated (e.g. 3,5);"
-                                     " default: an even split")
-    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe or 1f1b (interleaved and 2bw are not"
-                                  " executable yet)")
+                                     " with --virtual-stages one count per model chunk"
+                                     " (pp x v of them); default: an even split")
+    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved (1F1B over"
+                                  " --virtual-stages model chunks per rank)")
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (--pp-schedule interleaved)")
     dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp x cp))")
     ep: int = _f(1, "expert-parallel degree: experts spread over this many of the dp ranks")
     cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence")
@@ -305,10 +307,38 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     if p.pp > gpt.num_layers:
         raise ValueError(f"--pp {p.pp} exceeds the model's {gpt.num_layers} layers: every"
                          " stage needs at least one")
-    if p.pp_layers is not None:
-        stage_layers(gpt.num_layers, p.pp, cfg.pp_split())
-    if p.pp > 1:
-        if p.pp_schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"--pp-schedule must be gpipe or 1f1b, got {p.pp_schedule!r}")
+    _validate_pipeline(cfg, gpt, degrees)
 
     return degrees
+
+
+def _validate_pipeline(cfg: RunConfig, gpt: GPTConfig, degrees: dict[str, int]) -> None:
+    p, v = cfg.parallel, cfg.parallel.virtual_stages
+    if p.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
+        raise ValueError(f"--pp-schedule must be gpipe, 1f1b or interleaved, got"
+                         f" {p.pp_schedule!r}")
+    if v < 1:
+        raise ValueError(f"--virtual-stages must be >= 1, got {v}")
+    if v > 1 and p.pp_schedule != "interleaved":
+        raise ValueError(f"--virtual-stages {v} needs --pp-schedule interleaved (got"
+                         f" {p.pp_schedule})")
+    if v > 1 and p.pp == 1:
+        raise ValueError(f"--virtual-stages {v} needs --pp > 1")
+    if p.pp * v > gpt.num_layers:
+        raise ValueError(f"--pp x --virtual-stages = {p.pp} x {v} exceeds the model's"
+                         f" {gpt.num_layers} layers: every model chunk needs at least one")
+    if p.pp_schedule == "interleaved" and p.pp > 1:
+        m = cfg.train.global_batch // (cfg.train.micro_batch * degrees["dp"])
+        if m % p.pp:
+            raise ValueError(f"--pp-schedule interleaved needs the micro-batches per step"
+                             f" (global batch / (micro-batch x dp) = {m}) divisible by --pp"
+                             f" {p.pp}: change --global-batch or --micro-batch")
+        if p.pp_layers is None and gpt.num_layers % (p.pp * v):
+            raise ValueError(f"--pp-schedule interleaved needs the {gpt.num_layers} layers"
+                             f" divisible by --pp x --virtual-stages = {p.pp} x {v}, or explicit"
+                             " --pp-layers")
+        if gpt.moe_experts:
+            raise ValueError("--pp-schedule interleaved does not support MoE layers yet: use"
+                             " --pp-schedule 1f1b with --moe-experts")
+    if p.pp_layers is not None:
+        stage_layers(gpt.num_layers, p.pp * v, cfg.pp_split())

@@ -21,13 +21,15 @@ from meshtrain.optim import build_adamw, clip_grad_norm_, lr_at
 from meshtrain.parallel import comm
 from meshtrain.parallel.context import context_parallel_positions
 from meshtrain.parallel.data import GradientReducer
-from meshtrain.parallel.pipeline import run_schedule, stage_layers
+from meshtrain.parallel.pipeline import ScheduleRun, run_schedule, stage_layers
 from meshtrain.parallel.schedules import (
     FORWARD,
     RECV_ACTIVATION,
     SEND_ACTIVATION,
     Action,
     gpipe,
+    interleaved,
+    model_chunk,
     one_f_one_b,
 )
 from meshtrain.plots import plot_loss_curve
@@ -100,6 +102,8 @@ class Trainer:
     eval_data: data.BatchSampler
     masters: MasterWeights | None  # fp32 copies the optimizer steps (16-bit precision)
     scaler: LossScaler
+    count_saved_bytes: bool = False  # pipeline: count autograd's saved bytes per chunk
+    last_schedule_run: ScheduleRun | None = None  # pipeline: the latest step's peaks
 
     @classmethod
     def build(cls, cfg: RunConfig, mesh: ParallelMesh) -> Trainer:
@@ -108,8 +112,10 @@ class Trainer:
         t = cfg.train
         gpt = cfg.gpt_config(vocab)
         pp = mesh.pp
-        split = cfg.pp_split() if pp.size > 1 else None  # a one-rank reference ignores it
-        stage = StageSpec(stage_layers(gpt.num_layers, pp.size, split)[pp.rank],
+        v = cfg.parallel.virtual_stages if pp.size > 1 else 1
+        split = cfg.pp_split() if pp.size > 1 else None  # a one-rank reference ignores them
+        chunks = stage_layers(gpt.num_layers, pp.size * v, split)
+        stage = StageSpec(tuple(chunks[model_chunk(pp.rank, c, pp.size)] for c in range(v)),
                           has_embedding=pp.rank == 0, has_head=pp.rank == pp.size - 1)
         model = GPT(gpt, mesh=mesh, seed=t.seed, plan=cfg.plan(), stage=stage)
         precision = parse_dtype(t.precision, "--precision")
@@ -165,11 +171,13 @@ class Trainer:
                 moe_stats.add(self.model)
                 return self.model.routing_loss()
 
-            for loss in run_schedule(actions, stage=stage, loss_fn=self.model.cross_entropy,
-                                     micro_batches=local, mesh=mesh,
-                                     activation_shape=self._activation_shape(),
-                                     dtype=self._dtype(), before_backward=mark_last,
-                                     stage_loss=routing_loss, loss_scale=self.scaler.scale):
+            count = list(self.model.parameters()) if self.count_saved_bytes else None
+            self.last_schedule_run = run_schedule(
+                actions, stage=stage, loss_fn=self.model.cross_entropy, micro_batches=local,
+                mesh=mesh, activation_shape=self._activation_shape(), dtype=self._dtype(),
+                num_chunks=len(self.model.stage.chunks), before_backward=mark_last,
+                stage_loss=routing_loss, loss_scale=self.scaler.scale, count_saved_of=count)
+            for loss in self.last_schedule_run.losses:
                 loss_sum += loss.float()
             comm.all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
         for i, (inputs, targets) in enumerate(micro_batches if mesh.pp.size == 1 else ()):
@@ -206,9 +214,11 @@ class Trainer:
                                           moe=self.model.cfg.moe_experts > 0)}
 
     def _schedule(self, num_micro_batches: int) -> list[Action]:
-        p, s = self.mesh.pp.size, self.mesh.pp.rank
-        make = gpipe if self.cfg.parallel.pp_schedule == "gpipe" else one_f_one_b
-        return make(p, num_micro_batches)[s]
+        p, s, m = self.mesh.pp.size, self.mesh.pp.rank, num_micro_batches
+        name = self.cfg.parallel.pp_schedule
+        if name == "interleaved":
+            return interleaved(p, m, len(self.model.stage.chunks))[s]
+        return (gpipe if name == "gpipe" else one_f_one_b)(p, m)[s]
 
     def _pipeline_inputs(self, micro_batches):
         """The stage function and this rank's (context-parallel) slice of every micro-batch."""
@@ -217,7 +227,7 @@ class Trainer:
                                                mesh.cp.rank)
         local = [(x[:, positions], y[:, positions]) for x, y in micro_batches]
         on_device = positions.to(mesh.device)
-        return (lambda x: self.model(x, on_device)), local
+        return (lambda x, chunk: self.model(x, on_device, chunk=chunk)), local
 
     def _activation_shape(self) -> tuple[int, int, int]:
         """What flows between stages: this rank's `[micro, s/cp (/tp with SP), h]`."""
@@ -265,13 +275,14 @@ class Trainer:
                                               dp_size=mesh.dp.size)
         total = torch.zeros((), device=mesh.device)
         if mesh.pp.size > 1:
-            forwards = [a for a in gpipe(mesh.pp.size, len(batches))[mesh.pp.rank]
+            forwards = [a for a in self._schedule(len(batches))
                         if a.kind in (FORWARD, RECV_ACTIVATION, SEND_ACTIVATION)]
             stage, local = self._pipeline_inputs(batches)
-            for loss in run_schedule(forwards, stage=stage, loss_fn=self.model.cross_entropy,
-                                     micro_batches=local, mesh=mesh,
-                                     activation_shape=self._activation_shape(),
-                                     dtype=self._dtype()):
+            run = run_schedule(forwards, stage=stage, loss_fn=self.model.cross_entropy,
+                               micro_batches=local, mesh=mesh,
+                               activation_shape=self._activation_shape(), dtype=self._dtype(),
+                               num_chunks=len(self.model.stage.chunks))
+            for loss in run.losses:
                 total += loss.float()
             comm.all_reduce(total, mesh.pp)
         else:
