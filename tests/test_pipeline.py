@@ -12,6 +12,7 @@ from meshtrain.optim import global_grad_norm
 from meshtrain.parallel import named_full_tensors
 from meshtrain.parallel.comm import all_gather_objects
 from meshtrain.parallel.pipeline import stage_layers
+from meshtrain.parallel.schedules import gpipe, interleaved, one_f_one_b, simulate
 from meshtrain.train import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -122,6 +123,37 @@ def test_interleaved_stages_hold_every_pth_chunk(corpus):
 @pytest.mark.parametrize("tp,world", [(1, 2), (1, 4), (2, 4)], ids=str)
 def test_interleaved_matches_single_process(corpus, tp, world):
     run_on_ranks(world, _check, corpus, tp, 2, "interleaved", 1, {"virtual_stages": 2})
+
+
+def _peaks(corpus, pp, num_layers):
+    """Per schedule: (peak in-flight chunks, peak saved bytes) of this rank's real step."""
+    peaks = {}
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        cfg = _cfg(corpus, schedule)
+        cfg.parallel.virtual_stages, cfg.model.num_layers = v, num_layers
+        trainer = Trainer.build(cfg, worker_mesh(tp=1, pp=pp, dp=1))
+        trainer.count_saved_bytes = True
+        trainer.train_step(0)
+        run = trainer.last_schedule_run
+        peaks[schedule] = (run.peak_in_flight, run.peak_saved_bytes)
+    return peaks
+
+
+@pytest.mark.parametrize("pp,num_layers", [(2, 4), (4, 8)])
+def test_measured_peak_activations_match_the_simulator(corpus, pp, num_layers):
+    m = 4  # global batch 8 / micro-batch 2
+    measured = run_on_ranks(pp, _peaks, corpus, pp, num_layers)
+    expected = {"gpipe": simulate(gpipe(pp, m)).peak_in_flight,
+                "1f1b": simulate(one_f_one_b(pp, m)).peak_in_flight,
+                "interleaved": simulate(interleaved(pp, m, 2), v=2).peak_in_flight}
+    for name, peaks in expected.items():
+        assert [rank[name][0] for rank in measured] == peaks, name
+    assert [rank["gpipe"][0] for rank in measured] == [m] * pp
+    assert [rank["1f1b"][0] for rank in measured] == [min(m, pp - s) for s in range(pp)]
+    # saved bytes are proportional to the live micro-batches (each one's are the same)
+    for rank in measured:
+        (gpipe_live, gpipe_bytes), (ofob_live, ofob_bytes) = rank["gpipe"], rank["1f1b"]
+        assert gpipe_bytes > 0 and gpipe_bytes * ofob_live == ofob_bytes * gpipe_live
 
 
 def _p2p_bytes(corpus, pp):
