@@ -86,7 +86,15 @@ def _error(capsys, argv) -> str:
      "--pp-layers must be comma-separated layer counts"),
 
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "zigzag"],
-     "--pp-schedule must be gpipe, 1f1b or interleaved, got 'zigzag'"),
+     "--pp-schedule must be gpipe, 1f1b, interleaved or 2bw, got 'zigzag'"),
+    (["--tp", "1", "--pp-schedule", "2bw"], "--pp-schedule 2bw needs --pp > 1"),
+    (["--nproc", "4", "--tp", "1", "--pp", "4", "--pp-schedule", "2bw", "--global-batch", "6",
+      "--micro-batch", "2"], "2bw needs at least --pp (4) micro-batches per step, got global"
+                             " batch / (micro-batch x dp) = 3"),
+    (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "2bw", "--precision", "bf16"],
+     "--pp-schedule 2bw supports --precision fp32 only, got bf16"),
+    (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "2bw", "--moe-experts", "2"],
+     "--pp-schedule 2bw does not support MoE layers yet"),
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "interleaved",
       "--global-batch", "24"], "(global batch / (micro-batch x dp) = 3) divisible by --pp 2"),
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "interleaved",

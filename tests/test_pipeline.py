@@ -193,15 +193,15 @@ def _save_pp(corpus, out, pp, parallel=None):
     return merged
 
 
-def _load_pp(corpus, out, pp):
+def _load_pp(corpus, out, pp, step=1):
     world = torch.distributed.get_world_size()
     trainer = Trainer.build(_cfg(corpus, "1f1b"), worker_mesh(tp=1, pp=pp, dp=world // pp))
-    assert trainer.resume(out) == 1
+    assert trainer.resume(out) == step
     merged = {}
     params = {name: t.clone() for name, t in named_full_tensors(trainer.model)}
     for part in all_gather_objects(params, trainer.mesh.pp):
         merged.update(part)
-    return merged, trainer.train_step(1)["loss"]
+    return merged, trainer.train_step(step)["loss"]
 
 
 def test_checkpoint_moves_between_pipeline_degrees(corpus, tmp_path):
@@ -222,6 +222,65 @@ def test_checkpoint_from_interleaved_loads_without_pipeline(corpus, tmp_path):
     assert any(name.startswith("layers.3.") for name in saved)  # logical names, not per chunk
     for name, tensor in saved.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def _assign(params, values):
+    with torch.no_grad():
+        for param, value in zip(params, values, strict=True):
+            param.copy_(value)
+
+
+def _delayed_reference(cfg, steps):
+    """Single process applying 2BW's update: the gradient of step t is computed at W(t - 1)
+    (W(-1) = W(0)) and applied to W(t)."""
+    ref = Trainer.build(cfg, ParallelMesh.local())
+    params = list(ref.model.parameters())
+    step_optimizer = ref._optimizer_step
+    previous = [p.detach().clone() for p in params]
+    losses = []
+    for t in range(steps):
+        current = [p.detach().clone() for p in params]
+        _assign(params, previous)
+
+        def delayed(grads, current=current):
+            _assign(params, current)
+            step_optimizer(grads)
+
+        ref._optimizer_step = delayed
+        losses.append(ref.train_step(t)["loss"])
+        previous = current
+    return ref, losses
+
+
+def _check_2bw(corpus, pp, out, steps=3):
+    world = torch.distributed.get_world_size()
+    mesh = worker_mesh(tp=1, pp=pp, dp=world // pp)
+    cfg = _cfg(corpus, "2bw", steps=steps)
+    trainer = Trainer.build(cfg, mesh)
+    losses = [trainer.train_step(t)["loss"] for t in range(steps)]
+    reference, ref_losses = _delayed_reference(cfg, steps)
+    flush = Trainer.build(cfg, ParallelMesh.local())
+    flush_losses = [flush.train_step(t)["loss"] for t in range(steps)]
+    assert ref_losses[1] != pytest.approx(flush_losses[1], rel=1e-4)  # the delay shows
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert trainer.evaluate() == pytest.approx(reference.evaluate(), rel=1e-5)
+    weights = {}
+    for part in all_gather_objects(dict(named_full_tensors(trainer.model)), mesh.pp):
+        weights.update(part)
+    ref_weights = dict(named_full_tensors(reference.model))
+    assert weights.keys() == ref_weights.keys()
+    for name, tensor in weights.items():  # W(steps): the update of the last step included
+        assert_close(tensor, ref_weights[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    trainer.save(out, steps)
+    return ref_weights
+
+
+@pytest.mark.parametrize("pp,world", [(2, 2), (4, 4), (2, 4)], ids=str)
+def test_2bw_matches_delayed_update_reference(corpus, tmp_path, pp, world):
+    ref_weights = run_on_ranks(world, _check_2bw, corpus, pp, tmp_path)[0]
+    loaded, _ = run_on_ranks(2, _load_pp, corpus, tmp_path, 1, 3)[0]  # the checkpoint: W(3)
+    for name, tensor in ref_weights.items():
+        assert_close(loaded[name], tensor, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _check_moe(corpus, pp, ep):

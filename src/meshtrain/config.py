@@ -61,8 +61,9 @@ class ParallelSettings:
     pp_layers: str | None = _f(None, "layers per pipeline stage, comma-separated (e.g. 3,5);"
                                      " with --virtual-stages one count per model chunk"
                                      " (pp x v of them); default: an even split")
-    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved (1F1B over"
-                                  " --virtual-stages model chunks per rank)")
+    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over"
+                                  " --virtual-stages model chunks per rank) or 2bw"
+                                  " (PipeDream-2BW: no flush, weights updated one step late)")
     virtual_stages: int = _f(1, "model chunks per pipeline rank (--pp-schedule interleaved)")
     dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp x cp))")
     ep: int = _f(1, "expert-parallel degree: experts spread over this many of the dp ranks")
@@ -314,9 +315,23 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
 
 def _validate_pipeline(cfg: RunConfig, gpt: GPTConfig, degrees: dict[str, int]) -> None:
     p, v = cfg.parallel, cfg.parallel.virtual_stages
-    if p.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
-        raise ValueError(f"--pp-schedule must be gpipe, 1f1b or interleaved, got"
+    if p.pp_schedule not in ("gpipe", "1f1b", "interleaved", "2bw"):
+        raise ValueError(f"--pp-schedule must be gpipe, 1f1b, interleaved or 2bw, got"
                          f" {p.pp_schedule!r}")
+    if p.pp_schedule == "2bw":
+        m = cfg.train.global_batch // (cfg.train.micro_batch * degrees["dp"])
+        if p.pp == 1:
+            raise ValueError("--pp-schedule 2bw needs --pp > 1")
+        if m < p.pp:
+            raise ValueError(f"--pp-schedule 2bw needs at least --pp ({p.pp}) micro-batches per"
+                             f" step, got global batch / (micro-batch x dp) = {m}: raise"
+                             " --global-batch or lower --micro-batch")
+        if cfg.train.precision != "fp32":
+            raise ValueError(f"--pp-schedule 2bw supports --precision fp32 only, got"
+                             f" {cfg.train.precision}")
+        if gpt.moe_experts:
+            raise ValueError("--pp-schedule 2bw does not support MoE layers yet: use"
+                             " --pp-schedule 1f1b with --moe-experts")
     if v < 1:
         raise ValueError(f"--virtual-stages must be >= 1, got {v}")
     if v > 1 and p.pp_schedule != "interleaved":

@@ -21,7 +21,7 @@ from meshtrain.optim import build_adamw, clip_grad_norm_, lr_at
 from meshtrain.parallel import comm
 from meshtrain.parallel.context import context_parallel_positions
 from meshtrain.parallel.data import GradientReducer
-from meshtrain.parallel.pipeline import ScheduleRun, run_schedule, stage_layers
+from meshtrain.parallel.pipeline import PipeDream2BW, ScheduleRun, run_schedule, stage_layers
 from meshtrain.parallel.schedules import (
     FORWARD,
     RECV_ACTIVATION,
@@ -104,6 +104,7 @@ class Trainer:
     scaler: LossScaler
     count_saved_bytes: bool = False  # pipeline: count autograd's saved bytes per chunk
     last_schedule_run: ScheduleRun | None = None  # pipeline: the latest step's peaks
+    pipedream: PipeDream2BW | None = None  # --pp-schedule 2bw: state across steps
 
     @classmethod
     def build(cls, cfg: RunConfig, mesh: ParallelMesh) -> Trainer:
@@ -132,8 +133,10 @@ class Trainer:
             reducers.append(GradientReducer([p for p in model.parameters() if id(p) in experts],
                                             mesh.axis("edp"), bucket_bytes=bucket,
                                             grad_dtype=grad_dtype, scale=1.0 / mesh.ep.size))
+        # 2BW: the optimizer steps separate fp32 copies, the model holds in-flight versions.
+        two_weights = cfg.parallel.pp_schedule == "2bw" and pp.size > 1
         masters = MasterWeights(list(model.parameters())) \
-            if precision != torch.float32 else None
+            if precision != torch.float32 or two_weights else None
         optimizer = build_adamw(masters.params if masters else model.parameters(), lr=t.lr,
                                 weight_decay=t.weight_decay)
         scaler = LossScaler(enabled=precision == torch.float16,
@@ -159,13 +162,25 @@ class Trainer:
         loss_sum = torch.zeros((), device=mesh.device)
         moe_stats = MoEStats()
 
+        m = len(micro_batches)
+
         def mark_last(i: int) -> None:
             for reducer in self.reducers:
-                reducer.sync = i == len(micro_batches) - 1  # communicate once per step
+                reducer.sync = i % m == m - 1  # communicate once per step
 
         if mesh.pp.size > 1:
-            actions = self._schedule(len(micro_batches))
-            stage, local = self._pipeline_inputs(micro_batches)
+            pipedream = self._pipedream(step, m)
+            if pipedream is None:
+                actions = self._schedule(m)
+                stage, local = self._pipeline_inputs(micro_batches)
+            else:  # micro-batches numbered over the run: this step's and the next one's
+                actions = pipedream.segment(step)
+                read = {t: self.train_data.micro_batches(t, dp_rank=mesh.dp.rank,
+                                                         dp_size=mesh.dp.size)
+                        for t in pipedream.steps_read(step)}
+                stage, cut = self._pipeline_inputs([b for t in read for b in read[t]])
+                local = {(t - pipedream.first_step) * m + j: cut[n * m + j]
+                         for n, t in enumerate(read) for j in range(m)}
 
             def routing_loss():
                 moe_stats.add(self.model)
@@ -175,8 +190,13 @@ class Trainer:
             self.last_schedule_run = run_schedule(
                 actions, stage=stage, loss_fn=self.model.cross_entropy, micro_batches=local,
                 mesh=mesh, activation_shape=self._activation_shape(), dtype=self._dtype(),
-                num_chunks=len(self.model.stage.chunks), before_backward=mark_last,
-                stage_loss=routing_loss, loss_scale=self.scaler.scale, count_saved_of=count)
+                num_chunks=len(self.model.stage.chunks), num_micro_batches=m,
+                before_backward=mark_last, stage_loss=routing_loss,
+                use_weights_of=pipedream.use_weights_of if pipedream else lambda micro: None,
+                loss_scale=self.scaler.scale, count_saved_of=count,
+                carry=pipedream.carry if pipedream else None)
+            if pipedream is not None:
+                pipedream.end_segment(step)
             for loss in self.last_schedule_run.losses:
                 loss_sum += loss.float()
             comm.all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
@@ -212,6 +232,19 @@ class Trainer:
         return row | {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
                       **moe_stats.summary(mesh, len(micro_batches),
                                           moe=self.model.cfg.moe_experts > 0)}
+
+    def _pipedream(self, step: int, num_micro_batches: int) -> PipeDream2BW | None:
+        """The 2BW state, made at the first step this trainer runs (after a resume, the
+        delay starts again: the step's gradient is computed at the loaded weights)."""
+        if self.cfg.parallel.pp_schedule != "2bw":
+            return None
+        if self.pipedream is None:
+            t = self.cfg.train
+            self.pipedream = PipeDream2BW(
+                list(self.model.parameters()), self.masters.params, p=self.mesh.pp.size,
+                s=self.mesh.pp.rank, m=num_micro_batches, first_step=step,
+                num_steps=(t.stop_at or t.steps) - step)
+        return self.pipedream
 
     def _schedule(self, num_micro_batches: int) -> list[Action]:
         p, s, m = self.mesh.pp.size, self.mesh.pp.rank, num_micro_batches
@@ -264,6 +297,9 @@ class Trainer:
             return
         for param in self.masters.model_params:
             self.masters.master_of[id(param)].grad = grads[id(param)].float()
+        if self.pipedream is not None:  # the model keeps the versions in-flight work needs
+            self.pipedream.step(self.optimizer.step)
+            return
         self.optimizer.step()
         self.masters.copy_to_model()
 
@@ -274,6 +310,8 @@ class Trainer:
         batches = self.eval_data.eval_batches(self.cfg.train.eval_batches, dp_rank=mesh.dp.rank,
                                               dp_size=mesh.dp.size)
         total = torch.zeros((), device=mesh.device)
+        if self.pipedream is not None:  # evaluate the current weights W(t)
+            self.pipedream.load(self.pipedream.version)
         if mesh.pp.size > 1:
             forwards = [a for a in self._schedule(len(batches))
                         if a.kind in (FORWARD, RECV_ACTIVATION, SEND_ACTIVATION)]

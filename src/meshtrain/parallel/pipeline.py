@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,7 @@ from meshtrain.parallel.schedules import (
     SEND_GRAD,
     Action,
     model_chunk,
+    pipedream_2bw,
 )
 
 
@@ -89,44 +90,72 @@ class _SavedBytes:
         return sum(self.storages.values())
 
 
+@dataclass
+class InFlight:
+    """What the executor holds between actions: micro-batches forwarded and not yet backwarded
+    (keyed by (micro, local chunk)) and sends not yet waited. A schedule that does not flush
+    (PipeDream-2BW) carries it from one optimizer step to the next."""
+
+    inputs: dict = field(default_factory=dict)  # received activations
+    outputs: dict = field(default_factory=dict)  # forward outputs (losses on the last chunk)
+    grads: dict = field(default_factory=dict)  # received gradients
+    extra: dict = field(default_factory=dict)  # the chunk's own extra loss per forward
+    saved: dict = field(default_factory=dict)  # bytes autograd holds per in-flight chunk
+    sends: list = field(default_factory=list)  # (work, tensor): the tensor lives until waited
+
+    def wait_sends(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
 def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
-                 micro_batches: list[tuple[torch.Tensor, torch.Tensor]], mesh: ParallelMesh,
-                 activation_shape: tuple[int, ...], dtype: torch.dtype, num_chunks: int = 1,
+                 micro_batches, mesh: ParallelMesh, activation_shape: tuple[int, ...],
+                 dtype: torch.dtype, num_chunks: int = 1, num_micro_batches: int | None = None,
                  before_backward: Callable[[int], None] = lambda micro: None,
                  stage_loss: Callable[[], torch.Tensor | float] = lambda: 0.0,
-                 loss_scale: float = 1.0, count_saved_of=None) -> ScheduleRun:
-    """Run this rank's actions. `stage(x, chunk)` runs local chunk `chunk` (of `num_chunks`).
+                 use_weights_of: Callable[[int], None] = lambda micro: None,
+                 loss_scale: float = 1.0, count_saved_of=None,
+                 carry: InFlight | None = None) -> ScheduleRun:
+    """Run this rank's actions. `stage(x, chunk)` runs local chunk `chunk` (of `num_chunks`);
+    `micro_batches[i]` is micro-batch i's (ids, targets); losses are divided by
+    `num_micro_batches` (per optimizer step; default len(micro_batches)).
 
     `before_backward(i)` lets the caller mark the last backward of a step (data-parallel
     reduction); `stage_loss()`, called after each forward, gives this chunk's own extra loss for
-    it (MoE routing losses), which joins that backward. `count_saved_of`: the stage's parameters,
-    to count the bytes autograd saves per in-flight chunk (off by default: a hook per tensor).
+    it (MoE routing losses), which joins that backward; `use_weights_of(i)`, called before each
+    forward and backward, lets the caller put in the weight version micro-batch i uses (2BW).
+    `count_saved_of`: the stage's parameters, to count the bytes autograd saves per in-flight
+    chunk (off by default: a hook per tensor; storages shared between chunks count per chunk).
+    `carry`: state kept across calls; its sends are waited one call later (their receivers may
+    post them only after the optimizer step), and `carry.wait_sends()` drains the last ones.
     """
     axis, grad_axis, s = mesh.pp, mesh.axis("pp_grad"), mesh.pp.rank
     p, v = axis.size, num_chunks
     previous, following = (s - 1) % p, (s + 1) % p
     last = p * v - 1
-    m = len(micro_batches)
-    inputs: dict[tuple[int, int], torch.Tensor] = {}
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
-    grads: dict[tuple[int, int], torch.Tensor] = {}
-    extra: dict[tuple[int, int], torch.Tensor | float] = {}
-    saved: dict[tuple[int, int], int] = {}  # bytes autograd holds for each in-flight chunk
+    m = num_micro_batches or len(micro_batches)
+    state = carry or InFlight()
+    earlier_sends, state.sends = state.sends, []
+    inputs, outputs, grads, extra, saved = (state.inputs, state.outputs, state.grads,
+                                            state.extra, state.saved)
     run = ScheduleRun([], 0, 0)
-    sends = []
+    # Evaluation's activations get their own tags: 2BW training sends may still be in flight.
+    forward_tag = 0 if torch.is_grad_enabled() else 2
 
-    def tag(i: int, boundary: int, direction: int) -> int:
+    def tag(i: int, boundary: int, kind: int) -> int:
         """Boundary b lies between global chunks b and b + 1: one tag per (micro, boundary,
-        direction: 0 activation, 1 gradient)."""
-        return 2 * (i * (last + 1) + boundary) + direction
+        kind: 0 activation, 1 gradient, 2 evaluation activation)."""
+        return 3 * (i * (last + 1) + boundary) + kind
 
     for a in actions:
         i, g, key = a.micro, model_chunk(s, a.chunk, p), (a.micro, a.chunk)
         if a.kind == RECV_ACTIVATION:
             buffer = torch.empty(activation_shape, dtype=dtype, device=mesh.device)
-            comm.recv(buffer, axis, previous, tag=tag(i, g - 1, 0))
+            comm.recv(buffer, axis, previous, tag=tag(i, g - 1, forward_tag))
             inputs[key] = buffer.requires_grad_(torch.is_grad_enabled())
         elif a.kind == FORWARD:
+            use_weights_of(i)
             ids, targets = micro_batches[i]
             counter = _SavedBytes(count_saved_of) if count_saved_of is not None else None
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) \
@@ -142,11 +171,13 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
             run.peak_saved_bytes = max(run.peak_saved_bytes, sum(saved.values()))
         elif a.kind == SEND_ACTIVATION:
             tensor = outputs[key].detach() if torch.is_grad_enabled() else outputs.pop(key)
-            sends.append((comm.send(tensor, axis, following, tag=tag(i, g, 0)), tensor))
+            state.sends.append((comm.send(tensor, axis, following,
+                                          tag=tag(i, g, forward_tag)), tensor))
         elif a.kind == RECV_GRAD:
             grads[key] = torch.empty(activation_shape, dtype=dtype, device=mesh.device)
             comm.recv(grads[key], grad_axis, following, tag=tag(i, g, 1))
         elif a.kind == BACKWARD:
+            use_weights_of(i)
             before_backward(i)
             own = extra.pop(key)
             if g == last:
@@ -159,9 +190,76 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
             del saved[key]
         elif a.kind == SEND_GRAD:
             tensor = inputs.pop(key).grad
-            sends.append((comm.send(tensor, grad_axis, previous, tag=tag(i, g - 1, 1)), tensor))
+            state.sends.append((comm.send(tensor, grad_axis, previous, tag=tag(i, g - 1, 1)),
+                                tensor))
         else:
             assert a.kind == OPTIMIZER_STEP, a
-    for work, _ in sends:  # the tensor stays referenced until its send completes
+    for work, _ in earlier_sends:
         work.wait()
+    if carry is None:
+        state.wait_sends()
     return run
+
+
+class PipeDream2BW:
+    """One rank's PipeDream-2BW state across optimizer steps.
+
+    The action list of the whole run (`schedules.pipedream_2bw`) is cut after each optimizer
+    step into one segment per step; the executor's in-flight micro-batches carry over, so a
+    step's segment already forwards some of the next step's micro-batches (no flush). Weights:
+    micro-batch k of step t uses W(t - 1) for its forward and its backward, W(-1) = W(0), so the
+    gradient applied at step t was computed at W(t - 1). `current` (what the optimizer steps)
+    holds W(n) after n steps, `previous` W(n - 1); the model's parameters hold whichever version
+    the next forward or backward needs, copied in through `.data` so that the autograd graphs of
+    in-flight micro-batches, which reference the parameters, see no in-place change.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], current: list[torch.Tensor], *,
+                 p: int, s: int, m: int, first_step: int, num_steps: int):
+        self.segments: list[list[Action]] = [[]]
+        for a in pipedream_2bw(p, m, num_steps)[s]:
+            self.segments[-1].append(a)
+            if a.kind == OPTIMIZER_STEP:
+                self.segments.append([])
+        self.first_step, self.m = first_step, m
+        self.carry = InFlight()
+        self.params, self.current = params, current
+        self.previous = [w.detach().clone() for w in current]
+        self.version = 0  # optimizer steps taken since `first_step`
+        self.loaded = 0  # the version the model's parameters hold
+
+    def segment(self, step: int) -> list[Action]:
+        """This rank's actions from the end of step - 1's optimizer step to step's."""
+        return self.segments[step - self.first_step]
+
+    def steps_read(self, step: int) -> list[int]:
+        """The optimizer steps whose micro-batches the segment of `step` forwards."""
+        return sorted({self.first_step + a.micro // self.m for a in self.segment(step)
+                       if a.kind == FORWARD})
+
+    def end_segment(self, step: int) -> None:
+        """After the run's last step nothing is in flight: wait the last sends (the drain)."""
+        if step - self.first_step == len(self.segments) - 2:
+            assert not self.carry.saved, "2BW: micro-batches left in flight at the end"
+            self.carry.wait_sends()
+
+    def use_weights_of(self, micro: int) -> None:
+        self.load(max(micro // self.m - 1, 0))
+
+    @torch.no_grad()
+    def load(self, version: int) -> None:
+        if version == self.loaded:
+            return
+        assert version in (self.version, self.version - 1), (version, self.version)
+        source = self.current if version == self.version else self.previous
+        for param, weights in zip(self.params, source, strict=True):
+            param.data.copy_(weights)
+        self.loaded = version
+
+    @torch.no_grad()
+    def step(self, optimizer_step: Callable[[], None]) -> None:
+        """Keep W(n) as the previous version, then let the optimizer make W(n + 1)."""
+        for previous, current in zip(self.previous, self.current, strict=True):
+            previous.copy_(current)
+        optimizer_step()
+        self.version += 1
