@@ -12,7 +12,13 @@ from meshtrain.optim import global_grad_norm
 from meshtrain.parallel import named_full_tensors
 from meshtrain.parallel.comm import all_gather_objects
 from meshtrain.parallel.pipeline import stage_layers
-from meshtrain.parallel.schedules import gpipe, interleaved, one_f_one_b, simulate
+from meshtrain.parallel.schedules import (
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    pipedream_2bw,
+    simulate,
+)
 from meshtrain.train import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -126,16 +132,19 @@ def test_interleaved_matches_single_process(corpus, tp, world):
 
 
 def _peaks(corpus, pp, num_layers):
-    """Per schedule: (peak in-flight chunks, peak saved bytes) of this rank's real step."""
+    """Per schedule: (peak in-flight chunks, peak saved bytes) of this rank's real steps."""
     peaks = {}
-    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("2bw", 1)):
         cfg = _cfg(corpus, schedule)
         cfg.parallel.virtual_stages, cfg.model.num_layers = v, num_layers
         trainer = Trainer.build(cfg, worker_mesh(tp=1, pp=pp, dp=1))
         trainer.count_saved_bytes = True
-        trainer.train_step(0)
-        run = trainer.last_schedule_run
-        peaks[schedule] = (run.peak_in_flight, run.peak_saved_bytes)
+        runs = []
+        for step in range(cfg.train.steps if schedule == "2bw" else 1):  # 2BW: across steps
+            trainer.train_step(step)
+            runs.append(trainer.last_schedule_run)
+        peaks[schedule] = (max(r.peak_in_flight for r in runs),
+                           max(r.peak_saved_bytes for r in runs))
     return peaks
 
 
@@ -145,15 +154,18 @@ def test_measured_peak_activations_match_the_simulator(corpus, pp, num_layers):
     measured = run_on_ranks(pp, _peaks, corpus, pp, num_layers)
     expected = {"gpipe": simulate(gpipe(pp, m)).peak_in_flight,
                 "1f1b": simulate(one_f_one_b(pp, m)).peak_in_flight,
-                "interleaved": simulate(interleaved(pp, m, 2), v=2).peak_in_flight}
+                "interleaved": simulate(interleaved(pp, m, 2), v=2).peak_in_flight,
+                "2bw": simulate(pipedream_2bw(pp, m, 3)).peak_in_flight}
     for name, peaks in expected.items():
         assert [rank[name][0] for rank in measured] == peaks, name
     assert [rank["gpipe"][0] for rank in measured] == [m] * pp
     assert [rank["1f1b"][0] for rank in measured] == [min(m, pp - s) for s in range(pp)]
-    # saved bytes are proportional to the live micro-batches (each one's are the same)
+    # saved bytes are proportional to the live micro-batches (each one's are the same); 2BW
+    # holds what 1F1B does, also while the next step's micro-batches are in flight
     for rank in measured:
         (gpipe_live, gpipe_bytes), (ofob_live, ofob_bytes) = rank["gpipe"], rank["1f1b"]
         assert gpipe_bytes > 0 and gpipe_bytes * ofob_live == ofob_bytes * gpipe_live
+        assert rank["2bw"] == rank["1f1b"]
 
 
 def _p2p_bytes(corpus, pp):
