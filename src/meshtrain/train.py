@@ -247,6 +247,7 @@ class Trainer:
         return self.pipedream
 
     def _schedule(self, num_micro_batches: int) -> list[Action]:
+        """This rank's actions for one flush step (2BW evaluates with 1F1B's forwards)."""
         p, s, m = self.mesh.pp.size, self.mesh.pp.rank, num_micro_batches
         name = self.cfg.parallel.pp_schedule
         if name == "interleaved":

@@ -5,10 +5,10 @@ under the interleaved schedule: rank s holds global chunks s, s + p, ...): forwa
 ids (first global chunk) or the activation received from the previous global chunk; backwards
 take the loss (last global chunk) or the gradient received from the next one. The previous
 chunk lives on rank s - 1, or on rank p - 1 for rank 0's later chunks (the wrap-around), and the
-next on rank s + 1, or rank 0. Sends are asynchronous and waited at the end of the step;
-receives block just before the compute that needs them, so any schedule the simulator accepts
-runs without deadlock. Shapes are known ahead (`[micro, s, h]`), so no handshake precedes a
-transfer.
+next on rank s + 1, or rank 0. Sends are asynchronous and waited at the end of the step (under
+2BW, one step later); receives block just before the compute that needs them, so any schedule
+the simulator accepts runs without deadlock. Shapes are known ahead (`[micro, s, h]`), so no
+handshake precedes a transfer.
 
 Matching transfers: every (micro-batch, stage boundary, direction) has its own tag (gloo matches
 on it). NCCL ignores tags and matches the transfers between two ranks in issue order, so
@@ -16,17 +16,20 @@ activations travel on the `pp` groups and gradients on `pp_grad`: per group and 
 sender issues in the order the receiver expects, because every rank runs its forwards (and its
 backwards) in the same (micro-batch, local chunk) order. One shared group would not do: at
 pp 2 with interleaving, rank 0 sends rank 1 both activations and (wrapped-around) gradients, and
-the two ranks interleave forwards and backwards differently.
+the two ranks interleave forwards and backwards differently. Evaluation between 2BW steps
+gets its own tags, as a training activation may still be in flight; on NCCL it would need its
+own groups as well.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from meshtrain.memory import saved_activation_bytes
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel import comm
 from meshtrain.parallel.schedules import (
@@ -72,24 +75,6 @@ class ScheduleRun:
     peak_saved_bytes: int  # most bytes autograd saved for them at one time (0: not counted)
 
 
-class _SavedBytes:
-    """Bytes autograd saves during one forward, one count per storage, parameters excluded
-    (what `memory.saved_activation_bytes` counts, kept per in-flight chunk)."""
-
-    def __init__(self, params) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
-        self.storages: dict[int, int] = {}
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.skip:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    def total(self) -> int:
-        return sum(self.storages.values())
-
-
 @dataclass
 class InFlight:
     """What the executor holds between actions: micro-batches forwarded and not yet backwarded
@@ -126,7 +111,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     it (MoE routing losses), which joins that backward; `use_weights_of(i)`, called before each
     forward and backward, lets the caller put in the weight version micro-batch i uses (2BW).
     `count_saved_of`: the stage's parameters, to count the bytes autograd saves per in-flight
-    chunk (off by default: a hook per tensor; storages shared between chunks count per chunk).
+    chunk (off by default: a hook per saved tensor; a storage shared by chunks counts in each).
     `carry`: state kept across calls; its sends are waited one call later (their receivers may
     post them only after the optimizer step), and `carry.wait_sends()` drains the last ones.
     """
@@ -148,6 +133,12 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
         kind: 0 activation, 1 gradient, 2 evaluation activation)."""
         return 3 * (i * (last + 1) + boundary) + kind
 
+    def forward(x: torch.Tensor, key: tuple[int, int], targets: torch.Tensor | None):
+        """One local chunk's forward, and the loss if `targets` are given (last chunk)."""
+        out = stage(x, key[1])
+        extra[key] = stage_loss()
+        return out if targets is None else loss_fn(out, targets.to(mesh.device)) / m
+
     for a in actions:
         i, g, key = a.micro, model_chunk(s, a.chunk, p), (a.micro, a.chunk)
         if a.kind == RECV_ACTIVATION:
@@ -157,16 +148,14 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
         elif a.kind == FORWARD:
             use_weights_of(i)
             ids, targets = micro_batches[i]
-            counter = _SavedBytes(count_saved_of) if count_saved_of is not None else None
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) \
-                    if counter else contextlib.nullcontext():
-                out = stage(ids.to(mesh.device) if g == 0 else inputs[key], a.chunk)
-                extra[key] = stage_loss()
-                if g == last:
-                    out = loss_fn(out, targets.to(mesh.device)) / m
-                    run.losses.append(out.detach())
-            outputs[key] = out
-            saved[key] = counter.total() if counter else 0
+            compute = functools.partial(forward, ids.to(mesh.device) if g == 0 else inputs[key],
+                                        key, targets if g == last else None)
+            if count_saved_of is None:
+                outputs[key], saved[key] = compute(), 0
+            else:
+                saved[key], outputs[key] = saved_activation_bytes(compute, count_saved_of)
+            if g == last:
+                run.losses.append(outputs[key].detach())
             run.peak_in_flight = max(run.peak_in_flight, len(saved))
             run.peak_saved_bytes = max(run.peak_saved_bytes, sum(saved.values()))
         elif a.kind == SEND_ACTIVATION:
