@@ -110,8 +110,6 @@ def _error(capsys, argv) -> str:
       "--virtual-stages", "4"], "--pp x --virtual-stages = 2 x 4 exceeds the model's 4 layers"),
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "interleaved",
       "--virtual-stages", "2", "--pp-layers", "2,2"], "--pp-layers 2,2 has 2 entries"),
-    (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "interleaved",
-      "--moe-experts", "2"], "--pp-schedule interleaved does not support MoE layers yet"),
     (["--seq-len", "64", "--max-seq-len", "32"], "--seq-len 64 exceeds --max-seq-len 32"),
     (["--bucket-mb", "1e-9"], "--bucket-mb must be positive"),
 ])

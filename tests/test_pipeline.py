@@ -295,13 +295,15 @@ def test_2bw_matches_delayed_update_reference(corpus, tmp_path, pp, world):
         assert_close(loaded[name], tensor, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _check_moe(corpus, pp, ep):
+def _check_moe(corpus, pp, ep, parallel=None):
     from test_moe import _cfg as moe_cfg
     from test_moe import _reference
 
     world = torch.distributed.get_world_size()
     mesh = worker_mesh(pp=pp, dp=world // pp, ep=ep)
     cfg = moe_cfg(corpus, 2)  # 4 experts, top-2, every 2nd layer: one MoE layer per stage
+    for key, value in (parallel or {}).items():  # interleaved v 2: both in rank 1's 2 chunks
+        setattr(cfg.parallel, key, value)
     trainer = Trainer.build(cfg, mesh)
     ref_loss, ref_routing, ref_grads, ref_norm = _reference(cfg)
     row = trainer.train_step(0)
@@ -319,6 +321,8 @@ def _check_moe(corpus, pp, ep):
         assert_close(grad, ref_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("pp,ep,world", [(2, 1, 2), (2, 2, 4)])
-def test_pipeline_with_experts(corpus, pp, ep, world):
-    run_on_ranks(world, _check_moe, corpus, pp, ep)
+@pytest.mark.parametrize("pp,ep,world,parallel", [
+    (2, 1, 2, None), (2, 2, 4, None),
+    (2, 1, 2, {"pp_schedule": "interleaved", "virtual_stages": 2})], ids=str)
+def test_pipeline_with_experts(corpus, pp, ep, world, parallel):
+    run_on_ranks(world, _check_moe, corpus, pp, ep, parallel)

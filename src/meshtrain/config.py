@@ -352,8 +352,5 @@ def _validate_pipeline(cfg: RunConfig, gpt: GPTConfig, degrees: dict[str, int]) 
             raise ValueError(f"--pp-schedule interleaved needs the {gpt.num_layers} layers"
                              f" divisible by --pp x --virtual-stages = {p.pp} x {v}, or explicit"
                              " --pp-layers")
-        if gpt.moe_experts:
-            raise ValueError("--pp-schedule interleaved does not support MoE layers yet: use"
-                             " --pp-schedule 1f1b with --moe-experts")
     if p.pp_layers is not None:
         stage_layers(gpt.num_layers, p.pp * v, cfg.pp_split())

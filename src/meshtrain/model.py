@@ -375,17 +375,21 @@ class GPT(nn.Module):
                                                  ignore_index=ignore_index)
         return per_token.sum() / (targets != ignore_index).sum().clamp(min=1)
 
-    def routing_loss(self) -> torch.Tensor | float:
-        """Weighted MoE auxiliary losses of the latest forward (0 for a dense model)."""
+    def routing_loss(self, chunk: int | None = None) -> torch.Tensor | float:
+        """Weighted MoE auxiliary losses of the latest forward (0 for a dense model): of local
+        model chunk `chunk` (an interleaved pipeline stage), or of all layers."""
         total = 0.0
-        for moe in self.moe_layers():
+        for moe in self.moe_layers(chunk):
             total = total + self.cfg.moe_aux_loss_coef * moe.last_aux_loss
             if self.cfg.moe_z_loss_coef:
                 total = total + self.cfg.moe_z_loss_coef * moe.last_z_loss
         return total
 
-    def moe_layers(self) -> list[MoE]:
-        return [block.mlp for block in self.layers.values() if isinstance(block.mlp, MoE)]
+    def moe_layers(self, chunk: int | None = None) -> list[MoE]:
+        """MoE layers of local model chunk `chunk`, or of all layers this rank holds."""
+        indices = self.stage.layers if chunk is None else self.stage.chunks[chunk]
+        blocks = [self.layers[str(i)] for i in indices]
+        return [block.mlp for block in blocks if isinstance(block.mlp, MoE)]
 
     def expert_parameters(self) -> set[int]:
         """ids of expert parameters: replicated only over the edp axis, not over dp x cp."""

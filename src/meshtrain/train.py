@@ -47,16 +47,17 @@ class MoEStats:
     """Routing of one optimizer step summed over micro-batches and MoE layers."""
 
     def __init__(self) -> None:
-        self.tokens_per_expert: torch.Tensor | None = None  # [layers, E]
+        self.tokens_per_expert: dict[int, torch.Tensor] = {}  # id(MoE layer) -> [E]
         self.counts = torch.zeros(3)  # dropped, assigned, aux loss (summed over layers)
 
-    def add(self, model: GPT) -> None:
-        layers = model.moe_layers()
+    def add(self, model: GPT, chunk: int | None = None) -> None:
+        """Add the latest forward's routing (of local model chunk `chunk`, or all layers)."""
+        layers = model.moe_layers(chunk)
         if not layers:
             return
-        per_layer = torch.stack([m.last_stats["tokens_per_expert"].cpu() for m in layers])
-        self.tokens_per_expert = per_layer if self.tokens_per_expert is None \
-            else self.tokens_per_expert + per_layer
+        for m in layers:
+            tokens = m.last_stats["tokens_per_expert"].cpu()
+            self.tokens_per_expert[id(m)] = self.tokens_per_expert.get(id(m), 0) + tokens
         self.counts += torch.tensor([
             sum(float(m.last_stats["dropped"]) for m in layers),
             sum(float(m.last_stats["assigned"]) for m in layers),
@@ -69,9 +70,9 @@ class MoEStats:
         if not moe:
             return {}
         device = mesh.device
-        tokens = self.tokens_per_expert.double().to(device) \
-            if self.tokens_per_expert is not None else torch.zeros(0, 1, dtype=torch.double,
-                                                                   device=device)
+        per_layer = list(self.tokens_per_expert.values())  # the same order on every dp rank
+        tokens = torch.stack(per_layer).double().to(device) if per_layer \
+            else torch.zeros(0, 1, dtype=torch.double, device=device)
         counts = self.counts.double().to(device)
         comm.all_reduce(tokens, mesh.dp_cp)
         comm.all_reduce(counts, mesh.dp_cp)
@@ -182,9 +183,9 @@ class Trainer:
                 local = {(t - pipedream.first_step) * m + j: cut[n * m + j]
                          for n, t in enumerate(read) for j in range(m)}
 
-            def routing_loss():
-                moe_stats.add(self.model)
-                return self.model.routing_loss()
+            def routing_loss(chunk: int):
+                moe_stats.add(self.model, chunk)
+                return self.model.routing_loss(chunk)
 
             count = list(self.model.parameters()) if self.count_saved_bytes else None
             self.last_schedule_run = run_schedule(

@@ -98,7 +98,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                  micro_batches, mesh: ParallelMesh, activation_shape: tuple[int, ...],
                  dtype: torch.dtype, num_chunks: int = 1, num_micro_batches: int | None = None,
                  before_backward: Callable[[int], None] = lambda micro: None,
-                 stage_loss: Callable[[], torch.Tensor | float] = lambda: 0.0,
+                 stage_loss: Callable[[int], torch.Tensor | float] = lambda chunk: 0.0,
                  use_weights_of: Callable[[int], None] = lambda micro: None,
                  loss_scale: float = 1.0, count_saved_of=None,
                  carry: InFlight | None = None) -> ScheduleRun:
@@ -107,8 +107,8 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     `num_micro_batches` (per optimizer step; default len(micro_batches)).
 
     `before_backward(i)` lets the caller mark the last backward of a step (data-parallel
-    reduction); `stage_loss()`, called after each forward, gives this chunk's own extra loss for
-    it (MoE routing losses), which joins that backward; `use_weights_of(i)`, called before each
+    reduction); `stage_loss(chunk)`, called after each forward, gives that chunk's own extra loss
+    for it (MoE routing losses), which joins that backward; `use_weights_of(i)`, called before each
     forward and backward, lets the caller put in the weight version micro-batch i uses (2BW).
     `count_saved_of`: the stage's parameters, to count the bytes autograd saves per in-flight
     chunk (off by default: a hook per saved tensor; a storage shared by chunks counts in each).
@@ -136,7 +136,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     def forward(x: torch.Tensor, key: tuple[int, int], targets: torch.Tensor | None):
         """One local chunk's forward, and the loss if `targets` are given (last chunk)."""
         out = stage(x, key[1])
-        extra[key] = stage_loss()
+        extra[key] = stage_loss(key[1])
         return out if targets is None else loss_fn(out, targets.to(mesh.device)) / m
 
     for a in actions:
