@@ -12,6 +12,13 @@ from meshtrain.optim import global_grad_norm
 from meshtrain.parallel import named_full_tensors
 from meshtrain.parallel.comm import all_gather_objects
 from meshtrain.parallel.pipeline import stage_layers
+from meshtrain.parallel.schedules import (
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    pipedream_2bw,
+    simulate,
+)
 from meshtrain.train import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -88,9 +95,77 @@ def test_stage_layers():
     assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
     assert stage_layers(8, 2, [3, 5]) == [range(0, 3), range(3, 8)]
-    with pytest.raises(ValueError, match="must give each of the 2 stages at least one layer"):
+    with pytest.raises(ValueError, match="sums to 3: the counts must sum to the model's 4"):
         stage_layers(4, 2, [1, 2])
+    with pytest.raises(ValueError, match="has 3 entries: give one layer count per"):
+        stage_layers(4, 2, [1, 1, 2])
+    with pytest.raises(ValueError, match="leaves a stage without layers"):
+        stage_layers(4, 2, [0, 4])
 
+
+def _layers_of_stage(corpus, parallel, num_layers=None):
+    cfg = _cfg(corpus, parallel.get("pp_schedule", "1f1b"))
+    cfg.model.num_layers = num_layers
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return list(Trainer.build(cfg, worker_mesh(tp=1, pp=2, dp=1)).model.layers)
+
+
+@pytest.mark.parametrize("split,layers", [("1,3", [["0"], ["1", "2", "3"]]),
+                                          ("3,1", [["0", "1", "2"], ["3"]])])
+def test_uneven_pipeline_split_matches_single_process(corpus, split, layers):
+    assert run_on_ranks(2, _layers_of_stage, corpus, {"pp_layers": split}) == layers
+    run_on_ranks(2, _check, corpus, 1, 2, "1f1b", 1, {"pp_layers": split})
+
+
+def test_interleaved_stages_hold_every_pth_chunk(corpus):
+    # 4 layers, pp 2 x 2 virtual stages: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3
+    parallel = {"pp_schedule": "interleaved", "virtual_stages": 2}
+    assert run_on_ranks(2, _layers_of_stage, corpus, parallel) == [["0", "2"], ["1", "3"]]
+    split = run_on_ranks(2, _layers_of_stage, corpus, parallel | {"pp_layers": "1,2,2,1"}, 6)
+    assert split == [["0", "3", "4"], ["1", "2", "5"]]
+
+
+@pytest.mark.parametrize("tp,world", [(1, 2), (1, 4), (2, 4)], ids=str)
+def test_interleaved_matches_single_process(corpus, tp, world):
+    run_on_ranks(world, _check, corpus, tp, 2, "interleaved", 1, {"virtual_stages": 2})
+
+
+def _peaks(corpus, pp, num_layers):
+    """Per schedule: (peak in-flight chunks, peak saved bytes) of this rank's real steps."""
+    peaks = {}
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("2bw", 1)):
+        cfg = _cfg(corpus, schedule)
+        cfg.parallel.virtual_stages, cfg.model.num_layers = v, num_layers
+        trainer = Trainer.build(cfg, worker_mesh(tp=1, pp=pp, dp=1))
+        trainer.count_saved_bytes = True
+        runs = []
+        for step in range(cfg.train.steps if schedule == "2bw" else 1):  # 2BW: across steps
+            trainer.train_step(step)
+            runs.append(trainer.last_schedule_run)
+        peaks[schedule] = (max(r.peak_in_flight for r in runs),
+                           max(r.peak_saved_bytes for r in runs))
+    return peaks
+
+
+@pytest.mark.parametrize("pp,num_layers", [(2, 4), (4, 8)])
+def test_measured_peak_activations_match_the_simulator(corpus, pp, num_layers):
+    m = 4  # global batch 8 / micro-batch 2
+    measured = run_on_ranks(pp, _peaks, corpus, pp, num_layers)
+    expected = {"gpipe": simulate(gpipe(pp, m)).peak_in_flight,
+                "1f1b": simulate(one_f_one_b(pp, m)).peak_in_flight,
+                "interleaved": simulate(interleaved(pp, m, 2), v=2).peak_in_flight,
+                "2bw": simulate(pipedream_2bw(pp, m, 3)).peak_in_flight}
+    for name, peaks in expected.items():
+        assert [rank[name][0] for rank in measured] == peaks, name
+    assert [rank["gpipe"][0] for rank in measured] == [m] * pp
+    assert [rank["1f1b"][0] for rank in measured] == [min(m, pp - s) for s in range(pp)]
+    # saved bytes are proportional to the live micro-batches (each one's are the same); 2BW
+    # holds what 1F1B does, also while the next step's micro-batches are in flight
+    for rank in measured:
+        (gpipe_live, gpipe_bytes), (ofob_live, ofob_bytes) = rank["gpipe"], rank["1f1b"]
+        assert gpipe_bytes > 0 and gpipe_bytes * ofob_live == ofob_bytes * gpipe_live
+        assert rank["2bw"] == rank["1f1b"]
 
 
 def _p2p_bytes(corpus, pp):
@@ -100,7 +175,9 @@ def _p2p_bytes(corpus, pp):
     trainer = Trainer.build(_cfg(corpus, "1f1b"), mesh)
     with CommRecorder() as rec:
         trainer.train_step(0)
-    return rec.payload_bytes("send", "pp"), rec.payload_bytes("recv", "pp")
+    # activations travel on the pp groups, gradients on pp_grad
+    return (rec.payload_bytes("send", "pp") + rec.payload_bytes("send", "pp_grad"),
+            rec.payload_bytes("recv", "pp") + rec.payload_bytes("recv", "pp_grad"))
 
 
 def test_p2p_bytes_per_step_are_analytic(corpus):
@@ -114,9 +191,12 @@ def test_p2p_bytes_per_step_are_analytic(corpus):
     assert sum(s for s, _ in sends) == 2 * 3 * 4 * activation  # 3 boundaries, both directions
 
 
-def _save_pp(corpus, out, pp):
+def _save_pp(corpus, out, pp, parallel=None):
     world = torch.distributed.get_world_size()
-    trainer = Trainer.build(_cfg(corpus, "1f1b"), worker_mesh(tp=1, pp=pp, dp=world // pp))
+    cfg = _cfg(corpus, "1f1b")
+    for key, value in (parallel or {}).items():
+        setattr(cfg.parallel, key, value)
+    trainer = Trainer.build(cfg, worker_mesh(tp=1, pp=pp, dp=world // pp))
     trainer.train_step(0)
     trainer.save(out, 1)
     merged = {}
@@ -125,15 +205,15 @@ def _save_pp(corpus, out, pp):
     return merged
 
 
-def _load_pp(corpus, out, pp):
+def _load_pp(corpus, out, pp, step=1):
     world = torch.distributed.get_world_size()
     trainer = Trainer.build(_cfg(corpus, "1f1b"), worker_mesh(tp=1, pp=pp, dp=world // pp))
-    assert trainer.resume(out) == 1
+    assert trainer.resume(out) == step
     merged = {}
     params = {name: t.clone() for name, t in named_full_tensors(trainer.model)}
     for part in all_gather_objects(params, trainer.mesh.pp):
         merged.update(part)
-    return merged, trainer.train_step(1)["loss"]
+    return merged, trainer.train_step(step)["loss"]
 
 
 def test_checkpoint_moves_between_pipeline_degrees(corpus, tmp_path):
@@ -146,13 +226,84 @@ def test_checkpoint_moves_between_pipeline_degrees(corpus, tmp_path):
     assert loss_pp4 == pytest.approx(loss_pp1, rel=1e-5)
 
 
-def _check_moe(corpus, pp, ep):
+def test_checkpoint_from_interleaved_loads_without_pipeline(corpus, tmp_path):
+    parallel = {"pp_schedule": "interleaved", "virtual_stages": 2}
+    saved = run_on_ranks(2, _save_pp, corpus, tmp_path, 2, parallel)[0]
+    loaded, _ = run_on_ranks(2, _load_pp, corpus, tmp_path, 1)[0]
+    assert sorted(saved) == sorted(loaded)
+    assert any(name.startswith("layers.3.") for name in saved)  # logical names, not per chunk
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def _assign(params, values):
+    with torch.no_grad():
+        for param, value in zip(params, values, strict=True):
+            param.copy_(value)
+
+
+def _delayed_reference(cfg, steps):
+    """Single process applying 2BW's update: the gradient of step t is computed at W(t - 1)
+    (W(-1) = W(0)) and applied to W(t)."""
+    ref = Trainer.build(cfg, ParallelMesh.local())
+    params = list(ref.model.parameters())
+    step_optimizer = ref._optimizer_step
+    previous = [p.detach().clone() for p in params]
+    losses = []
+    for t in range(steps):
+        current = [p.detach().clone() for p in params]
+        _assign(params, previous)
+
+        def delayed(grads, current=current):
+            _assign(params, current)
+            step_optimizer(grads)
+
+        ref._optimizer_step = delayed
+        losses.append(ref.train_step(t)["loss"])
+        previous = current
+    return ref, losses
+
+
+def _check_2bw(corpus, pp, out, steps=3):
+    world = torch.distributed.get_world_size()
+    mesh = worker_mesh(tp=1, pp=pp, dp=world // pp)
+    cfg = _cfg(corpus, "2bw", steps=steps)
+    trainer = Trainer.build(cfg, mesh)
+    losses = [trainer.train_step(t)["loss"] for t in range(steps)]
+    reference, ref_losses = _delayed_reference(cfg, steps)
+    flush = Trainer.build(cfg, ParallelMesh.local())
+    flush_losses = [flush.train_step(t)["loss"] for t in range(steps)]
+    assert ref_losses[1] != pytest.approx(flush_losses[1], rel=1e-4)  # the delay shows
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert trainer.evaluate() == pytest.approx(reference.evaluate(), rel=1e-5)
+    weights = {}
+    for part in all_gather_objects(dict(named_full_tensors(trainer.model)), mesh.pp):
+        weights.update(part)
+    ref_weights = dict(named_full_tensors(reference.model))
+    assert weights.keys() == ref_weights.keys()
+    for name, tensor in weights.items():  # W(steps): the update of the last step included
+        assert_close(tensor, ref_weights[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    trainer.save(out, steps)
+    return ref_weights
+
+
+@pytest.mark.parametrize("pp,world", [(2, 2), (4, 4), (2, 4)], ids=str)
+def test_2bw_matches_delayed_update_reference(corpus, tmp_path, pp, world):
+    ref_weights = run_on_ranks(world, _check_2bw, corpus, pp, tmp_path)[0]
+    loaded, _ = run_on_ranks(2, _load_pp, corpus, tmp_path, 1, 3)[0]  # the checkpoint: W(3)
+    for name, tensor in ref_weights.items():
+        assert_close(loaded[name], tensor, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _check_moe(corpus, pp, ep, parallel=None):
     from test_moe import _cfg as moe_cfg
     from test_moe import _reference
 
     world = torch.distributed.get_world_size()
     mesh = worker_mesh(pp=pp, dp=world // pp, ep=ep)
     cfg = moe_cfg(corpus, 2)  # 4 experts, top-2, every 2nd layer: one MoE layer per stage
+    for key, value in (parallel or {}).items():  # interleaved v 2: both in rank 1's 2 chunks
+        setattr(cfg.parallel, key, value)
     trainer = Trainer.build(cfg, mesh)
     ref_loss, ref_routing, ref_grads, ref_norm = _reference(cfg)
     row = trainer.train_step(0)
@@ -170,6 +321,8 @@ def _check_moe(corpus, pp, ep):
         assert_close(grad, ref_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("pp,ep,world", [(2, 1, 2), (2, 2, 4)])
-def test_pipeline_with_experts(corpus, pp, ep, world):
-    run_on_ranks(world, _check_moe, corpus, pp, ep)
+@pytest.mark.parametrize("pp,ep,world,parallel", [
+    (2, 1, 2, None), (2, 2, 4, None),
+    (2, 1, 2, {"pp_schedule": "interleaved", "virtual_stages": 2})], ids=str)
+def test_pipeline_with_experts(corpus, pp, ep, world, parallel):
+    run_on_ranks(world, _check_moe, corpus, pp, ep, parallel)

@@ -61,10 +61,14 @@ def test_zero_stages_follow_plain_data_parallelism(corpus, degrees, parallel, mo
         _assert_same_trajectory(rows, reference)
 
 
-def test_zero1_with_a_pipeline_keeps_the_tied_embedding(corpus):
+@pytest.mark.parametrize("schedule,model", [
+    ({}, None), ({"pp_schedule": "interleaved", "virtual_stages": 2}, {"num_layers": 4})],
+    ids=["1f1b", "interleaved"])
+def test_zero1_with_a_pipeline_keeps_the_tied_embedding(corpus, schedule, model):
     degrees = {"pp": 2, "dp": 2}
-    reference = run_on_ranks(4, _rows, corpus, degrees, {}, None, steps=4)[0]
-    rows = run_on_ranks(4, _rows, corpus, degrees, {"zero": 1}, None, steps=4)[0]
+    parallel = {"pp": 2} | schedule
+    reference = run_on_ranks(4, _rows, corpus, degrees, parallel, model, steps=4)[0]
+    rows = run_on_ranks(4, _rows, corpus, degrees, parallel | {"zero": 1}, model, steps=4)[0]
     _assert_same_trajectory(rows, reference)
 
 

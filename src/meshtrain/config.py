@@ -20,6 +20,7 @@ import torch
 from meshtrain.data import BYTE_VOCAB_SIZE, check_batch_sizes
 from meshtrain.mesh import check_local_devices, resolve_degrees
 from meshtrain.model import PRESETS, GPTConfig, preset
+from meshtrain.parallel.pipeline import stage_layers
 from meshtrain.parallel.plan import ParallelPlan, validate_plan
 from meshtrain.precision import parse_dtype
 
@@ -57,8 +58,13 @@ class ParallelSettings:
     tp: int = _f(2, "tensor-parallel degree")
     pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
                     " remainder)")
-    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe or 1f1b (interleaved and 2bw are not"
-                                  " executable yet)")
+    pp_layers: str | None = _f(None, "layers per pipeline stage, comma-separated (e.g. 3,5);"
+                                     " with --virtual-stages one count per model chunk"
+                                     " (pp x v of them); default: an even split")
+    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over"
+                                  " --virtual-stages model chunks per rank) or 2bw"
+                                  " (PipeDream-2BW: no flush, weights updated one step late)")
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (--pp-schedule interleaved)")
     dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp x cp))")
     ep: int = _f(1, "expert-parallel degree: experts spread over this many of the dp ranks")
     cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence")
@@ -140,6 +146,17 @@ class RunConfig:
                     lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
+
+    def pp_split(self) -> list[int] | None:
+        """--pp-layers as a list of per-stage layer counts (None: an even split)."""
+        text = self.parallel.pp_layers
+        if text is None:
+            return None
+        try:
+            return [int(n) for n in text.split(",")]
+        except ValueError:
+            raise ValueError(f"--pp-layers must be comma-separated layer counts such as 3,5,"
+                             f" got {text!r}") from None
 
     def plan(self) -> ParallelPlan:
         p = self.parallel
@@ -258,6 +275,9 @@ def validate_zero(p: ParallelSettings, *, moe: bool) -> None:
                          " interleaves the backwards of many micro-batches, so sharded gradients"
                          " would be reduce-scattered once per micro-batch per stage; use --zero 1"
                          " with pipelines")
+    if p.zero and p.pp > 1 and p.pp_schedule == "2bw":
+        raise ValueError("--zero with --pp-schedule 2bw is not supported (2BW keeps two full"
+                         " weight versions): use --zero 1 with 1f1b or interleaved")
     if p.zero == 3 and moe:
         raise ValueError("--zero 3 does not shard MoE experts yet: use --zero 1 or 2 with"
                          " --moe-experts")
@@ -314,11 +334,52 @@ def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
     validate_plan(cfg.plan(), tp=p.tp, cp=p.cp, num_heads=gpt.num_heads, seq_len=t.seq_len,
                   dropout=gpt.dropout, moe=gpt.moe_experts > 0)
     validate_zero(p, moe=gpt.moe_experts > 0)
-    if p.pp > 1:
-        if p.pp > gpt.num_layers:
-            raise ValueError(f"--pp {p.pp} exceeds the model's {gpt.num_layers} layers: every"
-                             " stage needs at least one")
-        if p.pp_schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"--pp-schedule must be gpipe or 1f1b, got {p.pp_schedule!r}")
+    if p.pp > gpt.num_layers:
+        raise ValueError(f"--pp {p.pp} exceeds the model's {gpt.num_layers} layers: every"
+                         " stage needs at least one")
+    _validate_pipeline(cfg, gpt, degrees)
 
     return degrees
+
+
+def _validate_pipeline(cfg: RunConfig, gpt: GPTConfig, degrees: dict[str, int]) -> None:
+    p, v = cfg.parallel, cfg.parallel.virtual_stages
+    if p.pp_schedule not in ("gpipe", "1f1b", "interleaved", "2bw"):
+        raise ValueError(f"--pp-schedule must be gpipe, 1f1b, interleaved or 2bw, got"
+                         f" {p.pp_schedule!r}")
+    if p.pp_schedule == "2bw":
+        m = cfg.train.global_batch // (cfg.train.micro_batch * degrees["dp"])
+        if p.pp == 1:
+            raise ValueError("--pp-schedule 2bw needs --pp > 1")
+        if m < p.pp:
+            raise ValueError(f"--pp-schedule 2bw needs at least --pp ({p.pp}) micro-batches per"
+                             f" step, got global batch / (micro-batch x dp) = {m}: raise"
+                             " --global-batch or lower --micro-batch")
+        if cfg.train.precision != "fp32":
+            raise ValueError(f"--pp-schedule 2bw supports --precision fp32 only, got"
+                             f" {cfg.train.precision}")
+        if gpt.moe_experts:
+            raise ValueError("--pp-schedule 2bw does not support MoE layers yet: use"
+                             " --pp-schedule 1f1b with --moe-experts")
+    if v < 1:
+        raise ValueError(f"--virtual-stages must be >= 1, got {v}")
+    if v > 1 and p.pp_schedule != "interleaved":
+        raise ValueError(f"--virtual-stages {v} needs --pp-schedule interleaved (got"
+                         f" {p.pp_schedule})")
+    if v > 1 and p.pp == 1:
+        raise ValueError(f"--virtual-stages {v} needs --pp > 1")
+    if p.pp * v > gpt.num_layers:
+        raise ValueError(f"--pp x --virtual-stages = {p.pp} x {v} exceeds the model's"
+                         f" {gpt.num_layers} layers: every model chunk needs at least one")
+    if p.pp_schedule == "interleaved" and p.pp > 1:
+        m = cfg.train.global_batch // (cfg.train.micro_batch * degrees["dp"])
+        if m % p.pp:
+            raise ValueError(f"--pp-schedule interleaved needs the micro-batches per step"
+                             f" (global batch / (micro-batch x dp) = {m}) divisible by --pp"
+                             f" {p.pp}: change --global-batch or --micro-batch")
+        if p.pp_layers is None and gpt.num_layers % (p.pp * v):
+            raise ValueError(f"--pp-schedule interleaved needs the {gpt.num_layers} layers"
+                             f" divisible by --pp x --virtual-stages = {p.pp} x {v}, or explicit"
+                             " --pp-layers")
+    if p.pp_layers is not None:
+        stage_layers(gpt.num_layers, p.pp * v, cfg.pp_split())

@@ -105,7 +105,8 @@ def _axis_groups(degrees: dict[str, int], varying: tuple[str, ...]) -> list[list
 class ParallelMesh:
     """Process groups and coordinates of this rank on every parallel axis.
 
-    Axes: pp, dp, cp, tp; embed (first and last pipeline stage); dp_cp (dp x cp flattened:
+    Axes: pp, dp, cp, tp; embed (first and last pipeline stage); pp_grad (the pp groups again,
+    for the pipeline's backward traffic); dp_cp (dp x cp flattened:
     where replicated gradients are averaged);
     ep (expert parallel, consecutive blocks of dp_cp) and edp (the dp_cp ranks holding the same
     experts). Build it with `init_parallel`.
@@ -129,6 +130,10 @@ class ParallelMesh:
         pp_groups = _axis_groups(degrees, ("pp",))
         self._add_axis("embed", [[g[0], g[-1]] for g in pp_groups if len(g) > 1]
                        + [[r] for g in pp_groups for r in (g[1:-1] if len(g) > 1 else g)])
+        # The pipeline's gradients travel on their own groups: NCCL ignores tags and matches
+        # transfers between two ranks in issue order, which is the same on both sides per
+        # direction of traffic but not across activations and gradients (interleaved at pp 2).
+        self._add_axis("pp_grad", pp_groups)
         world_ranks = tuple(range(self.world_size))
         self._axes["world"] = MeshAxis("world", self.world_size, rank, world_ranks,
                                        dist.group.WORLD if self.world_size > 1 else None)

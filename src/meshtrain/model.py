@@ -279,11 +279,17 @@ class Block(nn.Module):
 
 @dataclass
 class StageSpec:
-    """Which part of the model this rank builds (the whole model without a pipeline)."""
+    """Which part of the model this rank builds (the whole model without a pipeline): one
+    contiguous range of layers per model chunk it holds (several under an interleaved schedule),
+    the embedding before its first chunk, the final LayerNorm and head after its last."""
 
-    layers: range
+    chunks: tuple[range, ...]
     has_embedding: bool = True
     has_head: bool = True
+
+    @property
+    def layers(self) -> list[int]:
+        return [i for chunk in self.chunks for i in chunk]
 
 
 class GPT(nn.Module):
@@ -302,7 +308,7 @@ class GPT(nn.Module):
         cfg.validate_for_ep(mesh.ep.size)
         self.cfg, self.mesh = cfg, mesh
         self.plan = plan = plan or ParallelPlan()
-        self.stage = stage = stage or StageSpec(range(cfg.num_layers))
+        self.stage = stage = stage or StageSpec((range(cfg.num_layers),))
         # The head reuses the word embedding, so a stage with the head holds it too.
         self.embedding = Embedding(cfg, mesh, seed, plan, with_position=stage.has_embedding) \
             if stage.has_embedding or stage.has_head else None
@@ -317,24 +323,29 @@ class GPT(nn.Module):
         limit = cfg.num_layers if plan.recompute_layers is None else plan.recompute_layers
         self._recomputed_layers = {i for i in stage.layers if full and i < limit}
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+                chunk: int | None = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states -> hidden states or local logits (last).
 
         `positions`: the sequence positions of the tokens in `x` (context parallelism holds a
-        load-balanced subset); default 0..s-1. Under sequence parallelism hidden states between
-        stages and layers are this TP rank's `[b, s/tp, h]`.
+        load-balanced subset); default 0..s-1. `chunk`: run only this local model chunk (an
+        interleaved pipeline stage), with the embedding if it is the first and the head if it is
+        the last; None runs them all. Under sequence parallelism hidden states between stages
+        and layers are this TP rank's `[b, s/tp, h]`.
         """
-        if self.stage.has_embedding:
+        chunks = range(len(self.stage.chunks)) if chunk is None else [chunk]
+        if self.stage.has_embedding and chunks[0] == 0:
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
             stream = TENSOR_PARALLEL if self.sequence_parallel else REPLICATED
             x = self.embedding(x, positions, self.rng, stream)
-        for index, block in self.layers.items():
-            if int(index) in self._recomputed_layers and self.training:
+        for index in (i for c in chunks for i in self.stage.chunks[c]):
+            block = self.layers[str(index)]
+            if index in self._recomputed_layers and self.training:
                 x = recomputed(block, self.rng, x, self.rng)
             else:
                 x = block(x, self.rng)
-        if self.stage.has_head:
+        if self.stage.has_head and chunks[-1] == len(self.stage.chunks) - 1:
             x = self.embedding.word.logits(self.final_norm(x),
                                            sequence_parallel=self.sequence_parallel)
         return x  # logits: [b, s, V_padded/tp]
@@ -364,17 +375,21 @@ class GPT(nn.Module):
                                                  ignore_index=ignore_index)
         return per_token.sum() / (targets != ignore_index).sum().clamp(min=1)
 
-    def routing_loss(self) -> torch.Tensor | float:
-        """Weighted MoE auxiliary losses of the latest forward (0 for a dense model)."""
+    def routing_loss(self, chunk: int | None = None) -> torch.Tensor | float:
+        """Weighted MoE auxiliary losses of the latest forward (0 for a dense model): of local
+        model chunk `chunk` (an interleaved pipeline stage), or of all layers."""
         total = 0.0
-        for moe in self.moe_layers():
+        for moe in self.moe_layers(chunk):
             total = total + self.cfg.moe_aux_loss_coef * moe.last_aux_loss
             if self.cfg.moe_z_loss_coef:
                 total = total + self.cfg.moe_z_loss_coef * moe.last_z_loss
         return total
 
-    def moe_layers(self) -> list[MoE]:
-        return [block.mlp for block in self.layers.values() if isinstance(block.mlp, MoE)]
+    def moe_layers(self, chunk: int | None = None) -> list[MoE]:
+        """MoE layers of local model chunk `chunk`, or of all layers this rank holds."""
+        indices = self.stage.layers if chunk is None else self.stage.chunks[chunk]
+        blocks = [self.layers[str(i)] for i in indices]
+        return [block.mlp for block in blocks if isinstance(block.mlp, MoE)]
 
     def expert_parameters(self) -> set[int]:
         """ids of expert parameters: replicated only over the edp axis, not over dp x cp."""

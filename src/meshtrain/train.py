@@ -21,13 +21,15 @@ from meshtrain.optim import build_adamw, clip_grad_norm_, lr_at
 from meshtrain.parallel import comm
 from meshtrain.parallel.context import context_parallel_positions
 from meshtrain.parallel.data import GradientReducer
-from meshtrain.parallel.pipeline import run_schedule, stage_layers
+from meshtrain.parallel.pipeline import PipeDream2BW, ScheduleRun, run_schedule, stage_layers
 from meshtrain.parallel.schedules import (
     FORWARD,
     RECV_ACTIVATION,
     SEND_ACTIVATION,
     Action,
     gpipe,
+    interleaved,
+    model_chunk,
     one_f_one_b,
 )
 from meshtrain.parallel.zero import ZeroDataParallel, unit_parameters
@@ -46,16 +48,17 @@ class MoEStats:
     """Routing of one optimizer step summed over micro-batches and MoE layers."""
 
     def __init__(self) -> None:
-        self.tokens_per_expert: torch.Tensor | None = None  # [layers, E]
+        self.tokens_per_expert: dict[int, torch.Tensor] = {}  # id(MoE layer) -> [E]
         self.counts = torch.zeros(3)  # dropped, assigned, aux loss (summed over layers)
 
-    def add(self, model: GPT) -> None:
-        layers = model.moe_layers()
+    def add(self, model: GPT, chunk: int | None = None) -> None:
+        """Add the latest forward's routing (of local model chunk `chunk`, or all layers)."""
+        layers = model.moe_layers(chunk)
         if not layers:
             return
-        per_layer = torch.stack([m.last_stats["tokens_per_expert"].cpu() for m in layers])
-        self.tokens_per_expert = per_layer if self.tokens_per_expert is None \
-            else self.tokens_per_expert + per_layer
+        for m in layers:
+            tokens = m.last_stats["tokens_per_expert"].cpu()
+            self.tokens_per_expert[id(m)] = self.tokens_per_expert.get(id(m), 0) + tokens
         self.counts += torch.tensor([
             sum(float(m.last_stats["dropped"]) for m in layers),
             sum(float(m.last_stats["assigned"]) for m in layers),
@@ -68,9 +71,9 @@ class MoEStats:
         if not moe:
             return {}
         device = mesh.device
-        tokens = self.tokens_per_expert.double().to(device) \
-            if self.tokens_per_expert is not None else torch.zeros(0, 1, dtype=torch.double,
-                                                                   device=device)
+        per_layer = list(self.tokens_per_expert.values())  # the same order on every dp rank
+        tokens = torch.stack(per_layer).double().to(device) if per_layer \
+            else torch.zeros(0, 1, dtype=torch.double, device=device)
         counts = self.counts.double().to(device)
         comm.all_reduce(tokens, mesh.dp_cp)
         comm.all_reduce(counts, mesh.dp_cp)
@@ -101,6 +104,9 @@ class Trainer:
     eval_data: data.BatchSampler
     masters: MasterWeights | None  # fp32 copies the optimizer steps (16-bit precision)
     scaler: LossScaler
+    count_saved_bytes: bool = False  # pipeline: count autograd's saved bytes per chunk
+    last_schedule_run: ScheduleRun | None = None  # pipeline: the latest step's peaks
+    pipedream: PipeDream2BW | None = None  # --pp-schedule 2bw: state across steps
 
     @classmethod
     def build(cls, cfg: RunConfig, mesh: ParallelMesh) -> Trainer:
@@ -109,7 +115,10 @@ class Trainer:
         t = cfg.train
         gpt = cfg.gpt_config(vocab)
         pp = mesh.pp
-        stage = StageSpec(stage_layers(gpt.num_layers, pp.size)[pp.rank],
+        v = cfg.parallel.virtual_stages if pp.size > 1 else 1
+        split = cfg.pp_split() if pp.size > 1 else None  # a one-rank reference ignores them
+        chunks = stage_layers(gpt.num_layers, pp.size * v, split)
+        stage = StageSpec(tuple(chunks[model_chunk(pp.rank, c, pp.size)] for c in range(v)),
                           has_embedding=pp.rank == 0, has_head=pp.rank == pp.size - 1)
         model = GPT(gpt, mesh=mesh, seed=t.seed, plan=cfg.plan(), stage=stage)
         precision = parse_dtype(t.precision, "--precision")
@@ -134,8 +143,10 @@ class Trainer:
                 reducers.append(GradientReducer(
                     [p for p in model.parameters() if id(p) in experts], mesh.axis("edp"),
                     bucket_bytes=bucket, grad_dtype=grad_dtype, scale=1.0 / mesh.ep.size))
+            # 2BW: the optimizer steps separate fp32 copies, the model holds in-flight versions
+            two_weights = cfg.parallel.pp_schedule == "2bw" and pp.size > 1
             masters = MasterWeights(list(model.parameters())) \
-                if precision != torch.float32 else None
+                if precision != torch.float32 or two_weights else None
             optimizer = build_adamw(masters.params if masters else model.parameters(),
                                     lr=t.lr, weight_decay=t.weight_decay)
         scaler = LossScaler(enabled=precision == torch.float16,
@@ -183,23 +194,42 @@ class Trainer:
         loss_sum = torch.zeros((), device=mesh.device)
         moe_stats = MoEStats()
 
+        m = len(micro_batches)
+
         def mark_last(i: int) -> None:
             for reducer in self.reducers:
-                reducer.sync = i == len(micro_batches) - 1  # communicate once per step
+                reducer.sync = i % m == m - 1  # communicate once per step
 
         if mesh.pp.size > 1:
-            actions = self._schedule(len(micro_batches))
-            stage, local = self._pipeline_inputs(micro_batches)
+            pipedream = self._pipedream(step, m)
+            if pipedream is None:
+                actions = self._schedule(m)
+                stage, local = self._pipeline_inputs(micro_batches)
+            else:  # micro-batches numbered over the run: this step's and the next one's
+                actions = pipedream.segment(step)
+                read = {t: self.train_data.micro_batches(t, dp_rank=mesh.dp.rank,
+                                                         dp_size=mesh.dp.size)
+                        for t in pipedream.steps_read(step)}
+                stage, cut = self._pipeline_inputs([b for t in read for b in read[t]])
+                local = {(t - pipedream.first_step) * m + j: cut[n * m + j]
+                         for n, t in enumerate(read) for j in range(m)}
 
-            def routing_loss():
-                moe_stats.add(self.model)
-                return self.model.routing_loss()
+            def routing_loss(chunk: int):
+                moe_stats.add(self.model, chunk)
+                return self.model.routing_loss(chunk)
 
-            for loss in run_schedule(actions, stage=stage, loss_fn=self.model.cross_entropy,
-                                     micro_batches=local, mesh=mesh,
-                                     activation_shape=self._activation_shape(),
-                                     dtype=self._dtype(), before_backward=mark_last,
-                                     stage_loss=routing_loss, loss_scale=self.scaler.scale):
+            count = list(self.model.parameters()) if self.count_saved_bytes else None
+            self.last_schedule_run = run_schedule(
+                actions, stage=stage, loss_fn=self.model.cross_entropy, micro_batches=local,
+                mesh=mesh, activation_shape=self._activation_shape(), dtype=self._dtype(),
+                num_chunks=len(self.model.stage.chunks), num_micro_batches=m,
+                before_backward=mark_last, stage_loss=routing_loss,
+                use_weights_of=pipedream.use_weights_of if pipedream else lambda micro: None,
+                loss_scale=self.scaler.scale, count_saved_of=count,
+                carry=pipedream.carry if pipedream else None)
+            if pipedream is not None:
+                pipedream.end_segment(step)
+            for loss in self.last_schedule_run.losses:
                 loss_sum += loss.float()
             comm.all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
         for i, (inputs, targets) in enumerate(micro_batches if mesh.pp.size == 1 else ()):
@@ -238,10 +268,26 @@ class Trainer:
                       **moe_stats.summary(mesh, len(micro_batches),
                                           moe=self.model.cfg.moe_experts > 0)}
 
+    def _pipedream(self, step: int, num_micro_batches: int) -> PipeDream2BW | None:
+        """The 2BW state, made at the first step this trainer runs (after a resume, the
+        delay starts again: the step's gradient is computed at the loaded weights)."""
+        if self.cfg.parallel.pp_schedule != "2bw":
+            return None
+        if self.pipedream is None:
+            t = self.cfg.train
+            self.pipedream = PipeDream2BW(
+                list(self.model.parameters()), self.masters.params, p=self.mesh.pp.size,
+                s=self.mesh.pp.rank, m=num_micro_batches, first_step=step,
+                num_steps=(t.stop_at or t.steps) - step)
+        return self.pipedream
+
     def _schedule(self, num_micro_batches: int) -> list[Action]:
-        p, s = self.mesh.pp.size, self.mesh.pp.rank
-        make = gpipe if self.cfg.parallel.pp_schedule == "gpipe" else one_f_one_b
-        return make(p, num_micro_batches)[s]
+        """This rank's actions for one flush step (2BW evaluates with 1F1B's forwards)."""
+        p, s, m = self.mesh.pp.size, self.mesh.pp.rank, num_micro_batches
+        name = self.cfg.parallel.pp_schedule
+        if name == "interleaved":
+            return interleaved(p, m, len(self.model.stage.chunks))[s]
+        return (gpipe if name == "gpipe" else one_f_one_b)(p, m)[s]
 
     def _pipeline_inputs(self, micro_batches):
         """The stage function and this rank's (context-parallel) slice of every micro-batch."""
@@ -250,7 +296,7 @@ class Trainer:
                                                mesh.cp.rank)
         local = [(x[:, positions], y[:, positions]) for x, y in micro_batches]
         on_device = positions.to(mesh.device)
-        return (lambda x: self.model(x, on_device)), local
+        return (lambda x, chunk: self.model(x, on_device, chunk=chunk)), local
 
     def _activation_shape(self) -> tuple[int, int, int]:
         """What flows between stages: this rank's `[micro, s/cp (/tp with SP), h]`."""
@@ -296,6 +342,9 @@ class Trainer:
             return
         for param in self.masters.model_params:
             self.masters.master_of[id(param)].grad = grads[id(param)].float()
+        if self.pipedream is not None:  # the model keeps the versions in-flight work needs
+            self.pipedream.step(self.optimizer.step)
+            return
         self.optimizer.step()
         self.masters.copy_to_model()
 
@@ -306,14 +355,17 @@ class Trainer:
         batches = self.eval_data.eval_batches(self.cfg.train.eval_batches, dp_rank=mesh.dp.rank,
                                               dp_size=mesh.dp.size)
         total = torch.zeros((), device=mesh.device)
+        if self.pipedream is not None:  # evaluate the current weights W(t)
+            self.pipedream.load(self.pipedream.version)
         if mesh.pp.size > 1:
-            forwards = [a for a in gpipe(mesh.pp.size, len(batches))[mesh.pp.rank]
+            forwards = [a for a in self._schedule(len(batches))
                         if a.kind in (FORWARD, RECV_ACTIVATION, SEND_ACTIVATION)]
             stage, local = self._pipeline_inputs(batches)
-            for loss in run_schedule(forwards, stage=stage, loss_fn=self.model.cross_entropy,
-                                     micro_batches=local, mesh=mesh,
-                                     activation_shape=self._activation_shape(),
-                                     dtype=self._dtype()):
+            run = run_schedule(forwards, stage=stage, loss_fn=self.model.cross_entropy,
+                               micro_batches=local, mesh=mesh,
+                               activation_shape=self._activation_shape(), dtype=self._dtype(),
+                               num_chunks=len(self.model.stage.chunks))
+            for loss in run.losses:
                 total += loss.float()
             comm.all_reduce(total, mesh.pp)
         else:

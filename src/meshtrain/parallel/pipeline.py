@@ -1,19 +1,35 @@
 """Pipeline parallelism: which layers a stage holds, and the executor that runs a schedule.
 
-The executor runs one rank's action list (see `schedules.py`) on its stage: forwards take token
-ids (first stage) or the activation received from the previous stage; backwards take the loss
-(last stage) or the gradient received from the next stage. Sends are asynchronous and waited at
-the end of the step; receives block just before the compute that needs them, so any schedule the
-simulator accepts runs without deadlock. Shapes are known ahead (`[micro, s, h]`), so no
+The executor runs one rank's action list (see `schedules.py`) on its model chunks (one, or v
+under the interleaved schedule: rank s holds global chunks s, s + p, ...): forwards take token
+ids (first global chunk) or the activation received from the previous global chunk; backwards
+take the loss (last global chunk) or the gradient received from the next one. The previous
+chunk lives on rank s - 1, or on rank p - 1 for rank 0's later chunks (the wrap-around), and the
+next on rank s + 1, or rank 0. Sends are asynchronous and waited at the end of the step (under
+2BW, one step later); receives block just before the compute that needs them, so any schedule
+the simulator accepts runs without deadlock. Shapes are known ahead (`[micro, s, h]`), so no
 handshake precedes a transfer.
+
+Matching transfers: every (micro-batch, stage boundary, direction) has its own tag (gloo matches
+on it). NCCL ignores tags and matches the transfers between two ranks in issue order, so
+activations travel on the `pp` groups and gradients on `pp_grad`: per group and rank pair, the
+sender issues in the order the receiver expects, because every rank runs its forwards (and its
+backwards) in the same (micro-batch, local chunk) order. One shared group would not do: at
+pp 2 with interleaving, rank 0 sends rank 1 both activations and (wrapped-around) gradients, and
+the two ranks interleave forwards and backwards differently. Evaluation between 2BW steps
+gets its own tags, as a training activation may still be in flight; on NCCL it would need its
+own groups as well.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from meshtrain.memory import saved_activation_bytes
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel import comm
 from meshtrain.parallel.schedules import (
@@ -25,77 +41,214 @@ from meshtrain.parallel.schedules import (
     SEND_ACTIVATION,
     SEND_GRAD,
     Action,
+    model_chunk,
+    pipedream_2bw,
 )
 
 
-def stage_layers(num_layers: int, pp: int, split: list[int] | None = None) -> list[range]:
-    """Layers of each stage: `split` (counts per stage) or balanced, earlier stages taking the
-    remainder."""
+def stage_layers(num_layers: int, num_stages: int, split: list[int] | None = None) -> list[range]:
+    """Layers of each stage: `split` (counts per stage, from --pp-layers) or balanced, earlier
+    stages taking the remainder."""
     if split is None:
-        base, extra = divmod(num_layers, pp)
-        split = [base + (1 if s < extra else 0) for s in range(pp)]
-    if len(split) != pp or sum(split) != num_layers or min(split) < 1:
-        raise ValueError(f"--pp-layers {','.join(map(str, split))} must give each of the {pp}"
-                         f" stages at least one layer and sum to {num_layers}")
-    starts = [sum(split[:s]) for s in range(pp)]
+        base, extra = divmod(num_layers, num_stages)
+        split = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    text = ",".join(map(str, split))
+    if len(split) != num_stages:
+        raise ValueError(f"--pp-layers {text} has {len(split)} entries: give one layer count per"
+                         f" pipeline stage ({num_stages})")
+    if min(split) < 1:
+        raise ValueError(f"--pp-layers {text} leaves a stage without layers: every count must be"
+                         " at least 1")
+    if sum(split) != num_layers:
+        raise ValueError(f"--pp-layers {text} sums to {sum(split)}: the counts must sum to the"
+                         f" model's {num_layers} layers")
+    starts = [sum(split[:s]) for s in range(num_stages)]
     return [range(start, start + n) for start, n in zip(starts, split, strict=True)]
 
 
+@dataclass
+class ScheduleRun:
+    """What one rank's run of a schedule produced, and the most activation state it held."""
+
+    losses: list[torch.Tensor]  # last global chunk's per-micro-batch losses (/ m), else empty
+    peak_in_flight: int  # most (micro, chunk)s forwarded and not yet backwarded at one time
+    peak_saved_bytes: int  # most bytes autograd saved for them at one time (0: not counted)
+
+
+@dataclass
+class InFlight:
+    """What the executor holds between actions: micro-batches forwarded and not yet backwarded
+    (keyed by (micro, local chunk)) and sends not yet waited. A schedule that does not flush
+    (PipeDream-2BW) carries it from one optimizer step to the next."""
+
+    inputs: dict = field(default_factory=dict)  # received activations
+    outputs: dict = field(default_factory=dict)  # forward outputs (losses on the last chunk)
+    grads: dict = field(default_factory=dict)  # received gradients
+    extra: dict = field(default_factory=dict)  # the chunk's own extra loss per forward
+    saved: dict = field(default_factory=dict)  # bytes autograd holds per in-flight chunk
+    sends: list = field(default_factory=list)  # (work, tensor): the tensor lives until waited
+
+    def wait_sends(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
 def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
-                 micro_batches: list[tuple[torch.Tensor, torch.Tensor]], mesh: ParallelMesh,
-                 activation_shape: tuple[int, ...], dtype: torch.dtype,
+                 micro_batches, mesh: ParallelMesh, activation_shape: tuple[int, ...],
+                 dtype: torch.dtype, num_chunks: int = 1, num_micro_batches: int | None = None,
                  before_backward: Callable[[int], None] = lambda micro: None,
-                 stage_loss: Callable[[], torch.Tensor | float] = lambda: 0.0,
-                 loss_scale: float = 1.0) -> list[torch.Tensor]:
-    """Run this rank's actions; returns the last stage's per-micro-batch losses (already
-    divided by the number of micro-batches), empty elsewhere. `before_backward(i)` lets the
-    caller mark the last backward of a step (data-parallel reduction); `stage_loss()`, called
-    after each forward, gives this stage's own extra loss for it (MoE routing losses), which
-    joins that micro-batch's backward."""
-    axis, s = mesh.pp, mesh.pp.rank
-    first, last = s == 0, s == mesh.pp.size - 1
-    m = len(micro_batches)
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    grads: dict[int, torch.Tensor] = {}
-    losses: list[torch.Tensor] = []
-    extra: dict[int, torch.Tensor | float] = {}
-    sends = []
+                 stage_loss: Callable[[int], torch.Tensor | float] = lambda chunk: 0.0,
+                 use_weights_of: Callable[[int], None] = lambda micro: None,
+                 loss_scale: float = 1.0, count_saved_of=None,
+                 carry: InFlight | None = None) -> ScheduleRun:
+    """Run this rank's actions. `stage(x, chunk)` runs local chunk `chunk` (of `num_chunks`);
+    `micro_batches[i]` is micro-batch i's (ids, targets); losses are divided by
+    `num_micro_batches` (per optimizer step; default len(micro_batches)).
+
+    `before_backward(i)` lets the caller mark the last backward of a step (data-parallel
+    reduction); `stage_loss(chunk)`, called after each forward, gives that chunk's own extra loss
+    for it (MoE routing losses), which joins that backward; `use_weights_of(i)`, called before each
+    forward and backward, lets the caller put in the weight version micro-batch i uses (2BW).
+    `count_saved_of`: the stage's parameters, to count the bytes autograd saves per in-flight
+    chunk (off by default: a hook per saved tensor; a storage shared by chunks counts in each).
+    `carry`: state kept across calls; its sends are waited one call later (their receivers may
+    post them only after the optimizer step), and `carry.wait_sends()` drains the last ones.
+    """
+    axis, grad_axis, s = mesh.pp, mesh.axis("pp_grad"), mesh.pp.rank
+    p, v = axis.size, num_chunks
+    previous, following = (s - 1) % p, (s + 1) % p
+    last = p * v - 1
+    m = num_micro_batches or len(micro_batches)
+    state = carry or InFlight()
+    earlier_sends, state.sends = state.sends, []
+    inputs, outputs, grads, extra, saved = (state.inputs, state.outputs, state.grads,
+                                            state.extra, state.saved)
+    run = ScheduleRun([], 0, 0)
+    # Evaluation's activations get their own tags: 2BW training sends may still be in flight.
+    forward_tag = 0 if torch.is_grad_enabled() else 2
+
+    def tag(i: int, boundary: int, kind: int) -> int:
+        """Boundary b lies between global chunks b and b + 1: one tag per (micro, boundary,
+        kind: 0 activation, 1 gradient, 2 evaluation activation)."""
+        return 3 * (i * (last + 1) + boundary) + kind
+
+    def forward(x: torch.Tensor, key: tuple[int, int], targets: torch.Tensor | None):
+        """One local chunk's forward, and the loss if `targets` are given (last chunk)."""
+        out = stage(x, key[1])
+        extra[key] = stage_loss(key[1])
+        return out if targets is None else loss_fn(out, targets.to(mesh.device)) / m
+
     for a in actions:
-        i = a.micro
+        i, g, key = a.micro, model_chunk(s, a.chunk, p), (a.micro, a.chunk)
         if a.kind == RECV_ACTIVATION:
             buffer = torch.empty(activation_shape, dtype=dtype, device=mesh.device)
-            comm.recv(buffer, axis, s - 1, tag=2 * i)
-            inputs[i] = buffer.requires_grad_(torch.is_grad_enabled())
+            comm.recv(buffer, axis, previous, tag=tag(i, g - 1, forward_tag))
+            inputs[key] = buffer.requires_grad_(torch.is_grad_enabled())
         elif a.kind == FORWARD:
+            use_weights_of(i)
             ids, targets = micro_batches[i]
-            out = stage(ids.to(mesh.device) if first else inputs[i])
-            extra[i] = stage_loss()
-            if last:
-                out = loss_fn(out, targets.to(mesh.device)) / m
-                losses.append(out.detach())
-            outputs[i] = out
-        elif a.kind == SEND_ACTIVATION:
-            tensor = outputs[i].detach() if torch.is_grad_enabled() else outputs.pop(i)
-            sends.append((comm.send(tensor, axis, s + 1, tag=2 * i), tensor))
-        elif a.kind == RECV_GRAD:
-            grads[i] = torch.empty(activation_shape, dtype=dtype, device=mesh.device)
-            comm.recv(grads[i], axis, s + 1, tag=2 * i + 1)
-        elif a.kind == BACKWARD:
-            before_backward(i)
-            own = extra.pop(i)
-            if last:
-                ((outputs.pop(i) + own / m) * loss_scale).backward()
-            elif isinstance(own, torch.Tensor):
-                torch.autograd.backward([outputs.pop(i), own * (loss_scale / m)],
-                                        [grads.pop(i), None])
+            compute = functools.partial(forward, ids.to(mesh.device) if g == 0 else inputs[key],
+                                        key, targets if g == last else None)
+            if count_saved_of is None:
+                outputs[key], saved[key] = compute(), 0
             else:
-                outputs.pop(i).backward(grads.pop(i))
+                saved[key], outputs[key] = saved_activation_bytes(compute, count_saved_of)
+            if g == last:
+                run.losses.append(outputs[key].detach())
+            run.peak_in_flight = max(run.peak_in_flight, len(saved))
+            run.peak_saved_bytes = max(run.peak_saved_bytes, sum(saved.values()))
+        elif a.kind == SEND_ACTIVATION:
+            tensor = outputs[key].detach() if torch.is_grad_enabled() else outputs.pop(key)
+            state.sends.append((comm.send(tensor, axis, following,
+                                          tag=tag(i, g, forward_tag)), tensor))
+        elif a.kind == RECV_GRAD:
+            grads[key] = torch.empty(activation_shape, dtype=dtype, device=mesh.device)
+            comm.recv(grads[key], grad_axis, following, tag=tag(i, g, 1))
+        elif a.kind == BACKWARD:
+            use_weights_of(i)
+            before_backward(i)
+            own = extra.pop(key)
+            if g == last:
+                ((outputs.pop(key) + own / m) * loss_scale).backward()
+            elif isinstance(own, torch.Tensor):
+                torch.autograd.backward([outputs.pop(key), own * (loss_scale / m)],
+                                        [grads.pop(key), None])
+            else:
+                outputs.pop(key).backward(grads.pop(key))
+            del saved[key]
         elif a.kind == SEND_GRAD:
-            tensor = inputs.pop(i).grad
-            sends.append((comm.send(tensor, axis, s - 1, tag=2 * i + 1), tensor))
+            tensor = inputs.pop(key).grad
+            state.sends.append((comm.send(tensor, grad_axis, previous, tag=tag(i, g - 1, 1)),
+                                tensor))
         else:
             assert a.kind == OPTIMIZER_STEP, a
-    for work, _ in sends:  # the tensor stays referenced until its send completes
+    for work, _ in earlier_sends:
         work.wait()
-    return losses
+    if carry is None:
+        state.wait_sends()
+    return run
+
+
+class PipeDream2BW:
+    """One rank's PipeDream-2BW state across optimizer steps.
+
+    The action list of the whole run (`schedules.pipedream_2bw`) is cut after each optimizer
+    step into one segment per step; the executor's in-flight micro-batches carry over, so a
+    step's segment already forwards some of the next step's micro-batches (no flush). Weights:
+    micro-batch k of step t uses W(t - 1) for its forward and its backward, W(-1) = W(0), so the
+    gradient applied at step t was computed at W(t - 1). `current` (what the optimizer steps)
+    holds W(n) after n steps, `previous` W(n - 1); the model's parameters hold whichever version
+    the next forward or backward needs, copied in through `.data` so that the autograd graphs of
+    in-flight micro-batches, which reference the parameters, see no in-place change.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], current: list[torch.Tensor], *,
+                 p: int, s: int, m: int, first_step: int, num_steps: int):
+        self.segments: list[list[Action]] = [[]]
+        for a in pipedream_2bw(p, m, num_steps)[s]:
+            self.segments[-1].append(a)
+            if a.kind == OPTIMIZER_STEP:
+                self.segments.append([])
+        self.first_step, self.m = first_step, m
+        self.carry = InFlight()
+        self.params, self.current = params, current
+        self.previous = [w.detach().clone() for w in current]
+        self.version = 0  # optimizer steps taken since `first_step`
+        self.loaded = 0  # the version the model's parameters hold
+
+    def segment(self, step: int) -> list[Action]:
+        """This rank's actions from the end of step - 1's optimizer step to step's."""
+        return self.segments[step - self.first_step]
+
+    def steps_read(self, step: int) -> list[int]:
+        """The optimizer steps whose micro-batches the segment of `step` forwards."""
+        return sorted({self.first_step + a.micro // self.m for a in self.segment(step)
+                       if a.kind == FORWARD})
+
+    def end_segment(self, step: int) -> None:
+        """After the run's last step nothing is in flight: wait the last sends (the drain)."""
+        if step - self.first_step == len(self.segments) - 2:
+            assert not self.carry.saved, "2BW: micro-batches left in flight at the end"
+            self.carry.wait_sends()
+
+    def use_weights_of(self, micro: int) -> None:
+        self.load(max(micro // self.m - 1, 0))
+
+    @torch.no_grad()
+    def load(self, version: int) -> None:
+        if version == self.loaded:
+            return
+        assert version in (self.version, self.version - 1), (version, self.version)
+        source = self.current if version == self.version else self.previous
+        for param, weights in zip(self.params, source, strict=True):
+            param.data.copy_(weights)
+        self.loaded = version
+
+    @torch.no_grad()
+    def step(self, optimizer_step: Callable[[], None]) -> None:
+        """Keep W(n) as the previous version, then let the optimizer make W(n + 1)."""
+        for previous, current in zip(self.previous, self.current, strict=True):
+            previous.copy_(current)
+        optimizer_step()
+        self.version += 1

@@ -8,8 +8,8 @@ chunks s, s + p, ...), and PipeDream-2BW (1F1B across optimizer steps with no fl
 
 `simulate` replays the lists with a cost per action and returns each rank's busy time, the
 makespan and the peak number of micro-batches (chunks) whose activations a rank holds, so bubble
-and memory claims are checked without running a model. The executor that runs these lists on a
-real model is the pipeline issue's next step.
+and memory claims are checked without running a model; `pipeline.run_schedule` runs the same
+lists on a real model.
 """
 
 from __future__ import annotations
