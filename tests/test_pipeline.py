@@ -1,4 +1,7 @@
-"""Pipeline parallelism (flush schedules) against the single-process model."""
+"""Pipeline parallelism (flush schedules, interleaved, 2BW) against the single-process model."""
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from meshtrain.parallel.schedules import (
     pipedream_2bw,
     simulate,
 )
-from meshtrain.train import Trainer
+from meshtrain.train import Trainer, run_training
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -293,6 +296,29 @@ def test_2bw_matches_delayed_update_reference(corpus, tmp_path, pp, world):
     loaded, _ = run_on_ranks(2, _load_pp, corpus, tmp_path, 1, 3)[0]  # the checkpoint: W(3)
     for name, tensor in ref_weights.items():
         assert_close(loaded[name], tensor, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _run_2bw(corpus, out, stop_at=None):
+    cfg = _cfg(corpus, "2bw", steps=6)
+    cfg.checkpoint.out = out
+    cfg.checkpoint.resume = stop_at is None and Path(out, "checkpoints").exists()
+    cfg.train.stop_at = stop_at
+    cfg.parallel.pp = 2
+    run_training(cfg, degrees={"tp": 1, "pp": 2, "dp": 1})
+
+
+def _2bw_losses(out):
+    rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_2bw_resume_continues_the_delayed_run(corpus, tmp_path):
+    """The checkpoint also holds W(t-1), which the resumed step's micro-batches need."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run_on_ranks(2, _run_2bw, corpus, str(whole))
+    run_on_ranks(2, _run_2bw, corpus, str(parts), 3)
+    run_on_ranks(2, _run_2bw, corpus, str(parts))
+    assert _2bw_losses(parts) == pytest.approx(_2bw_losses(whole), rel=1e-6)
 
 
 def _check_moe(corpus, pp, ep, parallel=None):

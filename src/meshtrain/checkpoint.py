@@ -100,12 +100,14 @@ def _logical_shape(tensor: torch.Tensor, shard: Shard | None) -> list[int]:
 def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: ParallelMesh,
                     train_state: dict, config_toml: str, values: dict[str, torch.Tensor],
                     states: dict[str, dict[str, torch.Tensor]] | None = None,
-                    optimizer_step: torch.Tensor | None = None) -> Path:
+                    optimizer_step: torch.Tensor | None = None,
+                    previous: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the checkpoint of `step` collectively (every rank calls this).
 
     `values` are this rank's (TP-local) full tensors of every parameter by name - the fp32
     master weights under mixed precision - and `states` their Adam moments (None before the
-    first step); ZeRO gathers its shards into these before calling (`ModelStates`)."""
+    first step); ZeRO gathers its shards into these before calling. `previous`: the weight
+    version before `values` (PipeDream-2BW's in-flight micro-batches use it)."""
     root = Path(root)
     final = step_dir(root, step)
     version = 1
@@ -128,6 +130,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
     replica = {n: mesh.axis("edp").rank if id(p) in experts else mesh.dp_cp.rank
                for n, p in params.items()}
     sources = [("model/" + n, values[n].detach(), n) for n in params]
+    sources += [("previous/" + n, previous[n].detach(), n) for n in params if previous]
     for n in params:
         state = (states or {}).get(n, {})
         sources += [(f"optim/{s}/{n}", state[s], n) for s in OPTIMIZER_STATES if s in state]
@@ -268,13 +271,13 @@ class _Reader:
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
-                    load_states: Callable[[dict, dict | None, torch.Tensor | None], None]
-                    | None = None) -> dict:
+                    load_states: Callable[..., None] | None = None) -> dict:
     """Load a checkpoint of any layout for this rank; returns the saved train state.
 
     Without `load_states` the values go into the model's parameters (inference). With it, it
     receives ({name: this rank's value}, {name: {moment: tensor}} or None, optimizer step or
-    None) and places them (master weights, optimizer, ZeRO shards). RNG streams are restored
+    None, and `previous=` {name: value} or None) and places them (master weights, optimizer,
+    ZeRO shards, 2BW's previous weight version). RNG streams are restored
     only when the layout and the device type are the same as at save time."""
     path = Path(path)
     manifest = read_manifest(path, model.cfg)
@@ -305,7 +308,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
             step = reader.full("optim/step")
             states = {name: {s: local(f"optim/{s}/{name}", shards[name])
                              for s in OPTIMIZER_STATES} for name in names}
-        load_states(values, states, step)
+        previous = {name: local("previous/" + name, shards[name]) for name in names} \
+            if "previous/" + names[0] in manifest["tensors"] else None
+        load_states(values, states, step, previous=previous)
     if manifest["layout"] == mesh.degrees and manifest.get("device") == mesh.device.type:
         model.rng.set_states({name: reader.raw(f"rng/{mesh.rank}/{name}")
                               for name in model.rng.get_states()})

@@ -107,6 +107,7 @@ class Trainer:
     count_saved_bytes: bool = False  # pipeline: count autograd's saved bytes per chunk
     last_schedule_run: ScheduleRun | None = None  # pipeline: the latest step's peaks
     pipedream: PipeDream2BW | None = None  # --pp-schedule 2bw: state across steps
+    resumed_previous: list[torch.Tensor] | None = None  # 2BW: W(t - 1) from a checkpoint
 
     @classmethod
     def build(cls, cfg: RunConfig, mesh: ParallelMesh) -> Trainer:
@@ -269,8 +270,8 @@ class Trainer:
                                           moe=self.model.cfg.moe_experts > 0)}
 
     def _pipedream(self, step: int, num_micro_batches: int) -> PipeDream2BW | None:
-        """The 2BW state, made at the first step this trainer runs (after a resume, the
-        delay starts again: the step's gradient is computed at the loaded weights)."""
+        """The 2BW state, made at the first step this trainer runs (after a resume the
+        checkpoint's previous version continues the delay exactly)."""
         if self.cfg.parallel.pp_schedule != "2bw":
             return None
         if self.pipedream is None:
@@ -278,7 +279,7 @@ class Trainer:
             self.pipedream = PipeDream2BW(
                 list(self.model.parameters()), self.masters.params, p=self.mesh.pp.size,
                 s=self.mesh.pp.rank, m=num_micro_batches, first_step=step,
-                num_steps=(t.stop_at or t.steps) - step)
+                num_steps=(t.stop_at or t.steps) - step, previous=self.resumed_previous)
         return self.pipedream
 
     def _schedule(self, num_micro_batches: int) -> list[Action]:
@@ -437,9 +438,14 @@ class Trainer:
                 states[names[id(param)]] = self.optimizer.state[stepped]
         return values, states or None, step
 
-    def _load_states(self, values: dict, states: dict | None, step: torch.Tensor | None) -> None:
-        """Place a checkpoint's per-parameter values and moments (see `_export_states`)."""
+    def _load_states(self, values: dict, states: dict | None, step: torch.Tensor | None, *,
+                     previous: dict | None = None) -> None:
+        """Place a checkpoint's per-parameter values and moments (see `_export_states`), and
+        for 2BW the previous weight version."""
         named = dict(self.model.named_parameters())
+        if previous is not None and self.cfg.parallel.pp_schedule == "2bw":
+            self.resumed_previous = [previous[name].to(p.device, torch.float32)
+                                     for name, p in named.items()]
         if self.cfg.parallel.zero:
             by_id = {id(named[n]): v for n, v in values.items()}
             states_by_id = {id(named[n]): s for n, s in states.items()} if states else None
@@ -459,10 +465,14 @@ class Trainer:
 
     def save(self, out: Path, step: int) -> Path:
         values, states, optimizer_step = self._export_states()
+        previous = None
+        if self.pipedream is not None:  # W(t - 1), which the next micro-batches use
+            previous = {name: weights for (name, _), weights in
+                        zip(self.model.named_parameters(), self.pipedream.previous, strict=True)}
         return save_checkpoint(out / "checkpoints", step, model=self.model, mesh=self.mesh,
                                train_state={"step": step, "loss_scaler": self.scaler.state_dict()},
                                config_toml=self.cfg.to_toml(), values=values, states=states,
-                               optimizer_step=optimizer_step)
+                               optimizer_step=optimizer_step, previous=previous)
 
     def resume(self, out: Path) -> int:
         """Load the latest checkpoint in `out` (any layout); returns the step to continue at."""

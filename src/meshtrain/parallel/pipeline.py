@@ -204,7 +204,8 @@ class PipeDream2BW:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], current: list[torch.Tensor], *,
-                 p: int, s: int, m: int, first_step: int, num_steps: int):
+                 p: int, s: int, m: int, first_step: int, num_steps: int,
+                 previous: list[torch.Tensor] | None = None):
         self.segments: list[list[Action]] = [[]]
         for a in pipedream_2bw(p, m, num_steps)[s]:
             self.segments[-1].append(a)
@@ -213,7 +214,8 @@ class PipeDream2BW:
         self.first_step, self.m = first_step, m
         self.carry = InFlight()
         self.params, self.current = params, current
-        self.previous = [w.detach().clone() for w in current]
+        # W(first_step - 1): from the checkpoint when resuming, else W(-1) = W(0)
+        self.previous = [w.detach().clone() for w in previous or current]
         self.version = 0  # optimizer steps taken since `first_step`
         self.loaded = 0  # the version the model's parameters hold
 
@@ -233,7 +235,7 @@ class PipeDream2BW:
             self.carry.wait_sends()
 
     def use_weights_of(self, micro: int) -> None:
-        self.load(max(micro // self.m - 1, 0))
+        self.load(micro // self.m - 1)  # -1: the version before the first step
 
     @torch.no_grad()
     def load(self, version: int) -> None:
