@@ -50,9 +50,10 @@ def _assert_same_trajectory(rows, reference, rel=1e-4, norm_rel=None):
     ({"tp": 2, "dp": 2}, {}, None),
     ({"tp": 2, "dp": 2}, {"sequence_parallel": True, "recompute": "full"}, None),
     ({"dp": 2, "ep": 2}, {"ep": 2}, {"moe_experts": 4}),
-], ids=["dp2", "tp2xdp2", "tp2xdp2-sp-recompute", "dp2xep2-moe"])
+    ({"cp": 2, "dp": 1}, {"cp": 2}, None),
+], ids=["dp2", "tp2xdp2", "tp2xdp2-sp-recompute", "dp2xep2-moe", "cp2"])
 def test_zero_stages_follow_plain_data_parallelism(corpus, degrees, parallel, model):
-    world = degrees.get("tp", 1) * degrees["dp"]
+    world = degrees.get("tp", 1) * degrees.get("cp", 1) * degrees["dp"]
     moe = model is not None
     reference = run_on_ranks(world, _rows, corpus, degrees, parallel, model)[0]
     assert reference[-2][0] < reference[0][0] - 0.5  # it learns
