@@ -10,6 +10,7 @@ handshake precedes a transfer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -46,12 +47,13 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                  activation_shape: tuple[int, ...], dtype: torch.dtype,
                  before_backward: Callable[[int], None] = lambda micro: None,
                  stage_loss: Callable[[], torch.Tensor | float] = lambda: 0.0,
-                 loss_scale: float = 1.0) -> list[torch.Tensor]:
+                 loss_scale: float = 1.0, timeline: list | None = None) -> list[torch.Tensor]:
     """Run this rank's actions; returns the last stage's per-micro-batch losses (already
     divided by the number of micro-batches), empty elsewhere. `before_backward(i)` lets the
     caller mark the last backward of a step (data-parallel reduction); `stage_loss()`, called
     after each forward, gives this stage's own extra loss for it (MoE routing losses), which
-    joins that micro-batch's backward."""
+    joins that micro-batch's backward. `timeline`, when given, gets one (kind, micro, chunk,
+    start, end) per action, in `time.perf_counter()` seconds (see `pipeline_trace.py`)."""
     axis, s = mesh.pp, mesh.pp.rank
     first, last = s == 0, s == mesh.pp.size - 1
     m = len(micro_batches)
@@ -62,7 +64,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     extra: dict[int, torch.Tensor | float] = {}
     sends = []
     for a in actions:
-        i = a.micro
+        i, start = a.micro, time.perf_counter()
         if a.kind == RECV_ACTIVATION:
             buffer = torch.empty(activation_shape, dtype=dtype, device=mesh.device)
             comm.recv(buffer, axis, s - 1, tag=2 * i)
@@ -96,6 +98,8 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
             sends.append((comm.send(tensor, axis, s - 1, tag=2 * i + 1), tensor))
         else:
             assert a.kind == OPTIMIZER_STEP, a
+        if timeline is not None:
+            timeline.append((a.kind, i, a.chunk, start, time.perf_counter()))
     for work, _ in sends:  # the tensor stays referenced until its send completes
         work.wait()
     return losses
