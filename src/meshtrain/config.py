@@ -71,6 +71,9 @@ class ParallelSettings:
     recompute_layers: int | None = _f(None, "with --recompute full, only the first k layers")
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
     device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
+    trace: str | None = _f(None, "with --pp > 1, write the second step's pipeline timeline to"
+                                 " this directory: pipeline.json (Perfetto), pipeline.png and"
+                                 " pipeline_idle.json (measured vs simulated idle per stage)")
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from meshtrain.parallel import comm
 from meshtrain.parallel.context import context_parallel_positions
 from meshtrain.parallel.data import GradientReducer
 from meshtrain.parallel.pipeline import run_schedule, stage_layers
+from meshtrain.parallel.pipeline_trace import gather_timeline, write_trace
 from meshtrain.parallel.schedules import (
     FORWARD,
     RECV_ACTIVATION,
@@ -137,8 +139,9 @@ class Trainer:
                    data.BatchSampler(train_tokens, **sampler),
                    data.BatchSampler(val_tokens, **sampler), masters, scaler)
 
-    def train_step(self, step: int) -> dict:
-        """One optimizer step (0-based index `step`); returns its metrics."""
+    def train_step(self, step: int, *, timeline: list | None = None) -> dict:
+        """One optimizer step (0-based index `step`); returns its metrics. `timeline` collects
+        this rank's pipeline events (see `run_schedule`)."""
         t, mesh = self.cfg.train, self.mesh
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                    total_steps=t.steps)
@@ -168,7 +171,8 @@ class Trainer:
                                      micro_batches=local, mesh=mesh,
                                      activation_shape=self._activation_shape(),
                                      dtype=self._dtype(), before_backward=mark_last,
-                                     stage_loss=routing_loss, loss_scale=self.scaler.scale):
+                                     stage_loss=routing_loss, loss_scale=self.scaler.scale,
+                                     timeline=timeline):
                 loss_sum += loss.float()
             comm.all_reduce(loss_sum, mesh.pp)  # only the last stage has the loss
         for i, (inputs, targets) in enumerate(micro_batches if mesh.pp.size == 1 else ()):
@@ -203,6 +207,21 @@ class Trainer:
         return row | {"loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
                       **moe_stats.summary(mesh, len(micro_batches),
                                           moe=self.model.cfg.moe_experts > 0)}
+
+    def traced_train_step(self, step: int, trace_dir: Path) -> tuple[dict, dict | None]:
+        """`train_step` with its pipeline timeline recorded; world rank 0 writes its pipeline's
+        trace into `trace_dir` and gets the idle report (None elsewhere). The pp barrier
+        before the step is every stage's time zero."""
+        comm.barrier(self.mesh.pp)
+        origin = time.perf_counter()
+        events: list = []
+        row = self.train_step(step, timeline=events)
+        stages = gather_timeline(events, origin, self.mesh.pp)
+        if self.mesh.rank != 0:
+            return row, None
+        meta = {"schedule": self.cfg.parallel.pp_schedule, "pp": self.mesh.pp.size,
+                "step": step + 1}
+        return row, write_trace(trace_dir, stages, meta)
 
     def _schedule(self, num_micro_batches: int) -> list[Action]:
         p, s = self.mesh.pp.size, self.mesh.pp.rank
@@ -348,10 +367,24 @@ def run_training(cfg: RunConfig, *, degrees: dict[str, int]) -> list[dict]:
                          resume_step=start if cfg.checkpoint.resume else None)
     progress = Progress(total=stop, initial=start, enabled=is_logger)
     tokens_per_step = t.global_batch * t.seq_len
+    trace = cfg.parallel.trace
+    traced = min(start + 1, stop - 1) if trace and mesh.pp.size > 1 else None  # a warm step
+    if trace and traced is None:
+        progress.write("meshtrain: --trace records pipeline timelines; with --pp 1 it writes"
+                       " nothing")
     timer = StepTimer()
     rows = []
     for step in range(start, stop):
-        row = trainer.train_step(step)
+        if step == traced:
+            row, report = trainer.traced_train_step(step, Path(trace))
+            if report:
+                idle = ", ".join(f"{r['idle_measured']:.1%} vs {r['idle_simulated']:.1%}"
+                                 for r in report["stages"])
+                progress.write(f"meshtrain: pipeline timeline of step {step + 1} in"
+                               f" {Path(trace) / 'pipeline.json'}; idle per stage, measured vs"
+                               f" simulated: {idle}")
+        else:
+            row = trainer.train_step(step)
         if step == start:
             report = comm.all_gather_objects(trainer.memory_report(), mesh.world)
             if is_logger:
