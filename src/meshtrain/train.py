@@ -376,13 +376,13 @@ def run_training(cfg: RunConfig, *, degrees: dict[str, int]) -> list[dict]:
     rows = []
     for step in range(start, stop):
         if step == traced:
-            row, report = trainer.traced_train_step(step, Path(trace))
-            if report:
-                idle = ", ".join(f"{r['idle_measured']:.1%} vs {r['idle_simulated']:.1%}"
-                                 for r in report["stages"])
+            row, idle = trainer.traced_train_step(step, Path(trace))
+            if idle:
+                per_stage = ", ".join(f"{r['idle_measured']:.1%} vs {r['idle_simulated']:.1%}"
+                                      for r in idle["stages"])
                 progress.write(f"meshtrain: pipeline timeline of step {step + 1} in"
                                f" {Path(trace) / 'pipeline.json'}; idle per stage, measured vs"
-                               f" simulated: {idle}")
+                               f" simulated: {per_stage}")
         else:
             row = trainer.train_step(step)
         if step == start:
