@@ -179,3 +179,22 @@ def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     assert corrupt.returncode == 2 and "corrupt or truncated" in corrupt.stderr
     assert "Traceback" not in corrupt.stderr and len(corrupt.stderr.strip().splitlines()) == 1
     capsys.readouterr()
+
+
+def test_trace_writes_the_pipeline_timeline(corpus, tmp_path):
+    common = ["--device", "cpu", "--data", corpus, "--seq-len", "16", "--global-batch", "4",
+              "--micro-batch", "2", "--steps", "2", "--eval-every", "0", "--tp", "1",
+              "--trace", str(tmp_path / "trace")]
+    result = _run_cli("train", "--nproc", "2", "--pp", "2", "--out", str(tmp_path / "pp"),
+                      *common)
+    assert "pipeline timeline of step 2" in result.stderr
+    trace = json.loads((tmp_path / "trace" / "pipeline.json").read_text())
+    names = sorted(e["name"] for e in trace["traceEvents"] if e.get("cat") == "compute")
+    assert names == sorted([f"{k}{i}" for k in "FB" for i in range(2)] * 2)  # two stages
+    idle = json.loads((tmp_path / "trace" / "pipeline_idle.json").read_text())
+    assert [r["stage"] for r in idle["stages"]] == [0, 1]
+    # without a pipeline: a notice, no files
+    result = _run_cli("train", "--nproc", "1", "--out", str(tmp_path / "dense"), *common[:-1],
+                      str(tmp_path / "dense_trace"))
+    assert "with --pp 1 it writes nothing" in result.stderr
+    assert not (tmp_path / "dense_trace").exists()

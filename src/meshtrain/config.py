@@ -84,6 +84,9 @@ class ParallelSettings:
                                         " gradient and the Adam moments in host memory and step"
                                         " there (needs --zero >= 1)")
     device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
+    trace: str | None = _f(None, "with --pp > 1, write the second step's pipeline timeline to"
+                                 " this directory: pipeline.json (Perfetto), pipeline.png and"
+                                 " pipeline_idle.json (measured vs simulated idle per stage)")
 
 
 @dataclass

@@ -30,3 +30,40 @@ def plot_loss_curve(rows: list[dict], out_file: Path) -> bool:
     fig.savefig(out_file)
     plt.close(fig)
     return True
+
+
+def plot_pipeline_timeline(stages: list[list[tuple]], out_file: Path, *, title: str) -> bool:
+    """One row per pipeline stage, one box per forward/backward labelled with its micro-batch;
+    white is idle. `stages` holds (kind, micro, chunk, start s, end s) events per stage.
+    Returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        return False
+    colours = {"F": "#4c72b0", "B": "#55a868"}
+    fig, ax = plt.subplots(figsize=(10, 0.7 * len(stages) + 1.3), dpi=100)
+    for s, stage in enumerate(stages):
+        for kind, micro, chunk, start, end in stage:
+            if kind not in colours:
+                continue
+            ax.barh(s, 1e3 * (end - start), left=1e3 * start, height=0.8, color=colours[kind],
+                    edgecolor="white", linewidth=0.5)
+            label = str(micro) if chunk == 0 else f"{micro}.{chunk}"
+            ax.text(1e3 * (start + end) / 2, s, label, ha="center", va="center", fontsize=7,
+                    color="white", clip_on=True)
+    ax.set_yticks(range(len(stages)), [f"stage {s}" for s in range(len(stages))])
+    ax.invert_yaxis()  # stage 0 on top, as in the papers' figures
+    ax.set_xlabel("time since the step's start (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(handles=[Patch(color=colours["F"], label="forward"),
+                       Patch(color=colours["B"], label="backward")],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_file)
+    plt.close(fig)
+    return True

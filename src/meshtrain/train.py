@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from meshtrain.parallel import comm
 from meshtrain.parallel.context import context_parallel_positions
 from meshtrain.parallel.data import GradientReducer
 from meshtrain.parallel.pipeline import PipeDream2BW, ScheduleRun, run_schedule, stage_layers
+from meshtrain.parallel.pipeline_trace import gather_timeline, write_trace
 from meshtrain.parallel.schedules import (
     FORWARD,
     RECV_ACTIVATION,
@@ -180,8 +182,9 @@ class Trainer:
         return [dense, ZeroDataParallel([[q for q in unit if id(q) in experts] for unit in units],
                                         mesh.axis("edp"), **common, scale=1.0 / mesh.ep.size)]
 
-    def train_step(self, step: int) -> dict:
-        """One optimizer step (0-based index `step`); returns its metrics."""
+    def train_step(self, step: int, *, timeline: list | None = None) -> dict:
+        """One optimizer step (0-based index `step`); returns its metrics. `timeline` collects
+        this rank's pipeline events (see `run_schedule`)."""
         t, mesh = self.cfg.train, self.mesh
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                    total_steps=t.steps)
@@ -227,7 +230,7 @@ class Trainer:
                 before_backward=mark_last, stage_loss=routing_loss,
                 use_weights_of=pipedream.use_weights_of if pipedream else lambda micro: None,
                 loss_scale=self.scaler.scale, count_saved_of=count,
-                carry=pipedream.carry if pipedream else None)
+                carry=pipedream.carry if pipedream else None, timeline=timeline)
             if pipedream is not None:
                 pipedream.end_segment(step)
             for loss in self.last_schedule_run.losses:
@@ -281,6 +284,21 @@ class Trainer:
                 s=self.mesh.pp.rank, m=num_micro_batches, first_step=step,
                 num_steps=(t.stop_at or t.steps) - step, previous=self.resumed_previous)
         return self.pipedream
+
+    def traced_train_step(self, step: int, trace_dir: Path) -> tuple[dict, dict | None]:
+        """`train_step` with its pipeline timeline recorded; world rank 0 writes its pipeline's
+        trace into `trace_dir` and gets the idle report (None elsewhere). The pp barrier
+        before the step is every stage's time zero."""
+        comm.barrier(self.mesh.pp)
+        origin = time.perf_counter()
+        events: list = []
+        row = self.train_step(step, timeline=events)
+        stages = gather_timeline(events, origin, self.mesh.pp)
+        if self.mesh.rank != 0:
+            return row, None
+        meta = {"schedule": self.cfg.parallel.pp_schedule, "pp": self.mesh.pp.size,
+                "step": step + 1}
+        return row, write_trace(trace_dir, stages, meta)
 
     def _schedule(self, num_micro_batches: int) -> list[Action]:
         """This rank's actions for one flush step (2BW evaluates with 1F1B's forwards)."""
@@ -506,10 +524,24 @@ def run_training(cfg: RunConfig, *, degrees: dict[str, int]) -> list[dict]:
                          resume_step=start if cfg.checkpoint.resume else None)
     progress = Progress(total=stop, initial=start, enabled=is_logger)
     tokens_per_step = t.global_batch * t.seq_len
+    trace = cfg.parallel.trace
+    traced = min(start + 1, stop - 1) if trace and mesh.pp.size > 1 else None  # a warm step
+    if trace and traced is None:
+        progress.write("meshtrain: --trace records pipeline timelines; with --pp 1 it writes"
+                       " nothing")
     timer = StepTimer()
     rows = []
     for step in range(start, stop):
-        row = trainer.train_step(step)
+        if step == traced:
+            row, idle = trainer.traced_train_step(step, Path(trace))
+            if idle:
+                per_stage = ", ".join(f"{r['idle_measured']:.1%} vs {r['idle_simulated']:.1%}"
+                                      for r in idle["stages"])
+                progress.write(f"meshtrain: pipeline timeline of step {step + 1} in"
+                               f" {Path(trace) / 'pipeline.json'}; idle per stage, measured vs"
+                               f" simulated: {per_stage}")
+        else:
+            row = trainer.train_step(step)
         if step == start:
             report = comm.all_gather_objects(trainer.memory_report(), mesh.world)
             if is_logger:

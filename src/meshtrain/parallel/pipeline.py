@@ -24,6 +24,7 @@ own groups as well.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,7 +102,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                  stage_loss: Callable[[int], torch.Tensor | float] = lambda chunk: 0.0,
                  use_weights_of: Callable[[int], None] = lambda micro: None,
                  loss_scale: float = 1.0, count_saved_of=None,
-                 carry: InFlight | None = None) -> ScheduleRun:
+                 carry: InFlight | None = None, timeline: list | None = None) -> ScheduleRun:
     """Run this rank's actions. `stage(x, chunk)` runs local chunk `chunk` (of `num_chunks`);
     `micro_batches[i]` is micro-batch i's (ids, targets); losses are divided by
     `num_micro_batches` (per optimizer step; default len(micro_batches)).
@@ -114,6 +115,8 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     chunk (off by default: a hook per saved tensor; a storage shared by chunks counts in each).
     `carry`: state kept across calls; its sends are waited one call later (their receivers may
     post them only after the optimizer step), and `carry.wait_sends()` drains the last ones.
+    `timeline`, when given, gets one (kind, micro, chunk, start, end) per action, in
+    `time.perf_counter()` seconds (see `pipeline_trace.py`).
     """
     axis, grad_axis, s = mesh.pp, mesh.axis("pp_grad"), mesh.pp.rank
     p, v = axis.size, num_chunks
@@ -141,6 +144,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
 
     for a in actions:
         i, g, key = a.micro, model_chunk(s, a.chunk, p), (a.micro, a.chunk)
+        start = time.perf_counter()
         if a.kind == RECV_ACTIVATION:
             buffer = torch.empty(activation_shape, dtype=dtype, device=mesh.device)
             comm.recv(buffer, axis, previous, tag=tag(i, g - 1, forward_tag))
@@ -183,6 +187,8 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                                 tensor))
         else:
             assert a.kind == OPTIMIZER_STEP, a
+        if timeline is not None:
+            timeline.append((a.kind, i, a.chunk, start, time.perf_counter()))
     for work, _ in earlier_sends:
         work.wait()
     if carry is None:

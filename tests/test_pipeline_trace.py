@@ -1,0 +1,92 @@
+"""The pipeline timeline (--trace): one box per forward and backward, in dependency order, and
+idle fractions that agree with the simulator when fed its own timeline."""
+
+import importlib.util
+import json
+
+import pytest
+from harness import run_on_ranks, worker_mesh
+from test_pipeline import _cfg
+
+from meshtrain.data import synthetic_corpus
+from meshtrain.parallel.pipeline_trace import idle_report, write_trace
+from meshtrain.parallel.schedules import BACKWARD, FORWARD, gpipe, one_f_one_b, simulate
+from meshtrain.train import Trainer
+
+SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(synthetic_corpus(30_000, seed=9).tobytes())
+    return str(path)
+
+
+def _traced_step(corpus, schedule, out):
+    trainer = Trainer.build(_cfg(corpus, schedule), worker_mesh(tp=1, pp=2, dp=1))
+    trainer.train_step(0)
+    return trainer.traced_train_step(1, out)[1]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_trace_of_a_real_pipeline_step(corpus, tmp_path, schedule):
+    report = run_on_ranks(2, _traced_step, corpus, schedule, tmp_path)[0]
+    p, m = 2, 4  # global batch 8 in micro-batches of 2
+    trace = json.loads((tmp_path / "pipeline.json").read_text())
+    assert trace["otherData"] == {"schedule": schedule, "pp": p, "step": 2}
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "stage 0", 1: "stage 1"}
+    boxes = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
+    assert all({"name", "ts", "dur", "pid", "tid", "args"} <= e.keys() for e in boxes)
+    span: dict[tuple[str, int, int], tuple[float, float]] = {}
+    for s in range(p):
+        mine = sorted((e for e in boxes if e["pid"] == s), key=lambda e: e["ts"])
+        # exactly one F and one B per micro-batch, in the schedule's order, never overlapping
+        expected = [f"{a.kind}{a.micro}" for a in SCHEDULES[schedule](p, m)[s]
+                    if a.kind in (FORWARD, BACKWARD)]
+        assert [e["name"] for e in mine] == expected
+        for before, after in zip(mine, mine[1:], strict=False):
+            assert after["ts"] >= before["ts"] + before["dur"]
+        span |= {(e["name"][0], e["args"]["micro"], s): (e["ts"], e["ts"] + e["dur"])
+                 for e in mine}
+    for i in range(m):
+        for s in range(p - 1):
+            assert span[FORWARD, i, s + 1][0] >= span[FORWARD, i, s][1]
+            assert span[BACKWARD, i, s][0] >= span[BACKWARD, i, s + 1][1]
+    idle = json.loads((tmp_path / "pipeline_idle.json").read_text())
+    assert idle["num_micro_batches"] == m and len(idle["stages"]) == p
+    makespan = idle["makespan_ms"]["measured"]
+    for row in idle["stages"]:
+        assert row["idle_measured"] == pytest.approx(1 - row["busy_ms"] / makespan)
+        assert 0 < row["idle_measured"] < 1
+        # equal simulated stages: both flush schedules idle (p - 1) / (m + p - 1)
+        assert row["idle_simulated"] == pytest.approx((p - 1) / (m + p - 1))
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert report["png"] == has_matplotlib == (tmp_path / "pipeline.png").is_file()
+
+
+def _simulated_events(p, m):
+    sim = simulate(one_f_one_b(p, m), forward_cost=0.001, backward_cost=0.002)
+    return sim, [[(a.kind, a.micro, a.chunk, start, end) for a, start, end in stage]
+                 for stage in sim.timeline]
+
+
+def test_idle_of_the_simulators_own_timeline_is_the_simulators():
+    sim, stages = _simulated_events(4, 8)
+    report = idle_report(stages)
+    assert report["makespan_ms"]["measured"] == pytest.approx(1e3 * sim.makespan)
+    assert report["makespan_ms"]["simulated"] == pytest.approx(1e3 * sim.makespan)
+    for s, row in enumerate(report["stages"]):
+        assert row["idle_measured"] == pytest.approx(sim.idle_fraction(s))
+        assert row["idle_simulated"] == pytest.approx(sim.idle_fraction(s))
+    # 1F1B on equal stages: every stage idles (p - 1) / (m + p - 1) of the makespan
+    assert report["stages"][0]["idle_measured"] == pytest.approx(3 / 11)
+
+
+def test_timeline_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    _, stages = _simulated_events(4, 8)
+    assert write_trace(tmp_path, stages, {"schedule": "1f1b"})["png"]
+    assert (tmp_path / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
