@@ -77,9 +77,12 @@ class _Bucket:
             if stage == 1 else None
         self.grad_shard = self.grad_flat[self.lo:self.lo + self.shard_size] if stage == 1 \
             else torch.zeros(self.shard_size, dtype=grad_dtype, device=self.device)
+        self.grad_views: dict[int, torch.Tensor] = {}
+        if self.grad_flat is not None:
+            self.set_grad_flat(self.grad_flat)
         if self.as_grads:
             for p in params:
-                p.grad = self.param_view(self.grad_flat, p)
+                p.grad = self.grad_views[id(p)]
         self.pending = len(params)
         self.work: dist.Work | None = None
         self.reduced: torch.Tensor | None = None  # stage 2/3: reduce-scatter output in flight
@@ -90,18 +93,24 @@ class _Bucket:
             self.param_shard.detach().to(master_device, torch.float32, copy=True)
         # the gradient shard itself, or (16-bit gradients, offload) an fp32 copy made for the
         # step and freed after it
-        self.grad_in_place = in_place and grad_dtype == torch.float32
+        self.grad_in_place = master_device == self.device and grad_dtype == torch.float32
         self.pieces: list[tuple[nn.Parameter, int, int]] = []  # (param, start in shard, length)
         for p in params:
             start = max(self.offsets[id(p)], self.lo)
             end = min(self.offsets[id(p)] + p.numel(), self.lo + self.shard_size)
             if start < end:
                 self.pieces.append((p, start - self.lo, end - start))
+        self.grad_pieces = {id(p): self.grad_shard[a:a + n] for p, a, n in self.pieces}
 
     def param_view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
         start = self.offsets[id(p)]
         shape = self.shapes[id(p)]
         return flat[start:start + shape.numel()].view(shape)
+
+    def set_grad_flat(self, flat: torch.Tensor) -> None:
+        """A (fresh) full gradient bucket, and each parameter's view into it."""
+        self.grad_flat = flat
+        self.grad_views = {id(p): self.param_view(flat, p) for p in self.params}
 
     def bind_params(self) -> None:
         """Point every parameter at the full flat buffer, or at nothing while it is freed."""
@@ -182,17 +191,11 @@ class ZeroDataParallel:
 
     # ------------------------------------------------------------------ gradients
     def grad(self, param: nn.Parameter) -> torch.Tensor | None:
-        bucket = self._bucket_of[id(param)]
-        for p, start, length in bucket.pieces:
-            if p is param:
-                return bucket.grad_shard[start:start + length]
-        return None
+        return self._bucket_of[id(param)].grad_pieces.get(id(param))
 
     def zero_grad(self) -> None:
         for b in self.buckets:
-            b.grad_shard.zero_()
-            if b.grad_flat is not None:
-                b.grad_flat.zero_()
+            (b.grad_flat if self.stage == 1 else b.grad_shard).zero_()  # stage 1: shard in flat
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         b = self._bucket_of[id(param)]
@@ -200,10 +203,10 @@ class ZeroDataParallel:
             if b.reduced is not None:  # the previous micro-batch's reduction must land first
                 self._in_flight.remove(b)
                 self._complete(b)
-            b.grad_flat = torch.zeros(b.padded, dtype=b.grad_dtype, device=b.device)
+            b.set_grad_flat(torch.zeros(b.padded, dtype=b.grad_dtype, device=b.device))
             self._track(b.grad_flat.numel() * b.grad_flat.element_size())
         if not b.as_grads:
-            b.param_view(b.grad_flat, param).add_(param.grad)
+            b.grad_views[id(param)].add_(param.grad)
             param.grad = None
         if not self.sync or b is self.deferred:
             return
@@ -224,7 +227,7 @@ class ZeroDataParallel:
         b.reduced = b.grad_flat[b.lo:b.lo + b.shard_size]
         b.work = comm.reduce_scatter_into(b.reduced, b.grad_flat, self.axis, op=avg,
                                           async_op=True)
-        b.grad_flat = None  # the collective holds it until done
+        b.grad_flat, b.grad_views = None, {}  # the collective holds it until done
         self._in_flight.append(b)
         if self.stage == 3 and b.state == BACKWARD:
             self._release(b)
