@@ -81,6 +81,30 @@ def test_zero3_in_bf16_tracks_plain_bf16(corpus):
     _assert_same_trajectory(zero3, bf16, rel=2e-3, norm_rel=5e-2)
 
 
+def _bytes_held_by_the_graph(corpus, stage):
+    """Storage bytes of everything autograd saved for backward, measured after the forward."""
+    cfg = _cfg(corpus, steps=2, parallel={"zero": stage})
+    trainer = Trainer.build(cfg, worker_mesh(dp=2))
+    trainer.train_step(0)
+    inputs, targets = trainer.train_data.micro_batches(1, dp_rank=trainer.mesh.dp.rank,
+                                                       dp_size=2)[0]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = trainer._cross_entropy(inputs, targets)
+    storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in saved}
+    held = sum(nbytes for _, nbytes in storages)
+    loss.backward()  # the freed parameters come back for it
+    return held, sum(p.numel() * 4 for p in trainer.model.parameters())
+
+
+def test_zero3_frees_gathered_parameters_between_forward_and_backward(corpus):
+    """Autograd keeps weights (and views of them, such as a linear layer's transpose) for
+    backward: under stage 3 those must not pin the gathered buffers."""
+    replicated, params = run_on_ranks(2, _bytes_held_by_the_graph, corpus, 0)[0]
+    sharded, _ = run_on_ranks(2, _bytes_held_by_the_graph, corpus, 3)[0]
+    assert sharded <= replicated - 0.9 * params, (sharded, replicated, params)
+
+
 def _offload_run(corpus, stage, offload):
     cfg = _cfg(corpus, steps=4, parallel={"zero": stage, "offload_optimizer": offload})
     trainer = Trainer.build(cfg, worker_mesh(dp=2))

@@ -44,7 +44,7 @@ class _Bucket:
     """One flat bucket: its parameters, its shard of them, their gradients and master shard."""
 
     def __init__(self, params: list[nn.Parameter], axis: MeshAxis, *, stage: int,
-                 grad_dtype: torch.dtype, master_device: torch.device):
+                 grad_dtype: torch.dtype, offload: bool):
         self.params = params
         self.shapes = {id(p): p.shape for p in params}
         self.offsets: dict[int, int] = {}
@@ -61,16 +61,21 @@ class _Bucket:
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         for p in params:
             self.param_view(flat, p).copy_(p.detach())
-        self.param_flat: torch.Tensor | None = flat
+        # Parameters are views of the full flat buffer for good. Stage 3 frees it by shrinking
+        # its storage to nothing and regathers into the same storage (FSDP's way): views that
+        # autograd saved (a weight's transpose) then hold no memory while freed and see the
+        # regathered values in backward.
+        self.param_flat = flat
         self.param_shard = flat[self.lo:self.lo + self.shard_size]
-        self.gather: tuple[dist.Work | None, torch.Tensor] | None = None
-        self.placeholder = torch.zeros(1, dtype=self.dtype, device=self.device)
+        for p in params:
+            p.data = self.param_view(flat, p)
+        self.resident = True  # the full parameters are there
+        self.gathering: dist.Work | None | bool = False  # in-flight gather (None at N = 1)
         self.state = FORWARD
         if stage == 3:
             self.param_shard = self.param_shard.clone()
-            self.param_flat = None
-            self.state = FREE
-        self.bind_params()
+            flat.untyped_storage().resize_(0)
+            self.resident, self.state = False, FREE
         # gradients: stage 1 keeps the full bucket and reduces into its own shard
         self.as_grads = stage == 1 and self.dtype == grad_dtype
         self.grad_flat = torch.zeros(self.padded, dtype=grad_dtype, device=self.device) \
@@ -88,12 +93,15 @@ class _Bucket:
         self.reduced: torch.Tensor | None = None  # stage 2/3: reduce-scatter output in flight
         self.launched = False
         # the fp32 shard the optimizer steps, and the gradient it reads
-        in_place = self.dtype == torch.float32 and master_device == self.device
+        # offloaded states are always separate host copies (on a CPU-only machine too, so that
+        # the copy path is the one tested)
+        master_device = torch.device("cpu") if offload else self.device
+        in_place = self.dtype == torch.float32 and not offload
         self.master = self.param_shard if in_place else \
             self.param_shard.detach().to(master_device, torch.float32, copy=True)
         # the gradient shard itself, or (16-bit gradients, offload) an fp32 copy made for the
         # step and freed after it
-        self.grad_in_place = master_device == self.device and grad_dtype == torch.float32
+        self.grad_in_place = not offload and grad_dtype == torch.float32
         self.pieces: list[tuple[nn.Parameter, int, int]] = []  # (param, start in shard, length)
         for p in params:
             start = max(self.offsets[id(p)], self.lo)
@@ -111,13 +119,6 @@ class _Bucket:
         """A (fresh) full gradient bucket, and each parameter's view into it."""
         self.grad_flat = flat
         self.grad_views = {id(p): self.param_view(flat, p) for p in self.params}
-
-    def bind_params(self) -> None:
-        """Point every parameter at the full flat buffer, or at nothing while it is freed."""
-        for p in self.params:
-            # freed: one element expanded to the parameter's shape, so shapes stay inspectable
-            p.data = self.param_view(self.param_flat, p) if self.param_flat is not None \
-                else self.placeholder.expand(self.shapes[id(p)])
 
 
 class ZeroDataParallel:
@@ -142,13 +143,11 @@ class ZeroDataParallel:
         self._sync = True
         units = [[p for p in unit if p.requires_grad] for unit in units]
         self.params = [p for unit in units for p in unit]
-        device = self.params[0].device
-        master_device = torch.device("cpu") if offload else device
         self.deferred_axis = deferred[1] if deferred else None
         groups = self._group(units, bucket_bytes, grad_dtype,
                              deferred[0] if deferred else None)
         self.buckets = [_Bucket(g, axis, stage=stage, grad_dtype=grad_dtype,
-                                master_device=master_device) for g in groups]
+                                offload=offload) for g in groups]
         self.deferred = next((b for b in self.buckets if deferred and b.params[0] is deferred[0]),
                              None)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -186,8 +185,11 @@ class ZeroDataParallel:
     @sync.setter
     def sync(self, last_micro_batch: bool) -> None:
         # stage 1 communicates once per step; stages 2 and 3 reduce every micro-batch (so no
-        # full gradient outlives its backward)
+        # full gradient outlives its backward). Set before each backward, so it also restarts
+        # the count of gradients each bucket waits for.
         self._sync = last_micro_batch or self.stage >= 2
+        for b in self.buckets:
+            b.pending = len(b.params)
 
     # ------------------------------------------------------------------ gradients
     def grad(self, param: nn.Parameter) -> torch.Tensor | None:
@@ -246,8 +248,8 @@ class ZeroDataParallel:
         if self.deferred is not None and self.deferred.grad_flat is not None:
             comm.all_reduce(self.deferred.grad_flat, self.deferred_axis)
         if self.sync:
-            for b in self.buckets:
-                if not b.launched and b.grad_flat is not None:
+            for b in self.buckets:  # stage 1: not launched; 2, 3: a bucket not yet reduced
+                if b.grad_flat is not None and (self.stage > 1 or not b.launched):
                     self._reduce(b)
         for b in self.buckets:
             if self.stage == 1 and b.work is not None:
@@ -257,6 +259,9 @@ class ZeroDataParallel:
             b.pending = len(b.params)
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
+        if self.stage == 3:  # a unit whose parameters got no gradient is still gathered
+            for b in self.buckets:
+                self._release(b)
         if self.scale != 1.0:
             for b in self.buckets:
                 b.grad_shard.mul_(self.scale)
@@ -305,33 +310,32 @@ class ZeroDataParallel:
                 lambda _m, _a, out, k=k: self._after_forward(k, out))
 
     def _start_gather(self, b: _Bucket) -> None:
-        if b.param_flat is not None or b.gather is not None:
+        if b.resident or b.gathering is not False:
             return
-        if self.axis.size == 1:
-            b.gather = (None, b.param_shard)
-            return
-        flat = torch.empty(b.padded, dtype=b.dtype, device=b.device)
-        self._track(flat.numel() * flat.element_size())
+        nbytes = b.padded * b.param_flat.element_size()
+        b.param_flat.untyped_storage().resize_(nbytes)
+        self._track(nbytes)
+        # through .data: writing the storage must not bump the version counter that the
+        # saved views share (autograd would take them for modified)
+        flat = b.param_flat.data
         own = flat[b.lo:b.lo + b.shard_size]
         own.copy_(b.param_shard)  # in place: faster on gloo than gathering from another tensor
-        b.gather = (comm.all_gather_into(flat, own, self.axis, async_op=True), flat)
+        b.gathering = comm.all_gather_into(flat, own, self.axis, async_op=True)
 
     def _gathered(self, b: _Bucket, state: str) -> None:
         self._start_gather(b)
-        if b.gather is not None:
-            work, flat = b.gather
-            if work is not None:
-                work.wait()
-            b.param_flat, b.gather = flat, None
-            b.bind_params()
+        if b.gathering is not False:
+            if b.gathering is not None:
+                b.gathering.wait()
+            b.gathering, b.resident = False, True
         b.state = state
 
     def _release(self, b: _Bucket) -> None:
-        if b.param_flat is not None and self.axis.size > 1:
+        if b.resident:
+            b.param_flat.untyped_storage().resize_(0)
             self._track(-b.padded * b.param_flat.element_size())
-        b.param_flat = None
+            b.resident = False
         b.state = FREE
-        b.bind_params()
 
     def _before_forward(self, k: int) -> None:
         b = self.buckets[k]
@@ -420,8 +424,8 @@ class ZeroDataParallel:
             full = self._flat_of(b, values)
             b.master.copy_(full[b.lo:b.lo + b.shard_size])
             b.param_shard.copy_(full[b.lo:b.lo + b.shard_size])
-            if b.param_flat is not None:
-                b.param_flat.copy_(full)
+            if b.resident:
+                b.param_flat.data.copy_(full)
             if states is None or step is None:
                 continue
             moments = {name: self._flat_of(b, {i: s[name] for i, s in states.items()})
