@@ -318,7 +318,7 @@ def test_2bw_resume_continues_the_delayed_run(corpus, tmp_path):
     run_on_ranks(2, _run_2bw, corpus, str(whole))
     run_on_ranks(2, _run_2bw, corpus, str(parts), 3)
     run_on_ranks(2, _run_2bw, corpus, str(parts))
-    assert _2bw_losses(parts) == pytest.approx(_2bw_losses(whole), rel=1e-6)
+    assert _2bw_losses(parts) == _2bw_losses(whole)  # bitwise, as any same-layout resume
 
 
 def _check_moe(corpus, pp, ep, parallel=None):

@@ -211,6 +211,7 @@ def test_zero3_checkpoint_resumes_at_zero1_and_at_tp2(corpus, tmp_path):
     ({"offload_optimizer": "nvme"}, {}, "--offload-optimizer must be none or cpu"),
     ({"zero": 2, "pp": 2}, {}, "--zero 2 does not combine with --pp 2"),
     ({"zero": 3, "ep": 2}, {"moe_experts": 4}, "--zero 3 does not shard MoE experts"),
+    ({"zero": 1, "pp": 2, "pp_schedule": "2bw"}, {}, "--zero with --pp-schedule 2bw"),
 ])
 def test_bad_zero_settings(corpus, parallel, model, match):
     cfg = _cfg(corpus, model=model, parallel={"tp": 1} | parallel)

@@ -350,6 +350,9 @@ def _validate_pipeline(cfg: RunConfig, gpt: GPTConfig, degrees: dict[str, int]) 
     if p.pp_schedule not in ("gpipe", "1f1b", "interleaved", "2bw"):
         raise ValueError(f"--pp-schedule must be gpipe, 1f1b, interleaved or 2bw, got"
                          f" {p.pp_schedule!r}")
+    if p.pp_schedule == "2bw" and p.trace:
+        raise ValueError("--trace draws one flush step; a 2bw step overlaps its neighbours (no"
+                         " flush): trace --pp-schedule 1f1b instead")
     if p.pp_schedule == "2bw":
         m = cfg.train.global_batch // (cfg.train.micro_batch * degrees["dp"])
         if p.pp == 1:

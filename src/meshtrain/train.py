@@ -441,13 +441,18 @@ class Trainer:
         names = {id(p): name for name, p in self.model.named_parameters()}
         step = next((s["step"] for s in self.optimizer.state.values() if "step" in s), None)
         if self.cfg.parallel.zero:
+            # a rank that owns no piece has no optimizer state: agree on the step count
+            count = torch.tensor(float(step) if step is not None else 0.0, device=self.mesh.device)
+            comm.all_reduce(count, self.mesh.world, op=torch.distributed.ReduceOp.MAX)
+            stepped = count.item() > 0
             values, states = {}, {}
             for reducer in self.reducers:
-                reducer_values, reducer_states = reducer.export(self.optimizer)
+                reducer_values, reducer_states = reducer.export(self.optimizer, stepped=stepped)
                 values |= reducer_values
                 states |= reducer_states or {}
             return ({names[i]: v for i, v in values.items()},
-                    {names[i]: s for i, s in states.items()} if step is not None else None, step)
+                    {names[i]: s for i, s in states.items()} if stepped else None,
+                    count.cpu() if stepped else None)
         values, states = {}, {}
         for param in self.model.parameters():
             stepped = self.masters.master_of[id(param)] if self.masters else param

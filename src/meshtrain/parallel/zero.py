@@ -385,12 +385,12 @@ class ZeroDataParallel:
         return {"parameters": params, "gradients": grads, "optimizer_states": states}
 
     @torch.no_grad()
-    def export(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict | None]:
+    def export(self, optimizer: torch.optim.Optimizer, *,
+               stepped: bool) -> tuple[dict, dict | None]:
         """Full (this TP rank's) fp32 value and Adam moments of every parameter, gathered over
         the axis (transient; collective): ({id(p): value}, {id(p): {state: tensor}} or None
-        before the first step)."""
-        stepped = any(piece in optimizer.state for b in self.buckets
-                      for piece in self._pieces[id(b)])
+        before the first step). `stepped` must be the same on every rank (one that owns no
+        piece has no optimizer state of its own)."""
         values: dict[int, torch.Tensor] = {}
         states: dict[int, dict[str, torch.Tensor]] = {}
         for b in self.buckets:
