@@ -22,6 +22,24 @@ from meshtrain.mesh import MeshAxis
 from meshtrain.parallel import comm
 
 
+def reverse_buckets(params: list[nn.Parameter], bucket_bytes: int,
+                    itemsize: int) -> list[list[nn.Parameter]]:
+    """Group `params` in reverse order (roughly backward's) into buckets of at most
+    `bucket_bytes`, each closed before it would overflow (a single larger parameter gets one of
+    its own)."""
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    current_bytes = 0
+    for p in reversed(params):
+        nbytes = p.numel() * itemsize
+        if current and current_bytes + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+    return buckets + ([current] if current else [])
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
                  *, as_grads: bool):
@@ -72,21 +90,9 @@ class GradientReducer:
         params = [p for p in params if p.requires_grad]
         self.params = params
         as_grads = all(p.dtype == grad_dtype for p in params)
-        self.buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        current_bytes = 0
         itemsize = torch.empty((), dtype=grad_dtype).element_size()
-        for p in reversed(params):
-            nbytes = p.numel() * itemsize
-            if current and current_bytes + nbytes > bucket_bytes:  # close before overflowing
-                self.buckets.append(_Bucket(current, grad_dtype, current[0].device,
-                                            as_grads=as_grads))
-                current, current_bytes = [], 0
-            current.append(p)
-            current_bytes += nbytes
-        if current:
-            self.buckets.append(_Bucket(current, grad_dtype, current[0].device,
-                                        as_grads=as_grads))
+        self.buckets = [_Bucket(group, grad_dtype, group[0].device, as_grads=as_grads)
+                        for group in reverse_buckets(params, bucket_bytes, itemsize)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         if axis.size > 1 or not as_grads:
             for p in params:

@@ -35,6 +35,7 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel import comm
+from meshtrain.parallel.data import reverse_buckets
 
 FREE, FORWARD, BACKWARD = "free", "forward", "backward"
 _IN_FLIGHT_REDUCTIONS = 2  # stage 2/3: buckets whose reduce-scatter may still be running
@@ -167,15 +168,7 @@ class ZeroDataParallel:
             groups = [unit for unit in rest if unit]
         else:
             itemsize = torch.empty((), dtype=grad_dtype).element_size()
-            groups, current, size = [], [], 0
-            for p in reversed([p for unit in rest for p in unit]):
-                if current and size + p.numel() * itemsize > bucket_bytes:
-                    groups.append(current)
-                    current, size = [], 0
-                current.append(p)
-                size += p.numel() * itemsize
-            if current:
-                groups.append(current)
+            groups = reverse_buckets([p for unit in rest for p in unit], bucket_bytes, itemsize)
         return groups + ([[deferred]] if deferred is not None else [])
 
     @property
