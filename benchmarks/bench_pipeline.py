@@ -21,7 +21,6 @@ stages are nearly equal. To see where meshtrain's time goes, trace the same shap
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -37,10 +36,10 @@ from bench_tp import (
     Result,
     Shape,
     Step,
-    Workers,
     dense_weights,
     make_batch,
-    time_steps,
+    measure,
+    parse_args,
     training_step,
 )
 from torch import nn
@@ -199,49 +198,11 @@ CONTENDERS: list[Contender] = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
-    keys = [c.key for c in CONTENDERS]
-    parser.add_argument("--only", metavar="NAMES", default=",".join(keys),
-                        help=f"comma-separated contenders to run (default: all): {','.join(keys)}")
-    args = parser.parse_args(argv)
-    for flag, least in (("steps", 1), ("warmup", 0), ("rounds", 1)):
-        if getattr(args, flag) < least:
-            parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
-    only = {k.strip() for k in args.only.split(",")}
-    if unknown := sorted(only - set(keys)):
-        parser.error(f"--only: unknown contender(s) {', '.join(unknown)}; choose from"
-                     f" {', '.join(keys)}")
-    contenders = [c for c in CONTENDERS if c.key in only]
+    args, contenders = parse_args(argv, CONTENDERS, __doc__)
     shape = QUICK if args.quick else FULL
     load_before = os.getloadavg()[0]
-    ranked = [c for c in contenders if c.ranks == WORLD]
-    local = [c for c in contenders if c.ranks == 1]
-    workers = Workers(shape, ranked)
-    try:
-        torch.set_num_threads(2)
-        local_steps = {id(c): c.build(shape) for c in local}
-        unavailable = workers.wait_ready()
-        assert not unavailable, unavailable
-
-        def run(c: Contender, n: int) -> tuple[list[float], list[float]]:
-            if c.ranks == 1:
-                torch.set_num_threads(c.threads)
-                return time_steps(local_steps[id(c)], n, None)
-            return workers.run(ranked.index(c), n)
-
-        results = [Result(c, [], []) for c in contenders]
-        for measured in [False] * bool(args.warmup) + [True] * args.rounds:
-            for r in results:
-                times, losses = run(r.contender, args.steps if measured else args.warmup)
-                r.losses += losses
-                if measured:
-                    r.rounds.append(times)
-    finally:
-        workers.close()
+    results, unavailable = measure(args, shape, contenders)
+    assert not unavailable, unavailable
     report(args, shape, results, (load_before, os.getloadavg()[0]))
     return 0
 

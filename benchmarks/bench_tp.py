@@ -577,11 +577,9 @@ class Result:
         return statistics.median(t for r in self.rounds for t in r)
 
 
-def main(argv: list[str] | None = None, candidates: list[Contender] | None = None,
-         description: str = __doc__) -> int:
-    """Parse the flags, time the chosen contenders alternately, print the table. Other
-    benchmarks (bench_zero.py) pass their own `candidates` and shares this machinery."""
-    candidates = CONTENDERS if candidates is None else candidates
+def parse_args(argv: list[str] | None, candidates: list[Contender],
+               description: str) -> tuple[argparse.Namespace, list[Contender]]:
+    """The flags every benchmark shares, and the contenders `--only` chose."""
     parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="measured steps per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
@@ -598,12 +596,13 @@ def main(argv: list[str] | None = None, candidates: list[Contender] | None = Non
     if unknown := sorted(only - set(keys)):
         parser.error(f"--only: unknown contender(s) {', '.join(unknown)}; choose from"
                      f" {', '.join(keys)}")
-    contenders = [c for c in candidates if c.key in only]
-    shape = QUICK if args.quick else FULL
-    peak_n = 256 if args.quick else 2048
+    return args, [c for c in candidates if c.key in only]
 
-    # Peaks first, before any rank process exists to compete for the cores.
-    peak1, peak2 = matmul_peak(peak_n, 1), matmul_peak(peak_n, 2)
+
+def measure(args, shape: Shape, contenders: list[Contender]) -> tuple[list[Result], dict]:
+    """Build the contenders (ranked ones in long-lived workers), time them alternately, collect
+    any memory figures; returns the results and {name: why} of those that cannot run here.
+    A single-process contender runs with its `threads` (default 2)."""
     ranked = [c for c in contenders if c.ranks == WORLD]
     local = [c for c in contenders if c.ranks == 1]
     workers = Workers(shape, ranked)
@@ -614,7 +613,7 @@ def main(argv: list[str] | None = None, candidates: list[Contender] | None = Non
 
         def run(c: Contender, n: int) -> tuple[list[float], list[float]]:
             if c.ranks == 1:
-                torch.set_num_threads(2)
+                torch.set_num_threads(getattr(c, "threads", 2))
                 return time_steps(local_steps[id(c)], n, None)
             return workers.run(ranked.index(c), n)
 
@@ -634,9 +633,22 @@ def main(argv: list[str] | None = None, candidates: list[Contender] | None = Non
                 r.memory = [getattr(local_steps[id(r.contender)], "memory", {})]
     finally:
         workers.close()
+    return results, {ranked[i].name: why for i, why in unavailable.items()}
 
-    report(args, shape, peak_n, peak1, peak2, results,
-           {ranked[i].name: why for i, why in unavailable.items()})
+
+def main(argv: list[str] | None = None, candidates: list[Contender] | None = None,
+         description: str = __doc__) -> int:
+    """Parse the flags, time the chosen contenders alternately, print the table. Other
+    benchmarks (bench_zero.py) pass their own `candidates`; bench_pipeline.py reuses
+    `parse_args` and `measure` with a report of its own."""
+    args, contenders = parse_args(argv, CONTENDERS if candidates is None else candidates,
+                                  description)
+    shape = QUICK if args.quick else FULL
+    peak_n = 256 if args.quick else 2048
+    # Peaks first, before any rank process exists to compete for the cores.
+    peak1, peak2 = matmul_peak(peak_n, 1), matmul_peak(peak_n, 2)
+    results, unavailable = measure(args, shape, contenders)
+    report(args, shape, peak_n, peak1, peak2, results, unavailable)
     return 0
 
 
