@@ -168,5 +168,5 @@ def test_gradient_buckets_close_before_overflowing_and_guard_their_views():
     assert sum(sizes) == sum(p.numel() for p in model.parameters()) * 4
     reducer.wait()  # views intact: fine
     model.layers["0"].ln1.weight.grad = None
-    with pytest.raises(RuntimeError, match="zero gradients with GradientReducer.zero_grad"):
+    with pytest.raises(RuntimeError, match="zero gradients with the reducer's zero_grad"):
         reducer.wait()

@@ -217,3 +217,16 @@ def test_bad_zero_settings(corpus, parallel, model, match):
     cfg = _cfg(corpus, model=model, parallel={"tp": 1} | parallel)
     with pytest.raises(ValueError, match=match):
         validate(cfg, 4)
+
+
+def test_zero1_refuses_gradients_that_left_their_bucket():
+    from meshtrain import GPT, ParallelMesh, preset
+    from meshtrain.parallel.zero import ZeroDataParallel, unit_parameters
+
+    model = GPT(preset("tiny"), mesh=ParallelMesh.local(), seed=0)
+    zero = ZeroDataParallel(unit_parameters(model, list(model.layers.values())),
+                            ParallelMesh.local().dp_cp, stage=1)
+    zero.wait()  # views intact: fine
+    model.zero_grad()  # sets every .grad to None: backward would make fresh, unreduced ones
+    with pytest.raises(RuntimeError, match="zero gradients with the reducer's zero_grad"):
+        zero.wait()

@@ -22,6 +22,19 @@ from meshtrain.mesh import MeshAxis
 from meshtrain.parallel import comm
 
 
+def check_grad_views(params: list[nn.Parameter], buffer: torch.Tensor) -> None:
+    """Fail loudly if a gradient that should be a view into `buffer` was replaced (e.g.
+    `optimizer.zero_grad()` set it to None and backward made a fresh one): it would silently
+    escape the reduction."""
+    start = buffer.data_ptr()
+    end = start + buffer.numel() * buffer.element_size()
+    for p in params:
+        if p.grad is None or not start <= p.grad.data_ptr() < end:
+            raise RuntimeError("a parameter's .grad no longer lives in its gradient bucket; zero"
+                               " gradients with the reducer's zero_grad(), not"
+                               " optimizer.zero_grad() or model.zero_grad()")
+
+
 def reverse_buckets(params: list[nn.Parameter], bucket_bytes: int,
                     itemsize: int) -> list[list[nn.Parameter]]:
     """Group `params` in reverse order (roughly backward's) into buckets of at most
@@ -57,17 +70,8 @@ class _Bucket:
             offset += p.numel()
 
     def check_views(self) -> None:
-        """Fail loudly if a gradient was replaced (e.g. `optimizer.zero_grad()` set it to None
-        and backward made a fresh one): it would silently escape the reduction."""
-        if not self.as_grads:
-            return
-        start = self.buffer.data_ptr()
-        end = start + self.buffer.numel() * self.buffer.element_size()
-        for p in self.params:
-            if p.grad is None or not start <= p.grad.data_ptr() < end:
-                raise RuntimeError("a parameter's .grad no longer lives in its gradient bucket;"
-                                   " zero gradients with GradientReducer.zero_grad(), not"
-                                   " optimizer.zero_grad()")
+        if self.as_grads:
+            check_grad_views(self.params, self.buffer)
 
 
 class GradientReducer:

@@ -35,7 +35,7 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel import comm
-from meshtrain.parallel.data import reverse_buckets
+from meshtrain.parallel.data import check_grad_views, reverse_buckets
 
 FREE, FORWARD, BACKWARD = "free", "forward", "backward"
 _IN_FLIGHT_REDUCTIONS = 2  # stage 2/3: buckets whose reduce-scatter may still be running
@@ -238,6 +238,9 @@ class ZeroDataParallel:
 
     def wait(self) -> None:
         """Finish the step's reductions (also of buckets backward did not complete)."""
+        for b in self.buckets:
+            if b.as_grads:
+                check_grad_views(b.params, b.grad_flat)
         if self.deferred is not None and self.deferred.grad_flat is not None:
             comm.all_reduce(self.deferred.grad_flat, self.deferred_axis)
         if self.sync:
