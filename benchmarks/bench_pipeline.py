@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_tp import (
-    LOSS_RTOL,
     WORLD,
     Contender,
     DenseGPT,
@@ -40,6 +39,7 @@ from bench_tp import (
     make_batch,
     measure,
     parse_args,
+    report_loss_agreement,
     training_step,
 )
 from torch import nn
@@ -233,12 +233,7 @@ def report(args, shape: Shape, results: list[Result], load: tuple[float, float])
               f" {best:9.2f}  {r.losses[0]:.6f} -> {r.losses[-1]:.6f}")
     print("t/t_single: median step over the single process's (2 threads); best/best: the same"
           " with each contender's fastest round median, less sensitive to other jobs' load")
-    if reference:
-        last = reference.losses[-1]
-        worst = max(abs(r.losses[-1] - last) / abs(last) for r in results)
-        verdict = "agree" if worst <= LOSS_RTOL else "DISAGREE"
-        print(f"\nlast losses {verdict} with the single process: max relative difference"
-              f" {worst:.1e} (tolerance {LOSS_RTOL:.0e})")
+    report_loss_agreement(results, reference)
 
 
 if __name__ == "__main__":

@@ -692,6 +692,11 @@ def report(args, shape: Shape, peak_n: int, peak1: float, peak2: float, results:
             held = max(m["held"] for m in r.memory) / 2**20
             peak = max(m["held"] + m["transient"] for m in r.memory) / 2**20
             print(f"  {r.contender.name:34} held {held:8.1f}   peak {peak:8.1f}")
+    report_loss_agreement(results, reference)
+
+
+def report_loss_agreement(results: list[Result], reference: Result | None) -> None:
+    """Every contender trains the same model on the same data: its last loss must match."""
     if reference:
         last = reference.losses[-1]
         worst = max(abs(r.losses[-1] - last) / abs(last) for r in results)
