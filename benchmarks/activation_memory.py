@@ -10,6 +10,7 @@ import torch.distributed as dist
 import meshtrain
 from meshtrain import GPT, preset
 from meshtrain.memory import layer_activation_formula, saved_activation_bytes
+from meshtrain.models import AuxiliaryOutputs
 from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.recompute import recomputed
 
@@ -23,8 +24,9 @@ def layer_bytes(mesh, plan, s, *, attention="eager", dropout=0.1):
     block = model.layers["0"]
     local = s // mesh.cp.size // (mesh.tp.size if plan.sequence_parallel else 1)
     x = torch.randn(B, local, H, requires_grad=True)
-    run = (lambda: recomputed(block, model.rng, x, model.rng)) if plan.recompute == "full" \
-        else (lambda: block(x, model.rng))
+    args = (model.rng, None, AuxiliaryOutputs())  # GPT's blocks need no positions
+    run = (lambda: recomputed(block, model.rng, x, *args)) if plan.recompute == "full" \
+        else (lambda: block(x, *args))
     return saved_activation_bytes(run, exclude=model.parameters())[0]
 
 

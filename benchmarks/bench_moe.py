@@ -46,6 +46,7 @@ from meshtrain import ParallelMesh, init_parallel
 from meshtrain.config import RunConfig, build_config, validate
 from meshtrain.data import synthetic_corpus
 from meshtrain.parallel import CommRecorder, comm
+from meshtrain.parallel.expert import MoE
 from meshtrain.train import Trainer
 
 WORLD = 2
@@ -115,11 +116,16 @@ class Runner:
 
     def __init__(self, contender: Contender, shape: Shape, data_path: str, out: str):
         cfg = contender.config(shape, data_path, out)
-        degrees = validate(cfg, contender.ranks)
+        plan = validate(cfg, contender.ranks)
         mesh = ParallelMesh.local() if contender.ranks == 1 else init_parallel(
-            tp=degrees["tp"], dp=degrees["dp"], ep=degrees["ep"], device="cpu")
+            **plan.degrees, device="cpu")
         self.trainer = Trainer.build(cfg, mesh)
         self.next_step = 0
+        # each MoE layer's routing of its latest forward (what the all-to-alls carried)
+        self.last_routing = {}
+        for moe in (m for m in self.trainer.model.modules() if isinstance(m, MoE)):
+            moe.register_forward_hook(lambda m, args, _out: self.last_routing.__setitem__(
+                m, args[1].routing[-1]))
 
     def step(self) -> dict:
         row = self.trainer.train_step(self.next_step)
@@ -132,31 +138,32 @@ class Runner:
         with CommRecorder() as rec:
             self.step()
         model = self.trainer.model
-        experts = model.expert_parameters()
+        experts = model.roles().experts
         return {"all_to_all": rec.payload_bytes("all_to_all"),
                 "all_to_all_calls": rec.count("all_to_all"),
                 "all_reduce": rec.payload_bytes("all_reduce"),
                 "held": sum(p.numel() for p in model.parameters()),
                 "expert_held": sum(p.numel() for p in model.parameters() if id(p) in experts),
-                **analytic_all_to_all(self.trainer)}
+                **analytic_all_to_all(self)}
 
 
-def analytic_all_to_all(trainer: Trainer) -> dict:
+def analytic_all_to_all(runner: Runner) -> dict:
     """All-to-all payload of the last step from its routing, per MoE layer and micro-batch:
     the E int64 counts, then forward the kept rows this rank sends and the rows its experts
     serve back, and backward the same two reversed: E x 8 + 2 x (sent + served) x h x 4 bytes.
     `cross_bytes` is the part that leaves the rank (the rest are rows a rank sends itself)."""
+    trainer = runner.trainer
     mesh, model = trainer.mesh, trainer.model
     if mesh.ep.size == 1:
         return {"analytic": 0, "cross_bytes": 0, "sent": [], "served": []}
     t = trainer.cfg.train
     if t.global_batch != t.micro_batch * mesh.dp.size:
-        raise ValueError("last_stats hold the last micro-batch only: use one per rank and step")
+        raise ValueError("the routing kept is the last micro-batch's: use one per rank and step")
     h = model.cfg.hidden_size
     total = cross = 0
     sent_rows, served_rows = [], []
-    for moe in model.moe_layers():
-        mine = moe.last_stats["tokens_per_expert"].clone()  # kept rows this rank sends, [E]
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        mine = runner.last_routing[moe]["tokens_per_expert"].clone()  # rows it sends, [E]
         everyone = mine.clone()
         comm.all_reduce(everyone, mesh.ep)  # kept rows sent to each expert by the whole group
         local = slice(moe.first_local, moe.first_local + moe.num_local)

@@ -45,7 +45,7 @@ from bench_tp import (
 from torch import nn
 
 import meshtrain
-from meshtrain.model import StageSpec
+from meshtrain.models import StageSpec
 from meshtrain.parallel import comm
 from meshtrain.parallel.pipeline import run_schedule, stage_layers
 from meshtrain.parallel.schedules import gpipe, interleaved, model_chunk, one_f_one_b
@@ -109,7 +109,7 @@ class MeshtrainPipeline(Contender):
         word = model.embedding.word.weight
 
         def forward_backward() -> torch.Tensor:
-            losses = run_schedule(actions, stage=lambda x, chunk: model(x, chunk=chunk),
+            losses = run_schedule(actions, stage=lambda x, chunk: (model(x, chunk=chunk), 0.0),
                                   loss_fn=model.cross_entropy, micro_batches=batches, mesh=mesh,
                                   activation_shape=activation, dtype=torch.float32,
                                   num_chunks=v).losses

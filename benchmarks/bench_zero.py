@@ -45,7 +45,7 @@ from bench_tp import (  # noqa: E402
 )
 
 import meshtrain  # noqa: E402
-from meshtrain.parallel.zero import ZeroDataParallel, unit_parameters  # noqa: E402
+from meshtrain.parallel.zero import ZeroDataParallel  # noqa: E402
 
 
 def _status(field: str) -> int:
@@ -104,10 +104,10 @@ class MeshtrainZero(Contender):
     def build(self, shape: Shape) -> Step:
         mesh = meshtrain.init_parallel(dp=WORLD, device="cpu")
         model = meshtrain.GPT(shape.config(), mesh=mesh, seed=0)
-        blocks = list(model.layers.values())
-        zero = ZeroDataParallel(unit_parameters(model, blocks), mesh.dp_cp, stage=self.stage)
+        units = model.roles().units
+        zero = ZeroDataParallel([params for _, params in units], mesh.dp_cp, stage=self.stage)
         if self.stage == 3:
-            zero.attach(model, blocks)
+            zero.attach([module for module, _ in units])
         opt = torch.optim.AdamW([piece for _, piece in zero.step_pieces()], lr=LR)
         ids, targets = _rank_share(shape, mesh.dp.rank)
 

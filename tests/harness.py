@@ -11,10 +11,12 @@ that does not finish within `timeout` seconds kills the pool (the next call star
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import queue
+import re
 import socket
 import time
 import traceback
@@ -123,3 +125,17 @@ def worker_mesh(**degrees):
     if key not in _worker_meshes:
         _worker_meshes[key] = init_parallel(**degrees, device="cpu")
     return _worker_meshes[key]
+
+
+@contextlib.contextmanager
+def raises_as_flags(match: str):
+    """`pytest.raises(ValueError, match=match)`, matched on the message as the CLI prints it:
+    library errors name settings (`pp_schedule`), the CLI shows flags (--pp-schedule)."""
+    import pytest
+
+    from meshtrain.cli import as_flags
+
+    with pytest.raises(ValueError) as error:
+        yield error
+    shown = as_flags(str(error.value))
+    assert re.search(match, shown), f"{match!r} not found in {shown!r}"

@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from harness import raises_as_flags
 
 from meshtrain.data import (
     BatchSampler,
@@ -92,16 +93,16 @@ def test_load_bin(tmp_path, dtype):
 ])
 def test_load_bin_errors(tmp_path, meta, match):
     path = _write_bin(tmp_path, np.array([1, 11, 2], dtype=np.uint16), meta)
-    with pytest.raises(ValueError, match=f"^--data .*{match}"):
+    with raises_as_flags(f"^--data .*{match}"):
         load_tokens(path)
 
 
 def test_load_missing_and_empty(tmp_path):
-    with pytest.raises(ValueError, match="^--data .*no such file"):
+    with raises_as_flags("^--data .*no such file"):
         load_tokens(tmp_path / "absent.txt")
     for name in ("empty.txt", "empty.bin"):
         (tmp_path / name).write_bytes(b"")
-        with pytest.raises(ValueError, match="^--data .*empty"):
+        with raises_as_flags("^--data .*empty"):
             load_tokens(tmp_path / name)
 
 
@@ -109,13 +110,13 @@ def test_split_and_dataset():
     tokens = np.arange(100, dtype=np.uint16)
     train, val = split_tokens(tokens, val_fraction=0.1)
     assert np.array_equal(train, tokens[:90]) and np.array_equal(val, tokens[90:])
-    with pytest.raises(ValueError, match="--val-fraction"):
+    with raises_as_flags("--val-fraction"):
         split_tokens(tokens, val_fraction=1.0)
     data = TokenDataset(val, seq_len=4)
     assert len(data) == 6
     inputs, targets = data[5]
     assert inputs.tolist() == [95, 96, 97, 98] and targets.tolist() == [96, 97, 98, 99]
-    with pytest.raises(ValueError, match="^--data is too short for --seq-len 10: a split of 10 "):
+    with raises_as_flags("^--data is too short for --seq-len 10: a split of 10 "):
         TokenDataset(val, seq_len=10)
 
 
@@ -175,18 +176,18 @@ def test_eval_batches_fixed_and_split(dp):
     assert all(torch.equal(a[0], b[0]) for a, b in zip(prefix, reference[:4], strict=True))
     train = sampler.micro_batches(0, dp_rank=0, dp_size=1)
     assert not torch.equal(train[0][0], reference[0][0])
-    with pytest.raises(ValueError, match="--eval-batches must be positive"):
+    with raises_as_flags("--eval-batches must be positive"):
         sampler.eval_batches(0, dp_rank=0, dp_size=1)
 
 
 def test_invalid_batch_sizes():
     sampler = _sampler(global_batch=10, micro_batch=2)
     msg = "--global-batch 10 must be divisible by --micro-batch x dp = 2 x 2 = 4"
-    with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+    with raises_as_flags(f"^{re.escape(msg)}$"):
         sampler.micro_batches(0, dp_rank=0, dp_size=2)
-    with pytest.raises(ValueError, match="--global-batch 10 must be divisible by --micro-batch"):
+    with raises_as_flags("--global-batch 10 must be divisible by --micro-batch"):
         _sampler(global_batch=10, micro_batch=4)
-    with pytest.raises(ValueError, match="--micro-batch must be positive"):
+    with raises_as_flags("--micro-batch must be positive"):
         _sampler(micro_batch=0)
-    with pytest.raises(ValueError, match="^--data is too short for --seq-len 20000"):
+    with raises_as_flags("^--data is too short for --seq-len 20000"):
         _sampler(seq_len=20_000)

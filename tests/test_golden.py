@@ -64,11 +64,7 @@ def _train(corpus: str, out: str, parallel: dict, train: dict, model: dict) -> N
     cfg = build_config({}, {"model": model, "train": settings,
                             "parallel": {"device": "cpu"} | parallel,
                             "data": {"data": corpus}, "checkpoint": {"out": out}})
-    world = torch.distributed.get_world_size()
-    p = cfg.parallel
-    degrees = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
-               "dp": world // (p.tp * p.pp * p.cp)}
-    run_training(cfg, degrees=degrees)
+    run_training(cfg)  # dp fills the pool's world
 
 
 def _outcome(out: Path) -> dict:

@@ -8,6 +8,7 @@ from harness import run_on_ranks, worker_mesh
 
 from meshtrain import GPT, ParallelMesh, preset
 from meshtrain.memory import layer_activation_formula, saved_activation_bytes
+from meshtrain.models import AuxiliaryOutputs
 from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.recompute import recomputed
 
@@ -22,10 +23,12 @@ def _measure(mesh, plan):
     s_local = S // mesh.tp.size if plan.sequence_parallel else S
     x = torch.randn(B, s_local, H, requires_grad=True)
 
+    args = (model.rng, torch.arange(S), AuxiliaryOutputs())
+
     def run():
         if plan.recompute == "full":
-            return recomputed(block, model.rng, x, model.rng)
-        return block(x, model.rng)
+            return recomputed(block, model.rng, x, *args)
+        return block(x, *args)
 
     nbytes, out = saved_activation_bytes(run, exclude=model.parameters())
     out.sum().backward()  # the saved tensors really are what backward needs

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from harness import run_on_ranks, worker_mesh
+from harness import raises_as_flags, run_on_ranks, worker_mesh
 
 from meshtrain.mesh import _axis_groups, resolve_degrees
 from meshtrain.parallel.comm import all_gather
@@ -20,7 +20,7 @@ def test_resolve_degrees_derives_dp():
     (dict(tp=2, ep=3), r"ep=3 must divide dp x cp = 4 x 1 = 4"),
 ])
 def test_resolve_degrees_rejects(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with raises_as_flags(match):
         resolve_degrees(8, **kwargs)
 
 

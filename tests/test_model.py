@@ -88,11 +88,14 @@ def _check_dropout_consistent():
     mesh = worker_mesh(tp=2)
     model = GPT(preset("tiny", vocab_size=64, dropout=0.3), mesh=mesh, seed=1)
     inputs, targets = _batch(64)
+    from meshtrain.models import AuxiliaryOutputs
     from meshtrain.random import REPLICATED
 
-    hidden = model.embedding(inputs, torch.arange(inputs.shape[1]), model.rng, REPLICATED)
+    assert model.factory.hidden_stream == REPLICATED
+    positions = torch.arange(inputs.shape[1])
+    hidden = model.embedding(inputs, positions, model.rng)
     for block in model.layers.values():
-        hidden = block(hidden, model.rng)
+        hidden = block(hidden, model.rng, positions, AuxiliaryOutputs())
     gathered = all_gather(hidden.detach().unsqueeze(0), mesh.tp, dim=0)
     assert_close(gathered[0], gathered[1], rtol=0, atol=0)
     # and the per-rank (attention) stream really differs between TP ranks

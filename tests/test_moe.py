@@ -2,16 +2,17 @@
 
 import pytest
 import torch
-from harness import run_on_ranks, worker_mesh
+from harness import raises_as_flags, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh, preset
 from meshtrain.config import build_config
 from meshtrain.data import synthetic_corpus
+from meshtrain.models import AuxiliaryOutputs
 from meshtrain.optim import global_grad_norm
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.comm import all_gather_objects
-from meshtrain.parallel.expert import capacity, route
+from meshtrain.parallel.expert import MoE, capacity, route
 from meshtrain.train import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -63,18 +64,33 @@ def _cfg(corpus, top_k):
         "checkpoint": {"out": "/nonexistent"}})
 
 
+def _layer_routing(layer: dict) -> tuple:
+    """(tokens per expert, dropped choices, aux loss) of one MoE layer's forward."""
+    return (layer["tokens_per_expert"].clone(), layer["assigned"] - int(layer["kept"]),
+            layer["aux_loss"].item())
+
+
+def _record_last_routing(model) -> dict[int, dict]:
+    """Each MoE layer's routing of its latest forward, by layer order."""
+    last = {}
+    for i, moe in enumerate(m for m in model.modules() if isinstance(m, MoE)):
+        moe.register_forward_hook(lambda _m, args, _out, i=i: last.__setitem__(
+            i, args[1].routing[-1]))
+    return last
+
+
 def _reference(cfg):
     """Single process, ep=1: the same micro-batches one after another."""
-    model = GPT(cfg.gpt_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    model = GPT(cfg.model_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
     trainer_data = Trainer.build(cfg, ParallelMesh.local()).train_data
     batches = trainer_data.micro_batches(0, dp_rank=0, dp_size=1)
     total, routing = 0.0, []
     for inputs, targets in batches:
-        cross_entropy = model.cross_entropy(model(inputs), targets)
-        ((cross_entropy + model.routing_loss()) / len(batches)).backward()
+        aux = AuxiliaryOutputs()
+        cross_entropy = model.cross_entropy(model(inputs, aux=aux), targets)
+        ((cross_entropy + aux.loss) / len(batches)).backward()
         total += cross_entropy.item() / len(batches)
-        routing.append([(m.last_stats["tokens_per_expert"].clone(), int(m.last_stats["dropped"]),
-                         m.last_aux_loss.item()) for m in model.moe_layers()])
+        routing.append([_layer_routing(layer) for layer in aux.routing])
     return total, routing, dict(named_full_tensors(model, grads=True)), global_grad_norm(
         model, ParallelMesh.local()).item()
 
@@ -84,6 +100,7 @@ def _check_ep(corpus, tp, ep, top_k):
     mesh = worker_mesh(tp=tp, dp=world // tp, ep=ep)
     cfg = _cfg(corpus, top_k)
     trainer = Trainer.build(cfg, mesh)
+    last = _record_last_routing(trainer.model)
     ref_loss, ref_routing, ref_grads, ref_norm = _reference(cfg)
     with CommRecorder() as rec:
         row = trainer.train_step(0)
@@ -93,10 +110,12 @@ def _check_ep(corpus, tp, ep, top_k):
     # Same routing as the reference for this rank's micro-batches (the last one it ran).
     m = 4 // mesh.dp.size  # micro-batches per DP rank
     mine = ref_routing[mesh.dp.rank * m + m - 1]
-    for moe, (tokens, dropped, aux) in zip(trainer.model.moe_layers(), mine, strict=True):
-        assert torch.equal(moe.last_stats["tokens_per_expert"], tokens)
-        assert int(moe.last_stats["dropped"]) == dropped
-        assert moe.last_aux_loss.item() == pytest.approx(aux, rel=1e-6)
+    for i, (tokens, dropped, aux) in enumerate(mine):
+        got_tokens, got_dropped, got_aux = _layer_routing(last[i])
+        assert torch.equal(got_tokens, tokens)
+        assert got_dropped == dropped
+        assert got_aux == pytest.approx(aux, rel=1e-6)
+    assert len(last) == len(mine)
     total_tokens = sum(sum(t.sum().item() for t, _, _ in mb) for mb in ref_routing)
     assert row["moe_tokens_per_expert_mean"] * 4 * len(ref_routing[0]) == total_tokens
     dropped = sum(d for mb in ref_routing for _, d, _ in mb)
@@ -118,7 +137,7 @@ def _check_ep(corpus, tp, ep, top_k):
     # All-to-all bytes: per MoE layer and micro-batch, the counts (E int64), this rank's kept
     # rows out and the rows its experts served back (forward), the same two reversed (backward).
     if ep > 1:
-        h = cfg.gpt_config(256).hidden_size
+        h = cfg.model_config(256).hidden_size
         layers = len(mine)
         sent = sum(int(t.sum()) for mb in ref_routing[mesh.dp.rank * m:(mesh.dp.rank + 1) * m]
                    for t, _, _ in mb)
@@ -141,15 +160,15 @@ def test_expert_parallel_matches_single_process(corpus, tp, ep, top_k, world):
 
 
 def test_bad_moe_settings():
-    with pytest.raises(ValueError, match="--moe-top-k 2 exceeds --moe-experts 1"):
+    with raises_as_flags("--moe-top-k 2 exceeds --moe-experts 1"):
         preset("tiny", moe_experts=1, moe_top_k=2).validate()
-    with pytest.raises(ValueError, match="--moe-capacity-factor must be > 0"):
+    with raises_as_flags("--moe-capacity-factor must be > 0"):
         preset("tiny", moe_experts=4, moe_capacity_factor=0.0).validate()
-    with pytest.raises(ValueError, match="--moe-experts 6 must be divisible by --ep 4"):
+    with raises_as_flags("--moe-experts 6 must be divisible by --ep 4"):
         preset("tiny", moe_experts=6).validate_for_ep(4)
-    with pytest.raises(ValueError, match="--ep 2 needs an MoE model"):
+    with raises_as_flags("--ep 2 needs an MoE model"):
         preset("tiny").validate_for_ep(2)
-    with pytest.raises(ValueError, match="--moe-top-k must be 1 or 2"):
+    with raises_as_flags("--moe-top-k must be 1 or 2"):
         preset("tiny", moe_experts=4, moe_top_k=3).validate()
 
 
@@ -195,7 +214,7 @@ def test_checkpoint_of_another_moe_shape_is_refused(corpus, tmp_path):
 
     run_on_ranks(2, _save_moe, corpus, tmp_path, 1, 2)
     path = latest_checkpoint(tmp_path / "checkpoints")
-    other = _cfg(corpus, 2).gpt_config(256)
+    other = _cfg(corpus, 2).model_config(256)
     import dataclasses
 
     with pytest.raises(CheckpointError, match="moe_experts 4 there vs 2 here"):

@@ -50,7 +50,7 @@ def _check(corpus, tp, pp, schedule, cp=1, parallel=None):
         setattr(cfg.parallel, key, value)
     trainer = Trainer.build(cfg, mesh)
     reference = Trainer.build(cfg, ParallelMesh.local())
-    dense = GPT(cfg.gpt_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    dense = GPT(cfg.model_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
     batches = trainer.train_data.micro_batches(0, dp_rank=0, dp_size=1)
     for inputs, targets in batches:
         (dense.loss(dense(inputs), targets) / len(batches)).backward()
@@ -141,11 +141,11 @@ def _peaks(corpus, pp, num_layers):
         cfg = _cfg(corpus, schedule)
         cfg.parallel.virtual_stages, cfg.model.num_layers = v, num_layers
         trainer = Trainer.build(cfg, worker_mesh(tp=1, pp=pp, dp=1))
-        trainer.count_saved_bytes = True
+        trainer.executor.count_saved_bytes = True
         runs = []
         for step in range(cfg.train.steps if schedule == "2bw" else 1):  # 2BW: across steps
             trainer.train_step(step)
-            runs.append(trainer.last_schedule_run)
+            runs.append(trainer.executor.last_run)
         peaks[schedule] = (max(r.peak_in_flight for r in runs),
                            max(r.peak_saved_bytes for r in runs))
     return peaks
@@ -250,18 +250,18 @@ def _delayed_reference(cfg, steps):
     (W(-1) = W(0)) and applied to W(t)."""
     ref = Trainer.build(cfg, ParallelMesh.local())
     params = list(ref.model.parameters())
-    step_optimizer = ref._optimizer_step
+    step_optimizer = ref.sync.step
     previous = [p.detach().clone() for p in params]
     losses = []
     for t in range(steps):
         current = [p.detach().clone() for p in params]
         _assign(params, previous)
 
-        def delayed(grads, current=current):
+        def delayed(lr, current=current):
             _assign(params, current)
-            step_optimizer(grads)
+            step_optimizer(lr)
 
-        ref._optimizer_step = delayed
+        ref.sync.step = delayed
         losses.append(ref.train_step(t)["loss"])
         previous = current
     return ref, losses
@@ -304,7 +304,7 @@ def _run_2bw(corpus, out, stop_at=None):
     cfg.checkpoint.resume = stop_at is None and Path(out, "checkpoints").exists()
     cfg.train.stop_at = stop_at
     cfg.parallel.pp = 2
-    run_training(cfg, degrees={"tp": 1, "pp": 2, "dp": 1})
+    run_training(cfg)
 
 
 def _2bw_losses(out):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_on_ranks, worker_mesh
+from harness import raises_as_flags, run_on_ranks, worker_mesh
 
 from meshtrain.config import build_config, validate
 from meshtrain.data import synthetic_corpus
@@ -61,14 +61,14 @@ def _forced_overflow(corpus, zero):
     cfg.parallel.zero = zero
     trainer = Trainer.build(cfg, mesh)
     trainer.train_step(0)
-    before = {k: v.clone() for k, v in trainer._export_states()[0].items()}  # fp32 masters
+    before = {k: v.clone() for k, v in trainer.sync.export()[0].items()}  # fp32 masters
     weights = [p.detach().clone() for p in trainer.model.parameters()]
     param = trainer.model.layers["0"].ln1.weight
     handle = param.register_hook(lambda g: g * math.inf) if mesh.rank == 1 else None
     row = trainer.train_step(1)  # only rank 1 overflows
     if handle:
         handle.remove()
-    unchanged = all(torch.equal(v, before[k]) for k, v in trainer._export_states()[0].items())
+    unchanged = all(torch.equal(v, before[k]) for k, v in trainer.sync.export()[0].items())
     model_unchanged = all(torch.equal(a, b) for a, b in zip(weights,
                                                             trainer.model.parameters(),
                                                             strict=True))
@@ -88,7 +88,8 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(corpus, zero):
 def _run(corpus, out, **train):
     cfg = _cfg(corpus, out, steps=8, **train)
     cfg.checkpoint.resume = "stop_at" not in train and Path(out, "checkpoints").exists()
-    run_training(cfg, degrees={"tp": 2, "pp": 1, "dp": 1})
+    cfg.parallel.tp = 2
+    run_training(cfg)
 
 
 def _losses(out):
@@ -118,7 +119,7 @@ def test_resume_in_16_bit_is_bitwise(corpus, tmp_path, precision):
 def test_bad_precision_settings(corpus, train, match):
     cfg = _cfg(corpus, **train)
     cfg.parallel.tp = 1
-    with pytest.raises(ValueError, match=match):
+    with raises_as_flags(match):
         validate(cfg, 1)
 
 

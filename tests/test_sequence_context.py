@@ -1,18 +1,22 @@
 """Sequence parallelism, context parallelism (ring and all2all) and recomputation against the
 single-process model."""
 
+import dataclasses
+import re
+
 import pytest
 import torch
 from harness import run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh, preset
+from meshtrain.cli import as_flags
 from meshtrain.config import build_config
 from meshtrain.data import synthetic_corpus
 from meshtrain.optim import global_grad_norm
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.context import context_parallel_positions
-from meshtrain.parallel.plan import ParallelPlan, validate_plan
+from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.train import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -39,7 +43,7 @@ def _check_layout(corpus, tp, cp, parallel):
     mesh = worker_mesh(tp=tp, cp=cp, dp=world // (tp * cp))
     cfg = _cfg(corpus, parallel)
     trainer = Trainer.build(cfg, mesh)
-    reference = GPT(cfg.gpt_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    reference = GPT(cfg.model_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
     batches = trainer.train_data.micro_batches(0, dp_rank=0, dp_size=1)
     ref_loss = 0.0
     for inputs, targets in batches:
@@ -144,11 +148,13 @@ def test_load_balanced_positions():
     ({"plan": ParallelPlan(recompute="some")}, "--recompute must be none, selective or full"),
 ])
 def test_bad_plans(kwargs, match):
-    args = {"tp": 1, "cp": 1, "num_heads": 4, "seq_len": 64, "dropout": 0.0, "moe": False,
-            "plan": ParallelPlan()} | kwargs
-    plan = args.pop("plan")
-    with pytest.raises(ValueError, match=match):
-        validate_plan(plan, **args)
+    args = {"tp": 1, "cp": 1, "seq_len": 64, "dropout": 0.0, "plan": ParallelPlan()} | kwargs
+    plan = dataclasses.replace(args["plan"], tp=args["tp"], cp=args["cp"], micro_batch=2)
+    model = preset("tiny", dropout=args["dropout"])
+    with pytest.raises(ValueError) as error:
+        plan.validate(model, world_size=args["tp"] * args["cp"], global_batch=2,
+                      seq_len=args["seq_len"])
+    assert re.search(match, as_flags(str(error.value))), error.value  # as the CLI shows it
 
 
 def _ring_bf16():

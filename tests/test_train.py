@@ -36,7 +36,7 @@ def _config(corpus: str, out: str, **train):
 
 def _dense_step_grads(cfg, trainer_data: BatchSampler, step: int):
     """Loss and full gradients of one step on one process over the whole global batch."""
-    model = GPT(cfg.gpt_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    model = GPT(cfg.model_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
     batches = trainer_data.micro_batches(step, dp_rank=0, dp_size=1)
     total = 0.0
     for inputs, targets in batches:
@@ -96,7 +96,8 @@ def _run(corpus, out, tp, dp, resume=False, **train):
     cfg = _config(corpus, out, **train)
     cfg.checkpoint.resume = resume
     cfg.checkpoint.save_every = 0
-    run_training(cfg, degrees={"tp": tp, "pp": 1, "dp": dp})
+    cfg.parallel.tp, cfg.parallel.dp = tp, dp
+    run_training(cfg)
     return None
 
 

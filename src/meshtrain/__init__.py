@@ -1,17 +1,25 @@
-"""meshtrain: train GPT models with Megatron-style parallelism on one device mesh."""
+"""meshtrain: train transformer language models with Megatron-style parallelism on one mesh."""
 
 from meshtrain.mesh import MeshAxis, ParallelMesh, destroy_parallel, init_parallel
-from meshtrain.model import GPT, PRESETS, GPTConfig, preset
+from meshtrain.models import FAMILIES, PRESETS, CausalLM, get_family, preset
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.parallelize import parallelize
 from meshtrain.random import RNGTracker
 
 __all__ = [
+    "FAMILIES",
     "GPT",
     "GPTConfig",
-    "MeshAxis",
     "PRESETS",
+    "CausalLM",
+    "MeshAxis",
     "ParallelMesh",
+    "ParallelPlan",
     "RNGTracker",
     "destroy_parallel",
+    "get_family",
     "init_parallel",
+    "parallelize",
     "preset",
 ]

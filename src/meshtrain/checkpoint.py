@@ -29,13 +29,17 @@ from safetensors.torch import save_file
 from torch import nn
 
 from meshtrain.mesh import ParallelMesh
-from meshtrain.model import GPTConfig
+from meshtrain.models import TransformerConfig, family_of
 from meshtrain.parallel import comm
-from meshtrain.parallel.tensor import Shard, parameter_shards, shard_pieces, shard_tensor
+from meshtrain.parallel.sharding import (
+    Shard,
+    is_primary,
+    parameter_shards,
+    shard_pieces,
+    shard_tensor,
+)
 
 FORMAT = "meshtrain-checkpoint-1"
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len",
-                "ffn_hidden_size", "moe_experts", "moe_every")
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -56,7 +60,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     path = root / pointer.read_text().strip()
     if not (path / "manifest.json").is_file():
         raise CheckpointError(f"{pointer} names {path.name}, which has no manifest: the checkpoint"
-                              f" directory is damaged; restore it or start without --resume")
+                              f" directory is damaged; restore it or start without `resume`")
     return path
 
 
@@ -78,8 +82,8 @@ def _fsync_write(path: Path, text: str) -> None:
 def _owned_pieces(name: str, tensor: torch.Tensor, shard: Shard | None, replica_rank: int,
                   mesh: ParallelMesh):
     """(key suffix, piece tensor, entry) for what this rank writes of a logical tensor: only
-    the first of its data-parallel replicas (`replica_rank` 0) writes."""
-    if replica_rank != 0 or (shard is None and mesh.tp.rank != 0):
+    the first of its data-parallel replicas (`replica_rank` 0) and of its TP copies writes."""
+    if replica_rank != 0 or not is_primary(shard, mesh.tp.rank):
         return
     if shard is None:
         length = tensor.shape[0] if tensor.dim() else 1
@@ -126,7 +130,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     file_name = f"rank_{mesh.rank:05d}.safetensors"
-    experts = model.expert_parameters()
+    experts = model.roles().experts
     replica = {n: mesh.axis("edp").rank if id(p) in experts else mesh.dp_cp.rank
                for n, p in params.items()}
     sources = [("model/" + n, values[n].detach(), n) for n in params]
@@ -174,6 +178,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
             "step": step,
             "layout": mesh.degrees,
             "device": mesh.device.type,
+            "family": model.family,
             "model": dataclasses.asdict(model.cfg),
             "files": {f: digest for f, digest, _ in gathered},
             "tensors": merged,
@@ -206,14 +211,15 @@ def _on_every_rank_or_none(action, mesh: ParallelMesh, what: str) -> None:
                               " previous checkpoint is intact")
 
 
-def read_manifest(path: str | Path, cfg: GPTConfig | None = None) -> dict:
-    """Load and verify a checkpoint's manifest and files (checksums, shapes, model shape)."""
+def read_manifest(path: str | Path, cfg: TransformerConfig | None = None) -> dict:
+    """Load and verify a checkpoint's manifest and files (checksums, model family and shape).
+    Checkpoints written before families were recorded hold GPTs."""
     path = Path(path)
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable manifest ({e}); it is damaged,"
-                              " restore it or start without --resume") from None
+                              " restore it or start without `resume`") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}, expected"
                               f" {FORMAT!r}")
@@ -223,13 +229,20 @@ def read_manifest(path: str | Path, cfg: GPTConfig | None = None) -> dict:
             raise CheckpointError(f"checkpoint {path}: {file_name} is missing, corrupt or"
                                   " truncated (checksum mismatch); restore it or resume from an"
                                   " earlier checkpoint")
+    manifest.setdefault("family", "gpt")
     if cfg is not None:
+        family = family_of(cfg).name
+        if manifest["family"] != family:
+            raise CheckpointError(f"checkpoint {path} holds a {manifest['family']} model, not a"
+                                  f" {family}: choose a {manifest['family']} `model` preset to"
+                                  " load it")
         saved = manifest["model"]
-        for key in SHAPE_FIELDS:
+        for key in cfg.SHAPE_FIELDS:
             if saved.get(key) != getattr(cfg, key):
                 raise CheckpointError(
                     f"checkpoint {path} is from a different model shape: {key} {saved.get(key)}"
-                    f" there vs {getattr(cfg, key)} here; use the model flags it was trained with")
+                    f" there vs {getattr(cfg, key)} here; use the model settings it was trained"
+                    " with")
     return manifest
 
 
@@ -249,7 +262,7 @@ class _Reader:
         entry = self.manifest["tensors"].get(name)
         if entry is None:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}: it is from a"
-                                  " different model; use matching model flags")
+                                  " different model; use matching model settings")
         out = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
         covered = 0
         for piece in entry["pieces"]:
@@ -294,7 +307,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
         if entry is None or entry["shape"] != expected:
             found = None if entry is None else entry["shape"]
             raise CheckpointError(f"checkpoint {path}: {name} has shape {found} there, {expected}"
-                                  " here: it is from a different model; use its model flags")
+                                  " here: it is from a different model; use its model settings")
 
     names = [name for name, _ in model.named_parameters()]
     values = {name: local("model/" + name, shards[name]) for name in names}
@@ -328,6 +341,6 @@ def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> int:
     tensors = {name.removeprefix("model/"): reader.full(name)
                for name in manifest["tensors"] if name.startswith("model/")}
     metadata = {"format": "meshtrain-model", "step": str(manifest["step"]),
-                "model": json.dumps(manifest["model"])}
+                "family": manifest["family"], "model": json.dumps(manifest["model"])}
     save_file(tensors, str(out_file), metadata=metadata)
     return len(tensors)

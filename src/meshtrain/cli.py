@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -22,13 +23,27 @@ from meshtrain.mesh import check_local_devices, resolve_degrees
 EXIT_BAD_INPUT = 2
 
 
+def as_flags(message: str) -> str:
+    """A library message with settings named in backticks (`pp_schedule`), in flags
+    (--pp-schedule); backticked names that are no setting lose their backticks."""
+    flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+             for _, f in config_mod.flag_fields()} | {"config": "--config"}
+    return re.sub(r"`([a-z_0-9]+)`", lambda m: flags.get(m.group(1), m.group(1)), message)
+
+
+def _error(e: Exception) -> int:
+    print(f"meshtrain: error: {as_flags(str(e))}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train a GPT", argument_default=argparse.SUPPRESS,
-                       description="Train a GPT on a device mesh. Precedence: defaults <"
+    p = sub.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS,
+                       description="Train a language model on a device mesh. Degrees not given"
+                                   " are 1 and dp fills the world. Precedence: defaults <"
                                    " --config FILE.toml < flags.")
     p.add_argument("--config", metavar="FILE.toml",
                    help="TOML file with [model], [parallel], [train], [data], [checkpoint] tables")
@@ -89,15 +104,16 @@ def _train_config(args: argparse.Namespace) -> config_mod.RunConfig:
     return config_mod.build_config(file_values, overrides)
 
 
-def check_train(cfg: config_mod.RunConfig, world_size: int) -> dict[str, int]:
-    """Everything that can be checked before a rank starts: settings, data, output, resume."""
+def check_train(cfg: config_mod.RunConfig, world_size: int):
+    """Everything that can be checked before a rank starts: settings, data, output, resume;
+    returns the validated `ParallelPlan`."""
     from meshtrain import data
     from meshtrain.train import load_corpus
 
-    degrees = config_mod.validate(cfg, world_size)
+    plan = config_mod.validate(cfg, world_size)
     tokens, vocab = load_corpus(cfg)
-    gpt = cfg.gpt_config(vocab)
-    gpt.validate()
+    model = cfg.model_config(vocab)
+    model.validate()
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
         raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's"
                          f" vocabulary {vocab}: raise it or omit it")
@@ -109,11 +125,11 @@ def check_train(cfg: config_mod.RunConfig, world_size: int) -> dict[str, int]:
         path = latest_checkpoint(out / "checkpoints") if has_run else None
         if path is None:
             raise ValueError(f"--resume: no checkpoint in {out}; start without --resume")
-        read_manifest(path, gpt)
+        read_manifest(path, model)
     elif has_run:
         raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"
                          " choose another --out")
-    return degrees
+    return plan
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
@@ -141,8 +157,7 @@ def _in_rank(fn) -> int:
     try:
         fn()
     except ValueError as e:
-        print(f"meshtrain: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _error(e)
     finally:
         destroy_parallel()
     return 0
@@ -152,14 +167,18 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _train_config(args)
     env_world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else None
     world = config_mod.world_size_of(cfg, env_world)
-    degrees = check_train(cfg, world)
+    plan = check_train(cfg, world)
+    if cfg.parallel.trace and plan.pp == 1 and int(os.environ.get("RANK", "0")) == 0:
+        print("meshtrain: --trace records pipeline timelines; with --pp 1 it writes nothing",
+              file=sys.stderr)
     if env_world is None and world > 1:
-        print(f"meshtrain: {world} ranks (tp={degrees['tp']}, dp={degrees['dp']}), writing to"
-              f" {cfg.checkpoint.out}", file=sys.stderr)
+        layout = ", ".join(f"{k}={v}" for k, v in plan.degrees.items() if v > 1)
+        print(f"meshtrain: {world} ranks ({layout}), writing to {cfg.checkpoint.out}",
+              file=sys.stderr)
         return _launch(world, [*argv, "--out", cfg.checkpoint.out])
     from meshtrain.train import run_training
 
-    return _in_rank(lambda: run_training(cfg, degrees=degrees))
+    return _in_rank(lambda: run_training(cfg, plan))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -179,9 +198,9 @@ def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
     resolve_degrees(int(os.environ.get("WORLD_SIZE", args.nproc)), tp=args.tp)
     path = _resolve_checkpoint(args.run)
     manifest = read_manifest(path)
-    from meshtrain.model import GPTConfig
+    from meshtrain.models import config_from_dict
 
-    GPTConfig(**manifest["model"]).validate_for_tp(args.tp)
+    config_from_dict(manifest["family"], manifest["model"]).validate_for_tp(args.tp)
     check_local_devices(args.device, args.nproc)
     if not _under_torchrun() and args.nproc > 1:
         return _launch(args.nproc, argv)
@@ -208,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         return cmd_sample(args, argv)
     except (ValueError, CheckpointError) as e:
-        print(f"meshtrain: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _error(e)
 
 
 if __name__ == "__main__":

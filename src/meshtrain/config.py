@@ -1,8 +1,10 @@
-"""Run configuration: typed sections, TOML files, CLI overrides, validation in one place.
+"""Run configuration: typed sections, TOML files, CLI overrides.
 
 Sections (TOML tables of the same names): model, parallel, train, data, checkpoint. Every field
 is a CLI flag of `meshtrain train` (underscores become dashes) whose help text is the field's
-`help`. Precedence: defaults < --config FILE.toml < flags.
+`help`. Precedence: defaults < --config FILE.toml < flags. A run's settings become a model config
+(`model_config`, of the preset's family) and a `ParallelPlan` (`plan`); `validate` checks them
+all before any rank starts. Errors name settings in backticks; the CLI shows them as flags.
 """
 
 from __future__ import annotations
@@ -15,14 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from meshtrain.data import BYTE_VOCAB_SIZE, check_batch_sizes
-from meshtrain.mesh import check_local_devices, resolve_degrees
-from meshtrain.model import PRESETS, GPTConfig, preset
-from meshtrain.parallel.pipeline import stage_layers
-from meshtrain.parallel.plan import ParallelPlan, validate_plan
-from meshtrain.precision import parse_dtype
+from meshtrain.data import BYTE_VOCAB_SIZE
+from meshtrain.mesh import check_local_devices
+from meshtrain.models import PRESETS, TransformerConfig, preset
+from meshtrain.parallel.plan import ParallelPlan
 
 
 def _f(default, help: str, **kw):
@@ -53,9 +51,9 @@ class ModelSettings:
 
 @dataclass
 class ParallelSettings:
-    nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp); omit under"
-                                 " torchrun")
-    tp: int = _f(2, "tensor-parallel degree")
+    nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp, degrees not"
+                                 " given being 1); omit under torchrun")
+    tp: int = _f(1, "tensor-parallel degree")
     pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
                     " remainder)")
     pp_layers: str | None = _f(None, "layers per pipeline stage, comma-separated (e.g. 3,5);"
@@ -65,7 +63,8 @@ class ParallelSettings:
                                   " --virtual-stages model chunks per rank) or 2bw"
                                   " (PipeDream-2BW: no flush, weights updated one step late)")
     virtual_stages: int = _f(1, "model chunks per pipeline rank (--pp-schedule interleaved)")
-    dp: int | None = _f(None, "data-parallel degree (default: world / (tp x pp x cp))")
+    dp: int | None = _f(None, "data-parallel degree (default: the ranks left, world / (tp x pp x"
+                              " cp))")
     ep: int = _f(1, "expert-parallel degree: experts spread over this many of the dp ranks")
     cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence")
     cp_mode: str = _f("ring", "context-parallel attention: ring (K/V around a ring) or all2all"
@@ -150,34 +149,40 @@ class RunConfig:
             lines.append("")
         return "\n".join(lines)
 
-    def pp_split(self) -> list[int] | None:
-        """--pp-layers as a list of per-stage layer counts (None: an even split)."""
-        text = self.parallel.pp_layers
-        if text is None:
-            return None
-        try:
-            return [int(n) for n in text.split(",")]
-        except ValueError:
-            raise ValueError(f"--pp-layers must be comma-separated layer counts such as 3,5,"
-                             f" got {text!r}") from None
-
     def plan(self) -> ParallelPlan:
-        p = self.parallel
-        return ParallelPlan(sequence_parallel=p.sequence_parallel, cp_mode=p.cp_mode,
-                            recompute=p.recompute, recompute_layers=p.recompute_layers)
+        """The layout these settings ask for (dp unresolved when not given)."""
+        p, t = self.parallel, self.train
+        layout = {f.name: getattr(p, f.name) for f in dataclasses.fields(ParallelPlan)
+                  if hasattr(p, f.name)}
+        return ParallelPlan(**layout | {"pp_layers": _layer_counts(p.pp_layers),
+                                        "micro_batch": t.micro_batch, "precision": t.precision,
+                                        "grad_dtype": t.grad_dtype})
 
-    def gpt_config(self, vocab_size: int) -> GPTConfig:
+    def model_config(self, vocab_size: int) -> TransformerConfig:
+        """The preset's config with the model settings given (vocabulary: the setting, else the
+        data's; positions: at least --seq-len)."""
         m = self.model
-        overrides = {k: v for k, v in (("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
-                                       ("num_heads", m.num_heads)) if v is not None}
         base = preset(m.model)
-        seq = self.train.seq_len
-        moe = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
-               if f.name.startswith("moe_")}
-        return dataclasses.replace(base, **overrides, **moe, vocab_size=m.vocab_size or vocab_size,
-                                   max_seq_len=m.max_seq_len or max(seq, base.max_seq_len),
-                                   dropout=m.dropout,
-                                   attention=m.attention)
+        fields = {f.name for f in dataclasses.fields(base)}
+        given = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
+                 if f.name != "model" and getattr(m, f.name) is not None}
+        foreign = sorted(name for name in given if name not in fields)
+        if foreign:
+            raise ValueError(f"`{foreign[0]}` is not a setting of the `model` {m.model!r}")
+        given |= {"vocab_size": m.vocab_size or vocab_size,
+                  "max_seq_len": m.max_seq_len or max(self.train.seq_len, base.max_seq_len)}
+        return dataclasses.replace(base, **given)
+
+
+def _layer_counts(text: str | None) -> tuple[int, ...] | None:
+    """`pp_layers` "3,5" as layer counts."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ValueError(f"`pp_layers` must be comma-separated layer counts such as 3,5, got"
+                         f" {text!r}") from None
 
 
 def _toml_value(value: Any) -> str:
@@ -199,11 +204,11 @@ def flag_fields() -> list[tuple[str, dataclasses.Field]]:
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--config {path}: no such file; pass an existing TOML file")
+        raise ValueError(f"`config` {path}: no such file; pass an existing TOML file")
     try:
         return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--config {path} is not valid TOML ({e}); fix the file") from None
+        raise ValueError(f"`config` {path} is not valid TOML ({e}); fix the file") from None
 
 
 def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, dict[str, Any]]
@@ -225,8 +230,8 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
     if cfg.checkpoint.out is None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         if "RANK" in os.environ and not run_id:
-            raise ValueError("--out is required under this launcher: ranks cannot agree on a"
-                             " default directory; pass --out DIR")
+            raise ValueError("`out` is required under this launcher: ranks cannot agree on a"
+                             " default directory; pass `out` DIR")
         # Under torchrun every rank must name the same directory: use the shared run id.
         stamp = run_id if run_id and "RANK" in os.environ else \
             datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -255,6 +260,8 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
+
+
 def world_size_of(cfg: RunConfig, env_world: int | None) -> int:
     """Ranks this run uses: torchrun's world, else --nproc, else the product of the degrees."""
     p = cfg.parallel
@@ -265,127 +272,46 @@ def world_size_of(cfg: RunConfig, env_world: int | None) -> int:
     return p.tp * p.pp * p.cp * (p.dp or 1)
 
 
-def validate_zero(p: ParallelSettings, *, moe: bool) -> None:
-    if p.zero not in (0, 1, 2, 3):
-        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {p.zero}")
-    if p.offload_optimizer not in ("none", "cpu"):
-        raise ValueError(f"--offload-optimizer must be none or cpu, got {p.offload_optimizer!r}")
-    if p.offload_optimizer == "cpu" and p.zero == 0:
-        raise ValueError("--offload-optimizer cpu offloads ZeRO's optimizer shard: add --zero 1"
-                         " (or 2, 3)")
-    if p.zero >= 2 and p.pp > 1:
-        raise ValueError(f"--zero {p.zero} does not combine with --pp {p.pp}: a pipeline"
-                         " interleaves the backwards of many micro-batches, so sharded gradients"
-                         " would be reduce-scattered once per micro-batch per stage; use --zero 1"
-                         " with pipelines")
-    if p.zero and p.pp > 1 and p.pp_schedule == "2bw":
-        raise ValueError("--zero with --pp-schedule 2bw is not supported (2BW keeps two full"
-                         " weight versions): use --zero 1 with 1f1b or interleaved")
-    if p.zero == 3 and moe:
-        raise ValueError("--zero 3 does not shard MoE experts yet: use --zero 1 or 2 with"
-                         " --moe-experts")
-
-
-def validate(cfg: RunConfig, world_size: int) -> dict[str, int]:
-    """Check every setting before any rank starts; returns the resolved mesh degrees.
-
-    Raises ValueError with one line naming the flag and the fix.
-    """
+def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
+    """Check every setting before any rank starts; returns the resolved plan."""
     t, p = cfg.train, cfg.parallel
     if p.nproc is not None and p.nproc < 1:
-        raise ValueError(f"--nproc must be positive, got {p.nproc}")
-    degrees = resolve_degrees(world_size, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size))
-    check_local_devices(p.device, local_ranks)
+        raise ValueError(f"`nproc` must be positive, got {p.nproc}")
+    plan = cfg.plan().resolved(world_size)
+    check_local_devices(p.device, int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size)))
+    _validate_train(t)
+    if cfg.checkpoint.save_every < 0:
+        raise ValueError(f"`save_every` must be >= 0, got {cfg.checkpoint.save_every}")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ValueError(f"`val_fraction` must be in (0, 1), got {cfg.data.val_fraction}")
+    model = cfg.model_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
+    model.validate()
+    if t.seq_len > model.max_seq_len:
+        raise ValueError(f"`seq_len` {t.seq_len} exceeds `max_seq_len` {model.max_seq_len}: raise"
+                         " `max_seq_len` or shorten `seq_len`")
+    if p.trace and p.pp_schedule == "2bw":
+        raise ValueError("`trace` draws one flush step; a 2bw step overlaps its neighbours (no"
+                         " flush): trace `pp_schedule` 1f1b instead")
+    return plan.validate(model, world_size=world_size, global_batch=t.global_batch,
+                         seq_len=t.seq_len)
+
+
+def _validate_train(t: TrainSettings) -> None:
     for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches"):
         if getattr(t, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(t, name)}")
+            raise ValueError(f"`{name}` must be positive, got {getattr(t, name)}")
     for name in ("warmup_steps", "eval_every"):
         if getattr(t, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(t, name)}")
+            raise ValueError(f"`{name}` must be >= 0, got {getattr(t, name)}")
     if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
-        raise ValueError(f"--stop-at must be between 1 and --steps ({t.steps}), got {t.stop_at}")
+        raise ValueError(f"`stop_at` must be between 1 and `steps` ({t.steps}), got {t.stop_at}")
     if t.lr < 0 or t.min_lr < 0:
-        raise ValueError(f"--lr and --min-lr must be >= 0, got {t.lr} and {t.min_lr}")
+        raise ValueError(f"`lr` and `min_lr` must be >= 0, got {t.lr} and {t.min_lr}")
     if t.min_lr > t.lr:
-        raise ValueError(f"--min-lr ({t.min_lr}) must not exceed --lr ({t.lr})")
+        raise ValueError(f"`min_lr` ({t.min_lr}) must not exceed `lr` ({t.lr})")
     if t.weight_decay < 0 or t.clip_grad < 0:
-        raise ValueError("--weight-decay and --clip-grad must be >= 0")
-    check_batch_sizes(global_batch=t.global_batch, micro_batch=t.micro_batch, dp=degrees["dp"])
-    precision = parse_dtype(t.precision, "--precision")
-    grad_dtype = parse_dtype(t.grad_dtype, "--grad-dtype")
-    if grad_dtype not in (torch.float32, precision):
-        raise ValueError(f"--grad-dtype {t.grad_dtype} must be fp32 or the --precision dtype"
-                         f" ({t.precision})")
+        raise ValueError("`weight_decay` and `clip_grad` must be >= 0")
     if t.loss_scale_window < 1:
-        raise ValueError(f"--loss-scale-window must be positive, got {t.loss_scale_window}")
-    if int(p.bucket_mb * 2**20) < 1:
-        raise ValueError(f"--bucket-mb must be positive, got {p.bucket_mb}")
+        raise ValueError(f"`loss_scale_window` must be positive, got {t.loss_scale_window}")
     if t.seed < 0:
-        raise ValueError(f"--seed must be non-negative, got {t.seed}")
-    if cfg.checkpoint.save_every < 0:
-        raise ValueError(f"--save-every must be >= 0, got {cfg.checkpoint.save_every}")
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    gpt = cfg.gpt_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
-    gpt.validate()
-    if t.seq_len > gpt.max_seq_len:
-        raise ValueError(f"--seq-len {t.seq_len} exceeds --max-seq-len {gpt.max_seq_len}: raise"
-                         " --max-seq-len or shorten --seq-len")
-    gpt.validate_for_tp(p.tp)
-    gpt.validate_for_ep(p.ep)
-    validate_plan(cfg.plan(), tp=p.tp, cp=p.cp, num_heads=gpt.num_heads, seq_len=t.seq_len,
-                  dropout=gpt.dropout, moe=gpt.moe_experts > 0)
-    validate_zero(p, moe=gpt.moe_experts > 0)
-    if p.pp > gpt.num_layers:
-        raise ValueError(f"--pp {p.pp} exceeds the model's {gpt.num_layers} layers: every"
-                         " stage needs at least one")
-    _validate_pipeline(cfg, gpt, degrees)
-
-    return degrees
-
-
-def _validate_pipeline(cfg: RunConfig, gpt: GPTConfig, degrees: dict[str, int]) -> None:
-    p, v = cfg.parallel, cfg.parallel.virtual_stages
-    if p.pp_schedule not in ("gpipe", "1f1b", "interleaved", "2bw"):
-        raise ValueError(f"--pp-schedule must be gpipe, 1f1b, interleaved or 2bw, got"
-                         f" {p.pp_schedule!r}")
-    if p.pp_schedule == "2bw" and p.trace:
-        raise ValueError("--trace draws one flush step; a 2bw step overlaps its neighbours (no"
-                         " flush): trace --pp-schedule 1f1b instead")
-    if p.pp_schedule == "2bw":
-        m = cfg.train.global_batch // (cfg.train.micro_batch * degrees["dp"])
-        if p.pp == 1:
-            raise ValueError("--pp-schedule 2bw needs --pp > 1")
-        if m < p.pp:
-            raise ValueError(f"--pp-schedule 2bw needs at least --pp ({p.pp}) micro-batches per"
-                             f" step, got global batch / (micro-batch x dp) = {m}: raise"
-                             " --global-batch or lower --micro-batch")
-        if cfg.train.precision != "fp32":
-            raise ValueError(f"--pp-schedule 2bw supports --precision fp32 only, got"
-                             f" {cfg.train.precision}")
-        if gpt.moe_experts:
-            raise ValueError("--pp-schedule 2bw does not support MoE layers yet: use"
-                             " --pp-schedule 1f1b with --moe-experts")
-    if v < 1:
-        raise ValueError(f"--virtual-stages must be >= 1, got {v}")
-    if v > 1 and p.pp_schedule != "interleaved":
-        raise ValueError(f"--virtual-stages {v} needs --pp-schedule interleaved (got"
-                         f" {p.pp_schedule})")
-    if v > 1 and p.pp == 1:
-        raise ValueError(f"--virtual-stages {v} needs --pp > 1")
-    if p.pp * v > gpt.num_layers:
-        raise ValueError(f"--pp x --virtual-stages = {p.pp} x {v} exceeds the model's"
-                         f" {gpt.num_layers} layers: every model chunk needs at least one")
-    if p.pp_schedule == "interleaved" and p.pp > 1:
-        m = cfg.train.global_batch // (cfg.train.micro_batch * degrees["dp"])
-        if m % p.pp:
-            raise ValueError(f"--pp-schedule interleaved needs the micro-batches per step"
-                             f" (global batch / (micro-batch x dp) = {m}) divisible by --pp"
-                             f" {p.pp}: change --global-batch or --micro-batch")
-        if p.pp_layers is None and gpt.num_layers % (p.pp * v):
-            raise ValueError(f"--pp-schedule interleaved needs the {gpt.num_layers} layers"
-                             f" divisible by --pp x --virtual-stages = {p.pp} x {v}, or explicit"
-                             " --pp-layers")
-    if p.pp_layers is not None:
-        stage_layers(gpt.num_layers, p.pp * v, cfg.pp_split())
+        raise ValueError(f"`seed` must be non-negative, got {t.seed}")

@@ -109,7 +109,7 @@ def synthetic_corpus(num_bytes: int = 200_000, seed: int = 0) -> np.ndarray:
 
 
 def _data_error(path: Path, problem: str) -> ValueError:
-    return ValueError(f"--data {path}: {problem}")
+    return ValueError(f"`data` {path}: {problem}")
 
 
 def load_tokens(path: str | Path) -> tuple[np.ndarray, int]:
@@ -160,7 +160,7 @@ def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.nda
     """(train, validation) as views: the last `val_fraction` of the stream is held out whole, so
     no validation sequence shares text with a training sequence."""
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+        raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction}")
     num_val = int(len(tokens) * val_fraction)
     return tokens[:len(tokens) - num_val], tokens[len(tokens) - num_val:]
 
@@ -172,11 +172,11 @@ class TokenDataset:
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be a 1-D array, got shape {tokens.shape}")
         if seq_len < 1:
-            raise ValueError(f"--seq-len must be positive, got {seq_len}")
+            raise ValueError(f"`seq_len` must be positive, got {seq_len}")
         if len(tokens) < seq_len + 1:
-            raise ValueError(f"--data is too short for --seq-len {seq_len}: a split of"
+            raise ValueError(f"`data` is too short for `seq_len` {seq_len}: a split of"
                              f" {len(tokens)} tokens cannot hold {seq_len + 1}; use more data,"
-                             f" a smaller --seq-len or another --val-fraction")
+                             f" a smaller `seq_len` or another `val_fraction`")
         self.tokens, self.seq_len = tokens, seq_len
 
     def __len__(self) -> int:
@@ -196,12 +196,12 @@ class TokenDataset:
 
 def check_batch_sizes(*, global_batch: int, micro_batch: int, dp: int) -> None:
     """Raise ValueError unless every DP rank gets the same whole number of micro-batches."""
-    for flag, value in (("--global-batch", global_batch), ("--micro-batch", micro_batch),
+    for name, value in (("`global_batch`", global_batch), ("`micro_batch`", micro_batch),
                         ("dp", dp)):
         if value < 1:
-            raise ValueError(f"{flag} must be positive, got {value}")
+            raise ValueError(f"{name} must be positive, got {value}")
     if global_batch % (micro_batch * dp):
-        raise ValueError(f"--global-batch {global_batch} must be divisible by --micro-batch x dp"
+        raise ValueError(f"`global_batch` {global_batch} must be divisible by `micro_batch` x dp"
                          f" = {micro_batch} x {dp} = {micro_batch * dp}")
 
 
@@ -216,7 +216,7 @@ class BatchSampler:
                  seed: int):
         check_batch_sizes(global_batch=global_batch, micro_batch=micro_batch, dp=1)
         if seed < 0:
-            raise ValueError(f"--seed must be non-negative, got {seed}")
+            raise ValueError(f"`seed` must be non-negative, got {seed}")
         self.data = TokenDataset(tokens, seq_len=seq_len)
         self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
 
@@ -232,7 +232,7 @@ class BatchSampler:
         """This DP rank's micro-batches of `num_batches` fixed global batches: the same windows at
         every step and dp, and the first k global batches do not depend on `num_batches`."""
         if num_batches < 1:
-            raise ValueError(f"--eval-batches must be positive, got {num_batches}")
+            raise ValueError(f"`eval_batches` must be positive, got {num_batches}")
         return [mb for i in range(num_batches)
                 for mb in self._rank_share([self.seed, _EVAL, i], dp_rank, dp_size)]
 

@@ -9,12 +9,11 @@ import torch
 from meshtrain.checkpoint import load_checkpoint, read_manifest
 from meshtrain.data import decode, encode
 from meshtrain.mesh import init_parallel
-from meshtrain.model import GPT, GPTConfig
-from meshtrain.parallel import comm
+from meshtrain.models import CausalLM, config_from_dict, get_family
 
 
 @torch.no_grad()
-def generate(model: GPT, ids: torch.Tensor, *, max_new_tokens: int, top_k: int = 0,
+def generate(model: CausalLM, ids: torch.Tensor, *, max_new_tokens: int, top_k: int = 0,
              temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
     """Extend `ids` `[1, s]` token by token. Greedy when `top_k` is 0. Every TP rank draws with
     the same generator, so all ranks pick the same token."""
@@ -23,8 +22,7 @@ def generate(model: GPT, ids: torch.Tensor, *, max_new_tokens: int, top_k: int =
     gen = torch.Generator(device=mesh.device).manual_seed(seed)
     for _ in range(max_new_tokens):
         context = ids[:, -cfg.max_seq_len:]
-        local = model(context)[:, -1]  # [1, V_padded/tp]
-        logits = comm.all_gather(local, mesh.tp, dim=-1)[:, :cfg.vocab_size].float()
+        logits = model.full_logits(model(context)[:, -1]).float()  # [1, V]
         if top_k == 0:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -40,12 +38,12 @@ def sample_from_checkpoint(path: Path, *, prompt: str, tp: int, max_new_tokens: 
                            device: str = "auto") -> str | None:
     """Generate text (byte tokenizer); returns it on rank 0 and None on other ranks."""
     manifest = read_manifest(path)
-    cfg = GPTConfig(**manifest["model"])
+    cfg = config_from_dict(manifest["family"], manifest["model"])
     if cfg.vocab_size != 256:
         raise ValueError(f"sample decodes bytes, but this model's vocabulary is {cfg.vocab_size}:"
                          " it was trained on pre-tokenised data")
     mesh = init_parallel(tp=tp, device=device)
-    model = GPT(cfg, mesh=mesh, seed=0)
+    model = get_family(manifest["family"]).model(cfg, mesh=mesh, seed=0)
     load_checkpoint(path, model=model, mesh=mesh)
     ids = torch.tensor(encode(prompt or "\n").tolist(), dtype=torch.long, device=mesh.device)[None]
     out = generate(model, ids, max_new_tokens=max_new_tokens, top_k=top_k,

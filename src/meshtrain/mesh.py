@@ -47,9 +47,9 @@ def resolve_degrees(
     """
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
     if dp is not None and (not isinstance(dp, int) or dp < 1):
-        raise ValueError(f"--dp must be a positive integer, got {dp!r}")
+        raise ValueError(f"`dp` must be a positive integer, got {dp!r}")
     model_parallel = tp * pp * cp
     if dp is None:
         if world_size % model_parallel:
@@ -61,7 +61,7 @@ def resolve_degrees(
     if pp * dp * cp * tp != world_size:
         raise ValueError(
             f"pp x dp x cp x tp = {pp} x {dp} x {cp} x {tp} = {pp * dp * cp * tp} does not equal"
-            f" the world size {world_size}: change the degrees or the number of ranks (--nproc)"
+            f" the world size {world_size}: change the degrees or the number of ranks (`nproc`)"
         )
     if (dp * cp) % ep:
         raise ValueError(
@@ -109,7 +109,7 @@ class ParallelMesh:
     for the pipeline's backward traffic); dp_cp (dp x cp flattened:
     where replicated gradients are averaged);
     ep (expert parallel, consecutive blocks of dp_cp) and edp (the dp_cp ranks holding the same
-    experts). Build it with `init_parallel`.
+    experts); `tp_block(size)` for each size dividing tp. Build it with `init_parallel`.
     """
 
     def __init__(self, degrees: dict[str, int], *, rank: int, device: torch.device):
@@ -134,6 +134,12 @@ class ParallelMesh:
         # transfers between two ranks in issue order, which is the same on both sides per
         # direction of traffic but not across activations and gradients (interleaved at pp 2).
         self._add_axis("pp_grad", pp_groups)
+        # Blocks of consecutive TP ranks (key/value heads shared by tp / kv_heads ranks).
+        tp_groups = _axis_groups(degrees, ("tp",))
+        for size in range(1, degrees["tp"]):
+            if degrees["tp"] % size == 0:
+                self._add_axis(f"tp_block{size}", [g[i:i + size] for g in tp_groups
+                                                   for i in range(0, len(g), size)])
         world_ranks = tuple(range(self.world_size))
         self._axes["world"] = MeshAxis("world", self.world_size, rank, world_ranks,
                                        dist.group.WORLD if self.world_size > 1 else None)
@@ -155,6 +161,10 @@ class ParallelMesh:
 
     def axis(self, name: str) -> MeshAxis:
         return self._axes[name]
+
+    def tp_block(self, size: int) -> MeshAxis:
+        """The `size` consecutive TP ranks around this one (size divides tp)."""
+        return self.tp if size == self.tp.size else self._axes[f"tp_block{size}"]
 
     @property
     def tp(self) -> MeshAxis:
@@ -201,11 +211,11 @@ def _free_port() -> int:
 def resolve_device(kind: str = "auto") -> torch.device:
     """This local rank's device: "auto" is CUDA when available, else the CPU."""
     if kind not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda, got {kind!r}")
+        raise ValueError(f"`device` must be auto, cpu or cuda, got {kind!r}")
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
+        raise ValueError("`device` cuda: no CUDA device is visible; use `device` cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
@@ -213,8 +223,8 @@ def check_local_devices(kind: str, local_ranks: int) -> None:
     """One GPU per local rank: NCCL cannot put two ranks on one device."""
     if resolve_device(kind).type == "cuda" and local_ranks > torch.cuda.device_count():
         raise ValueError(f"{local_ranks} local ranks need {local_ranks} GPUs but"
-                         f" {torch.cuda.device_count()} are visible: use fewer ranks (--nproc)"
-                         " or --device cpu")
+                         f" {torch.cuda.device_count()} are visible: use fewer ranks (`nproc`)"
+                         " or `device` cpu")
 
 
 def init_parallel(

@@ -11,7 +11,7 @@ from torch import nn
 
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel import comm
-from meshtrain.parallel.tensor import tensor_parallel_parameters
+from meshtrain.parallel.sharding import primary_parameters
 
 
 def build_adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float,
@@ -39,28 +39,29 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 
 
 def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
-                     grads: dict[int, torch.Tensor] | None = None,
-                     duplicates: set[int] = frozenset(), *, sharded: bool = False) -> torch.Tensor:
+                     grads: dict[int, torch.Tensor] | None = None, *,
+                     counted_elsewhere: set[int] = frozenset(), experts: set[int] = frozenset(),
+                     sharded: bool = False) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each logical parameter counted once.
 
-    TP-sharded parameters: every rank's shard counts (summed over TP). Replicated parameters
-    (LayerNorms, row-parallel biases, positions): counted on TP rank 0 only. Pipeline stages
-    hold different layers and are summed over PP. DP replicas hold the same averaged gradient,
-    so nothing is summed over DP; experts are summed over EP (each EP rank holds different
-    experts) but not over their replicas (edp). `grads` maps id(parameter) to its gradient
-    where it does not live in `.grad` (fp32 buffers of 16-bit parameters); `duplicates` are
-    copies counted elsewhere (the last pipeline stage's tied embedding). `sharded`: ZeRO
-    gradients, each DP rank holding a different piece, so the squares are also summed over the
-    data-parallel axes (dp x cp for dense parameters, edp for experts).
+    TP-sharded parameters: every rank's shard counts (summed over TP; a shard several TP ranks
+    share counts on the first of them). Replicated parameters (norms, row-parallel biases,
+    positions): counted on TP rank 0 only. Pipeline stages hold different layers and are summed
+    over PP. DP replicas hold the same averaged gradient, so nothing is summed over DP; `experts`
+    are summed over EP (each EP rank holds different experts) but not over their replicas (edp).
+    `grads` maps id(parameter) to its gradient where it does not live in `.grad` (fp32 buffers
+    of 16-bit parameters); `counted_elsewhere` are copies counted on another rank (the last
+    pipeline stage's tied embedding). `sharded`: ZeRO gradients, each DP rank holding a
+    different piece, so the squares are also summed over the data-parallel axes (dp x cp for
+    dense parameters, edp for experts).
     """
-    tp_sharded = tensor_parallel_parameters(model)
-    experts = model.expert_parameters() if hasattr(model, "expert_parameters") else set()
+    counted = primary_parameters(model, mesh.tp.rank)
     device = next(model.parameters()).device
     dense = torch.zeros((), dtype=torch.float32, device=device)
     expert = torch.zeros((), dtype=torch.float32, device=device)
     for p in model.parameters():
         grad = p.grad if grads is None else grads.get(id(p))
-        if grad is None or id(p) in duplicates or not (id(p) in tp_sharded or mesh.tp.rank == 0):
+        if grad is None or id(p) in counted_elsewhere or id(p) not in counted:
             continue
         square = grad.detach().float().pow(2).sum()
         if id(p) in experts:
@@ -78,11 +79,10 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
 
 
 def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, max_norm: float,
-                    grads: dict[int, torch.Tensor] | None = None,
-                    duplicates: set[int] = frozenset(), *, sharded: bool = False) -> torch.Tensor:
+                    grads: dict[int, torch.Tensor] | None = None, **counting) -> torch.Tensor:
     """Scale gradients so the global norm is at most `max_norm` (0 disables); returns the norm
-    before clipping."""
-    norm = global_grad_norm(model, mesh, grads, duplicates, sharded=sharded)
+    before clipping. `counting`: `global_grad_norm`'s keyword arguments."""
+    norm = global_grad_norm(model, mesh, grads, **counting)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         tensors = list(grads.values()) if grads is not None else \

@@ -14,14 +14,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str, flag: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
 
 class MasterWeights:
     """fp32 copies of 16-bit parameters; `params` are what the optimizer steps."""

@@ -8,11 +8,11 @@ from meshtrain.parallel.comm import (
     scatter_to_tensor_parallel_region,
 )
 from meshtrain.parallel.loss import vocab_parallel_cross_entropy
+from meshtrain.parallel.sharding import named_full_tensors
 from meshtrain.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    named_full_tensors,
 )
 
 __all__ = [

@@ -87,7 +87,7 @@ class GradientReducer:
                  bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32,
                  scale: float = 1.0):
         if bucket_bytes <= 0:
-            raise ValueError(f"--bucket-mb must be positive, got {bucket_bytes / 2**20}")
+            raise ValueError(f"`bucket_mb` must be positive, got {bucket_bytes / 2**20}")
         self.axis = axis
         self.scale = scale
         self.sync = True

@@ -31,7 +31,6 @@ from torch import nn
 
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel import comm
-from meshtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
 @dataclass
@@ -76,46 +75,35 @@ def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routin
     return Routing(experts, weights, slots, kept, aux_loss, z_loss, tokens_per_expert)
 
 
-class Expert(nn.Module):
-    """One expert: h -> ffn (column-parallel) -> GeLU -> h (row-parallel)."""
-
-    def __init__(self, fc: nn.Linear, proj: nn.Linear, mesh: ParallelMesh):
-        super().__init__()
-        self.fc = ColumnParallelLinear.from_dense(fc, mesh=mesh)
-        self.proj = RowParallelLinear.from_dense(proj, mesh=mesh, input_is_parallel=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
-
-
 class MoE(nn.Module):
-    """Routed experts in place of a dense MLP. `experts` holds only this EP rank's experts,
-    keyed by global expert index, so names do not depend on ep.
+    """Routed experts in place of a dense MLP. `experts` holds only this EP rank's experts (each
+    an MLP of the model's family, tensor-parallel like the dense one), keyed by global expert
+    index, so names do not depend on ep.
 
-    After each forward, `last_aux_loss`, `last_z_loss` and `last_stats` describe the routing of
-    that micro-batch (read by the model's loss and by the training metrics).
+    Each forward adds its weighted routing losses to `aux.loss` and appends its statistics to
+    `aux.routing` (see `models.family.AuxiliaryOutputs`).
     """
 
-    def __init__(self, router: nn.Linear, experts: dict[int, tuple[nn.Linear, nn.Linear]], *,
-                 num_experts: int, top_k: int, capacity_factor: float, mesh: ParallelMesh):
+    def __init__(self, router: nn.Linear, experts: dict[int, nn.Module], *, num_experts: int,
+                 top_k: int, capacity_factor: float, aux_loss_coef: float, z_loss_coef: float,
+                 mesh: ParallelMesh):
         super().__init__()
         self.router = router  # replicated, [E, h]
-        self.experts = nn.ModuleDict({str(e): Expert(fc, proj, mesh)
-                                      for e, (fc, proj) in experts.items()})
+        self.experts = nn.ModuleDict({str(e): expert for e, expert in experts.items()})
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.ep_axis = mesh.ep
         self.num_local = num_experts // mesh.ep.size
         self.first_local = mesh.ep.rank * self.num_local
-        self.last_aux_loss: torch.Tensor | None = None
-        self.last_z_loss: torch.Tensor | None = None
-        self.last_stats: dict[str, torch.Tensor] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, aux) -> torch.Tensor:
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
         routing = route(self.router(tokens), top_k=self.top_k,
                         capacity_factor=self.capacity_factor)
-        self.last_aux_loss, self.last_z_loss = routing.aux_loss, routing.z_loss
+        aux.loss = aux.loss + self.aux_loss_coef * routing.aux_loss
+        if self.z_loss_coef:
+            aux.loss = aux.loss + self.z_loss_coef * routing.z_loss
         kept = routing.kept.nonzero()  # [N, 2]: (token, choice), token-major
         experts = routing.experts[kept[:, 0], kept[:, 1]]
         slots = routing.slots[kept[:, 0], kept[:, 1]]
@@ -125,10 +113,9 @@ class MoE(nn.Module):
         outputs = self._run_experts(tokens[token_idx], experts)  # [N, h] in send order
         weights = routing.weights[token_idx, choice_idx].unsqueeze(-1).to(outputs.dtype)
         combined = torch.zeros_like(tokens).index_add(0, token_idx, outputs * weights)
-        num_assigned = routing.kept.numel()
-        self.last_stats = {"tokens_per_expert": routing.tokens_per_expert.detach(),
-                           "dropped": torch.tensor(num_assigned - len(token_idx)),
-                           "assigned": torch.tensor(num_assigned)}
+        aux.routing.append({"tokens_per_expert": routing.tokens_per_expert.detach(),
+                            "kept": routing.kept.sum(), "assigned": routing.kept.numel(),
+                            "aux_loss": routing.aux_loss.detach()})
         return combined.view(b, s, h)
 
     def _run_experts(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -163,3 +150,55 @@ class MoE(nn.Module):
             out = comm.all_to_all_differentiable(out, ep, send_splits=recv_splits,
                                                  recv_splits=send_splits)
         return out
+
+
+class RoutingStats:
+    """Routing of one optimizer step summed over micro-batches and MoE layers, kept on the
+    device until `summary`."""
+
+    def __init__(self, device: torch.device):
+        self.tokens_per_expert: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, layer) -> [E]
+        self.counts = torch.zeros(3, device=device)  # dropped, assigned, aux loss
+
+    def add(self, routing: list[dict], chunk: int = 0) -> None:
+        """One forward's `AuxiliaryOutputs.routing` (of local model chunk `chunk`)."""
+        if not routing:
+            return
+        for i, layer in enumerate(routing):
+            key = (chunk, i)
+            self.tokens_per_expert[key] = self.tokens_per_expert.get(key, 0) \
+                + layer["tokens_per_expert"]
+        # summed in float64 layer by layer, then added in float32 (the metric's arithmetic)
+        sums = [torch.zeros((), dtype=torch.float64, device=self.counts.device)
+                for _ in range(3)]
+        for layer in routing:
+            sums[0] = sums[0] + (layer["assigned"] - layer["kept"].double())
+            sums[1] = sums[1] + float(layer["assigned"])
+            sums[2] = sums[2] + layer["aux_loss"].double()
+        self.counts += torch.stack(sums).float()
+
+    def summary(self, mesh: ParallelMesh, num_micro_batches: int) -> dict:
+        """Over the whole global batch (summed over DP ranks, and over pipeline stages):
+        tokens each expert processed (min/mean/max over layers and experts), drop rate, aux
+        loss per micro-batch. Every rank of a pipeline joins, with or without MoE layers."""
+        device = mesh.device
+        per_layer = list(self.tokens_per_expert.values())  # the same order on every dp rank
+        tokens = torch.stack(per_layer).double() if per_layer \
+            else torch.zeros(0, 1, dtype=torch.double, device=device)
+        counts = self.counts.double()
+        comm.all_reduce(tokens, mesh.dp_cp)
+        comm.all_reduce(counts, mesh.dp_cp)
+        spread = torch.stack([tokens.sum(), torch.tensor(float(tokens.numel()),
+                                                          dtype=torch.double, device=device)])
+        low = tokens.min().float() if tokens.numel() else torch.tensor(math.inf, device=device)
+        high = tokens.max().float() if tokens.numel() else torch.tensor(-math.inf,
+                                                                          device=device)
+        sum_, min_, max_ = (torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MIN,
+                            torch.distributed.ReduceOp.MAX)
+        for tensor, op in ((counts, sum_), (spread, sum_), (low, min_), (high, max_)):
+            comm.all_reduce(tensor, mesh.pp, op=op)
+        aux = counts[2].item() / (num_micro_batches * mesh.dp_cp.size)
+        return {"moe_tokens_per_expert_min": low.item(),
+                "moe_tokens_per_expert_mean": (spread[0] / spread[1]).item(),
+                "moe_tokens_per_expert_max": high.item(),
+                "moe_drop_rate": (counts[0] / counts[1]).item(), "moe_aux_loss": aux}

@@ -48,20 +48,20 @@ from meshtrain.parallel.schedules import (
 
 
 def stage_layers(num_layers: int, num_stages: int, split: list[int] | None = None) -> list[range]:
-    """Layers of each stage: `split` (counts per stage, from --pp-layers) or balanced, earlier
-    stages taking the remainder."""
+    """Layers of each stage: `split` (counts per stage, the plan's `pp_layers`) or balanced,
+    earlier stages taking the remainder."""
     if split is None:
         base, extra = divmod(num_layers, num_stages)
         split = [base + (1 if s < extra else 0) for s in range(num_stages)]
     text = ",".join(map(str, split))
     if len(split) != num_stages:
-        raise ValueError(f"--pp-layers {text} has {len(split)} entries: give one layer count per"
+        raise ValueError(f"`pp_layers` {text} has {len(split)} entries: give one layer count per"
                          f" pipeline stage ({num_stages})")
     if min(split) < 1:
-        raise ValueError(f"--pp-layers {text} leaves a stage without layers: every count must be"
+        raise ValueError(f"`pp_layers` {text} leaves a stage without layers: every count must be"
                          " at least 1")
     if sum(split) != num_layers:
-        raise ValueError(f"--pp-layers {text} sums to {sum(split)}: the counts must sum to the"
+        raise ValueError(f"`pp_layers` {text} sums to {sum(split)}: the counts must sum to the"
                          f" model's {num_layers} layers")
     starts = [sum(split[:s]) for s in range(num_stages)]
     return [range(start, start + n) for start, n in zip(starts, split, strict=True)]
@@ -99,18 +99,17 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                  micro_batches, mesh: ParallelMesh, activation_shape: tuple[int, ...],
                  dtype: torch.dtype, num_chunks: int = 1, num_micro_batches: int | None = None,
                  before_backward: Callable[[int], None] = lambda micro: None,
-                 stage_loss: Callable[[int], torch.Tensor | float] = lambda chunk: 0.0,
                  use_weights_of: Callable[[int], None] = lambda micro: None,
                  loss_scale: float = 1.0, count_saved_of=None,
                  carry: InFlight | None = None, timeline: list | None = None) -> ScheduleRun:
-    """Run this rank's actions. `stage(x, chunk)` runs local chunk `chunk` (of `num_chunks`);
-    `micro_batches[i]` is micro-batch i's (ids, targets); losses are divided by
-    `num_micro_batches` (per optimizer step; default len(micro_batches)).
+    """Run this rank's actions. `stage(x, chunk)` runs local chunk `chunk` (of `num_chunks`)
+    and returns its output and its own extra loss for that micro-batch (MoE routing losses,
+    joining that backward; 0.0 for none); `micro_batches[i]` is micro-batch i's (ids, targets);
+    losses are divided by `num_micro_batches` (per optimizer step; default len(micro_batches)).
 
     `before_backward(i)` lets the caller mark the last backward of a step (data-parallel
-    reduction); `stage_loss(chunk)`, called after each forward, gives that chunk's own extra loss
-    for it (MoE routing losses), which joins that backward; `use_weights_of(i)`, called before each
-    forward and backward, lets the caller put in the weight version micro-batch i uses (2BW).
+    reduction); `use_weights_of(i)`, called before each forward and backward, lets the caller
+    put in the weight version micro-batch i uses (2BW).
     `count_saved_of`: the stage's parameters, to count the bytes autograd saves per in-flight
     chunk (off by default: a hook per saved tensor; a storage shared by chunks counts in each).
     `carry`: state kept across calls; its sends are waited one call later (their receivers may
@@ -138,8 +137,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
 
     def forward(x: torch.Tensor, key: tuple[int, int], targets: torch.Tensor | None):
         """One local chunk's forward, and the loss if `targets` are given (last chunk)."""
-        out = stage(x, key[1])
-        extra[key] = stage_loss(key[1])
+        out, extra[key] = stage(x, key[1])
         return out if targets is None else loss_fn(out, targets.to(mesh.device)) / m
 
     for a in actions:

@@ -96,10 +96,10 @@ def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
     backwards through the chunks in reverse. Needs m divisible by p."""
     _check(p, m)
     if v < 1:
-        raise ValueError(f"--virtual-stages must be positive, got {v}")
+        raise ValueError(f"`virtual_stages` must be positive, got {v}")
     if m % p:
         raise ValueError(f"the interleaved schedule needs micro-batches ({m}) divisible by"
-                         f" --pp ({p}): change --global-batch or --micro-batch")
+                         f" `pp` ({p}): change `global_batch` or `micro_batch`")
     total = m * v
 
     def forward(k: int) -> Action:
@@ -122,8 +122,8 @@ def pipedream_2bw(p: int, m: int, steps: int) -> list[list[Action]]:
     in-flight generations)."""
     _check(p, m)
     if m < p:
-        raise ValueError(f"PipeDream-2BW needs micro-batches ({m}) >= --pp ({p}): raise"
-                         " --global-batch or lower --micro-batch")
+        raise ValueError(f"PipeDream-2BW needs micro-batches ({m}) >= `pp` ({p}): raise"
+                         " `global_batch` or lower `micro_batch`")
     total = steps * m
     ranks = []
     for s in range(p):

@@ -1,15 +1,15 @@
-"""Megatron 1D tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+"""Megatron 1D tensor parallelism: column- and row-parallel linear layers, the vocab-parallel
+embedding and output layer (`factory.Megatron1D` builds models from them).
 
 Each layer is built from the dense layer it replaces: a layer created under seed S holds exactly
 this rank's slice of the dense layer created under seed S, so a model starts from the same
 weights at every tp. `from_dense` shards an existing module; `to_dense` gathers it back.
-Each layer describes how its parameters are split in `shards` (used by checkpoints).
+Each layer describes how its parameters are split in `shards` (see `sharding.py`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,44 +17,7 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel import comm
-
-
-@dataclass(frozen=True)
-class Shard:
-    """How a parameter is split over the TP axis.
-
-    The full tensor's `dim` is made of `num_blocks` equal blocks (q, k and v for a fused QKV
-    weight), each split evenly over TP; this rank holds its chunk of every block, concatenated.
-    `full_size` is the logical (unpadded) extent of `dim`; `padded_size` the extent held over all
-    ranks (the vocabulary is padded to a multiple of tp).
-    """
-
-    dim: int
-    full_size: int
-    padded_size: int
-    num_blocks: int = 1
-
-
-def shard_tensor(full: torch.Tensor, shard: Shard, axis: MeshAxis) -> torch.Tensor:
-    """This rank's slice of the logical tensor `full` (zero-padding it first when needed)."""
-    if shard.padded_size > shard.full_size:
-        pad_shape = list(full.shape)
-        pad_shape[shard.dim] = shard.padded_size - shard.full_size
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=shard.dim)
-    blocks = full.chunk(shard.num_blocks, dim=shard.dim)
-    return torch.cat([b.chunk(axis.size, dim=shard.dim)[axis.rank] for b in blocks],
-                     dim=shard.dim).contiguous()
-
-
-def unshard_tensor(local: torch.Tensor, shard: Shard, axis: MeshAxis) -> torch.Tensor:
-    """Gather every rank's slice back into the logical tensor (a collective over `axis`)."""
-    with torch.no_grad():
-        gathered = comm.all_gather(local.detach().movedim(shard.dim, 0), axis, dim=0)
-    per_rank = gathered.chunk(axis.size, dim=0)
-    blocks = [torch.cat([r.chunk(shard.num_blocks, dim=0)[b] for r in per_rank], dim=0)
-              for b in range(shard.num_blocks)]
-    full = torch.cat(blocks, dim=0).movedim(0, shard.dim)
-    return full.narrow(shard.dim, 0, shard.full_size).contiguous()
+from meshtrain.parallel.sharding import Shard, shard_tensor, unshard_tensor
 
 
 def _check_divisible(what: str, size: int, tp: int, blocks: int = 1) -> None:
@@ -173,29 +136,38 @@ class ColumnParallelLinear(_TensorParallelModule):
     instead (see `_SequenceParallelLinear`).
 
     `output_blocks` > 1 treats the output as equal blocks (q, k, v of a fused projection) each
-    split over TP, so every rank holds matching rows of each block.
+    split over TP, so every rank holds matching rows of each block. `replicas` > 1 splits the
+    output tp / replicas ways and gives each part to that many consecutive TP ranks (the
+    key/value heads of grouped-query attention when tp exceeds them); their weight gradients are
+    partial and must be summed over `mesh.tp_block(replicas)` (the layer factory reports them).
     """
 
     def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
                  bias: bool = True, gather_output: bool = False, output_blocks: int = 1,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, replicas: int = 1):
         super().__init__()
         self.tp_axis = _tp_axis(mesh)
         self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
-        tp = self.tp_axis.size
-        _check_divisible("ColumnParallelLinear out_features", out_features, tp, output_blocks)
+        shard = Shard(0, out_features, out_features, output_blocks, replicas)
+        parts = shard.parts(self.tp_axis.size)
+        _check_divisible("ColumnParallelLinear out_features", out_features, parts, output_blocks)
+        if gather_output and replicas > 1:
+            raise ValueError("ColumnParallelLinear cannot gather the output of replicated parts")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.output_blocks = gather_output, output_blocks
-        shard = Shard(0, out_features, out_features, output_blocks)
-        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
+        self.weight = nn.Parameter(torch.empty(out_features // parts, in_features))
         self.shards = {"weight": shard}
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features // tp))
+            self.bias = nn.Parameter(torch.empty(out_features // parts))
             self.shards["bias"] = shard
         else:
             self.register_parameter("bias", None)
         if self.weight.device.type != "meta":
             self.load_dense_(nn.Linear(in_features, out_features, bias=bias))
+
+    @property
+    def replicas(self) -> int:
+        return self.shards["weight"].replicas
 
     @classmethod
     def from_dense(cls, module: nn.Linear, *, mesh, **options) -> ColumnParallelLinear:
@@ -225,6 +197,34 @@ class ColumnParallelLinear(_TensorParallelModule):
         lead = y.shape[:-1]
         y = y.view(*lead, self.tp_axis.size, self.output_blocks, -1).transpose(-3, -2)
         return y.reshape(*lead, self.out_features)
+
+
+class ColumnParallelGroup(nn.Module):
+    """Column-parallel layers applied to the same input, computed as one: a single f (or
+    sequence-parallel all-gather) and one matmul of their concatenated weights; returns each
+    layer's output. Keeps every layer's parameters and sharding under its own name."""
+
+    def __init__(self, **layers: ColumnParallelLinear):
+        super().__init__()
+        first = next(iter(layers.values()))
+        if any(layer.sequence_parallel != first.sequence_parallel or layer.gather_output
+               or (layer.bias is None) != (first.bias is None) for layer in layers.values()):
+            raise ValueError("ColumnParallelGroup needs layers that differ only in shape")
+        for name, layer in layers.items():
+            self.add_module(name, layer)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        layers = list(self.children())
+        axis, sequence_parallel = layers[0].tp_axis, layers[0].sequence_parallel
+        weight = torch.cat([layer.weight for layer in layers])
+        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+        if sequence_parallel:  # x: [b, s/tp, in]
+            y = _SequenceParallelLinear.apply(x, weight, bias, axis)
+        elif axis.size > 1:
+            y = _ColumnParallelLinearFn.apply(x, weight, bias, axis)
+        else:
+            y = F.linear(x, weight, bias)
+        return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
 
 
 class RowParallelLinear(_TensorParallelModule):
@@ -282,12 +282,14 @@ class VocabParallelEmbedding(_TensorParallelModule):
     """Embedding with the vocabulary split over TP. The vocabulary is zero-padded to a multiple
     of tp; padded rows are never looked up, and as an output layer their logits are masked, so
     they never receive gradient. Each rank looks up the ids it owns, zeroes the rest, and g sums
-    the partial embeddings (one all-reduce of b*s*h)."""
+    the partial embeddings (one all-reduce of b*s*h; a reduce-scatter along the sequence under
+    sequence parallelism)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
-                 mesh: ParallelMesh | MeshAxis):
+                 mesh: ParallelMesh | MeshAxis, sequence_parallel: bool = False):
         super().__init__()
         self.tp_axis = _tp_axis(mesh)
+        self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
         tp = self.tp_axis.size
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padded_num_embeddings = math.ceil(num_embeddings / tp) * tp
@@ -299,12 +301,12 @@ class VocabParallelEmbedding(_TensorParallelModule):
             self.load_dense_(nn.Embedding(num_embeddings, embedding_dim))
 
     @classmethod
-    def _like(cls, dense: nn.Embedding, *, mesh):
-        return cls(dense.num_embeddings, dense.embedding_dim, mesh=mesh)
+    def _like(cls, dense: nn.Embedding, *, mesh, **options):
+        return cls(dense.num_embeddings, dense.embedding_dim, mesh=mesh, **options)
 
     @classmethod
-    def from_dense(cls, module: nn.Embedding, *, mesh) -> VocabParallelEmbedding:
-        return _sharded_copy(cls, module, mesh)
+    def from_dense(cls, module: nn.Embedding, *, mesh, **options) -> VocabParallelEmbedding:
+        return _sharded_copy(cls, module, mesh, **options)
 
     def to_dense(self) -> nn.Embedding:
         dense = nn.Embedding(self.num_embeddings, self.embedding_dim,
@@ -313,26 +315,27 @@ class VocabParallelEmbedding(_TensorParallelModule):
             dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
         return dense
 
-    def forward(self, ids: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
-        """`[b, s]` ids -> `[b, s, h]`, or this rank's `[b, s/tp, h]` with sequence_parallel."""
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """`[b, s]` ids -> `[b, s, h]`, or this rank's `[b, s/tp, h]` under sequence
+        parallelism."""
         if self.tp_axis.size == 1:
             return F.embedding(ids, self.weight)
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.num_local)
         out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)  # [b, s, h] partial
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        if sequence_parallel:
+        if self.sequence_parallel:
             return comm.reduce_scatter_to_sequence_parallel_region(out, self.tp_axis)
         return comm.reduce_from_tensor_parallel_region(out, self.tp_axis)
 
-    def logits(self, hidden: torch.Tensor, *, sequence_parallel: bool = False) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Use the (tied) embedding as the output layer: local logits `[b, s, V_padded/tp]`.
 
         The input enters through f (or, sequence parallel, an all-gather of `[b, s/tp, h]`), so
         its gradient is summed over TP in backward; padded vocabulary entries get -inf, so they
         take no probability and no gradient.
         """
-        if sequence_parallel and self.tp_axis.size > 1:
+        if self.sequence_parallel:
             hidden = comm.gather_from_sequence_parallel_region(hidden, self.tp_axis)
             logits = F.linear(hidden, self.weight)
         elif self.tp_axis.size > 1:  # f fused: the all-reduce overlaps the weight gradient
@@ -345,48 +348,22 @@ class VocabParallelEmbedding(_TensorParallelModule):
         return logits
 
 
-def tensor_parallel_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters split over TP (the rest are replicated across TP ranks)."""
-    return {id(getattr(m, name)) for m in model.modules()
-            if isinstance(m, _TensorParallelModule) for name in m.shards}
+class VocabParallelHead(VocabParallelEmbedding):
+    """An untied output layer `[V, h]` with the vocabulary split over TP, as the embedding is:
+    hidden states -> local logits `[b, s, V_padded/tp]` (see `VocabParallelEmbedding.logits`).
+    Built from a dense `nn.Linear(h, V, bias=False)`."""
 
+    @classmethod
+    def _like(cls, dense: nn.Linear, *, mesh, **options):
+        return cls(dense.out_features, dense.in_features, mesh=mesh, **options)
 
-def parameter_shards(model: nn.Module) -> dict[str, Shard | None]:
-    """Every parameter's name and how it is split over TP (None: replicated)."""
-    out: dict[str, Shard | None] = {}
-    for module_name, module in model.named_modules():
-        shards = module.shards if isinstance(module, _TensorParallelModule) else {}
-        for name, _ in module.named_parameters(recurse=False):
-            out[f"{module_name}.{name}" if module_name else name] = shards.get(name)
-    return out
+    def to_dense(self) -> nn.Linear:
+        dense = nn.Linear(self.embedding_dim, self.num_embeddings, bias=False,
+                          device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
+        return dense
 
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)
 
-def shard_pieces(shard: Shard, tp_rank: int, tp_size: int) -> list[tuple[int, int, int]]:
-    """(local offset, global offset, length) along `shard.dim` of each contiguous piece this
-    rank holds of the logical tensor; padding beyond `full_size` is left out."""
-    block = shard.padded_size // shard.num_blocks
-    chunk = block // tp_size
-    pieces = []
-    for b in range(shard.num_blocks):
-        start = b * block + tp_rank * chunk
-        length = min(chunk, shard.full_size - start)
-        if length > 0:
-            pieces.append((b * chunk, start, length))
-    return pieces
-
-
-def named_full_tensors(model: nn.Module, *, grads: bool = False):
-    """Yield `(name, full tensor)` for every parameter (or its gradient), TP shards gathered.
-
-    A collective over TP for every sharded parameter: call it on all TP ranks together.
-    """
-    for module_name, module in model.named_modules():
-        shards = getattr(module, "shards", {}) if isinstance(module, _TensorParallelModule) else {}
-        for name, param in module.named_parameters(recurse=False):
-            tensor = param.grad if grads else param
-            if tensor is None:
-                continue
-            full_name = f"{module_name}.{name}" if module_name else name
-            if name in shards:
-                tensor = unshard_tensor(tensor, shards[name], module.tp_axis)
-            yield full_name, tensor.detach()

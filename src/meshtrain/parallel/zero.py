@@ -27,8 +27,6 @@ the update runs there (on a CPU-only machine this is the same memory, and bitwis
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,90 +34,9 @@ from torch import nn
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel import comm
 from meshtrain.parallel.data import check_grad_views, reverse_buckets
+from meshtrain.parallel.zero_bucket import BACKWARD, FORWARD, FREE, Bucket
 
-FREE, FORWARD, BACKWARD = "free", "forward", "backward"
 _IN_FLIGHT_REDUCTIONS = 2  # stage 2/3: buckets whose reduce-scatter may still be running
-
-
-class _Bucket:
-    """One flat bucket: its parameters, its shard of them, their gradients and master shard."""
-
-    def __init__(self, params: list[nn.Parameter], axis: MeshAxis, *, stage: int,
-                 grad_dtype: torch.dtype, offload: bool):
-        self.params = params
-        self.shapes = {id(p): p.shape for p in params}
-        self.offsets: dict[int, int] = {}
-        offset = 0
-        for p in params:
-            self.offsets[id(p)] = offset
-            offset += p.numel()
-        self.numel = offset
-        self.shard_size = -(-offset // axis.size)
-        self.padded = self.shard_size * axis.size
-        self.lo = axis.rank * self.shard_size
-        self.dtype, self.device = params[0].dtype, params[0].device
-        self.grad_dtype = grad_dtype
-        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        for p in params:
-            self.param_view(flat, p).copy_(p.detach())
-        # Parameters are views of the full flat buffer for good. Stage 3 frees it by shrinking
-        # its storage to nothing and regathers into the same storage (FSDP's way): views that
-        # autograd saved (a weight's transpose) then hold no memory while freed and see the
-        # regathered values in backward.
-        self.param_flat = flat
-        self.param_shard = flat[self.lo:self.lo + self.shard_size]
-        for p in params:
-            p.data = self.param_view(flat, p)
-        self.resident = True  # the full parameters are there
-        self.gathering: dist.Work | None | bool = False  # in-flight gather (None at N = 1)
-        self.state = FORWARD
-        if stage == 3:
-            self.param_shard = self.param_shard.clone()
-            flat.untyped_storage().resize_(0)
-            self.resident, self.state = False, FREE
-        # gradients: stage 1 keeps the full bucket and reduces into its own shard
-        self.as_grads = stage == 1 and self.dtype == grad_dtype
-        self.grad_flat = torch.zeros(self.padded, dtype=grad_dtype, device=self.device) \
-            if stage == 1 else None
-        self.grad_shard = self.grad_flat[self.lo:self.lo + self.shard_size] if stage == 1 \
-            else torch.zeros(self.shard_size, dtype=grad_dtype, device=self.device)
-        self.grad_views: dict[int, torch.Tensor] = {}
-        if self.grad_flat is not None:
-            self.set_grad_flat(self.grad_flat)
-        if self.as_grads:
-            for p in params:
-                p.grad = self.grad_views[id(p)]
-        self.pending = len(params)
-        self.work: dist.Work | None = None
-        self.reduced: torch.Tensor | None = None  # stage 2/3: reduce-scatter output in flight
-        self.launched = False
-        # the fp32 shard the optimizer steps, and the gradient it reads
-        # offloaded states are always separate host copies (on a CPU-only machine too, so that
-        # the copy path is the one tested)
-        master_device = torch.device("cpu") if offload else self.device
-        in_place = self.dtype == torch.float32 and not offload
-        self.master = self.param_shard if in_place else \
-            self.param_shard.detach().to(master_device, torch.float32, copy=True)
-        # the gradient shard itself, or (16-bit gradients, offload) an fp32 copy made for the
-        # step and freed after it
-        self.grad_in_place = not offload and grad_dtype == torch.float32
-        self.pieces: list[tuple[nn.Parameter, int, int]] = []  # (param, start in shard, length)
-        for p in params:
-            start = max(self.offsets[id(p)], self.lo)
-            end = min(self.offsets[id(p)] + p.numel(), self.lo + self.shard_size)
-            if start < end:
-                self.pieces.append((p, start - self.lo, end - start))
-        self.grad_pieces = {id(p): self.grad_shard[a:a + n] for p, a, n in self.pieces}
-
-    def param_view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        start = self.offsets[id(p)]
-        shape = self.shapes[id(p)]
-        return flat[start:start + shape.numel()].view(shape)
-
-    def set_grad_flat(self, flat: torch.Tensor) -> None:
-        """A (fresh) full gradient bucket, and each parameter's view into it."""
-        self.grad_flat = flat
-        self.grad_views = {id(p): self.param_view(flat, p) for p in self.params}
 
 
 class ZeroDataParallel:
@@ -131,7 +48,7 @@ class ZeroDataParallel:
     owns none); then `step_pieces()` to hand to the optimizer, and `finish_step()` after it.
     `deferred` is a parameter whose local gradient must first be summed over another axis
     (the tied embedding held by two pipeline stages): its bucket is reduced in `wait()`.
-    Stage 3 also needs `attach(model, blocks)` to gather parameters around computation.
+    Stage 3 also needs `attach(units)` to gather parameters around computation.
     """
 
     def __init__(self, units: list[list[nn.Parameter]], axis: MeshAxis, *, stage: int,
@@ -139,7 +56,7 @@ class ZeroDataParallel:
                  scale: float = 1.0, offload: bool = False,
                  deferred: tuple[nn.Parameter, MeshAxis] | None = None):
         if stage not in (1, 2, 3):
-            raise ValueError(f"--zero must be 0, 1, 2 or 3, got {stage}")
+            raise ValueError(f"`zero` must be 0, 1, 2 or 3, got {stage}")
         self.axis, self.stage, self.scale = axis, stage, scale
         self._sync = True
         units = [[p for p in unit if p.requires_grad] for unit in units]
@@ -147,12 +64,12 @@ class ZeroDataParallel:
         self.deferred_axis = deferred[1] if deferred else None
         groups = self._group(units, bucket_bytes, grad_dtype,
                              deferred[0] if deferred else None)
-        self.buckets = [_Bucket(g, axis, stage=stage, grad_dtype=grad_dtype,
+        self.buckets = [Bucket(g, axis, stage=stage, grad_dtype=grad_dtype,
                                 offload=offload) for g in groups]
         self.deferred = next((b for b in self.buckets if deferred and b.params[0] is deferred[0]),
                              None)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._in_flight: list[_Bucket] = []
+        self._in_flight: list[Bucket] = []
         self.transient_bytes = 0
         self.peak_transient_bytes = 0
         self._pieces = {id(b): [nn.Parameter(b.master[a:a + n]) for _, a, n in b.pieces]
@@ -209,7 +126,7 @@ class ZeroDataParallel:
         if b.pending == 0:
             self._reduce(b)
 
-    def _reduce(self, b: _Bucket) -> None:
+    def _reduce(self, b: Bucket) -> None:
         b.pending = len(b.params)
         b.launched = True
         avg = dist.ReduceOp.AVG
@@ -229,7 +146,7 @@ class ZeroDataParallel:
         while len(self._in_flight) > _IN_FLIGHT_REDUCTIONS:
             self._complete(self._in_flight.pop(0))
 
-    def _complete(self, b: _Bucket) -> None:
+    def _complete(self, b: Bucket) -> None:
         if b.work is not None:
             b.work.wait()
         b.grad_shard.add_(b.reduced)
@@ -294,18 +211,18 @@ class ZeroDataParallel:
                 work.wait()
 
     # ------------------------------------------------------------------ stage 3 gathering
-    def attach(self, model: nn.Module, blocks: list[nn.Module]) -> None:
-        """Gather each unit's parameters around its computation: bucket 0 is the model's own
-        (embedding, final norm, head), bucket k the (k-1)-th block's."""
-        assert self.stage == 3 and len(blocks) + 1 == len(self.buckets)
-        units = [model, *blocks]
+    def attach(self, units: list[nn.Module]) -> None:
+        """Gather each unit's parameters around its computation: bucket k is `units[k]`'s (the
+        model itself, whose own parameters are the embedding, final norm and output layer, then
+        each block: `ParameterRoles.units`)."""
+        assert self.stage == 3 and len(units) == len(self.buckets)
         for k, module in enumerate(units):
             module.register_forward_pre_hook(
                 lambda _m, _a, k=k: self._before_forward(k))
             module.register_forward_hook(
                 lambda _m, _a, out, k=k: self._after_forward(k, out))
 
-    def _start_gather(self, b: _Bucket) -> None:
+    def _start_gather(self, b: Bucket) -> None:
         if b.resident or b.gathering is not False:
             return
         nbytes = b.padded * b.param_flat.element_size()
@@ -318,7 +235,7 @@ class ZeroDataParallel:
         own.copy_(b.param_shard)  # in place: faster on gloo than gathering from another tensor
         b.gathering = comm.all_gather_into(flat, own, self.axis, async_op=True)
 
-    def _gathered(self, b: _Bucket, state: str) -> None:
+    def _gathered(self, b: Bucket, state: str) -> None:
         self._start_gather(b)
         if b.gathering is not False:
             if b.gathering is not None:
@@ -326,7 +243,7 @@ class ZeroDataParallel:
             b.gathering, b.resident = False, True
         b.state = state
 
-    def _release(self, b: _Bucket) -> None:
+    def _release(self, b: Bucket) -> None:
         if b.resident:
             b.param_flat.untyped_storage().resize_(0)
             self._track(-b.padded * b.param_flat.element_size())
@@ -404,7 +321,7 @@ class ZeroDataParallel:
                     states.setdefault(id(p), {})[name] = b.param_view(full, p)
         return values, states if stepped else None
 
-    def _gather_full(self, b: _Bucket, shard: torch.Tensor) -> torch.Tensor:
+    def _gather_full(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
         flat = torch.empty(b.padded, dtype=torch.float32, device=b.device)
         comm.all_gather_into(flat, shard.to(b.device, torch.float32), self.axis)
         if self.axis.size == 1:
@@ -433,17 +350,9 @@ class ZeroDataParallel:
                        for name, flat in moments.items()}}
 
     @staticmethod
-    def _flat_of(b: _Bucket, per_param: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _flat_of(b: Bucket, per_param: dict[int, torch.Tensor]) -> torch.Tensor:
         flat = torch.zeros(b.padded, dtype=torch.float32, device=b.device)
         for p in b.params:
             b.param_view(flat, p).copy_(per_param[id(p)])
         return flat
 
-
-def unit_parameters(model: nn.Module, blocks: Iterable[nn.Module]) -> list[list[nn.Parameter]]:
-    """The model's own parameters (embedding, final norm; the head reuses the embedding), then
-    each block's: the units stage 3 gathers one at a time."""
-    blocks = list(blocks)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    own = [p for p in model.parameters() if id(p) not in in_blocks]
-    return [own, *[list(block.parameters()) for block in blocks]]

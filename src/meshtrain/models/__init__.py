@@ -1,0 +1,62 @@
+"""Model families and their presets: the one place that lists them.
+
+    family = get_family("gpt")          # by the name checkpoints record
+    cfg = preset("tiny", dropout=0.1)   # any family's preset, by its unique name
+    family_of(cfg).model(cfg, mesh=mesh, seed=0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.models import gpt
+from meshtrain.models.causal_lm import CausalLM
+from meshtrain.models.family import (
+    AuxiliaryOutputs,
+    ModelFamily,
+    ParameterRoles,
+    StageSpec,
+    TransformerConfig,
+)
+
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (gpt.FAMILY,)}
+
+PRESETS: dict[str, TransformerConfig] = {
+    name: cfg for family in FAMILIES.values() for name, cfg in family.presets.items()}
+
+
+def get_family(name: str) -> ModelFamily:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}: meshtrain has {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of(cfg: TransformerConfig) -> ModelFamily:
+    """The family whose config class `cfg` is."""
+    for family in FAMILIES.values():
+        if type(cfg) is family.config:
+            return family
+    raise ValueError(f"{type(cfg).__name__} is no registered model family's config")
+
+
+def preset(name: str, **overrides) -> TransformerConfig:
+    """A preset of any family by name, with fields replaced."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def config_from_dict(family: str, fields: dict) -> TransformerConfig:
+    """A family's config from its recorded fields (a checkpoint manifest's `model`)."""
+    config = get_family(family).config
+    known = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"model fields {', '.join(unknown)} are not {family} settings: the"
+                         " checkpoint is from another meshtrain version or family")
+    return config(**fields)
+
+
+__all__ = ["FAMILIES", "PRESETS", "AuxiliaryOutputs", "CausalLM", "ModelFamily",
+           "ParameterRoles", "StageSpec", "TransformerConfig", "config_from_dict", "family_of",
+           "get_family", "preset"]

@@ -1,0 +1,134 @@
+"""Building blocks every family assembles: embedding, attention (projections cut into heads by
+a split function, optional rotary positions, the factory's core), MLP, the pre-norm block, and
+seeded weight initialisation.
+
+Blocks hold layers a `LayerFactory` made; they never decide how anything is split. Shapes are
+batch-first; `h/tp` marks a tensor-parallel region under the 1D scheme.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.parallel.expert import MoE
+from meshtrain.random import RNGTracker
+
+
+def generator(seed: int, stream: int) -> torch.Generator:
+    """A generator per (seed, stream): a layer's weights do not depend on which other layers
+    this rank builds (pipeline stages) nor on the layout."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream)
+
+
+def init_linear(in_f: int, out_f: int, std: float, gen: torch.Generator, *,
+                bias: bool = True) -> nn.Linear:
+    """A dense `nn.Linear` with N(0, std) weights and zero bias, drawn from `gen` on the CPU."""
+    dense = nn.Linear(in_f, out_f, bias=bias, device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        dense.weight.normal_(0.0, std, generator=gen)
+        if bias:
+            dense.bias.zero_()
+    return dense
+
+
+def init_embedding(num: int, dim: int, std: float, gen: torch.Generator) -> nn.Embedding:
+    dense = nn.Embedding(num, dim, device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        dense.weight.normal_(0.0, std, generator=gen)
+    return dense
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, rng: RNGTracker, stream: str):
+    if p == 0.0 or not training:
+        return x
+    with rng.fork(stream):
+        return F.dropout(x, p, training=True)
+
+
+class Embedding(nn.Module):
+    """Token embedding (vocab-parallel), plus a learned position embedding in families that have
+    one (GPT), then dropout: token ids -> this rank's hidden states. The last pipeline stage of a
+    tied model builds it without positions, for its output layer."""
+
+    def __init__(self, word: nn.Module, position: nn.Module | None, *, dropout: float,
+                 factory):
+        super().__init__()
+        self.word, self.position = word, position
+        self.dropout = dropout
+        self.positions_of, self.stream = factory.hidden_positions, factory.hidden_stream
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, rng: RNGTracker):
+        x = self.word(ids)  # [b, s, h], or [b, s/tp, h] under sequence parallelism
+        if self.position is not None:
+            x = x + self.position(self.positions_of(positions))
+        return dropout(x, self.dropout, self.training, rng, self.stream)
+
+
+def split_fused_qkv(qkv: torch.Tensor, head_dim: int):
+    """A fused projection's `[b, s, 3h/tp]` (three blocks, whole heads of each of q, k and v)
+    -> q, k, v `[b, a/tp, s, d]`."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.view(b, s, 3, -1, head_dim).permute(2, 0, 3, 1, 4)
+    return q, k, v
+
+
+class Attention(nn.Module):
+    """Causal self-attention over this rank's heads: project to q, k, v (`qkv`, cut into heads by
+    `split`), rotate q and k by their positions (rotary families), attend (the factory's core),
+    project back. Input and output are this rank's hidden states."""
+
+    def __init__(self, qkv: nn.Module, proj: nn.Module, core: nn.Module, *,
+                 split: Callable, head_dim: int, rotary: nn.Module | None = None):
+        super().__init__()
+        self.qkv, self.proj, self.core, self.rotary = qkv, proj, core, rotary
+        self.split, self.head_dim = split, head_dim
+
+    def forward(self, x: torch.Tensor, rng: RNGTracker, positions: torch.Tensor | None):
+        # q, k, v cover the whole local sequence, also under sequence parallelism
+        q, k, v = self.split(self.qkv(x), self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        out = self.core(q, k, v, rng)
+        b, _, s, _ = out.shape
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))  # proj input [b, s, h/tp]
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel: the activation needs no communication) -> h (row-parallel)."""
+
+    def __init__(self, fc: nn.Module, proj: nn.Module, *,
+                 activation: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.fc, self.proj = fc, proj
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.activation(self.fc(x)))  # fc: [b, s, ffn/tp]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; its MLP is routed experts on MoE layers. Residual-branch
+    dropout draws from the factory's hidden-state stream."""
+
+    def __init__(self, *, ln1: nn.Module, attn: Attention, ln2: nn.Module, mlp: nn.Module,
+                 dropout: float, stream: str):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
+        self.dropout, self.stream = dropout, stream
+        self.routed = isinstance(mlp, MoE)
+
+    def forward(self, x: torch.Tensor, rng: RNGTracker, positions: torch.Tensor | None,
+                aux) -> torch.Tensor:
+        x = x + dropout(self.attn(self.ln1(x), rng, positions), self.dropout, self.training,
+                        rng, self.stream)
+        hidden = self.ln2(x)
+        out = self.mlp(hidden, aux) if self.routed else self.mlp(hidden)
+        return x + dropout(out, self.dropout, self.training, rng, self.stream)

@@ -1,0 +1,144 @@
+"""The decoder-only language model every family shares: token embedding -> transformer blocks
+-> final norm -> output layer, built for the part of the model one pipeline stage holds.
+
+A family subclasses `CausalLM` and says how to build its embedding, a block, its final norm and
+(untied families) its output layer, from the layers a `LayerFactory` supplies. Everything else -
+which stage holds what, running one model chunk of an interleaved schedule, recomputation,
+the loss, the roles of the parameters - is written once here.
+
+Layers are kept in a ModuleDict keyed by their global index, so parameter names are the same at
+every layout and checkpoints stay logical.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models.family import (
+    AuxiliaryOutputs,
+    ParameterRoles,
+    StageSpec,
+    TransformerConfig,
+)
+from meshtrain.parallel.expert import MoE
+from meshtrain.parallel.factory import LayerFactory, layer_factory
+from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.random import RNGTracker
+from meshtrain.recompute import recomputed
+
+
+class CausalLM(nn.Module, ABC):
+    """Token ids `[b, s]` -> this rank's logits `[b, s, V_padded/tp]` (1D scheme).
+
+    Build it with a `factory` (what `parallelize` does), or with a `mesh` and an optional
+    `plan` (the 1D factory of that plan: dense reference models, tools). `seed` fixes the weights,
+    which do not depend on the layout; dropout streams come from `RNGTracker.for_mesh`.
+    """
+
+    family: str  # the registered family name, recorded in checkpoints
+
+    def __init__(self, cfg: TransformerConfig, *, mesh: ParallelMesh | None = None,
+                 factory: LayerFactory | None = None, seed: int = 0,
+                 stage: StageSpec | None = None, plan=None):
+        super().__init__()
+        if factory is None:
+            factory = layer_factory(plan or ParallelPlan(), mesh)
+        mesh = factory.mesh
+        cfg.validate()
+        cfg.validate_for_tp(mesh.tp.size)
+        cfg.validate_for_ep(mesh.ep.size)
+        self.cfg, self.mesh, self.factory = cfg, mesh, factory
+        self.stage = stage = stage or StageSpec((range(cfg.num_layers),))
+        # A tied model's last stage holds the word embedding too, as its output layer.
+        tied_head = cfg.tie_embeddings and stage.has_head
+        self.embedding = self.build_embedding(seed, with_position=stage.has_embedding) \
+            if stage.has_embedding or tied_head else None
+        self.layers = nn.ModuleDict({str(i): self.build_block(seed, i) for i in stage.layers})
+        self.final_norm = self.build_final_norm() if stage.has_head else None
+        self.head = self.build_head(seed) if stage.has_head and not cfg.tie_embeddings else None
+        self.to(mesh.device)
+        self.rng = RNGTracker.for_mesh(mesh, seed)
+        self._recomputed_layers = {i for i in stage.layers if factory.recompute_layer(i)}
+
+    @abstractmethod
+    def build_embedding(self, seed: int, *, with_position: bool) -> nn.Module:
+        """`embedding(ids, positions, rng)` -> hidden states; `.word.logits(hidden)` is the
+        tied output layer."""
+
+    @abstractmethod
+    def build_block(self, seed: int, index: int) -> nn.Module:
+        """Transformer layer `index`: `block(x, rng, positions, aux)`."""
+
+    @abstractmethod
+    def build_final_norm(self) -> nn.Module:
+        """The norm before the output layer."""
+
+    def build_head(self, seed: int) -> nn.Module:
+        """The untied output layer (`logits(hidden)`); tied families never call this."""
+        raise TypeError(f"{type(self).__name__} ties its output layer to the embedding")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+                chunk: int | None = None, aux: AuxiliaryOutputs | None = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states -> hidden states or local logits (last).
+
+        `positions`: the sequence positions of the tokens in `x` (context parallelism holds a
+        load-balanced subset); default 0..s-1 for token ids; rotary families need them for
+        hidden-state input. `chunk`: run only this local model chunk (an interleaved pipeline
+        stage), with the embedding if it is the first and the head if it is the last; None runs
+        them all. `aux` collects the auxiliary losses and statistics of MoE layers.
+        """
+        aux = aux if aux is not None else AuxiliaryOutputs()
+        chunks = range(len(self.stage.chunks)) if chunk is None else [chunk]
+        if positions is None and x.dim() == 2:
+            positions = torch.arange(x.shape[1], device=x.device)
+        if self.stage.has_embedding and chunks[0] == 0:
+            x = self.embedding(x, positions, self.rng)
+        for index in (i for c in chunks for i in self.stage.chunks[c]):
+            block = self.layers[str(index)]
+            if index in self._recomputed_layers and self.training:
+                x = recomputed(block, self.rng, x, self.rng, positions, aux)
+            else:
+                x = block(x, self.rng, positions, aux)
+        if self.stage.has_head and chunks[-1] == len(self.stage.chunks) - 1:
+            x = self.output_layer.logits(self.final_norm(x))
+        return x  # logits: [b, s, V_padded/tp]
+
+    @property
+    def output_layer(self) -> nn.Module:
+        return self.head if self.head is not None else self.embedding.word
+
+    def cross_entropy(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
+                      ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross-entropy over the non-ignored tokens (what metrics report)."""
+        per_token = self.factory.loss(local_logits, targets, ignore_index=ignore_index)
+        return per_token.sum() / (targets != ignore_index).sum().clamp(min=1)
+
+    def loss(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
+             aux: AuxiliaryOutputs | None = None, ignore_index: int = -100) -> torch.Tensor:
+        """Training loss: the cross-entropy plus the forward's auxiliary (MoE routing) losses."""
+        ce = self.cross_entropy(local_logits, targets, ignore_index=ignore_index)
+        return ce if aux is None else ce + aux.loss
+
+    def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the real vocabulary, gathered from every rank (generation)."""
+        return self.factory.gather_logits(local_logits)[..., :self.cfg.vocab_size]
+
+    def roles(self) -> ParameterRoles:
+        experts = {id(p) for m in self.modules() if isinstance(m, MoE)
+                   for p in m.experts.parameters()}
+        stage = self.stage
+        tied = []
+        if self.cfg.tie_embeddings and self.embedding is not None \
+                and stage.has_embedding != stage.has_head:  # first or last of several stages
+            tied = [self.embedding.word.weight]
+        blocks = list(self.layers.values())
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        own = [p for p in self.parameters() if id(p) not in in_blocks]
+        return ParameterRoles(
+            tied=tied, counted_elsewhere={id(p) for p in tied if not stage.has_embedding},
+            experts=experts,
+            units=[(self, own), *((block, list(block.parameters())) for block in blocks)])

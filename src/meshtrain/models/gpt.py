@@ -1,0 +1,150 @@
+"""GPT (the GPT-2 architecture): learned positions, pre-LayerNorm blocks, GeLU MLP of 4h, causal
+multi-head attention with a fused QKV projection, dropout, tied input/output embedding.
+
+Under the 1D scheme, per transformer layer and direction, exactly two all-reduces of b*s*h over
+TP: g after the attention output projection and after the MLP (forward), f before the QKV and
+the first MLP projection (backward). LayerNorm, dropout and residuals are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshtrain.memory import layer_activation_formula
+from meshtrain.models.blocks import (
+    MLP,
+    Attention,
+    Block,
+    Embedding,
+    gelu_tanh,
+    generator,
+    init_embedding,
+    init_linear,
+    split_fused_qkv,
+)
+from meshtrain.models.causal_lm import CausalLM
+from meshtrain.models.family import ModelFamily, TransformerConfig
+from meshtrain.parallel.expert import MoE
+
+
+@dataclass(frozen=True)
+class GPTConfig(TransformerConfig):
+    """GPT-2's architecture; the MLP width defaults to 4 x hidden_size."""
+
+    layernorm_eps: float = 1e-5
+
+    def num_parameters(self) -> int:
+        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size
+        mlp = (h * f + f) + (f * h + h)
+        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + mlp
+        moe_extra = self.num_moe_layers() * (self.moe_experts * h + (self.moe_experts - 1) * mlp)
+        return v * h + self.max_seq_len * h + self.num_layers * per_layer + 2 * h + moe_extra
+
+    def matmul_parameters_per_token(self) -> int:
+        h, f = self.hidden_size, self.ffn_size
+        mlp, moe = 2 * h * f, self.num_moe_layers()
+        active_mlp = (self.num_layers - moe) * mlp + moe * (self.moe_top_k * mlp
+                                                             + h * self.moe_experts)
+        return self.num_layers * 4 * h * h + active_mlp + self.vocab_size * h
+
+    def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
+                         sequence_parallel: bool = False, recompute: str = "none",
+                         element_size: int = 2, mask_size: int = 1) -> float:
+        """Bytes one transformer layer saves for backward (Korthikanti et al.; see
+        `memory.layer_activation_formula`)."""
+        return layer_activation_formula(
+            s=seq_len, b=micro_batch, h=self.hidden_size, a=self.num_heads, tp=tp,
+            sequence_parallel=sequence_parallel, recompute=recompute,
+            element_size=element_size, mask_size=mask_size)
+
+
+def _gpt(layers: int, hidden: int, heads: int, **kw) -> GPTConfig:
+    return GPTConfig(num_layers=layers, hidden_size=hidden, num_heads=heads, **kw)
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # 4 layers and 4 heads: tp, pp and cp up to 4, and pp 2 x 2 virtual stages, all divide it.
+    "tiny": _gpt(4, 64, 4, vocab_size=256, max_seq_len=256),
+    "gpt2": _gpt(12, 768, 12),
+    "gpt2-medium": _gpt(24, 1024, 16),
+    "gpt2-large": _gpt(36, 1280, 20),
+    "gpt2-xl": _gpt(48, 1600, 25),
+    # Megatron-LM paper (Table 1) sizes.
+    "megatron-1.2b": _gpt(40, 1536, 16),
+    "megatron-2.5b": _gpt(54, 1920, 20),
+    "megatron-4.2b": _gpt(64, 2304, 24),
+    "megatron-8.3b": _gpt(72, 3072, 32),
+    # GPT-3 paper sizes (head counts made to divide the hidden size where the paper's do not).
+    "gpt3-small": _gpt(12, 768, 12, max_seq_len=2048),
+    "gpt3-medium": _gpt(24, 1024, 16, max_seq_len=2048),
+    "gpt3-large": _gpt(24, 1536, 16, max_seq_len=2048),
+    "gpt3-xl": _gpt(24, 2048, 16, max_seq_len=2048),
+    "gpt3-2.7b": _gpt(32, 2560, 32, max_seq_len=2048),
+    "gpt3-6.7b": _gpt(32, 4096, 32, max_seq_len=2048),
+    "gpt3-13b": _gpt(40, 5120, 40, max_seq_len=2048),
+    "gpt3-175b": _gpt(96, 12288, 96, max_seq_len=2048),
+}
+
+
+class GPT(CausalLM):
+    """GPT whose forward maps token ids `[b, s]` to local logits `[b, s, V_padded/tp]`.
+
+    Weights are drawn per layer from `generator(seed, 1 + layer)` (the embedding from stream 0,
+    each expert from its own), so they do not depend on the layout.
+    """
+
+    family = "gpt"
+    cfg: GPTConfig
+
+    def build_embedding(self, seed: int, *, with_position: bool) -> nn.Module:
+        cfg, gen = self.cfg, generator(seed, 0)
+        word = self.factory.vocab_embedding(
+            init_embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std, gen))
+        position = init_embedding(cfg.max_seq_len, cfg.hidden_size, cfg.init_std, gen) \
+            if with_position else None
+        return Embedding(word, position, dropout=cfg.dropout, factory=self.factory)
+
+    def build_block(self, seed: int, index: int) -> nn.Module:
+        cfg, factory, gen = self.cfg, self.factory, generator(seed, 1 + index)
+        h, std = cfg.hidden_size, cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.num_layers)
+        ln1 = factory.norm(nn.LayerNorm(h, eps=cfg.layernorm_eps))
+        attn = Attention(factory.column(init_linear(h, 3 * h, std, gen), blocks=3),
+                         factory.row(init_linear(h, h, out_std, gen)),
+                         factory.attention_core(dropout=cfg.dropout,
+                                                eager=cfg.attention == "eager"),
+                         split=split_fused_qkv, head_dim=cfg.head_dim)
+        ln2 = factory.norm(nn.LayerNorm(h, eps=cfg.layernorm_eps))
+        mlp = self._moe(seed, index, gen) if cfg.is_moe_layer(index) else self._mlp(gen)
+        return Block(ln1=ln1, attn=attn, ln2=ln2, mlp=mlp, dropout=cfg.dropout,
+                     stream=factory.hidden_stream)
+
+    def _mlp(self, gen) -> MLP:
+        cfg = self.cfg
+        h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
+        return MLP(self.factory.column(init_linear(h, f, std, gen)),
+                   self.factory.row(init_linear(f, h, std / math.sqrt(2 * cfg.num_layers), gen)),
+                   activation=gelu_tanh)
+
+    def _moe(self, seed: int, index: int, gen) -> MoE:
+        """This EP rank's experts; each draws from its own generator, so its weights do not
+        depend on ep."""
+        cfg, mesh = self.cfg, self.mesh
+        router = init_linear(cfg.hidden_size, cfg.moe_experts, cfg.init_std, gen, bias=False)
+        per_rank = cfg.moe_experts // mesh.ep.size
+        first = mesh.ep.rank * per_rank
+        experts = {e: self._mlp(generator(seed, 10_000 * (1 + index) + 1 + e))
+                   for e in range(first, first + per_rank)}
+        return MoE(router, experts, num_experts=cfg.moe_experts, top_k=cfg.moe_top_k,
+                   capacity_factor=cfg.moe_capacity_factor,
+                   aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
+                   mesh=mesh)
+
+    def build_final_norm(self) -> nn.Module:
+        return self.factory.norm(nn.LayerNorm(self.cfg.hidden_size, eps=self.cfg.layernorm_eps))
+
+
+FAMILY = ModelFamily("gpt", GPTConfig, GPT, PRESETS)

@@ -1,0 +1,94 @@
+"""ZeRO's flat bucket: a run of parameters packed into one buffer, padded to a multiple of the
+axis size, and the contiguous 1/N shard of it this rank owns (Megatron's distributed-optimizer
+layout), with the gradient buffers and the fp32 master shard the optimizer steps."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.mesh import MeshAxis
+
+FREE, FORWARD, BACKWARD = "free", "forward", "backward"  # stage 3: where a bucket's unit is
+
+
+class Bucket:
+    """One flat bucket: its parameters, its shard of them, their gradients and master shard."""
+
+    def __init__(self, params: list[nn.Parameter], axis: MeshAxis, *, stage: int,
+                 grad_dtype: torch.dtype, offload: bool):
+        self.params = params
+        self.shapes = {id(p): p.shape for p in params}
+        self.offsets: dict[int, int] = {}
+        offset = 0
+        for p in params:
+            self.offsets[id(p)] = offset
+            offset += p.numel()
+        self.numel = offset
+        self.shard_size = -(-offset // axis.size)
+        self.padded = self.shard_size * axis.size
+        self.lo = axis.rank * self.shard_size
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.grad_dtype = grad_dtype
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        for p in params:
+            self.param_view(flat, p).copy_(p.detach())
+        # Parameters are views of the full flat buffer for good. Stage 3 frees it by shrinking
+        # its storage to nothing and regathers into the same storage (FSDP's way): views that
+        # autograd saved (a weight's transpose) then hold no memory while freed and see the
+        # regathered values in backward.
+        self.param_flat = flat
+        self.param_shard = flat[self.lo:self.lo + self.shard_size]
+        for p in params:
+            p.data = self.param_view(flat, p)
+        self.resident = True  # the full parameters are there
+        self.gathering: dist.Work | None | bool = False  # in-flight gather (None at N = 1)
+        self.state = FORWARD
+        if stage == 3:
+            self.param_shard = self.param_shard.clone()
+            flat.untyped_storage().resize_(0)
+            self.resident, self.state = False, FREE
+        # gradients: stage 1 keeps the full bucket and reduces into its own shard
+        self.as_grads = stage == 1 and self.dtype == grad_dtype
+        self.grad_flat = torch.zeros(self.padded, dtype=grad_dtype, device=self.device) \
+            if stage == 1 else None
+        self.grad_shard = self.grad_flat[self.lo:self.lo + self.shard_size] if stage == 1 \
+            else torch.zeros(self.shard_size, dtype=grad_dtype, device=self.device)
+        self.grad_views: dict[int, torch.Tensor] = {}
+        if self.grad_flat is not None:
+            self.set_grad_flat(self.grad_flat)
+        if self.as_grads:
+            for p in params:
+                p.grad = self.grad_views[id(p)]
+        self.pending = len(params)
+        self.work: dist.Work | None = None
+        self.reduced: torch.Tensor | None = None  # stage 2/3: reduce-scatter output in flight
+        self.launched = False
+        # the fp32 shard the optimizer steps, and the gradient it reads
+        # offloaded states are always separate host copies (on a CPU-only machine too, so that
+        # the copy path is the one tested)
+        master_device = torch.device("cpu") if offload else self.device
+        in_place = self.dtype == torch.float32 and not offload
+        self.master = self.param_shard if in_place else \
+            self.param_shard.detach().to(master_device, torch.float32, copy=True)
+        # the gradient shard itself, or (16-bit gradients, offload) an fp32 copy made for the
+        # step and freed after it
+        self.grad_in_place = not offload and grad_dtype == torch.float32
+        self.pieces: list[tuple[nn.Parameter, int, int]] = []  # (param, start in shard, length)
+        for p in params:
+            start = max(self.offsets[id(p)], self.lo)
+            end = min(self.offsets[id(p)] + p.numel(), self.lo + self.shard_size)
+            if start < end:
+                self.pieces.append((p, start - self.lo, end - start))
+        self.grad_pieces = {id(p): self.grad_shard[a:a + n] for p, a, n in self.pieces}
+
+    def param_view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        start = self.offsets[id(p)]
+        shape = self.shapes[id(p)]
+        return flat[start:start + shape.numel()].view(shape)
+
+    def set_grad_flat(self, flat: torch.Tensor) -> None:
+        """A (fresh) full gradient bucket, and each parameter's view into it."""
+        self.grad_flat = flat
+        self.grad_views = {id(p): self.param_view(flat, p) for p in self.params}

@@ -1,0 +1,91 @@
+"""`parallelize`: a model config and a parallel plan in, this rank's share of the run out.
+
+The whole strategy in one order: the tensor-parallel scheme's layer factory (with sequence and
+context parallelism and recomputation), the pipeline split, the model family built from them
+(experts placed over ep as it is built), precision, gradient synchronisation (replicated or
+ZeRO, with master weights, the optimizer and the tied-weight sync), and the executor that runs a
+step's micro-batches (locally or through the pipeline schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models import CausalLM, ParameterRoles, StageSpec, TransformerConfig, family_of
+from meshtrain.parallel.executor import LocalExecutor, PipeDreamExecutor, PipelineExecutor
+from meshtrain.parallel.factory import LayerFactory, layer_factory
+from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.parallel.schedules import model_chunk
+from meshtrain.parallel.sync import GradientSync, ReplicatedSync, ZeroSync
+
+
+@dataclass
+class ParallelModel:
+    """One rank's model, the roles of its parameters, and how it is synchronised and run."""
+
+    model: CausalLM
+    roles: ParameterRoles
+    factory: LayerFactory
+    sync: GradientSync
+    executor: LocalExecutor
+
+
+def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: ParallelMesh, *,
+                seed: int, seq_len: int, lr: float, weight_decay: float,
+                steps: int) -> ParallelModel:
+    """Build this rank's part of `model_cfg` laid out as `plan` (already validated, degrees
+    those of `mesh`). `seq_len` sizes the pipeline's transfers; `lr` and `weight_decay` the
+    AdamW; `steps` is the run's last step (PipeDream-2BW lays out the whole run)."""
+    factory = layer_factory(plan, mesh)
+    stage = pipeline_stage(model_cfg.num_layers, plan, mesh)
+    model = family_of(model_cfg).model(model_cfg, factory=factory, stage=stage, seed=seed)
+    model.to(plan.dtype)
+    roles = model.roles()
+    sync = gradient_sync(model, roles, factory, plan, mesh, lr=lr, weight_decay=weight_decay)
+    executor = step_executor(model, factory, sync, plan, mesh, seq_len=seq_len, steps=steps)
+    return ParallelModel(model, roles, factory, sync, executor)
+
+
+def pipeline_stage(num_layers: int, plan: ParallelPlan, mesh: ParallelMesh) -> StageSpec:
+    """This rank's layers: one range per model chunk (global chunks s, s + p, ... under the
+    interleaved schedule), the embedding on the first stage and the output layer on the last."""
+    pp = mesh.pp
+    if pp.size == 1:  # a one-rank reference ignores the plan's split
+        return StageSpec((range(num_layers),))
+    chunks = plan.stage_layers(num_layers)
+    return StageSpec(tuple(chunks[model_chunk(pp.rank, c, pp.size)]
+                           for c in range(plan.virtual_stages)),
+                     has_embedding=pp.rank == 0, has_head=pp.rank == pp.size - 1)
+
+
+def gradient_sync(model: nn.Module, roles: ParameterRoles, factory: LayerFactory,
+                  plan: ParallelPlan, mesh: ParallelMesh, *, lr: float,
+                  weight_decay: float) -> GradientSync:
+    common = dict(partial=factory.partial_gradients(model, exclude=roles.experts),
+                  bucket_bytes=int(plan.bucket_mb * 2**20), grad_dtype=plan.gradient_dtype,
+                  lr=lr, weight_decay=weight_decay)
+    if plan.zero:
+        return ZeroSync(model, roles, mesh, stage=plan.zero,
+                        offload=plan.offload_optimizer == "cpu", **common)
+    two_weights = plan.pp_schedule == "2bw" and mesh.pp.size > 1
+    # 16-bit parameters: the optimizer steps fp32 copies; 2BW: the model holds the versions
+    # in-flight micro-batches need, the optimizer steps separate copies
+    return ReplicatedSync(model, roles, mesh, masters=plan.precision != "fp32" or two_weights,
+                          write_back=not two_weights, **common)
+
+
+def step_executor(model: CausalLM, factory: LayerFactory, sync: GradientSync,
+                  plan: ParallelPlan, mesh: ParallelMesh, *, seq_len: int,
+                  steps: int) -> LocalExecutor:
+    if mesh.pp.size == 1:
+        return LocalExecutor(model, mesh, seq_len=seq_len)
+    shape = factory.hidden_shape(plan.micro_batch, seq_len // mesh.cp.size,
+                                 model.cfg.hidden_size)
+    if plan.pp_schedule == "2bw":
+        return PipeDreamExecutor(model, mesh, seq_len=seq_len, activation_shape=shape,
+                                 current=sync.masters.params, steps=steps)
+    return PipelineExecutor(model, mesh, seq_len=seq_len, schedule=plan.pp_schedule,
+                            activation_shape=shape)
