@@ -124,36 +124,20 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
         tmp.mkdir(parents=True)
 
     _on_every_rank_or_none(make_tmp if mesh.rank == 0 else None, mesh, "creating " + str(tmp))
-
-    shards = parameter_shards(model)
-    params = dict(model.named_parameters())
-    tensors: dict[str, torch.Tensor] = {}
-    entries: dict[str, dict] = {}
     file_name = f"rank_{mesh.rank:05d}.safetensors"
-    experts = model.roles().experts
-    replica = {n: mesh.axis("edp").rank if id(p) in experts else mesh.dp_cp.rank
-               for n, p in params.items()}
-    sources = [("model/" + n, values[n].detach(), n) for n in params]
-    sources += [("previous/" + n, previous[n].detach(), n) for n in params if previous]
-    for n in params:
+    names = [n for n, _ in model.named_parameters()]
+    sources = [("model/" + n, values[n].detach(), n) for n in names]
+    sources += [("previous/" + n, previous[n].detach(), n) for n in names if previous]
+    for n in names:
         state = (states or {}).get(n, {})
         sources += [(f"optim/{s}/{n}", state[s], n) for s in OPTIMIZER_STATES if s in state]
-    for name, tensor, param_name in sources:
-        shard = shards[param_name]
-        entries.setdefault(name, {"shape": _logical_shape(tensor, shard),
-                                  "dtype": str(tensor.dtype).removeprefix("torch."),
-                                  "pieces": []})
-        for key, piece, where in _owned_pieces(name, tensor, shard, replica[param_name], mesh):
-            tensors[key] = piece.contiguous().cpu()
-            entries[name]["pieces"].append({"file": file_name, "key": key, **where})
+    tensors, entries = _rank_pieces(sources, model, mesh, file_name)
     if mesh.rank == 0 and optimizer_step is not None:
         tensors["optim/step"] = optimizer_step.detach().reshape(1).float().cpu()
         entries["optim/step"] = {"shape": [1], "dtype": "float32", "pieces": [
             {"file": file_name, "key": "optim/step", "dim": 0, "offset": 0, "length": 1}]}
-    rng_key = f"rng/{mesh.rank}"
     for name, state in model.rng.get_states().items():
-        tensors[f"{rng_key}/{name}"] = state.cpu()
-
+        tensors[f"rng/{mesh.rank}/{name}"] = state.cpu()
     path = tmp / file_name
 
     def write_file():
@@ -165,24 +149,11 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
     gathered = comm.all_gather_objects((file_name, _sha256(path), entries), mesh.world)
 
     def publish():
-        merged: dict[str, dict] = {}
-        for _, _, rank_entries in gathered:
-            for name, entry in rank_entries.items():
-                pieces = merged.setdefault(name, {**entry, "pieces": []})["pieces"]
-                held = {(q["dim"], q["offset"], q["length"]) for q in pieces}
-                # the tied embedding lives on the first and the last pipeline stage: once is enough
-                pieces += [q for q in entry["pieces"]
-                           if (q["dim"], q["offset"], q["length"]) not in held]
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "layout": mesh.degrees,
-            "device": mesh.device.type,
-            "family": model.family,
-            "model": dataclasses.asdict(model.cfg),
-            "files": {f: digest for f, digest, _ in gathered},
-            "tensors": merged,
-        }
+        manifest = {"format": FORMAT, "step": step, "layout": mesh.degrees,
+                    "device": mesh.device.type, "family": model.family,
+                    "model": dataclasses.asdict(model.cfg),
+                    "files": {f: digest for f, digest, _ in gathered},
+                    "tensors": _merge_entries([rank_entries for _, _, rank_entries in gathered])}
         _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1))
         _fsync_write(tmp / "train_state.json", json.dumps(train_state))
         _fsync_write(tmp / "config.toml", config_toml)
@@ -192,6 +163,41 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
 
     _on_every_rank_or_none(publish if mesh.rank == 0 else None, mesh, "publishing " + final.name)
     return final
+
+
+def _rank_pieces(sources, model: nn.Module, mesh: ParallelMesh,
+                 file_name: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """The pieces this rank writes of each (logical name, local tensor, parameter name), and
+    the manifest entries describing them. Experts are replicated over edp, the rest over
+    dp x cp; only the first replica writes."""
+    shards = parameter_shards(model)
+    experts = model.roles().experts
+    replica = {n: mesh.axis("edp").rank if id(p) in experts else mesh.dp_cp.rank
+               for n, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict] = {}
+    for name, tensor, param_name in sources:
+        shard = shards[param_name]
+        entries.setdefault(name, {"shape": _logical_shape(tensor, shard),
+                                  "dtype": str(tensor.dtype).removeprefix("torch."),
+                                  "pieces": []})
+        for key, piece, where in _owned_pieces(name, tensor, shard, replica[param_name], mesh):
+            tensors[key] = piece.contiguous().cpu()
+            entries[name]["pieces"].append({"file": file_name, "key": key, **where})
+    return tensors, entries
+
+
+def _merge_entries(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
+    """Every rank's entries as one: each tensor's pieces from all ranks, each piece once (the
+    tied embedding lives on the first and the last pipeline stage)."""
+    merged: dict[str, dict] = {}
+    for rank_entries in per_rank:
+        for name, entry in rank_entries.items():
+            pieces = merged.setdefault(name, {**entry, "pieces": []})["pieces"]
+            held = {(q["dim"], q["offset"], q["length"]) for q in pieces}
+            pieces += [q for q in entry["pieces"]
+                       if (q["dim"], q["offset"], q["length"]) not in held]
+    return merged
 
 
 def _on_every_rank_or_none(action, mesh: ParallelMesh, what: str) -> None:

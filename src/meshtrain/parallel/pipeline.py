@@ -117,81 +117,114 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     `timeline`, when given, gets one (kind, micro, chunk, start, end) per action, in
     `time.perf_counter()` seconds (see `pipeline_trace.py`).
     """
-    axis, grad_axis, s = mesh.pp, mesh.axis("pp_grad"), mesh.pp.rank
-    p, v = axis.size, num_chunks
-    previous, following = (s - 1) % p, (s + 1) % p
-    last = p * v - 1
-    m = num_micro_batches or len(micro_batches)
     state = carry or InFlight()
     earlier_sends, state.sends = state.sends, []
-    inputs, outputs, grads, extra, saved = (state.inputs, state.outputs, state.grads,
-                                            state.extra, state.saved)
-    run = ScheduleRun([], 0, 0)
-    # Evaluation's activations get their own tags: 2BW training sends may still be in flight.
-    forward_tag = 0 if torch.is_grad_enabled() else 2
-
-    def tag(i: int, boundary: int, kind: int) -> int:
-        """Boundary b lies between global chunks b and b + 1: one tag per (micro, boundary,
-        kind: 0 activation, 1 gradient, 2 evaluation activation)."""
-        return 3 * (i * (last + 1) + boundary) + kind
-
-    def forward(x: torch.Tensor, key: tuple[int, int], targets: torch.Tensor | None):
-        """One local chunk's forward, and the loss if `targets` are given (last chunk)."""
-        out, extra[key] = stage(x, key[1])
-        return out if targets is None else loss_fn(out, targets.to(mesh.device)) / m
-
+    runner = _Runner(stage=stage, loss_fn=loss_fn, micro_batches=micro_batches, mesh=mesh,
+                     activation_shape=activation_shape, dtype=dtype, num_chunks=num_chunks,
+                     m=num_micro_batches or len(micro_batches),
+                     before_backward=before_backward, use_weights_of=use_weights_of,
+                     loss_scale=loss_scale, count_saved_of=count_saved_of, state=state)
     for a in actions:
-        i, g, key = a.micro, model_chunk(s, a.chunk, p), (a.micro, a.chunk)
         start = time.perf_counter()
-        if a.kind == RECV_ACTIVATION:
-            buffer = torch.empty(activation_shape, dtype=dtype, device=mesh.device)
-            comm.recv(buffer, axis, previous, tag=tag(i, g - 1, forward_tag))
-            inputs[key] = buffer.requires_grad_(torch.is_grad_enabled())
-        elif a.kind == FORWARD:
-            use_weights_of(i)
-            ids, targets = micro_batches[i]
-            compute = functools.partial(forward, ids.to(mesh.device) if g == 0 else inputs[key],
-                                        key, targets if g == last else None)
-            if count_saved_of is None:
-                outputs[key], saved[key] = compute(), 0
-            else:
-                saved[key], outputs[key] = saved_activation_bytes(compute, count_saved_of)
-            if g == last:
-                run.losses.append(outputs[key].detach())
-            run.peak_in_flight = max(run.peak_in_flight, len(saved))
-            run.peak_saved_bytes = max(run.peak_saved_bytes, sum(saved.values()))
-        elif a.kind == SEND_ACTIVATION:
-            tensor = outputs[key].detach() if torch.is_grad_enabled() else outputs.pop(key)
-            state.sends.append((comm.send(tensor, axis, following,
-                                          tag=tag(i, g, forward_tag)), tensor))
-        elif a.kind == RECV_GRAD:
-            grads[key] = torch.empty(activation_shape, dtype=dtype, device=mesh.device)
-            comm.recv(grads[key], grad_axis, following, tag=tag(i, g, 1))
-        elif a.kind == BACKWARD:
-            use_weights_of(i)
-            before_backward(i)
-            own = extra.pop(key)
-            if g == last:
-                ((outputs.pop(key) + own / m) * loss_scale).backward()
-            elif isinstance(own, torch.Tensor):
-                torch.autograd.backward([outputs.pop(key), own * (loss_scale / m)],
-                                        [grads.pop(key), None])
-            else:
-                outputs.pop(key).backward(grads.pop(key))
-            del saved[key]
-        elif a.kind == SEND_GRAD:
-            tensor = inputs.pop(key).grad
-            state.sends.append((comm.send(tensor, grad_axis, previous, tag=tag(i, g - 1, 1)),
-                                tensor))
-        else:
-            assert a.kind == OPTIMIZER_STEP, a
+        runner.run(a)
         if timeline is not None:
-            timeline.append((a.kind, i, a.chunk, start, time.perf_counter()))
+            timeline.append((a.kind, a.micro, a.chunk, start, time.perf_counter()))
     for work, _ in earlier_sends:
         work.wait()
     if carry is None:
         state.wait_sends()
-    return run
+    return runner.result
+
+
+class _Runner:
+    """What each kind of action does on this rank (see `run_schedule`)."""
+
+    def __init__(self, *, stage, loss_fn, micro_batches, mesh: ParallelMesh,
+                 activation_shape, dtype, num_chunks: int, m: int, before_backward,
+                 use_weights_of, loss_scale: float, count_saved_of, state: InFlight):
+        self.stage, self.loss_fn, self.micro_batches = stage, loss_fn, micro_batches
+        self.mesh, self.activation_shape, self.dtype = mesh, activation_shape, dtype
+        self.axis, self.grad_axis = mesh.pp, mesh.axis("pp_grad")
+        p, s = mesh.pp.size, mesh.pp.rank
+        self.previous, self.following = (s - 1) % p, (s + 1) % p
+        self.last = p * num_chunks - 1
+        self.m, self.loss_scale, self.count_saved_of = m, loss_scale, count_saved_of
+        self.before_backward, self.use_weights_of = before_backward, use_weights_of
+        self.state = state
+        self.result = ScheduleRun([], 0, 0)
+        # Evaluation's activations get their own tags: 2BW training sends may still be in
+        # flight.
+        self.forward_tag = 0 if torch.is_grad_enabled() else 2
+        self.handlers = {RECV_ACTIVATION: self.recv_activation, FORWARD: self.forward,
+                         SEND_ACTIVATION: self.send_activation, RECV_GRAD: self.recv_grad,
+                         BACKWARD: self.backward, SEND_GRAD: self.send_grad,
+                         OPTIMIZER_STEP: lambda i, g, key: None}
+
+    def run(self, a: Action) -> None:
+        g = model_chunk(self.mesh.pp.rank, a.chunk, self.mesh.pp.size)
+        self.handlers[a.kind](a.micro, g, (a.micro, a.chunk))
+
+    def tag(self, i: int, boundary: int, kind: int) -> int:
+        """Boundary b lies between global chunks b and b + 1: one tag per (micro, boundary,
+        kind: 0 activation, 1 gradient, 2 evaluation activation)."""
+        return 3 * (i * (self.last + 1) + boundary) + kind
+
+    def recv_activation(self, i: int, g: int, key: tuple[int, int]) -> None:
+        buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.mesh.device)
+        comm.recv(buffer, self.axis, self.previous, tag=self.tag(i, g - 1, self.forward_tag))
+        self.state.inputs[key] = buffer.requires_grad_(torch.is_grad_enabled())
+
+    def _compute(self, x: torch.Tensor, key: tuple[int, int], targets: torch.Tensor | None):
+        """One local chunk's forward, and the loss if `targets` are given (last chunk)."""
+        out, self.state.extra[key] = self.stage(x, key[1])
+        return out if targets is None else self.loss_fn(out, targets.to(self.mesh.device)) / self.m
+
+    def forward(self, i: int, g: int, key: tuple[int, int]) -> None:
+        state, run = self.state, self.result
+        self.use_weights_of(i)
+        ids, targets = self.micro_batches[i]
+        compute = functools.partial(self._compute,
+                                    ids.to(self.mesh.device) if g == 0 else state.inputs[key],
+                                    key, targets if g == self.last else None)
+        if self.count_saved_of is None:
+            state.outputs[key], state.saved[key] = compute(), 0
+        else:
+            state.saved[key], state.outputs[key] = saved_activation_bytes(compute,
+                                                                          self.count_saved_of)
+        if g == self.last:
+            run.losses.append(state.outputs[key].detach())
+        run.peak_in_flight = max(run.peak_in_flight, len(state.saved))
+        run.peak_saved_bytes = max(run.peak_saved_bytes, sum(state.saved.values()))
+
+    def send_activation(self, i: int, g: int, key: tuple[int, int]) -> None:
+        outputs = self.state.outputs
+        tensor = outputs[key].detach() if torch.is_grad_enabled() else outputs.pop(key)
+        self.state.sends.append((comm.send(tensor, self.axis, self.following,
+                                           tag=self.tag(i, g, self.forward_tag)), tensor))
+
+    def recv_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
+        grad = torch.empty(self.activation_shape, dtype=self.dtype, device=self.mesh.device)
+        comm.recv(grad, self.grad_axis, self.following, tag=self.tag(i, g, 1))
+        self.state.grads[key] = grad
+
+    def backward(self, i: int, g: int, key: tuple[int, int]) -> None:
+        state, m, scale = self.state, self.m, self.loss_scale
+        self.use_weights_of(i)
+        self.before_backward(i)
+        own = state.extra.pop(key)
+        if g == self.last:
+            ((state.outputs.pop(key) + own / m) * scale).backward()
+        elif isinstance(own, torch.Tensor):
+            torch.autograd.backward([state.outputs.pop(key), own * (scale / m)],
+                                    [state.grads.pop(key), None])
+        else:
+            state.outputs.pop(key).backward(state.grads.pop(key))
+        del state.saved[key]
+
+    def send_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
+        tensor = self.state.inputs.pop(key).grad
+        self.state.sends.append((comm.send(tensor, self.grad_axis, self.previous,
+                                           tag=self.tag(i, g - 1, 1)), tensor))
 
 
 class PipeDream2BW:

@@ -31,36 +31,8 @@ class Bucket:
         self.lo = axis.rank * self.shard_size
         self.dtype, self.device = params[0].dtype, params[0].device
         self.grad_dtype = grad_dtype
-        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        for p in params:
-            self.param_view(flat, p).copy_(p.detach())
-        # Parameters are views of the full flat buffer for good. Stage 3 frees it by shrinking
-        # its storage to nothing and regathers into the same storage (FSDP's way): views that
-        # autograd saved (a weight's transpose) then hold no memory while freed and see the
-        # regathered values in backward.
-        self.param_flat = flat
-        self.param_shard = flat[self.lo:self.lo + self.shard_size]
-        for p in params:
-            p.data = self.param_view(flat, p)
-        self.resident = True  # the full parameters are there
-        self.gathering: dist.Work | None | bool = False  # in-flight gather (None at N = 1)
-        self.state = FORWARD
-        if stage == 3:
-            self.param_shard = self.param_shard.clone()
-            flat.untyped_storage().resize_(0)
-            self.resident, self.state = False, FREE
-        # gradients: stage 1 keeps the full bucket and reduces into its own shard
-        self.as_grads = stage == 1 and self.dtype == grad_dtype
-        self.grad_flat = torch.zeros(self.padded, dtype=grad_dtype, device=self.device) \
-            if stage == 1 else None
-        self.grad_shard = self.grad_flat[self.lo:self.lo + self.shard_size] if stage == 1 \
-            else torch.zeros(self.shard_size, dtype=grad_dtype, device=self.device)
-        self.grad_views: dict[int, torch.Tensor] = {}
-        if self.grad_flat is not None:
-            self.set_grad_flat(self.grad_flat)
-        if self.as_grads:
-            for p in params:
-                p.grad = self.grad_views[id(p)]
+        self._flatten_parameters(stage)
+        self._make_gradients(stage)
         self.pending = len(params)
         self.work: dist.Work | None = None
         self.reduced: torch.Tensor | None = None  # stage 2/3: reduce-scatter output in flight
@@ -82,6 +54,41 @@ class Bucket:
             if start < end:
                 self.pieces.append((p, start - self.lo, end - start))
         self.grad_pieces = {id(p): self.grad_shard[a:a + n] for p, a, n in self.pieces}
+
+    def _flatten_parameters(self, stage: int) -> None:
+        """Parameters become views of the full flat buffer for good. Stage 3 frees it by
+        shrinking its storage to nothing and regathers into the same storage (FSDP's way):
+        views that autograd saved (a weight's transpose) then hold no memory while freed and see
+        the regathered values in backward."""
+        flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            self.param_view(flat, p).copy_(p.detach())
+        self.param_flat = flat
+        self.param_shard = flat[self.lo:self.lo + self.shard_size]
+        for p in self.params:
+            p.data = self.param_view(flat, p)
+        self.resident = True  # the full parameters are there
+        self.gathering: dist.Work | None | bool = False  # in-flight gather (None at N = 1)
+        self.state = FORWARD
+        if stage == 3:
+            self.param_shard = self.param_shard.clone()
+            flat.untyped_storage().resize_(0)
+            self.resident, self.state = False, FREE
+
+    def _make_gradients(self, stage: int) -> None:
+        """Stage 1 keeps the full gradient bucket and reduces into its own shard; stages 2
+        and 3 keep only a shard (full buckets live during one reduction)."""
+        self.as_grads = stage == 1 and self.dtype == self.grad_dtype
+        self.grad_flat = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device) \
+            if stage == 1 else None
+        self.grad_shard = self.grad_flat[self.lo:self.lo + self.shard_size] if stage == 1 \
+            else torch.zeros(self.shard_size, dtype=self.grad_dtype, device=self.device)
+        self.grad_views: dict[int, torch.Tensor] = {}
+        if self.grad_flat is not None:
+            self.set_grad_flat(self.grad_flat)
+        if self.as_grads:
+            for p in self.params:
+                p.grad = self.grad_views[id(p)]
 
     def param_view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
         start = self.offsets[id(p)]
