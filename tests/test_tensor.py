@@ -165,3 +165,64 @@ def _check_invalid_4():
     with pytest.raises(ValueError,
                        match=r"out_features \(18\) must be divisible by 3 blocks x tp \(4\)"):
         ColumnParallelLinear(8, 18, mesh=mesh, output_blocks=3)  # q, k, v of 6 rows, 4 ranks
+
+
+def _check_column_group(tp, sequence_parallel):
+    """A query projection and a key/value projection (two blocks, replicated over tp / 2
+    ranks when tp exceeds the 2 key/value heads) computed as one column group: outputs, input
+    gradient and weight gradients (replicas summed over their tp_block) equal the dense
+    layers'; one input communication each way; the joined weight is not saved for backward."""
+    from meshtrain.memory import saved_activation_bytes
+    from meshtrain.parallel.comm import all_reduce
+    from meshtrain.parallel.sharding import is_primary, shard_pieces
+    from meshtrain.parallel.tensor import ColumnParallelGroup
+
+    mesh = worker_mesh(tp=tp)
+    rank, heads, head_dim = mesh.tp.rank, 2, 2
+    replicas = max(1, tp // heads)
+    torch.manual_seed(1)
+    dense_q, dense_kv = nn.Linear(8, 8, bias=False), nn.Linear(8, 2 * heads * head_dim,
+                                                                bias=False)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    group = ColumnParallelGroup(
+        q=ColumnParallelLinear.from_dense(dense_q, mesh=mesh,
+                                          sequence_parallel=sequence_parallel),
+        kv=ColumnParallelLinear.from_dense(dense_kv, mesh=mesh, output_blocks=2,
+                                           replicas=replicas, sequence_parallel=sequence_parallel))
+    split = sequence_parallel and tp > 1  # the input is this rank's part of the sequence
+    local_x = (x.detach().chunk(tp, dim=1)[rank] if split else x.detach()).clone()
+    local_x.requires_grad_()
+    with CommRecorder() as fwd:
+        saved, (q, kv) = saved_activation_bytes(lambda: group(local_x), group.parameters())
+    assert saved == local_x.numel() * 4  # only the (local) input, not the joined weight
+    assert fwd.count() == (1 if split else 0)
+    ref_q, ref_kv = dense_q(x), dense_kv(x)
+    part = rank // replicas  # this rank's key/value head
+
+    def mine(t):
+        return torch.cat([b.chunk(tp // replicas, -1)[part] for b in t.chunk(2, -1)], -1)
+
+    assert_close(q, ref_q.chunk(tp, -1)[rank], **TOL)
+    assert_close(kv, mine(ref_kv), **TOL)
+    gq, gkv = torch.randn_like(ref_q), torch.randn_like(ref_kv)
+    (ref_q * gq).sum().add((ref_kv * gkv).sum()).backward()
+    # each replica passes back 1/replicas of its head's gradient: the sums are the dense ones
+    with CommRecorder() as bwd:
+        torch.autograd.backward([q, kv], [gq.chunk(tp, -1)[rank], mine(gkv) / replicas])
+    assert bwd.count() == (0 if tp == 1 else 2 if split else 1)  # SP: re-gather the input
+    assert_close(local_x.grad, x.grad.chunk(tp, dim=1)[rank] if split else x.grad, **TOL)
+    kv_grad = group.kv.weight.grad.clone()
+    all_reduce(kv_grad, mesh.tp_block(replicas))
+    expect = torch.cat([b.chunk(tp // replicas)[part] for b in dense_kv.weight.grad.chunk(2)])
+    assert_close(kv_grad, expect, **TOL)
+    assert_close(group.kv.to_dense().weight, dense_kv.weight, rtol=0, atol=0)
+    shard = group.kv.shards["weight"]
+    assert is_primary(shard, rank) == (rank % replicas == 0)
+    assert [start for _, start, _ in shard_pieces(shard, rank, tp)] == \
+        [part * head_dim, heads * head_dim + part * head_dim]
+
+
+@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (4, False),
+                                                  (4, True)])
+def test_column_group_with_replicated_parts(tp, sequence_parallel):
+    run_on_ranks(tp, _check_column_group, tp, sequence_parallel)

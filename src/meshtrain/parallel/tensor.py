@@ -40,29 +40,61 @@ def _sharded_copy(cls, dense: nn.Module, mesh, **options) -> nn.Module:
     return layer
 
 
+def _joined(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Several layers' weights (or biases) stacked along the output; one is itself."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _split_params(num_weights: int, params: tuple) -> tuple[tuple, tuple]:
+    """(weights, biases) of `params` = weights followed by biases (none, or one each)."""
+    return params[:num_weights], params[num_weights:]
+
+
+def _column_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weights) -> tuple:
+    """Weight and bias gradients of the joined layers, split back per layer."""
+    flat_grad = grad.reshape(-1, grad.shape[-1])
+    sizes = [w.shape[0] for w in weights]
+    grad_weights = (flat_grad.T @ x.reshape(-1, x.shape[-1])).split(sizes)
+    grad_biases = flat_grad.sum(dim=0).split(sizes) if ctx.has_bias else ()
+    return (*grad_weights, *grad_biases)
+
+
 class _ColumnParallelLinearFn(torch.autograd.Function):
     """f fused with the matmul: identity forward; backward launches the input gradient's
-    all-reduce over TP and computes the weight gradient while it is in flight."""
+    all-reduce over TP and computes the weight gradient while it is in flight. `params` are
+    the weights, then the biases (if any), of one or more layers applied to the same input
+    (`ColumnParallelGroup`): joined inside, so the joined weight is never saved."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, axis: MeshAxis):
-        ctx.save_for_backward(x, weight)
-        ctx.axis, ctx.has_bias = axis, bias is not None
-        return F.linear(x, weight, bias)
+    def forward(ctx, x, axis: MeshAxis, num_weights: int, *params):
+        weights, biases = _split_params(num_weights, params)
+        ctx.save_for_backward(x, *weights)
+        ctx.axis, ctx.has_bias = axis, bool(biases)
+        return F.linear(x, _joined(weights), _joined(biases) if biases else None)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
         grad_x, work = None, None
         if ctx.needs_input_grad[0]:
-            grad_x = grad @ weight
+            grad_x = grad @ _joined(weights)
             work = comm.all_reduce(grad_x, ctx.axis, async_op=True)
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_weight = flat_grad.T @ x.reshape(-1, x.shape[-1])
-        grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
+        params = _column_grads(ctx, grad, x, weights)
         if work is not None:
             work.wait()
-        return grad_x, grad_weight, grad_bias, None
+        return grad_x, None, None, *params
+
+
+def _column_parallel(x: torch.Tensor, axis: MeshAxis, sequence_parallel: bool,
+                     layers: list) -> torch.Tensor:
+    """`layers`' outputs of `x`, joined along the last dimension: one input communication."""
+    params = [layer.weight for layer in layers]
+    params += [layer.bias for layer in layers if layer.bias is not None]
+    if sequence_parallel:  # x: [b, s/tp, in]
+        return _SequenceParallelLinear.apply(x, axis, len(layers), *params)
+    if axis.size > 1 or len(layers) > 1:  # (several layers: do not save their joined weight)
+        return _ColumnParallelLinearFn.apply(x, axis, len(layers), *params)
+    return F.linear(x, layers[0].weight, layers[0].bias)
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
@@ -85,27 +117,27 @@ class _RowParallelLinearFn(torch.autograd.Function):
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
-    """All-gather the `[b, s/tp, in]` input along the sequence, then the local matmul.
+    """All-gather the `[b, s/tp, in]` input along the sequence, then the local matmul (of one
+    or more layers' joined `params`, as `_ColumnParallelLinearFn`).
 
     Only the s/tp shard is saved; backward all-gathers it again for the weight gradient (one
     extra all-gather, as in Megatron) and reduce-scatters the input gradient.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, axis: MeshAxis):
-        ctx.save_for_backward(x, weight)
-        ctx.axis, ctx.has_bias = axis, bias is not None
-        return F.linear(comm.all_gather(x, axis, dim=1), weight, bias)
+    def forward(ctx, x, axis: MeshAxis, num_weights: int, *params):
+        weights, biases = _split_params(num_weights, params)
+        ctx.save_for_backward(x, *weights)
+        ctx.axis, ctx.has_bias = axis, bool(biases)
+        return F.linear(comm.all_gather(x, axis, dim=1), _joined(weights),
+                        _joined(biases) if biases else None)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
         full = comm.all_gather(x, ctx.axis, dim=1)  # [b, s, in]
-        grad_x = comm.reduce_scatter(grad @ weight, ctx.axis, dim=1)
-        flat_grad = grad.flatten(0, -2)
-        grad_weight = flat_grad.T @ full.flatten(0, -2)
-        grad_bias = flat_grad.sum(dim=0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+        grad_x = comm.reduce_scatter(grad @ _joined(weights), ctx.axis, dim=1)
+        return grad_x, None, None, *_column_grads(ctx, grad, full, weights)
 
 
 class _TensorParallelModule(nn.Module):
@@ -182,12 +214,7 @@ class ColumnParallelLinear(_TensorParallelModule):
         return dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # x: [b, s/tp, in]
-            y = _SequenceParallelLinear.apply(x, self.weight, self.bias, self.tp_axis)
-        elif self.tp_axis.size > 1:
-            y = _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.tp_axis)
-        else:
-            y = F.linear(x, self.weight, self.bias)  # [..., out/tp]
+        y = _column_parallel(x, self.tp_axis, self.sequence_parallel, [self])  # [..., out/tp]
         if not self.gather_output or self.tp_axis.size == 1:
             return y
         y = comm.gather_from_tensor_parallel_region(y, self.tp_axis)  # [..., tp * out/tp]
@@ -215,15 +242,7 @@ class ColumnParallelGroup(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layers = list(self.children())
-        axis, sequence_parallel = layers[0].tp_axis, layers[0].sequence_parallel
-        weight = torch.cat([layer.weight for layer in layers])
-        bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
-        if sequence_parallel:  # x: [b, s/tp, in]
-            y = _SequenceParallelLinear.apply(x, weight, bias, axis)
-        elif axis.size > 1:
-            y = _ColumnParallelLinearFn.apply(x, weight, bias, axis)
-        else:
-            y = F.linear(x, weight, bias)
+        y = _column_parallel(x, layers[0].tp_axis, layers[0].sequence_parallel, layers)
         return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
 
 
@@ -339,7 +358,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
             hidden = comm.gather_from_sequence_parallel_region(hidden, self.tp_axis)
             logits = F.linear(hidden, self.weight)
         elif self.tp_axis.size > 1:  # f fused: the all-reduce overlaps the weight gradient
-            logits = _ColumnParallelLinearFn.apply(hidden, self.weight, None, self.tp_axis)
+            logits = _ColumnParallelLinearFn.apply(hidden, self.tp_axis, 1, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
         num_valid = self.num_embeddings - self.vocab_start
