@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from meshtrain.mesh import ParallelMesh
+from meshtrain.models.blocks import generator, init_linear
 from meshtrain.models.family import (
     AuxiliaryOutputs,
     ParameterRoles,
@@ -76,6 +77,27 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def build_final_norm(self) -> nn.Module:
         """The norm before the output layer."""
+
+    @abstractmethod
+    def build_mlp(self, gen: torch.Generator) -> nn.Module:
+        """One dense MLP (also each MoE expert), its weights drawn from `gen`."""
+
+    def build_feed_forward(self, seed: int, index: int, gen: torch.Generator) -> nn.Module:
+        """Layer `index`'s MLP: routed experts on MoE layers, else `build_mlp(gen)`. This EP
+        rank's experts each draw from their own generator, so their weights do not depend on
+        ep; the router draws from `gen`."""
+        cfg, mesh = self.cfg, self.mesh
+        if not cfg.is_moe_layer(index):
+            return self.build_mlp(gen)
+        router = init_linear(cfg.hidden_size, cfg.moe_experts, cfg.init_std, gen, bias=False)
+        per_rank = cfg.moe_experts // mesh.ep.size
+        first = mesh.ep.rank * per_rank
+        experts = {e: self.build_mlp(generator(seed, 10_000 * (1 + index) + 1 + e))
+                   for e in range(first, first + per_rank)}
+        return MoE(router, experts, num_experts=cfg.moe_experts, top_k=cfg.moe_top_k,
+                   capacity_factor=cfg.moe_capacity_factor,
+                   aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
+                   mesh=mesh)
 
     def build_head(self, seed: int) -> nn.Module:
         """The untied output layer (`logits(hidden)`); tied families never call this."""

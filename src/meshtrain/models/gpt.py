@@ -27,7 +27,6 @@ from meshtrain.models.blocks import (
 )
 from meshtrain.models.causal_lm import CausalLM
 from meshtrain.models.family import ModelFamily, TransformerConfig
-from meshtrain.parallel.expert import MoE
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class GPT(CausalLM):
     """GPT whose forward maps token ids `[b, s]` to local logits `[b, s, V_padded/tp]`.
 
     Weights are drawn per layer from `generator(seed, 1 + layer)` (the embedding from stream 0,
-    each expert from its own), so they do not depend on the layout.
+    each expert from its own: `build_feed_forward`), so they do not depend on the layout.
     """
 
     family = "gpt"
@@ -118,30 +117,16 @@ class GPT(CausalLM):
                                                 eager=cfg.attention == "eager"),
                          split=split_fused_qkv, head_dim=cfg.head_dim)
         ln2 = factory.norm(nn.LayerNorm(h, eps=cfg.layernorm_eps))
-        mlp = self._moe(seed, index, gen) if cfg.is_moe_layer(index) else self._mlp(gen)
+        mlp = self.build_feed_forward(seed, index, gen)
         return Block(ln1=ln1, attn=attn, ln2=ln2, mlp=mlp, dropout=cfg.dropout,
                      stream=factory.hidden_stream)
 
-    def _mlp(self, gen) -> MLP:
+    def build_mlp(self, gen) -> MLP:
         cfg = self.cfg
         h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
         return MLP(self.factory.column(init_linear(h, f, std, gen)),
                    self.factory.row(init_linear(f, h, std / math.sqrt(2 * cfg.num_layers), gen)),
                    activation=gelu_tanh)
-
-    def _moe(self, seed: int, index: int, gen) -> MoE:
-        """This EP rank's experts; each draws from its own generator, so its weights do not
-        depend on ep."""
-        cfg, mesh = self.cfg, self.mesh
-        router = init_linear(cfg.hidden_size, cfg.moe_experts, cfg.init_std, gen, bias=False)
-        per_rank = cfg.moe_experts // mesh.ep.size
-        first = mesh.ep.rank * per_rank
-        experts = {e: self._mlp(generator(seed, 10_000 * (1 + index) + 1 + e))
-                   for e in range(first, first + per_rank)}
-        return MoE(router, experts, num_experts=cfg.moe_experts, top_k=cfg.moe_top_k,
-                   capacity_factor=cfg.moe_capacity_factor,
-                   aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
-                   mesh=mesh)
 
     def build_final_norm(self) -> nn.Module:
         return self.factory.norm(nn.LayerNorm(self.cfg.hidden_size, eps=self.cfg.layernorm_eps))
