@@ -30,20 +30,24 @@ def saved_activation_bytes(fn: Callable[[], object],
 
 def layer_activation_formula(*, s: int, b: int, h: int, a: int, tp: int = 1,
                              sequence_parallel: bool = False, recompute: str = "none",
-                             element_size: int = 2, mask_size: int = 1) -> float:
+                             element_size: int = 2, mask_size: int = 1,
+                             dropout: bool = True) -> float:
     """Bytes one transformer layer saves for backward (Korthikanti et al., seed 002 section 5),
     in the dtype-aware form of TESTING.md: e bytes per activation, mu per dropout-mask element.
 
     No parallelism: sbh(16e + 2mu) + as^2b(2e + mu). TP: the 4e + 2mu of LayerNorm/dropout/
     residual regions stay whole, the rest is divided by t. SP divides everything by t.
     Selective recompute drops the as^2b term; full recompute keeps only the layer input sbh e.
+    Without dropout the masks and the attention dropout's output are not saved: 4e replicated,
+    as^2b e.
     """
-    e, mu, t = element_size, mask_size, tp
+    e, mu, t = element_size, mask_size if dropout else 0, tp
     if recompute == "full":
         return s * b * h * e / (t if sequence_parallel else 1)
     replicated = s * b * h * (4 * e + 2 * mu)
     split = s * b * h * 12 * e / t
-    attention = 0.0 if recompute == "selective" else a * s * s * b * (2 * e + mu) / t
+    attention = 0.0 if recompute == "selective" else \
+        a * s * s * b * ((2 if dropout else 1) * e + mu) / t
     return (replicated / (t if sequence_parallel else 1)) + split + attention
 
 

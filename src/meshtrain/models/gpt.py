@@ -51,13 +51,14 @@ class GPTConfig(TransformerConfig):
 
     def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
-                         element_size: int = 2, mask_size: int = 1) -> float:
+                         element_size: int = 2, mask_size: int = 1,
+                         dropout: bool = True) -> float:
         """Bytes one transformer layer saves for backward (Korthikanti et al.; see
         `memory.layer_activation_formula`)."""
         return layer_activation_formula(
             s=seq_len, b=micro_batch, h=self.hidden_size, a=self.num_heads, tp=tp,
             sequence_parallel=sequence_parallel, recompute=recompute,
-            element_size=element_size, mask_size=mask_size)
+            element_size=element_size, mask_size=mask_size, dropout=dropout)
 
 
 def _gpt(layers: int, hidden: int, heads: int, **kw) -> GPTConfig:
