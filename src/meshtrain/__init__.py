@@ -3,6 +3,7 @@
 from meshtrain.mesh import MeshAxis, ParallelMesh, destroy_parallel, init_parallel
 from meshtrain.models import FAMILIES, PRESETS, CausalLM, get_family, preset
 from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.models.llama import Llama, LlamaConfig
 from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.parallelize import parallelize
 from meshtrain.random import RNGTracker
@@ -11,6 +12,8 @@ __all__ = [
     "FAMILIES",
     "GPT",
     "GPTConfig",
+    "Llama",
+    "LlamaConfig",
     "PRESETS",
     "CausalLM",
     "MeshAxis",

@@ -33,6 +33,11 @@ class ModelSettings:
     num_layers: int | None = _f(None, "override the preset's number of transformer layers")
     hidden_size: int | None = _f(None, "override the preset's hidden size")
     num_heads: int | None = _f(None, "override the preset's number of attention heads")
+    num_kv_heads: int | None = _f(None, "override the preset's key/value heads (grouped-query"
+                                        " attention; Llama presets only)")
+    tie_word_embeddings: bool | None = _f(None, "tie the output layer to the embedding (Llama"
+                                                " presets; the Llama 3.2 ones are tied, GPT"
+                                                " always is)")
     vocab_size: int | None = _f(None, "override the vocabulary (default: the data's, 256 for"
                                       " text)")
     max_seq_len: int | None = _f(None, "positions the model can embed (default: the larger of"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.models import gpt
+from meshtrain.models import gpt, llama
 from meshtrain.models.causal_lm import CausalLM
 from meshtrain.models.family import (
     AuxiliaryOutputs,
@@ -19,7 +19,7 @@ from meshtrain.models.family import (
     TransformerConfig,
 )
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (gpt.FAMILY,)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (gpt.FAMILY, llama.FAMILY)}
 
 PRESETS: dict[str, TransformerConfig] = {
     name: cfg for family in FAMILIES.values() for name, cfg in family.presets.items()}

@@ -1,6 +1,6 @@
 """Building blocks every family assembles: embedding, attention (projections cut into heads by
-a split function, optional rotary positions, the factory's core), MLP, the pre-norm block, and
-seeded weight initialisation.
+a split function, optional rotary positions, the factory's core), MLP (GeLU or SwiGLU),
+LayerNorm's sibling RMSNorm, the pre-norm block, and seeded weight initialisation.
 
 Blocks hold layers a `LayerFactory` made; they never decide how anything is split. Shapes are
 batch-first; `h/tp` marks a tensor-parallel region under the 1D scheme.
@@ -8,6 +8,7 @@ batch-first; `h/tp` marks a tensor-parallel region under the 1D scheme.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -68,6 +69,85 @@ class Embedding(nn.Module):
         return dropout(x, self.dropout, self.training, rng, self.stream)
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or the dtype itself when wider (fp64 runs stay fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """x / rms(x) * weight computed in fp32 (or wider), rounded to x's dtype before the weight
+    multiplies it (as Llama's reference code); saves only the input and 1/rms."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        wide = x.to(_wide(x.dtype))
+        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (wide * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        wide = _wide(x.dtype)
+        normed = x.to(wide) * rstd
+        grad_weight = (grad.to(wide) * normed.to(x.dtype).to(wide)).flatten(0, -2).sum(0)
+        g = (grad * weight).to(wide)
+        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019) with a learned scale, computed in fp32
+    (or wider)."""
+
+    def __init__(self, size: int, *, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+def rope_frequencies(head_dim: int, *, theta: float, scaling: dict | None = None
+                     ) -> torch.Tensor:
+    """Rotary inverse frequencies `[head_dim/2]` in fp32 (computed as Hugging Face does, so
+    angles agree bitwise), with Llama 3.1's `llama3` scaling when `scaling` gives its factor,
+    low/high frequency factors and original context length: wavelengths longer than
+    original/low are slowed by the factor, shorter than original/high kept, and those between
+    interpolated."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    factor, old = scaling["factor"], scaling["original_max_positions"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelength - low) / (high - low)
+    between = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = ~(wavelength < old / high) & ~(wavelength > old / low)
+    return torch.where(middle, between, scaled)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding in the half-split convention (`rotate_half`: dimension i pairs
+    with i + d/2), rotating each token by its true position, so context parallelism's
+    load-balanced chunks get the right angles."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x `[b, heads, s, d]`, positions `[s]`."""
+        angles = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)  # [s, d]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
 def split_fused_qkv(qkv: torch.Tensor, head_dim: int):
     """A fused projection's `[b, s, 3h/tp]` (three blocks, whole heads of each of q, k and v)
     -> q, k, v `[b, a/tp, s, d]`."""
@@ -76,13 +156,22 @@ def split_fused_qkv(qkv: torch.Tensor, head_dim: int):
     return q, k, v
 
 
+def split_grouped_qkv(projections: tuple[torch.Tensor, torch.Tensor], head_dim: int):
+    """A column group's (q `[b, s, a/tp * d]`, kv `[b, s, 2 kv/tp * d]`: key and value as two
+    blocks) -> q `[b, a/tp, s, d]`, k and v `[b, kv/tp, s, d]`."""
+    q, kv = projections
+    b, s, _ = q.shape
+    k, v = kv.view(b, s, 2, -1, head_dim).permute(2, 0, 3, 1, 4)
+    return q.view(b, s, -1, head_dim).transpose(1, 2), k, v
+
+
 class Attention(nn.Module):
     """Causal self-attention over this rank's heads: project to q, k, v (`qkv`, cut into heads by
     `split`), rotate q and k by their positions (rotary families), attend (the factory's core),
     project back. Input and output are this rank's hidden states."""
 
     def __init__(self, qkv: nn.Module, proj: nn.Module, core: nn.Module, *,
-                 split: Callable, head_dim: int, rotary: nn.Module | None = None):
+                 split: Callable, head_dim: int, rotary: Rotary | None = None):
         super().__init__()
         self.qkv, self.proj, self.core, self.rotary = qkv, proj, core, rotary
         self.split, self.head_dim = split, head_dim
@@ -99,6 +188,12 @@ class Attention(nn.Module):
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, the halves of `x` (this rank's gate and up blocks)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):

@@ -1,0 +1,240 @@
+"""Llama (the Llama 2 / 3 architecture): RMSNorm computed in fp32, rotary position embedding
+(half-split convention, configurable theta, Llama 3.1's `llama3` frequency scaling), SwiGLU
+MLP, grouped-query attention, no biases, an untied output layer (Llama 2/3) or a tied one
+(Llama 3.2).
+
+Grouped-query attention under Megatron's 1D scheme: with kv_heads % tp == 0 each rank holds
+kv_heads/tp whole key/value heads; with tp % kv_heads == 0 each key/value head is replicated on
+tp/kv_heads consecutive ranks (their weight gradients are summed over them); otherwise the
+layout is refused. The query, key and value projections run as one column group (one input
+communication); MoE experts are SwiGLU MLPs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import nn
+
+from meshtrain.models.blocks import (
+    MLP,
+    Attention,
+    Block,
+    Embedding,
+    RMSNorm,
+    Rotary,
+    generator,
+    init_embedding,
+    init_linear,
+    rope_frequencies,
+    split_grouped_qkv,
+    swiglu,
+)
+from meshtrain.models.causal_lm import CausalLM
+from meshtrain.models.family import ModelFamily, TransformerConfig
+
+
+@dataclass(frozen=True)
+class LlamaConfig(TransformerConfig):
+    """Llama's architecture; the SwiGLU width defaults to 8h/3 rounded up to a multiple of 256
+    (Llama's own rule)."""
+
+    vocab_size: int = 32000
+    max_seq_len: int = 4096
+    num_kv_heads: int | None = None
+    """Key/value heads of grouped-query attention; None: as many as query heads."""
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: str | None = None
+    """None, or "llama3" (Llama 3.1+: long wavelengths slowed by `rope_factor`)."""
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    tie_word_embeddings: bool = False
+    """Llama 3.2 ties the output layer to the embedding; Llama 2 and 3 do not."""
+
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = TransformerConfig.SHAPE_FIELDS + (
+        "num_kv_heads", "tie_word_embeddings")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 256 * math.ceil(8 * self.hidden_size / 3 / 256)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.tie_word_embeddings
+
+    @property
+    def rope(self) -> dict | None:
+        """The `llama3` scaling parameters, or None."""
+        if self.rope_scaling is None:
+            return None
+        return {"factor": self.rope_factor, "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_positions": self.rope_original_max_positions}
+
+    def validate(self) -> None:
+        super().validate()
+        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
+            raise ValueError(f"`num_kv_heads` ({self.kv_heads}) must divide the number of heads"
+                             f" ({self.num_heads}): each key/value head serves a group of them")
+        if self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dimension, got hidden"
+                             f" {self.hidden_size} / {self.num_heads} heads = {self.head_dim}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.rope_scaling not in (None, "llama3"):
+            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not implemented: meshtrain"
+                             " has none and llama3")
+
+    def validate_for_tp(self, tp: int) -> None:
+        super().validate_for_tp(tp)
+        kv = self.kv_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"the key/value heads ({kv}) and tp ({tp}) must divide one another:"
+                             f" each rank holds kv/tp whole heads, or each head is shared by"
+                             f" tp/kv ranks; choose a tp that divides {kv} or a multiple of it")
+
+    def num_parameters(self) -> int:
+        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size
+        attention = h * self.num_heads * self.head_dim * 2 + 2 * h * self.kv_heads * self.head_dim
+        mlp = 3 * h * f
+        moe_extra = self.num_moe_layers() * (self.moe_experts * h + (self.moe_experts - 1) * mlp)
+        per_layer = 2 * h + attention + mlp
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + head + self.num_layers * per_layer + h + moe_extra
+
+    def matmul_parameters_per_token(self) -> int:
+        h, f = self.hidden_size, self.ffn_size
+        attention = h * self.num_heads * self.head_dim * 2 + 2 * h * self.kv_heads * self.head_dim
+        mlp, moe = 3 * h * f, self.num_moe_layers()
+        active_mlp = (self.num_layers - moe) * mlp + moe * (self.moe_top_k * mlp
+                                                             + h * self.moe_experts)
+        return self.num_layers * attention + active_mlp + self.vocab_size * h
+
+
+    def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
+                         sequence_parallel: bool = False, recompute: str = "none",
+                         element_size: int = 2, mask_size: int = 1,
+                         dropout: bool = True) -> float:
+        """Bytes one transformer layer saves for backward with the eager attention core,
+        counted from what this implementation saves (TESTING.md's dtype-aware form, e bytes per
+        activation, mu per dropout-mask element; the s x s causal mask and the rotary tables are
+        left out):
+
+        - replicated: both norms' inputs and outputs 4sbh e, their fp32 1/rms 8sb, residual
+          dropout masks 2sbh mu (split by t under sequence parallelism);
+        - attention: q, k and v repeated to every query head, the output projection's input
+          4sbh e/t, and the probabilities as^2b e/t (dropout: a second as^2b e and its mask);
+        - SwiGLU: the gate-and-up output, silu(gate) and the product 4sbf e/t;
+        - selective recompute keeps the core's inputs instead of its internals: q, the rotated
+          k, and the joined q/k/v projection output (v is a view of it);
+        - full recompute keeps only the layer input sbh e (/t under sequence parallelism).
+        """
+        s, b, h, a = seq_len, micro_batch, self.hidden_size, self.num_heads
+        e, mu, t = element_size, mask_size, tp
+        replicated_split = t if sequence_parallel else 1
+        if recompute == "full":
+            return s * b * h * e / replicated_split
+        replicated = s * b * (h * (4 * e + (2 * mu if dropout else 0)) + 8)
+        local_kv = max(self.kv_heads // t, 1) * self.head_dim  # key (or value) width per rank
+        if recompute == "selective":
+            attention = s * b * (3 * h / t + 3 * local_kv) * e
+        else:
+            attention = (4 * s * b * h + a * s * s * b * (2 if dropout else 1)) * e / t \
+                + (a * s * s * b * mu / t if dropout else 0)
+        return replicated / replicated_split + attention + 4 * s * b * self.ffn_size * e / t
+
+
+def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, **kw) -> LlamaConfig:
+    return LlamaConfig(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
+                       ffn_hidden_size=ffn, **kw)
+
+
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0)
+_LLAMA31 = _LLAMA3 | dict(max_seq_len=131072, rope_scaling="llama3")
+
+PRESETS: dict[str, LlamaConfig] = {
+    # 4 layers, 8 heads sharing 4 key/value heads: tp 1/2/4 (tp 4 holds one key/value head per
+    # rank), pp and cp up to 4 and pp 2 x 2 virtual stages all divide it.
+    "llama-tiny": _llama(4, 64, 8, 4, 176, vocab_size=256, max_seq_len=256),
+    # Published shapes (Touvron et al. 2023; Llama 3 model cards and configs).
+    "llama2-7b": _llama(32, 4096, 32, 32, 11008),
+    "llama2-13b": _llama(40, 5120, 40, 40, 13824),
+    "llama2-70b": _llama(80, 8192, 64, 8, 28672),
+    "llama3-8b": _llama(32, 4096, 32, 8, 14336, max_seq_len=8192, **_LLAMA3),
+    "llama3-70b": _llama(80, 8192, 64, 8, 28672, max_seq_len=8192, **_LLAMA3),
+    "llama3-405b": _llama(126, 16384, 128, 8, 53248, **_LLAMA31),
+    "llama3.2-1b": _llama(16, 2048, 32, 8, 8192, rope_factor=32.0, tie_word_embeddings=True,
+                          **_LLAMA31),
+    "llama3.2-3b": _llama(28, 3072, 24, 8, 8192, rope_factor=32.0, tie_word_embeddings=True,
+                          **_LLAMA31),
+}
+
+
+class Llama(CausalLM):
+    """Llama whose forward maps token ids `[b, s]` to local logits `[b, s, V_padded/tp]`.
+
+    Weights are drawn per layer from `generator(seed, 1 + layer)` (the embedding from stream
+    0, the untied output layer from 1 + num_layers, each expert from its own).
+    """
+
+    family = "llama"
+    cfg: LlamaConfig
+
+    def build_embedding(self, seed: int, *, with_position: bool) -> nn.Module:
+        cfg = self.cfg
+        word = self.factory.vocab_embedding(
+            init_embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std, generator(seed, 0)))
+        return Embedding(word, None, dropout=cfg.dropout, factory=self.factory)
+
+    def build_block(self, seed: int, index: int) -> nn.Module:
+        cfg, factory, gen = self.cfg, self.factory, generator(seed, 1 + index)
+        h, d, std = cfg.hidden_size, cfg.head_dim, cfg.init_std
+        tp = self.mesh.tp.size
+        qkv = factory.column_group(
+            q=factory.column(init_linear(h, cfg.num_heads * d, std, gen, bias=False)),
+            kv=factory.column(init_linear(h, 2 * cfg.kv_heads * d, std, gen, bias=False),
+                              blocks=2, replicas=max(1, tp // cfg.kv_heads)))
+        proj = factory.row(init_linear(cfg.num_heads * d, h, self._out_std, gen, bias=False))
+        core = factory.attention_core(dropout=cfg.dropout, eager=cfg.attention == "eager")
+        rotary = Rotary(rope_frequencies(d, theta=cfg.rope_theta, scaling=cfg.rope))
+        attn = Attention(qkv, proj, core, split=split_grouped_qkv, head_dim=d, rotary=rotary)
+        mlp = self.build_feed_forward(seed, index, gen)
+        return Block(ln1=self._norm(), attn=attn, ln2=self._norm(), mlp=mlp,
+                     dropout=cfg.dropout, stream=factory.hidden_stream)
+
+    @property
+    def _out_std(self) -> float:
+        """Output projections' init, scaled by depth as in Megatron-LM."""
+        return self.cfg.init_std / math.sqrt(2 * self.cfg.num_layers)
+
+    def _norm(self) -> nn.Module:
+        return self.factory.norm(RMSNorm(self.cfg.hidden_size, eps=self.cfg.rms_norm_eps))
+
+    def build_mlp(self, gen) -> MLP:
+        """SwiGLU: `fc` holds the gate and up projections as two blocks."""
+        h, f = self.cfg.hidden_size, self.cfg.ffn_size
+        return MLP(self.factory.column(init_linear(h, 2 * f, self.cfg.init_std, gen, bias=False),
+                                       blocks=2),
+                   self.factory.row(init_linear(f, h, self._out_std, gen, bias=False)),
+                   activation=swiglu)
+
+    def build_final_norm(self) -> nn.Module:
+        return self._norm()
+
+    def build_head(self, seed: int) -> nn.Module:
+        cfg = self.cfg
+        return self.factory.vocab_head(init_linear(
+            cfg.hidden_size, cfg.vocab_size, cfg.init_std,
+            generator(seed, 1 + cfg.num_layers), bias=False))
+
+
+FAMILY = ModelFamily("llama", LlamaConfig, Llama, PRESETS)
