@@ -139,3 +139,15 @@ def raises_as_flags(match: str):
         yield error
     shown = as_flags(str(error.value))
     assert re.search(match, shown), f"{match!r} not found in {shown!r}"
+
+
+LLAMA = {"model": "llama-tiny"}  # model settings of the Llama family's parity runs
+
+
+def dense_reference(cfg, vocab_size: int = 256):
+    """The single-process model of a run's settings (its family, its seed)."""
+    from meshtrain import ParallelMesh
+    from meshtrain.models import family_of
+
+    model_cfg = cfg.model_config(vocab_size)
+    return family_of(model_cfg).model(model_cfg, mesh=ParallelMesh.local(), seed=cfg.train.seed)

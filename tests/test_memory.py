@@ -1,23 +1,22 @@
-"""Activation memory per transformer layer, measured with saved-tensor hooks, against the
-seeds' formulas (eager attention, dropout on so the masks are saved, fp32 on CPU where the
-dropout mask has the activation's dtype: e = mu = 4)."""
+"""Activation memory per transformer layer, measured with saved-tensor hooks, against each
+family's formula (GPT: the seeds'; eager attention, fp32 on CPU where the dropout mask has the
+activation's dtype: e = mu = 4), with dropout on (masks saved) and off."""
 
 import pytest
 import torch
 from harness import run_on_ranks, worker_mesh
 
-from meshtrain import GPT, ParallelMesh, preset
+from meshtrain import ParallelMesh, preset
 from meshtrain.memory import layer_activation_formula, saved_activation_bytes
-from meshtrain.models import AuxiliaryOutputs
+from meshtrain.models import AuxiliaryOutputs, family_of
 from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.recompute import recomputed
 
 B, S, H, A = 2, 64, 64, 4
 
 
-def _measure(mesh, plan):
-    cfg = preset("tiny", vocab_size=64, dropout=0.1, attention="eager")
-    model = GPT(cfg, mesh=mesh, seed=0, plan=plan)
+def _measure(mesh, plan, cfg):
+    model = family_of(cfg).model(cfg, mesh=mesh, seed=0, plan=plan)
     model.train()
     block = model.layers["0"]
     s_local = S // mesh.tp.size if plan.sequence_parallel else S
@@ -35,16 +34,20 @@ def _measure(mesh, plan):
     return nbytes
 
 
-def _check(tp, plan):
+def _check(tp, plan, name, dropout):
     mesh = worker_mesh(tp=tp) if tp > 1 else ParallelMesh.local()
-    measured = _measure(mesh, plan)
-    expected = layer_activation_formula(s=S, b=B, h=H, a=A, tp=tp,
-                                        sequence_parallel=plan.sequence_parallel,
-                                        recompute=plan.recompute, element_size=4, mask_size=4)
+    cfg = preset(name, vocab_size=64, dropout=dropout, attention="eager")
+    measured = _measure(mesh, plan, cfg)
+    expected = cfg.activation_bytes(seq_len=S, micro_batch=B, tp=tp,
+                                    sequence_parallel=plan.sequence_parallel,
+                                    recompute=plan.recompute, element_size=4, mask_size=4,
+                                    dropout=dropout > 0)
     assert abs(measured - expected) / expected < 0.10, (measured, expected)
     return measured, expected
 
 
+@pytest.mark.parametrize("name,dropout", [("tiny", 0.1), ("llama-tiny", 0.1),
+                                          ("llama-tiny", 0.0)])
 @pytest.mark.parametrize("tp,plan", [
     (1, ParallelPlan()),
     (1, ParallelPlan(recompute="selective")),
@@ -53,9 +56,10 @@ def _check(tp, plan):
     (2, ParallelPlan(sequence_parallel=True)),
     (2, ParallelPlan(sequence_parallel=True, recompute="selective")),
     (2, ParallelPlan(sequence_parallel=True, recompute="full")),
+    (4, ParallelPlan(recompute="selective")),
 ], ids=lambda v: str(v))
-def test_activation_bytes_match_formula(tp, plan):
-    run_on_ranks(tp, _check, tp, plan)
+def test_activation_bytes_match_formula(tp, plan, name, dropout):
+    run_on_ranks(tp, _check, tp, plan, name, dropout)
 
 
 def test_formula_reduces_to_the_papers_constants():

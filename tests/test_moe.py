@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from harness import raises_as_flags, run_on_ranks, worker_mesh
+from harness import LLAMA, dense_reference, raises_as_flags, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh, preset
@@ -54,10 +54,10 @@ def corpus(tmp_path_factory) -> str:
     return str(path)
 
 
-def _cfg(corpus, top_k):
+def _cfg(corpus, top_k, model=None):
     return build_config({}, {
         "model": {"moe_experts": 4, "moe_top_k": top_k, "moe_every": 2,
-                  "moe_capacity_factor": 1.0, "moe_z_loss_coef": 0.001},
+                  "moe_capacity_factor": 1.0, "moe_z_loss_coef": 0.001} | (model or {}),
         "train": {"steps": 4, "global_batch": 8, "micro_batch": 2, "seq_len": 16, "seed": 2,
                   "clip_grad": 0.0},
         "parallel": {"device": "cpu"}, "data": {"data": corpus},
@@ -81,7 +81,7 @@ def _record_last_routing(model) -> dict[int, dict]:
 
 def _reference(cfg):
     """Single process, ep=1: the same micro-batches one after another."""
-    model = GPT(cfg.model_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    model = dense_reference(cfg)
     trainer_data = Trainer.build(cfg, ParallelMesh.local()).train_data
     batches = trainer_data.micro_batches(0, dp_rank=0, dp_size=1)
     total, routing = 0.0, []
@@ -95,10 +95,10 @@ def _reference(cfg):
         model, ParallelMesh.local()).item()
 
 
-def _check_ep(corpus, tp, ep, top_k):
+def _check_ep(corpus, tp, ep, top_k, model=None):
     world = torch.distributed.get_world_size()
     mesh = worker_mesh(tp=tp, dp=world // tp, ep=ep)
-    cfg = _cfg(corpus, top_k)
+    cfg = _cfg(corpus, top_k, model)
     trainer = Trainer.build(cfg, mesh)
     last = _record_last_routing(trainer.model)
     ref_loss, ref_routing, ref_grads, ref_norm = _reference(cfg)
@@ -153,10 +153,12 @@ def _check_ep(corpus, tp, ep, top_k):
         assert rec.count("all_to_all") == 0
 
 
-@pytest.mark.parametrize("tp,ep,top_k,world", [(1, 1, 1, 2), (1, 2, 1, 2), (1, 2, 2, 4),
-                                               (1, 4, 2, 4), (2, 2, 2, 4)])
-def test_expert_parallel_matches_single_process(corpus, tp, ep, top_k, world):
-    run_on_ranks(world, _check_ep, corpus, tp, ep, top_k)
+@pytest.mark.parametrize("tp,ep,top_k,world,model", [
+    (1, 1, 1, 2, None), (1, 2, 1, 2, None), (1, 2, 2, 4, None), (1, 4, 2, 4, None),
+    (2, 2, 2, 4, None), (1, 2, 2, 2, LLAMA), (2, 2, 1, 4, LLAMA)], ids=str)
+def test_expert_parallel_matches_single_process(corpus, tp, ep, top_k, world, model):
+    """Llama's experts are SwiGLU MLPs."""
+    run_on_ranks(world, _check_ep, corpus, tp, ep, top_k, model)
 
 
 def test_bad_moe_settings():

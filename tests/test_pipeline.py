@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_on_ranks, worker_mesh
+from harness import LLAMA, dense_reference, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
-from meshtrain import GPT, ParallelMesh
+from meshtrain import ParallelMesh
 from meshtrain.config import build_config
 from meshtrain.data import synthetic_corpus
 from meshtrain.optim import global_grad_norm
@@ -34,23 +34,24 @@ def corpus(tmp_path_factory) -> str:
     return str(path)
 
 
-def _cfg(corpus, schedule, steps=3):
+def _cfg(corpus, schedule, steps=3, model=None):
     return build_config({}, {
+        "model": model or {},
         "train": {"steps": steps, "global_batch": 8, "micro_batch": 2, "seq_len": 16, "seed": 3,
                   "eval_batches": 1, "clip_grad": 0.0},
         "parallel": {"device": "cpu", "pp_schedule": schedule},
         "data": {"data": corpus}, "checkpoint": {"out": "/nonexistent"}})
 
 
-def _check(corpus, tp, pp, schedule, cp=1, parallel=None):
+def _check(corpus, tp, pp, schedule, cp=1, parallel=None, model=None):
     world = torch.distributed.get_world_size()
     mesh = worker_mesh(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp))
-    cfg = _cfg(corpus, schedule)
+    cfg = _cfg(corpus, schedule, model=model)
     for key, value in (parallel or {}).items():
         setattr(cfg.parallel, key, value)
     trainer = Trainer.build(cfg, mesh)
     reference = Trainer.build(cfg, ParallelMesh.local())
-    dense = GPT(cfg.model_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    dense = dense_reference(cfg)
     batches = trainer.train_data.micro_batches(0, dp_rank=0, dp_size=1)
     for inputs, targets in batches:
         (dense.loss(dense(inputs), targets) / len(batches)).backward()
@@ -73,9 +74,10 @@ def _check(corpus, tp, pp, schedule, cp=1, parallel=None):
             reference.train_step(step)["loss"], rel=1e-4)
     assert trainer.evaluate() == pytest.approx(reference.evaluate(), rel=1e-4)
     # the two copies of the tied embedding stay equal
-    if mesh.pp.rank in (0, pp - 1):
-        word = trainer.model.embedding.word.weight.detach().unsqueeze(0)
-        copies = all_gather_objects(word, mesh.axis("embed"))
+    tied = trainer.parallel.roles.tied
+    assert len(tied) == (mesh.pp.rank in (0, pp - 1) and cfg.model_config(256).tie_embeddings)
+    if tied:
+        copies = all_gather_objects(tied[0].detach().unsqueeze(0), mesh.axis("embed"))
         assert torch.equal(copies[0], copies[-1])
 
 
@@ -87,11 +89,22 @@ def test_pipeline_matches_single_process(corpus, tp, pp, world, schedule):
     run_on_ranks(world, _check, corpus, tp, pp, schedule)
 
 
+@pytest.mark.parametrize("tp,pp,world,schedule,model", [
+    (1, 2, 2, "gpipe", LLAMA), (2, 2, 4, "1f1b", LLAMA), (1, 4, 4, "1f1b", LLAMA),
+    (1, 2, 2, "1f1b", LLAMA | {"tie_word_embeddings": True}),  # Llama 3.2: tied copies synced
+    (1, 2, 2, "interleaved", LLAMA | {"tie_word_embeddings": True}),
+], ids=lambda v: str(v))
+def test_llama_pipeline_matches_single_process(corpus, tp, pp, world, schedule, model):
+    parallel = {"virtual_stages": 2} if schedule == "interleaved" else None
+    run_on_ranks(world, _check, corpus, tp, pp, schedule, 1, parallel, model)
+
+
 @pytest.mark.parametrize("tp,cp,parallel", [(2, 1, {"sequence_parallel": True}),
                                             (1, 2, {"cp_mode": "ring"}),
                                             (1, 2, {"cp_mode": "all2all"})], ids=str)
-def test_pipeline_with_sequence_and_context_parallelism(corpus, tp, cp, parallel):
-    run_on_ranks(2 * tp * cp, _check, corpus, tp, 2, "1f1b", cp, parallel)
+@pytest.mark.parametrize("model", [None, LLAMA], ids=["gpt", "llama"])
+def test_pipeline_with_sequence_and_context_parallelism(corpus, tp, cp, parallel, model):
+    run_on_ranks(2 * tp * cp, _check, corpus, tp, 2, "1f1b", cp, parallel, model)
 
 
 def test_stage_layers():
@@ -208,9 +221,10 @@ def _save_pp(corpus, out, pp, parallel=None):
     return merged
 
 
-def _load_pp(corpus, out, pp, step=1):
+def _load_pp(corpus, out, pp, step=1, model=None):
     world = torch.distributed.get_world_size()
-    trainer = Trainer.build(_cfg(corpus, "1f1b"), worker_mesh(tp=1, pp=pp, dp=world // pp))
+    trainer = Trainer.build(_cfg(corpus, "1f1b", model=model),
+                            worker_mesh(tp=1, pp=pp, dp=world // pp))
     assert trainer.resume(out) == step
     merged = {}
     params = {name: t.clone() for name, t in named_full_tensors(trainer.model)}
@@ -267,10 +281,10 @@ def _delayed_reference(cfg, steps):
     return ref, losses
 
 
-def _check_2bw(corpus, pp, out, steps=3):
+def _check_2bw(corpus, pp, out, steps=3, model=None):
     world = torch.distributed.get_world_size()
     mesh = worker_mesh(tp=1, pp=pp, dp=world // pp)
-    cfg = _cfg(corpus, "2bw", steps=steps)
+    cfg = _cfg(corpus, "2bw", steps=steps, model=model)
     trainer = Trainer.build(cfg, mesh)
     losses = [trainer.train_step(t)["loss"] for t in range(steps)]
     reference, ref_losses = _delayed_reference(cfg, steps)
@@ -290,10 +304,11 @@ def _check_2bw(corpus, pp, out, steps=3):
     return ref_weights
 
 
-@pytest.mark.parametrize("pp,world", [(2, 2), (4, 4), (2, 4)], ids=str)
-def test_2bw_matches_delayed_update_reference(corpus, tmp_path, pp, world):
-    ref_weights = run_on_ranks(world, _check_2bw, corpus, pp, tmp_path)[0]
-    loaded, _ = run_on_ranks(2, _load_pp, corpus, tmp_path, 1, 3)[0]  # the checkpoint: W(3)
+@pytest.mark.parametrize("pp,world,model", [(2, 2, None), (4, 4, None), (2, 4, None),
+                                            (2, 2, LLAMA)], ids=str)
+def test_2bw_matches_delayed_update_reference(corpus, tmp_path, pp, world, model):
+    ref_weights = run_on_ranks(world, _check_2bw, corpus, pp, tmp_path, 3, model)[0]
+    loaded, _ = run_on_ranks(2, _load_pp, corpus, tmp_path, 1, 3, model)[0]  # W(3)
     for name, tensor in ref_weights.items():
         assert_close(loaded[name], tensor, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
@@ -321,13 +336,13 @@ def test_2bw_resume_continues_the_delayed_run(corpus, tmp_path):
     assert _2bw_losses(parts) == _2bw_losses(whole)  # bitwise, as any same-layout resume
 
 
-def _check_moe(corpus, pp, ep, parallel=None):
+def _check_moe(corpus, pp, ep, parallel=None, model=None):
     from test_moe import _cfg as moe_cfg
     from test_moe import _reference
 
     world = torch.distributed.get_world_size()
     mesh = worker_mesh(pp=pp, dp=world // pp, ep=ep)
-    cfg = moe_cfg(corpus, 2)  # 4 experts, top-2, every 2nd layer: one MoE layer per stage
+    cfg = moe_cfg(corpus, 2, model)  # 4 experts, top-2, every 2nd layer: 1 MoE layer a stage
     for key, value in (parallel or {}).items():  # interleaved v 2: both in rank 1's 2 chunks
         setattr(cfg.parallel, key, value)
     trainer = Trainer.build(cfg, mesh)
@@ -347,8 +362,9 @@ def _check_moe(corpus, pp, ep, parallel=None):
         assert_close(grad, ref_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("pp,ep,world,parallel", [
-    (2, 1, 2, None), (2, 2, 4, None),
-    (2, 1, 2, {"pp_schedule": "interleaved", "virtual_stages": 2})], ids=str)
-def test_pipeline_with_experts(corpus, pp, ep, world, parallel):
-    run_on_ranks(world, _check_moe, corpus, pp, ep, parallel)
+@pytest.mark.parametrize("pp,ep,world,parallel,model", [
+    (2, 1, 2, None, None), (2, 2, 4, None, None),
+    (2, 1, 2, {"pp_schedule": "interleaved", "virtual_stages": 2}, None),
+    (2, 2, 4, None, LLAMA)], ids=str)
+def test_pipeline_with_experts(corpus, pp, ep, world, parallel, model):
+    run_on_ranks(world, _check_moe, corpus, pp, ep, parallel, model)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from harness import run_on_ranks, worker_mesh
+from harness import LLAMA, dense_reference, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh, preset
@@ -29,21 +29,21 @@ def corpus(tmp_path_factory) -> str:
     return str(path)
 
 
-def _cfg(corpus, parallel, dropout=0.0):
+def _cfg(corpus, parallel, dropout=0.0, model=None):
     return build_config({}, {
-        "model": {"dropout": dropout},
+        "model": {"dropout": dropout} | (model or {}),
         "train": {"steps": 4, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "seed": 6,
                   "clip_grad": 0.0},
         "parallel": {"device": "cpu", **parallel}, "data": {"data": corpus},
         "checkpoint": {"out": "/nonexistent"}})
 
 
-def _check_layout(corpus, tp, cp, parallel):
+def _check_layout(corpus, tp, cp, parallel, model=None):
     world = torch.distributed.get_world_size()
     mesh = worker_mesh(tp=tp, cp=cp, dp=world // (tp * cp))
-    cfg = _cfg(corpus, parallel)
+    cfg = _cfg(corpus, parallel, model=model)
     trainer = Trainer.build(cfg, mesh)
-    reference = GPT(cfg.model_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    reference = dense_reference(cfg)
     batches = trainer.train_data.micro_batches(0, dp_rank=0, dp_size=1)
     ref_loss = 0.0
     for inputs, targets in batches:
@@ -73,8 +73,19 @@ def _check_layout(corpus, tp, cp, parallel):
     (2, 1, 2, {"recompute": "full"}),
     (2, 2, 4, {"recompute": "full", "recompute_layers": 2, "sequence_parallel": True}),
 ], ids=lambda v: str(v))
-def test_layout_matches_single_process(corpus, tp, cp, world, parallel):
-    run_on_ranks(world, _check_layout, corpus, tp, cp, parallel)
+@pytest.mark.parametrize("model", [None, LLAMA], ids=["gpt", "llama"])
+def test_layout_matches_single_process(corpus, tp, cp, world, parallel, model):
+    run_on_ranks(world, _check_layout, corpus, tp, cp, parallel, model)
+
+
+@pytest.mark.parametrize("tp,cp,world,parallel", [
+    (4, 1, 4, {}), (4, 1, 4, {"sequence_parallel": True, "recompute": "selective"}),
+    (2, 2, 4, {"cp_mode": "all2all"})], ids=lambda v: str(v))
+def test_key_value_heads_shared_by_tp_ranks_match_single_process(corpus, tp, cp, world,
+                                                                 parallel):
+    """Llama with 2 key/value heads: at tp 4 each is replicated on 2 ranks, whose partial
+    weight gradients are summed; at tp 2 x cp 2 the Ulysses path repeats them per head."""
+    run_on_ranks(world, _check_layout, corpus, tp, cp, parallel, LLAMA | {"num_kv_heads": 2})
 
 
 def _losses_with_dropout(corpus, recompute):

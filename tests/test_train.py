@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_on_ranks, worker_mesh
+from harness import LLAMA, dense_reference, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh
@@ -25,18 +25,18 @@ def corpus(tmp_path_factory) -> str:
     return str(path)
 
 
-def _config(corpus: str, out: str, **train):
+def _config(corpus: str, out: str, model=None, **train):
     settings = dict(steps=20, global_batch=8, micro_batch=2, seq_len=32, lr=3e-3, min_lr=3e-4,
                     warmup_steps=4, eval_every=10, eval_batches=1, seed=3) | train
     dropout = settings.pop("dropout", 0.0)
-    return build_config({}, {"model": {"dropout": dropout}, "train": settings,
+    return build_config({}, {"model": {"dropout": dropout} | (model or {}), "train": settings,
                              "parallel": {"device": "cpu"},
                              "data": {"data": corpus}, "checkpoint": {"out": out}})
 
 
 def _dense_step_grads(cfg, trainer_data: BatchSampler, step: int):
     """Loss and full gradients of one step on one process over the whole global batch."""
-    model = GPT(cfg.model_config(256), mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    model = dense_reference(cfg)
     batches = trainer_data.micro_batches(step, dp_rank=0, dp_size=1)
     total = 0.0
     for inputs, targets in batches:
@@ -47,9 +47,9 @@ def _dense_step_grads(cfg, trainer_data: BatchSampler, step: int):
         model, ParallelMesh.local())
 
 
-def _check_dp_parity(corpus, out, tp, dp):
+def _check_dp_parity(corpus, out, tp, dp, model=None):
     mesh = worker_mesh(tp=tp, dp=dp)
-    cfg = _config(corpus, out, clip_grad=0.0)
+    cfg = _config(corpus, out, model, clip_grad=0.0)
     trainer = Trainer.build(cfg, mesh)
     ref_loss, ref_grads, ref_norm = _dense_step_grads(cfg, trainer.train_data, step=0)
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -71,23 +71,28 @@ def _check_dp_parity(corpus, out, tp, dp):
         assert not dp_records
 
 
-@pytest.mark.parametrize("tp,dp", [(1, 2), (2, 2), (1, 4)])
-def test_data_parallel_step_matches_single_process(corpus, tmp_path, tp, dp):
-    run_on_ranks(tp * dp, _check_dp_parity, corpus, str(tmp_path), tp, dp)
+@pytest.mark.parametrize("tp,dp,model", [(1, 2, None), (2, 2, None), (1, 4, None),
+                                         (2, 2, LLAMA), (1, 4, LLAMA)], ids=str)
+def test_data_parallel_step_matches_single_process(corpus, tmp_path, tp, dp, model):
+    run_on_ranks(tp * dp, _check_dp_parity, corpus, str(tmp_path), tp, dp, model)
 
 
-def _trajectory(corpus, out, tp, dp, extra=None):
+def _trajectory(corpus, out, tp, dp, extra=None, model=None):
     mesh = worker_mesh(tp=tp, dp=dp)
-    cfg = _config(corpus, out, **(extra or {}))
+    cfg = _config(corpus, out, model, **(extra or {}))
     trainer = Trainer.build(cfg, mesh)
     return [trainer.train_step(step)["loss"] for step in range(cfg.train.steps)]
 
 
-def test_loss_trajectories_equal_across_layouts(corpus, tmp_path):
-    reference = run_on_ranks(1, _trajectory, corpus, str(tmp_path), 1, 1)[0]
+@pytest.mark.parametrize("model,layouts", [
+    (None, [(2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]),
+    (LLAMA, [(4, 1), (2, 2)])], ids=["gpt", "llama"])
+def test_loss_trajectories_equal_across_layouts(corpus, tmp_path, model, layouts):
+    reference = run_on_ranks(1, _trajectory, corpus, str(tmp_path), 1, 1, None, model)[0]
     assert reference[-1] < reference[0] - 0.5  # it learns
-    for tp, dp in [(2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]:
-        losses = run_on_ranks(tp * dp, _trajectory, corpus, str(tmp_path), tp, dp)[0]
+    for tp, dp in layouts:
+        losses = run_on_ranks(tp * dp, _trajectory, corpus, str(tmp_path), tp, dp, None,
+                              model)[0]
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
         assert rel < 1e-4, (tp, dp, rel)
 

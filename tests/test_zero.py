@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import raises_as_flags, run_on_ranks, worker_mesh
+from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
 
 from meshtrain.config import build_config, validate
 from meshtrain.data import synthetic_corpus
@@ -51,14 +51,20 @@ def _assert_same_trajectory(rows, reference, rel=1e-4, norm_rel=None):
     ({"tp": 2, "dp": 2}, {"sequence_parallel": True, "recompute": "full"}, None),
     ({"dp": 2, "ep": 2}, {"ep": 2}, {"moe_experts": 4}),
     ({"cp": 2, "dp": 1}, {"cp": 2}, None),
-], ids=["dp2", "tp2xdp2", "tp2xdp2-sp-recompute", "dp2xep2-moe", "cp2"])
+    ({"tp": 2, "dp": 2}, {"offload_optimizer": "cpu"}, LLAMA),
+    ({"dp": 2, "ep": 2}, {"ep": 2}, LLAMA | {"moe_experts": 4}),
+], ids=["dp2", "tp2xdp2", "tp2xdp2-sp-recompute", "dp2xep2-moe", "cp2", "llama-tp2xdp2-offload",
+        "llama-dp2xep2-moe"])
 def test_zero_stages_follow_plain_data_parallelism(corpus, degrees, parallel, model):
     world = degrees.get("tp", 1) * degrees.get("cp", 1) * degrees["dp"]
-    moe = model is not None
+    moe = "moe_experts" in (model or {})
+    offload = {k: v for k, v in parallel.items() if k == "offload_optimizer"}  # ZeRO only
+    parallel = {k: v for k, v in parallel.items() if k not in offload}
     reference = run_on_ranks(world, _rows, corpus, degrees, parallel, model)[0]
     assert reference[-2][0] < reference[0][0] - 0.5  # it learns
     for stage in (1, 2) if moe else (1, 2, 3):
-        rows = run_on_ranks(world, _rows, corpus, degrees, parallel | {"zero": stage}, model)[0]
+        parallel_zero = parallel | offload | {"zero": stage}
+        rows = run_on_ranks(world, _rows, corpus, degrees, parallel_zero, model)[0]
         _assert_same_trajectory(rows, reference)
 
 
