@@ -8,7 +8,8 @@ import tomllib
 
 import pytest
 
-from meshtrain.cli import main
+from meshtrain import config
+from meshtrain.cli import _build_parser, _train_config, as_flags, main
 from meshtrain.config import build_config, flag_fields
 from meshtrain.data import synthetic_corpus
 
@@ -37,6 +38,30 @@ def test_config_file_then_flags(tmp_path):
     assert (cfg.train.steps, cfg.train.lr, cfg.parallel.tp) == (7, 0.25, 1)
     again = build_config(tomllib.loads(cfg.to_toml()), {})
     assert again.to_dict() == cfg.to_dict()  # the resolved config round-trips through TOML
+
+
+def test_degrees_not_given_are_one_and_dp_fills_the_world(corpus):
+    from meshtrain.cli import check_train
+
+    def plan(*flags, world=None):
+        cfg = _train_config(_build_parser().parse_args(
+            ["train", "--device", "cpu", "--data", corpus, "--micro-batch", "2", "--out",
+             "/nonexistent/run", *flags]))
+        return check_train(cfg, config.world_size_of(cfg, world)).degrees
+
+    assert plan("--nproc", "4", "--dp", "4") == {"pp": 1, "dp": 4, "cp": 1, "tp": 1, "ep": 1}
+    assert plan("--nproc", "4", "--tp", "2") == {"pp": 1, "dp": 2, "cp": 1, "tp": 2, "ep": 1}
+    assert plan("--pp", "2", "--tp", "2")["dp"] == 1  # no --nproc: the product of the degrees
+    assert plan() == {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1}  # the default run
+    assert plan(world=8)["dp"] == 8  # under torchrun: its world
+
+
+def test_settings_become_flags_only_in_the_cli():
+    assert as_flags("`pp_schedule` 2bw needs `pp` > 1 and `micro_batch` > 0") == \
+        "--pp-schedule 2bw needs --pp > 1 and --micro-batch > 0"
+    assert as_flags("`model` 'tiny', `config` file, `num_kv_heads`") == \
+        "--model 'tiny', --config file, --num-kv-heads"
+    assert as_flags("`hidden` is no setting") == "hidden is no setting"
 
 
 def _error(capsys, argv) -> str:
