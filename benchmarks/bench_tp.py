@@ -67,6 +67,10 @@ class Shape:
                                    num_heads=self.heads, vocab_size=self.vocab,
                                    max_seq_len=self.seq)
 
+    @property
+    def flop_formula(self) -> str:
+        return FLOP_FORMULA
+
     def flops(self) -> float:
         """Matmul FLOPs of one forward + backward (backward = 2 x forward), as in FLOP_FORMULA."""
         b, s, h, L, V = self.batch, self.seq, self.hidden, self.layers, self.vocab
@@ -637,13 +641,13 @@ def measure(args, shape: Shape, contenders: list[Contender]) -> tuple[list[Resul
 
 
 def main(argv: list[str] | None = None, candidates: list[Contender] | None = None,
-         description: str = __doc__) -> int:
+         description: str = __doc__, shapes: tuple = (FULL, QUICK)) -> int:
     """Parse the flags, time the chosen contenders alternately, print the table. Other
-    benchmarks (bench_zero.py) pass their own `candidates`; bench_pipeline.py reuses
-    `parse_args` and `measure` with a report of its own."""
+    benchmarks (bench_zero.py, bench_llama.py) pass their own `candidates` (and `shapes`: full,
+    quick); bench_pipeline.py reuses `parse_args` and `measure` with a report of its own."""
     args, contenders = parse_args(argv, CONTENDERS if candidates is None else candidates,
                                   description)
-    shape = QUICK if args.quick else FULL
+    shape = shapes[1] if args.quick else shapes[0]
     peak_n = 256 if args.quick else 2048
     # Peaks first, before any rank process exists to compete for the cores.
     peak1, peak2 = matmul_peak(peak_n, 1), matmul_peak(peak_n, 2)
@@ -662,7 +666,7 @@ def report(args, shape: Shape, peak_n: int, peak1: float, peak2: float, results:
           f" processes x 1 thread (dp: b/{WORLD} per rank); single process: 2 threads")
     print(f"schedule: {args.warmup} warmup steps, then {args.rounds} rounds x {args.steps} steps"
           f" per contender, contenders alternating; time = median step (ranked: slowest rank)")
-    print(FLOP_FORMULA)
+    print(shape.flop_formula)
     print(f"  = {flops / 1e9:.2f} GFLOP per step")
     print(f"fp32 matmul peak ({peak_n}^3, best of 5): 1 thread {peak1 / 1e9:.1f} GFLOP/s,"
           f" 2 threads {peak2 / 1e9:.1f} GFLOP/s; ranked contenders are measured against"
