@@ -33,7 +33,7 @@ def layer_activation_formula(*, s: int, b: int, h: int, a: int, tp: int = 1,
                              element_size: int = 2, mask_size: int = 1,
                              dropout: bool = True) -> float:
     """Bytes one transformer layer saves for backward (Korthikanti et al., seed 002 section 5),
-    in the dtype-aware form of TESTING.md: e bytes per activation, mu per dropout-mask element.
+    in a dtype-aware form (docs/design.md): e bytes per activation, mu per dropout-mask element.
 
     No parallelism: sbh(16e + 2mu) + as^2b(2e + mu). TP: the 4e + 2mu of LayerNorm/dropout/
     residual regions stay whole, the rest is divided by t. SP divides everything by t.

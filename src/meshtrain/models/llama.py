@@ -125,9 +125,9 @@ class LlamaConfig(TransformerConfig):
                          element_size: int = 2, mask_size: int = 1,
                          dropout: bool = True) -> float:
         """Bytes one transformer layer saves for backward with the eager attention core,
-        counted from what this implementation saves (TESTING.md's dtype-aware form, e bytes per
-        activation, mu per dropout-mask element; the s x s causal mask and the rotary tables are
-        left out):
+        counted from what this implementation saves (the dtype-aware form of docs/design.md: e
+        bytes per activation, mu per dropout-mask element; the s x s causal mask and the rotary
+        tables are left out):
 
         - replicated: both norms' inputs and outputs 4sbh e, their fp32 1/rms 8sb, residual
           dropout masks 2sbh mu (split by t under sequence parallelism);
