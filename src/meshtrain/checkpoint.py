@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from meshtrain.mesh import ParallelMesh
-from meshtrain.models import TransformerConfig, family_of
+from meshtrain.models import TransformerConfig, config_from_dict, family_of
 from meshtrain.parallel import comm
 from meshtrain.parallel.sharding import (
     Shard,
@@ -113,11 +113,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
     first step); ZeRO gathers its shards into these before calling. `previous`: the weight
     version before `values` (PipeDream-2BW's in-flight micro-batches use it)."""
     root = Path(root)
-    final = step_dir(root, step)
-    version = 1
-    while final.exists():  # a step saved again gets a new name: nothing existing is touched
-        final, version = root / f"{step_dir(root, step).name}.{version}", version + 1
-    tmp = root / f".tmp_step_{step:08d}"
+    final, tmp = _free_step_dir(root, step), root / f".tmp_step_{step:08d}"
 
     def make_tmp():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,6 +158,14 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
         os.replace(root / ".latest.tmp", root / "latest")
 
     _on_every_rank_or_none(publish if mesh.rank == 0 else None, mesh, "publishing " + final.name)
+    return final
+
+
+def _free_step_dir(root: Path, step: int) -> Path:
+    """`step_NNNNNNNN`, or `step_NNNNNNNN.k` when saved again: nothing existing is touched."""
+    final, version = step_dir(root, step), 1
+    while final.exists():
+        final, version = root / f"{step_dir(root, step).name}.{version}", version + 1
     return final
 
 
@@ -237,19 +241,28 @@ def read_manifest(path: str | Path, cfg: TransformerConfig | None = None) -> dic
                                   " earlier checkpoint")
     manifest.setdefault("family", "gpt")
     if cfg is not None:
-        family = family_of(cfg).name
-        if manifest["family"] != family:
-            raise CheckpointError(f"checkpoint {path} holds a {manifest['family']} model, not a"
-                                  f" {family}: choose a {manifest['family']} `model` preset to"
-                                  " load it")
-        saved = manifest["model"]
-        for key in cfg.SHAPE_FIELDS:
-            if saved.get(key) != getattr(cfg, key):
-                raise CheckpointError(
-                    f"checkpoint {path} is from a different model shape: {key} {saved.get(key)}"
-                    f" there vs {getattr(cfg, key)} here; use the model settings it was trained"
-                    " with")
+        _check_model(path, manifest, cfg)
     return manifest
+
+
+def _check_model(path: Path, manifest: dict, cfg: TransformerConfig) -> None:
+    """The checkpoint holds a model of `cfg`'s family and tensor shapes."""
+    family = family_of(cfg).name
+    if manifest["family"] != family:
+        raise CheckpointError(f"checkpoint {path} holds a {manifest['family']} model, not a"
+                              f" {family}: choose a {manifest['family']} `model` preset to"
+                              " load it")
+    try:
+        saved = config_from_dict(family, manifest["model"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: its model settings do not load ({e})") \
+            from None
+    for key in cfg.SHAPE_FIELDS:
+        if getattr(saved, key) != getattr(cfg, key):
+            raise CheckpointError(
+                f"checkpoint {path} is from a different model shape: {key} {getattr(saved, key)}"
+                f" there vs {getattr(cfg, key)} here; use the model settings it was trained"
+                " with")
 
 
 class _Reader:

@@ -265,8 +265,6 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
     return value
 
 
-
-
 def world_size_of(cfg: RunConfig, env_world: int | None) -> int:
     """Ranks this run uses: torchrun's world, else --nproc, else the product of the degrees."""
     p = cfg.parallel

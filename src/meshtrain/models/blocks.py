@@ -133,16 +133,27 @@ def rope_frequencies(head_dim: int, *, theta: float, scaling: dict | None = None
 class Rotary(nn.Module):
     """Rotary position embedding in the half-split convention (`rotate_half`: dimension i pairs
     with i + d/2), rotating each token by its true position, so context parallelism's
-    load-balanced chunks get the right angles."""
+    load-balanced chunks get the right angles.
+
+    The frequencies stay fp32 whatever dtype the model is cast to (a bf16 copy would misplace
+    position 8191 by radians); they are kept per device, not as a buffer, for that reason.
+    """
 
     def __init__(self, inv_freq: torch.Tensor):
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._inv_freq = {inv_freq.device: inv_freq.float()}
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 angles `[s, d]` of the tokens at `positions` `[s]`."""
+        device = positions.device
+        if device not in self._inv_freq:
+            self._inv_freq[device] = next(iter(self._inv_freq.values())).to(device)
+        angles = positions.float()[:, None] * self._inv_freq[device][None, :]
+        return torch.cat([angles, angles], dim=-1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x `[b, heads, s, d]`, positions `[s]`."""
-        angles = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)  # [s, d]
+        angles = self.angles(positions.to(x.device))
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         first, second = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-second, first], dim=-1) * sin

@@ -53,9 +53,10 @@ class TransformerConfig(ABC):
     """Weight of the router z-loss (mean squared log-sum-exp of router logits)."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
-        "num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len",
-        "ffn_hidden_size", "moe_experts", "moe_every")
-    """Fields a checkpoint's tensors depend on: they must match to load it."""
+        "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
+        "moe_every")
+    """What a checkpoint's tensors depend on (fields or their resolved properties): they must
+    match to load it."""
 
     @property
     def ffn_size(self) -> int:
@@ -123,13 +124,41 @@ class TransformerConfig(ABC):
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @abstractmethod
-    def num_parameters(self) -> int:
-        """Every parameter, each tied one once."""
+    def attention_parameters(self, *, weights_only: bool = False) -> int:
+        """Parameters of one attention (`weights_only`: its matrices, without biases)."""
 
     @abstractmethod
+    def mlp_parameters(self, *, weights_only: bool = False) -> int:
+        """Parameters of one dense MLP, which is also one expert's."""
+
+    @abstractmethod
+    def other_parameters(self) -> int:
+        """Everything outside the attentions and MLPs: embeddings, norms, an untied head."""
+
+    @abstractmethod
+    def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
+                         sequence_parallel: bool = False, recompute: str = "none",
+                         element_size: int = 2, mask_size: int = 1,
+                         dropout: bool = True) -> float:
+        """Bytes one transformer layer saves for backward (checked against measurement)."""
+
+    def num_parameters(self) -> int:
+        """Every parameter, each tied one once (an MoE layer adds a router [E, h] and E - 1
+        more MLPs)."""
+        h, experts = self.hidden_size, self.moe_experts
+        per_layer = self.attention_parameters() + self.mlp_parameters()
+        routed = self.num_moe_layers() * (experts * h + (experts - 1) * self.mlp_parameters())
+        return self.other_parameters() + self.num_layers * per_layer + routed
+
     def matmul_parameters_per_token(self) -> int:
-        """Weights one token is multiplied with (the active experts only; the input embedding
-        is a lookup, the output layer counts)."""
+        """Weights one token is multiplied with: each layer's attention and MLP matrices (on
+        MoE layers the router and top-k experts' only), and the output layer (the input
+        embedding is a lookup)."""
+        h, moe = self.hidden_size, self.num_moe_layers()
+        mlp = self.mlp_parameters(weights_only=True)
+        layers = self.num_layers * self.attention_parameters(weights_only=True) \
+            + (self.num_layers - moe) * mlp + moe * (self.moe_top_k * mlp + h * self.moe_experts)
+        return layers + self.vocab_size * h
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs to train on one token (forward and backward, no recomputation), in the

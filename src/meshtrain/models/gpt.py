@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import nn
 
@@ -35,19 +36,22 @@ class GPTConfig(TransformerConfig):
 
     layernorm_eps: float = 1e-5
 
-    def num_parameters(self) -> int:
-        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size
-        mlp = (h * f + f) + (f * h + h)
-        per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + mlp
-        moe_extra = self.num_moe_layers() * (self.moe_experts * h + (self.moe_experts - 1) * mlp)
-        return v * h + self.max_seq_len * h + self.num_layers * per_layer + 2 * h + moe_extra
+    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = TransformerConfig.SHAPE_FIELDS + ("max_seq_len",)
+    """The learned position table has max_seq_len rows."""
 
-    def matmul_parameters_per_token(self) -> int:
+    def attention_parameters(self, *, weights_only: bool = False) -> int:
+        h = self.hidden_size
+        return 4 * h * h + (0 if weights_only else 4 * h)  # fused QKV and output projection
+
+    def mlp_parameters(self, *, weights_only: bool = False) -> int:
         h, f = self.hidden_size, self.ffn_size
-        mlp, moe = 2 * h * f, self.num_moe_layers()
-        active_mlp = (self.num_layers - moe) * mlp + moe * (self.moe_top_k * mlp
-                                                             + h * self.moe_experts)
-        return self.num_layers * 4 * h * h + active_mlp + self.vocab_size * h
+        return 2 * h * f + (0 if weights_only else f + h)
+
+    def other_parameters(self) -> int:
+        """Token and position tables; two LayerNorms a layer and the final one (weight and
+        bias); the output layer is the token table."""
+        h = self.hidden_size
+        return (self.vocab_size + self.max_seq_len) * h + self.num_layers * 4 * h + 2 * h
 
     def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
@@ -112,7 +116,8 @@ class GPT(CausalLM):
         h, std = cfg.hidden_size, cfg.init_std
         out_std = std / math.sqrt(2 * cfg.num_layers)
         ln1 = factory.norm(nn.LayerNorm(h, eps=cfg.layernorm_eps))
-        attn = Attention(factory.column(init_linear(h, 3 * h, std, gen), blocks=3),
+        attn = Attention(factory.column(init_linear(h, 3 * h, std, gen), blocks=3,
+                                        heads=cfg.num_heads),
                          factory.row(init_linear(h, h, out_std, gen)),
                          factory.attention_core(dropout=cfg.dropout,
                                                 eager=cfg.attention == "eager"),

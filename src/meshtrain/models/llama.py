@@ -57,7 +57,8 @@ class LlamaConfig(TransformerConfig):
     """Llama 3.2 ties the output layer to the embedding; Llama 2 and 3 do not."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = TransformerConfig.SHAPE_FIELDS + (
-        "num_kv_heads", "tie_word_embeddings")
+        "kv_heads", "tie_embeddings")
+    """No max_seq_len: rotary positions have no table, so a run may resume with longer ones."""
 
     @property
     def ffn_size(self) -> int:
@@ -89,36 +90,32 @@ class LlamaConfig(TransformerConfig):
             raise ValueError(f"rotary embeddings need an even head dimension, got hidden"
                              f" {self.hidden_size} / {self.num_heads} heads = {self.head_dim}")
         if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+            raise ValueError(f"`rope_theta` must be positive, got {self.rope_theta}")
         if self.rope_scaling not in (None, "llama3"):
-            raise ValueError(f"rope_scaling {self.rope_scaling!r} is not implemented: meshtrain"
+            raise ValueError(f"`rope_scaling` {self.rope_scaling!r} is not implemented: meshtrain"
                              " has none and llama3")
 
     def validate_for_tp(self, tp: int) -> None:
         super().validate_for_tp(tp)
         kv = self.kv_heads
         if kv % tp and tp % kv:
-            raise ValueError(f"the key/value heads ({kv}) and tp ({tp}) must divide one another:"
+            raise ValueError(f"the key/value heads ({kv}) and `tp` ({tp}) must divide one another:"
                              f" each rank holds kv/tp whole heads, or each head is shared by"
                              f" tp/kv ranks; choose a tp that divides {kv} or a multiple of it")
 
-    def num_parameters(self) -> int:
-        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size
-        attention = h * self.num_heads * self.head_dim * 2 + 2 * h * self.kv_heads * self.head_dim
-        mlp = 3 * h * f
-        moe_extra = self.num_moe_layers() * (self.moe_experts * h + (self.moe_experts - 1) * mlp)
-        per_layer = 2 * h + attention + mlp
+    def attention_parameters(self, *, weights_only: bool = False) -> int:
+        """q and output projections of all heads, k and v of the key/value heads; no biases."""
+        h, d = self.hidden_size, self.head_dim
+        return 2 * h * self.num_heads * d + 2 * h * self.kv_heads * d
+
+    def mlp_parameters(self, *, weights_only: bool = False) -> int:
+        return 3 * self.hidden_size * self.ffn_size  # gate, up, down
+
+    def other_parameters(self) -> int:
+        """Token table, untied output layer, two RMSNorms a layer and the final one."""
+        h, v = self.hidden_size, self.vocab_size
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + head + self.num_layers * per_layer + h + moe_extra
-
-    def matmul_parameters_per_token(self) -> int:
-        h, f = self.hidden_size, self.ffn_size
-        attention = h * self.num_heads * self.head_dim * 2 + 2 * h * self.kv_heads * self.head_dim
-        mlp, moe = 3 * h * f, self.num_moe_layers()
-        active_mlp = (self.num_layers - moe) * mlp + moe * (self.moe_top_k * mlp
-                                                             + h * self.moe_experts)
-        return self.num_layers * attention + active_mlp + self.vocab_size * h
-
+        return v * h + head + self.num_layers * 2 * h + h
 
     def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
@@ -198,11 +195,11 @@ class Llama(CausalLM):
     def build_block(self, seed: int, index: int) -> nn.Module:
         cfg, factory, gen = self.cfg, self.factory, generator(seed, 1 + index)
         h, d, std = cfg.hidden_size, cfg.head_dim, cfg.init_std
-        tp = self.mesh.tp.size
         qkv = factory.column_group(
-            q=factory.column(init_linear(h, cfg.num_heads * d, std, gen, bias=False)),
+            q=factory.column(init_linear(h, cfg.num_heads * d, std, gen, bias=False),
+                             heads=cfg.num_heads),
             kv=factory.column(init_linear(h, 2 * cfg.kv_heads * d, std, gen, bias=False),
-                              blocks=2, replicas=max(1, tp // cfg.kv_heads)))
+                              blocks=2, heads=cfg.kv_heads))
         proj = factory.row(init_linear(cfg.num_heads * d, h, self._out_std, gen, bias=False))
         core = factory.attention_core(dropout=cfg.dropout, eager=cfg.attention == "eager")
         rotary = Rotary(rope_frequencies(d, theta=cfg.rope_theta, scaling=cfg.rope))

@@ -133,11 +133,16 @@ class PipelineExecutor(LocalExecutor):
             num_chunks=len(self.model.stage.chunks), num_micro_batches=m,
             before_backward=lambda i: sync.before_backward(i % m == m - 1),
             loss_scale=loss_scale, count_saved_of=count, timeline=timeline, **schedule_options)
-        loss_sum = torch.zeros((), device=self.mesh.device)
-        for loss in self.last_run.losses:
-            loss_sum += loss.float()
-        comm.all_reduce(loss_sum, self.mesh.pp)  # only the last stage has the loss
-        return StepResult(loss_sum, routing)
+        return StepResult(self._summed(self.last_run.losses), routing)
+
+    def _summed(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The last stage's per-micro-batch losses (each already / m), summed and shared with
+        every stage."""
+        total = torch.zeros((), device=self.mesh.device)
+        for loss in losses:
+            total += loss.float()
+        comm.all_reduce(total, self.mesh.pp)
+        return total
 
     def forward_backward(self, step, batches, sync, *, loss_scale, timeline=None) -> StepResult:
         micro_batches = self.local_slices(batches(step))
@@ -154,11 +159,7 @@ class PipelineExecutor(LocalExecutor):
                            activation_shape=self.activation_shape,
                            dtype=next(self.model.parameters()).dtype,
                            num_chunks=len(self.model.stage.chunks))
-        total = torch.zeros((), device=self.mesh.device)
-        for loss in run.losses:
-            total += loss.float()
-        comm.all_reduce(total, self.mesh.pp)
-        return total
+        return self._summed(run.losses)
 
 
 class PipeDreamExecutor(PipelineExecutor):

@@ -39,10 +39,11 @@ class LayerFactory(ABC):
     mesh: ParallelMesh
 
     @abstractmethod
-    def column(self, dense: nn.Linear, *, blocks: int = 1, replicas: int = 1) -> nn.Module:
+    def column(self, dense: nn.Linear, *, blocks: int = 1, heads: int | None = None) -> nn.Module:
         """A linear layer whose output features are split (attention heads, MLP width); its
         input is the hidden states. `blocks`: equal blocks split separately (q, k, v of a
-        fused projection); `replicas`: consecutive ranks sharing a part (grouped KV heads)."""
+        fused projection); `heads`: how many attention heads each block holds, never to be cut
+        (grouped key/value heads fewer than the ranks are shared instead)."""
 
     @abstractmethod
     def column_group(self, **layers: nn.Module) -> nn.Module:
@@ -118,7 +119,9 @@ class Megatron1D(LayerFactory):
         self.cp_mode = plan.cp_mode
         self.recompute, self.recompute_layers = plan.recompute, plan.recompute_layers
 
-    def column(self, dense: nn.Linear, *, blocks: int = 1, replicas: int = 1) -> nn.Module:
+    def column(self, dense: nn.Linear, *, blocks: int = 1, heads: int | None = None) -> nn.Module:
+        # heads fewer than the TP ranks: each is held whole by tp / heads consecutive ranks
+        replicas = max(1, self.mesh.tp.size // heads) if heads else 1
         return ColumnParallelLinear.from_dense(dense, mesh=self.mesh, output_blocks=blocks,
                                                sequence_parallel=self.sequence_parallel,
                                                replicas=replicas)

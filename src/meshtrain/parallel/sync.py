@@ -35,6 +35,7 @@ class GradientSync(ABC):
     pieces under ZeRO), to unscale and clip in place; `step(lr)`."""
 
     optimizer: torch.optim.Optimizer
+    reducers: list  # GradientReducer or ZeroDataParallel: dense parameters, then experts
     sharded: bool
     """Whether data-parallel ranks hold different pieces of each gradient (clipping sums the
     squares over them)."""
@@ -43,11 +44,13 @@ class GradientSync(ABC):
         self.model, self.mesh, self.partial = model, mesh, partial
         self.names = {id(p): name for name, p in model.named_parameters()}
 
-    @abstractmethod
-    def zero_grad(self) -> None: ...
+    def zero_grad(self) -> None:
+        for reducer in self.reducers:
+            reducer.zero_grad()
 
-    @abstractmethod
-    def before_backward(self, last: bool) -> None: ...
+    def before_backward(self, last: bool) -> None:
+        for reducer in self.reducers:
+            reducer.sync = last  # ZeRO-1 and plain reducers communicate on the last only
 
     @abstractmethod
     def wait(self) -> dict[int, torch.Tensor]: ...
@@ -113,14 +116,6 @@ class ReplicatedSync(GradientSync):
         self.write_back = write_back
         self.optimizer = build_adamw(self.masters.params if self.masters else params, lr=lr,
                                      weight_decay=weight_decay)
-
-    def zero_grad(self) -> None:
-        for reducer in self.reducers:
-            reducer.zero_grad()
-
-    def before_backward(self, last: bool) -> None:
-        for reducer in self.reducers:
-            reducer.sync = last  # communicate once per step
 
     def grads(self) -> dict[int, torch.Tensor]:
         return {id(p): reducer.grad(p) for reducer in self.reducers for p in reducer.params}
@@ -205,14 +200,6 @@ class ZeroSync(GradientSync):
         self.optimizer = build_adamw([piece for _, piece in pieces], lr=lr,
                                      weight_decay=weight_decay,
                                      no_decay={id(piece) for p, piece in pieces if p.dim() < 2})
-
-    def zero_grad(self) -> None:
-        for reducer in self.reducers:
-            reducer.zero_grad()
-
-    def before_backward(self, last: bool) -> None:
-        for reducer in self.reducers:
-            reducer.sync = last
 
     def wait(self) -> dict[int, torch.Tensor]:
         for reducer in self.reducers:

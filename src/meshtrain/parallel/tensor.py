@@ -180,6 +180,9 @@ class ColumnParallelLinear(_TensorParallelModule):
         super().__init__()
         self.tp_axis = _tp_axis(mesh)
         self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
+        if replicas < 1 or self.tp_axis.size % replicas:
+            raise ValueError(f"ColumnParallelLinear replicas ({replicas}) must divide tp"
+                             f" ({self.tp_axis.size})")
         shard = Shard(0, out_features, out_features, output_blocks, replicas)
         parts = shard.parts(self.tp_axis.size)
         _check_divisible("ColumnParallelLinear out_features", out_features, parts, output_blocks)
