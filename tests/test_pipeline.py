@@ -92,6 +92,7 @@ def test_pipeline_matches_single_process(corpus, tp, pp, world, schedule):
 @pytest.mark.parametrize("tp,pp,world,schedule,model", [
     (1, 2, 2, "gpipe", LLAMA), (2, 2, 4, "1f1b", LLAMA), (1, 4, 4, "1f1b", LLAMA),
     (1, 2, 2, "1f1b", LLAMA | {"tie_word_embeddings": True}),  # Llama 3.2: tied copies synced
+    (2, 2, 4, "1f1b", LLAMA | {"num_kv_heads": 1}),  # one key/value head on both TP ranks
     (1, 2, 2, "interleaved", LLAMA | {"tie_word_embeddings": True}),
 ], ids=lambda v: str(v))
 def test_llama_pipeline_matches_single_process(corpus, tp, pp, world, schedule, model):

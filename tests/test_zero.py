@@ -51,10 +51,11 @@ def _assert_same_trajectory(rows, reference, rel=1e-4, norm_rel=None):
     ({"tp": 2, "dp": 2}, {"sequence_parallel": True, "recompute": "full"}, None),
     ({"dp": 2, "ep": 2}, {"ep": 2}, {"moe_experts": 4}),
     ({"cp": 2, "dp": 1}, {"cp": 2}, None),
-    ({"tp": 2, "dp": 2}, {"offload_optimizer": "cpu"}, LLAMA),
+    # one key/value head shared by both TP ranks: pieces summed over them, counted once
+    ({"tp": 2, "dp": 2}, {"offload_optimizer": "cpu"}, LLAMA | {"num_kv_heads": 1}),
     ({"dp": 2, "ep": 2}, {"ep": 2}, LLAMA | {"moe_experts": 4}),
-], ids=["dp2", "tp2xdp2", "tp2xdp2-sp-recompute", "dp2xep2-moe", "cp2", "llama-tp2xdp2-offload",
-        "llama-dp2xep2-moe"])
+], ids=["dp2", "tp2xdp2", "tp2xdp2-sp-recompute", "dp2xep2-moe", "cp2",
+        "llama-tp2xdp2-shared-kv-offload", "llama-dp2xep2-moe"])
 def test_zero_stages_follow_plain_data_parallelism(corpus, degrees, parallel, model):
     world = degrees.get("tp", 1) * degrees.get("cp", 1) * degrees["dp"]
     moe = "moe_experts" in (model or {})
