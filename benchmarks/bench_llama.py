@@ -24,7 +24,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_tp import WORLD, Contender, Step, main, make_batch, training_step
+from bench_tp import (
+    WORLD,
+    Contender,
+    MeshtrainTP,
+    SingleProcess,
+    Step,
+    main,
+    make_batch,
+    training_step,
+)
 from torch import nn
 
 import meshtrain
@@ -67,37 +76,6 @@ class LlamaShape:
 
 FULL = LlamaShape(layers=4, hidden=512, heads=8, kv_heads=4, seq=256, vocab=8192, batch=8)
 QUICK = LlamaShape(layers=2, hidden=64, heads=4, kv_heads=2, seq=32, vocab=256, batch=2)
-
-
-def _meshtrain_step(shape: LlamaShape, mesh: meshtrain.ParallelMesh) -> Step:
-    model = meshtrain.Llama(shape.config(), mesh=mesh, seed=0)
-    ids, targets = make_batch(shape)
-
-    def forward_backward() -> torch.Tensor:
-        loss = model.loss(model(ids), targets)
-        loss.backward()
-        return loss.detach()
-
-    return training_step(model.parameters(), forward_backward)
-
-
-class MeshtrainTP(Contender):
-    name = "meshtrain Llama tp=2"
-    key = "meshtrain-tp2"
-    ranks = WORLD
-
-    def build(self, shape: LlamaShape) -> Step:
-        return _meshtrain_step(shape, meshtrain.init_parallel(tp=WORLD, device="cpu"))
-
-
-class SingleProcess(Contender):
-    name = "single process (meshtrain dense)"
-    key = "single"
-    ranks = 1
-    reference = True
-
-    def build(self, shape: LlamaShape) -> Step:
-        return _meshtrain_step(shape, meshtrain.ParallelMesh.local())
 
 
 # -------------------------------------------------------------------------------------------
@@ -217,7 +195,8 @@ class DTensorTP(Contender):
         return training_step(model.parameters(), forward_backward)
 
 
-CONTENDERS: list[Contender] = [MeshtrainTP(), DTensorTP(), SingleProcess()]
+CONTENDERS: list[Contender] = [MeshtrainTP(), DTensorTP(), SingleProcess()]  # (bench_tp's
+# meshtrain contenders build the shape's family)
 
 if __name__ == "__main__":
     assert not dist.is_initialized()

@@ -41,6 +41,7 @@ from rank_messages import collect, stop_workers
 from torch import nn
 
 import meshtrain
+from meshtrain.models import family_of
 from meshtrain.parallel.data import GradientReducer
 
 WORLD = 2
@@ -152,7 +153,9 @@ class Contender:
 # -------------------------------------------------------------------------------------------
 
 def _meshtrain_step(shape: Shape, mesh: meshtrain.ParallelMesh) -> Step:
-    model = meshtrain.GPT(shape.config(), mesh=mesh, seed=0)
+    """The shape's model (any family: bench_llama.py shares these contenders) at seed 0."""
+    cfg = shape.config()
+    model = family_of(cfg).model(cfg, mesh=mesh, seed=0)
     ids, targets = make_batch(shape)
 
     def forward_backward() -> torch.Tensor:

@@ -18,6 +18,8 @@ import os
 import queue
 import re
 import socket
+import subprocess
+import sys
 import time
 import traceback
 
@@ -151,3 +153,13 @@ def dense_reference(cfg, vocab_size: int = 256):
 
     model_cfg = cfg.model_config(vocab_size)
     return family_of(model_cfg).model(model_cfg, mesh=ParallelMesh.local(), seed=cfg.train.seed)
+
+
+def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m meshtrain ARGS` in a subprocess (one thread per rank it spawns)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True,
+                            text=True, timeout=240, env=env)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result

@@ -1,12 +1,10 @@
 """The `meshtrain` command: help, config precedence, bad input, and a real multi-rank run."""
 
 import json
-import os
-import subprocess
-import sys
 import tomllib
 
 import pytest
+from harness import run_cli
 
 from meshtrain import config
 from meshtrain.cli import _build_parser, _train_config, as_flags, main
@@ -163,21 +161,12 @@ def test_bad_files_are_one_line(capsys, tmp_path):
                                                             "--config", str(unknown)])
 
 
-def _run_cli(*args, check=True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True,
-                            text=True, timeout=240, env=env)
-    if check:
-        assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
 def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     common = ["--device", "cpu", "--data", corpus, "--seq-len", "32", "--global-batch", "4",
               "--micro-batch", "2",
               "--steps", "6", "--eval-every", "3", "--out", str(out)]
-    _run_cli("train", "--nproc", "2", "--tp", "2", "--stop-at", "3", *common)
+    run_cli("train", "--nproc", "2", "--tp", "2", "--stop-at", "3", *common)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
@@ -187,12 +176,12 @@ def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     assert saved["parallel"]["tp"] == 2 and saved["train"]["steps"] == 6
 
     # An earlier run in --out without --resume is refused, before any rank starts.
-    refused = _run_cli("train", "--nproc", "2", *common, check=False)
+    refused = run_cli("train", "--nproc", "2", *common, check=False)
     assert refused.returncode == 2 and "holds an earlier run" in refused.stderr
     assert "Traceback" not in refused.stderr
 
     # Resume at another layout (dp=2 instead of tp=2) and finish.
-    _run_cli("train", "--nproc", "2", "--tp", "1", "--resume", *common)
+    run_cli("train", "--nproc", "2", "--tp", "1", "--resume", *common)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
@@ -200,12 +189,12 @@ def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
     assert main(["export", str(out), "--out", str(tmp_path / "model.safetensors")]) == 0
     assert (tmp_path / "model.safetensors").stat().st_size > 0
-    sample = _run_cli("sample", str(out), "--prompt", "the ", "--max-new-tokens", "12",
+    sample = run_cli("sample", str(out), "--prompt", "the ", "--max-new-tokens", "12",
                       "--device", "cpu")
     assert sample.stdout.startswith("the ") and len(sample.stdout) >= 12
 
     (latest / "rank_00000.safetensors").write_bytes(b"garbage")
-    corrupt = _run_cli("train", "--nproc", "2", "--resume", *common[:-2], "--steps", "8",
+    corrupt = run_cli("train", "--nproc", "2", "--resume", *common[:-2], "--steps", "8",
                        "--out", str(out), check=False)
     assert corrupt.returncode == 2 and "corrupt or truncated" in corrupt.stderr
     assert "Traceback" not in corrupt.stderr and len(corrupt.stderr.strip().splitlines()) == 1
@@ -216,7 +205,7 @@ def test_trace_writes_the_pipeline_timeline(corpus, tmp_path):
     common = ["--device", "cpu", "--data", corpus, "--seq-len", "16", "--global-batch", "4",
               "--micro-batch", "2", "--steps", "2", "--eval-every", "0", "--tp", "1",
               "--trace", str(tmp_path / "trace")]
-    result = _run_cli("train", "--nproc", "2", "--pp", "2", "--out", str(tmp_path / "pp"),
+    result = run_cli("train", "--nproc", "2", "--pp", "2", "--out", str(tmp_path / "pp"),
                       *common)
     assert "pipeline timeline of step 2" in result.stderr
     trace = json.loads((tmp_path / "trace" / "pipeline.json").read_text())
@@ -225,7 +214,7 @@ def test_trace_writes_the_pipeline_timeline(corpus, tmp_path):
     idle = json.loads((tmp_path / "trace" / "pipeline_idle.json").read_text())
     assert [r["stage"] for r in idle["stages"]] == [0, 1]
     # without a pipeline: a notice, no files
-    result = _run_cli("train", "--nproc", "1", "--out", str(tmp_path / "dense"), *common[:-1],
+    result = run_cli("train", "--nproc", "1", "--out", str(tmp_path / "dense"), *common[:-1],
                       str(tmp_path / "dense_trace"))
     assert "with --pp 1 it writes nothing" in result.stderr
     assert not (tmp_path / "dense_trace").exists()

@@ -4,14 +4,11 @@ checkpoints that reshard, the family check on load, and the command line."""
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
+from harness import LLAMA, raises_as_flags, run_cli, run_on_ranks, worker_mesh
 
 from meshtrain import Llama, ParallelMesh, preset
 from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
@@ -199,29 +196,20 @@ def test_checkpoints_record_the_family_and_compare_shapes(corpus, tmp_path):
         read_manifest(path, dataclasses.replace(saved, num_kv_heads=None))
 
 
-def _cli(*args, check=True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True,
-                            text=True, timeout=240, env=env)
-    if check:
-        assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
 def test_command_line_trains_resumes_exports_and_samples(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     common = ["--model", "llama-tiny", "--device", "cpu", "--data", corpus, "--seq-len", "32",
               "--global-batch", "4", "--micro-batch", "2", "--steps", "4", "--eval-every", "2",
               "--out", str(out)]
-    _cli("train", "--nproc", "2", "--tp", "2", "--stop-at", "2", *common)
-    _cli("train", "--nproc", "2", "--pp", "2", "--resume", *common)  # tp 2 -> pp 2
+    run_cli("train", "--nproc", "2", "--tp", "2", "--stop-at", "2", *common)
+    run_cli("train", "--nproc", "2", "--pp", "2", "--resume", *common)  # tp 2 -> pp 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     assert main(["export", str(out), "--out", str(tmp_path / "llama.safetensors")]) == 0
-    sample = _cli("sample", str(out), "--prompt", "the ", "--max-new-tokens", "8",
+    sample = run_cli("sample", str(out), "--prompt", "the ", "--max-new-tokens", "8",
                   "--nproc", "2", "--tp", "2", "--device", "cpu")  # logits gathered over tp
     assert sample.stdout.startswith("the ")
-    wrong = _cli("train", "--nproc", "2", "--resume", *common[2:], "--steps", "6", check=False)
+    wrong = run_cli("train", "--nproc", "2", "--resume", *common[2:], "--steps", "6", check=False)
     assert wrong.returncode == 2 and "holds a llama model, not a gpt" in wrong.stderr
     assert len(wrong.stderr.strip().splitlines()) == 1
     foreign = main(["train", "--model", "tiny", "--num-kv-heads", "2", "--device", "cpu",
