@@ -30,9 +30,8 @@ from bench_tp import (
     MeshtrainTP,
     SingleProcess,
     Step,
+    dtensor_tp_step,
     main,
-    make_batch,
-    training_step,
 )
 from torch import nn
 
@@ -164,35 +163,10 @@ class DTensorTP(Contender):
     ranks = WORLD
 
     def build(self, shape: LlamaShape) -> Step:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            loss_parallel,
-            parallelize_module,
-        )
-
         model = DenseLlama(shape)
         model.load_meshtrain_(dense_weights(shape))
-        plan = {"wte": RowwiseParallel(input_layouts=Replicate()),  # vocab-split embedding
-                "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
-                                           use_local_output=False)}  # for loss_parallel
-        for i in range(shape.layers):
-            plan |= {f"blocks.{i}.{name}": ColwiseParallel()
-                     for name in ("q", "k", "v", "gate", "up")}
-            plan |= {f"blocks.{i}.{name}": RowwiseParallel() for name in ("o", "down")}
-        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), plan)
-        ids, targets = make_batch(shape)
-
-        def forward_backward() -> torch.Tensor:
-            with loss_parallel():  # backward must run inside it too
-                logits = model(ids)
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                loss.backward()
-            return loss.detach().to_local()
-
-        return training_step(model.parameters(), forward_backward)
+        return dtensor_tp_step(model, shape, column=("q", "k", "v", "gate", "up"),
+                               row=("o", "down"), tied=False)
 
 
 CONTENDERS: list[Contender] = [MeshtrainTP(), DTensorTP(), SingleProcess()]  # (bench_tp's

@@ -246,46 +246,54 @@ class DenseGPT(nn.Module):
         self.load_state_dict(state)
 
 
+def dtensor_tp_step(model: nn.Module, shape, *, column: tuple[str, ...], row: tuple[str, ...],
+                    tied: bool) -> Step:
+    """A dense model (`wte`, `blocks.<i>.<name>`, `lm_head`) under PyTorch DTensor tensor
+    parallelism: `column` layers of every block Colwise, `row` layers Rowwise, the embedding and
+    the head split over the vocabulary, the loss computed by `loss_parallel`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "wte": RowwiseParallel(input_layouts=Replicate()),  # vocab-split embedding
+        # Vocab-split head; its logits stay a Shard(-1) DTensor for loss_parallel.
+        "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                   use_local_output=False),
+    }
+    for i in range(shape.layers):
+        plan |= {f"blocks.{i}.{name}": ColwiseParallel() for name in column}
+        plan |= {f"blocks.{i}.{name}": RowwiseParallel() for name in row}
+    parallelize_module(model, init_device_mesh("cpu", (WORLD,)), plan)
+    if tied:  # parallelize_module gives the head a Parameter of its own; the embedding and
+        model.lm_head.weight = model.wte.weight  # the head are both Shard(0): tying is exact
+    ids, targets = make_batch(shape)
+
+    def forward_backward() -> torch.Tensor:
+        with loss_parallel():  # backward must run inside it too
+            logits = model(ids)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss.backward()
+        return loss.detach().to_local()
+
+    return training_step(model.parameters(), forward_backward)
+
+
 class DTensorTP(Contender):
     name = "PyTorch DTensor tp=2"
     key = "dtensor-tp2"
     ranks = WORLD
 
     def build(self, shape: Shape) -> Step:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            loss_parallel,
-            parallelize_module,
-        )
-
         model = DenseGPT(shape)
         model.load_meshtrain_(dense_weights(shape))
-        plan = {
-            "wte": RowwiseParallel(input_layouts=Replicate()),  # vocab-split embedding
-            # Vocab-split head; its logits stay a Shard(-1) DTensor for loss_parallel.
-            "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
-                                       use_local_output=False),
-        }
-        for i in range(shape.layers):
-            plan |= {f"blocks.{i}.{name}": ColwiseParallel() for name in ("q", "k", "v", "fc")}
-            plan |= {f"blocks.{i}.{name}": RowwiseParallel() for name in ("proj", "fc_proj")}
-        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), plan)
-        # parallelize_module gives the head a Parameter of its own; the embedding and the head
-        # are both Shard(0) over the vocabulary, so tying them again is exact.
-        model.lm_head.weight = model.wte.weight
-        ids, targets = make_batch(shape)
-
-        def forward_backward() -> torch.Tensor:
-            with loss_parallel():  # backward must run inside it too
-                logits = model(ids)
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                loss.backward()
-            return loss.detach().to_local()
-
-        return training_step(model.parameters(), forward_backward)
+        return dtensor_tp_step(model, shape, column=("q", "k", "v", "fc"),
+                               row=("proj", "fc_proj"), tied=True)
 
 
 # -------------------------------------------------------------------------------------------
