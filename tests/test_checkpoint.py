@@ -12,6 +12,7 @@ from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from meshtrain.config import build_config
 from meshtrain.data import synthetic_corpus
+from meshtrain.model_files import export_safetensors
 from meshtrain.parallel import named_full_tensors
 from meshtrain.train import Trainer
 
@@ -145,7 +146,7 @@ def test_other_model_shape_is_rejected(saved_run):
 def test_export_writes_the_full_unpadded_model(saved_run, tmp_path):
     _, path, params = saved_run
     out = tmp_path / "model.safetensors"
-    assert ckpt.export_safetensors(path, out) == len(params)
+    assert export_safetensors(path, out) == len(params)
     exported = load_file(str(out))
     assert exported.keys() == params.keys()
     assert exported["embedding.word.weight"].shape == (259, 64)

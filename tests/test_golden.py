@@ -20,9 +20,10 @@ import torch
 from harness import run_on_ranks
 from safetensors.torch import load_file
 
-from meshtrain.checkpoint import export_safetensors, latest_checkpoint
+from meshtrain.checkpoint import latest_checkpoint
 from meshtrain.config import build_config
 from meshtrain.data import synthetic_corpus
+from meshtrain.model_files import export_safetensors
 from meshtrain.train import run_training
 
 GOLDEN = Path(__file__).parent / "golden" / "gpt_runs.json"

@@ -11,6 +11,7 @@ layout, so a checkpoint written at one (tp, dp) loads at any other.
 Writes are atomic: ranks write into a hidden temporary directory, rank 0 writes the manifest and
 renames the directory into place, then moves the `latest` pointer. A crash at any point leaves the
 previous checkpoint intact and loadable. Loading executes no pickled code (safetensors + JSON).
+`model_files.py` reads and writes whole models in this format from one process.
 """
 
 from __future__ import annotations
@@ -64,6 +65,19 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path
 
 
+def resolve_checkpoint(run: str | Path) -> Path:
+    """A checkpoint directory itself, or the latest checkpoint of a run directory."""
+    path = Path(run)
+    if (path / "manifest.json").is_file():
+        return path
+    found = latest_checkpoint(path / "checkpoints") if path.is_dir() else None
+    if found is None:
+        raise CheckpointError(f"{run}: no checkpoint there; pass a run directory written by"
+                              " meshtrain train or import-hf, or one of its checkpoints/step_*"
+                              " directories")
+    return found
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -113,7 +127,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
     first step); ZeRO gathers its shards into these before calling. `previous`: the weight
     version before `values` (PipeDream-2BW's in-flight micro-batches use it)."""
     root = Path(root)
-    final, tmp = _free_step_dir(root, step), root / f".tmp_step_{step:08d}"
+    final, tmp = free_step_dir(root, step), root / f".tmp_step_{step:08d}"
 
     def make_tmp():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -144,24 +158,31 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
     _on_every_rank_or_none(write_file, mesh, "writing " + file_name)
     gathered = comm.all_gather_objects((file_name, _sha256(path), entries), mesh.world)
 
-    def publish():
+    def complete():
         manifest = {"format": FORMAT, "step": step, "layout": mesh.degrees,
                     "device": mesh.device.type, "family": model.family,
                     "model": dataclasses.asdict(model.cfg),
                     "files": {f: digest for f, digest, _ in gathered},
                     "tensors": _merge_entries([rank_entries for _, _, rank_entries in gathered])}
-        _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        _fsync_write(tmp / "train_state.json", json.dumps(train_state))
-        _fsync_write(tmp / "config.toml", config_toml)
-        tmp.rename(final)
-        _fsync_write(root / ".latest.tmp", final.name)
-        os.replace(root / ".latest.tmp", root / "latest")
+        publish(tmp, final, manifest=manifest, train_state=train_state, config_toml=config_toml)
 
-    _on_every_rank_or_none(publish if mesh.rank == 0 else None, mesh, "publishing " + final.name)
+    _on_every_rank_or_none(complete if mesh.rank == 0 else None, mesh, "publishing " + final.name)
     return final
 
 
-def _free_step_dir(root: Path, step: int) -> Path:
+def publish(tmp: Path, final: Path, *, manifest: dict, train_state: dict,
+            config_toml: str) -> None:
+    """Complete a checkpoint written into `tmp`: manifest and run files (fsynced), the rename
+    into place, then the `latest` pointer (write + rename)."""
+    _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1))
+    _fsync_write(tmp / "train_state.json", json.dumps(train_state))
+    _fsync_write(tmp / "config.toml", config_toml)
+    tmp.rename(final)
+    _fsync_write(final.parent / ".latest.tmp", final.name)
+    os.replace(final.parent / ".latest.tmp", final.parent / "latest")
+
+
+def free_step_dir(root: Path, step: int) -> Path:
     """`step_NNNNNNNN`, or `step_NNNNNNNN.k` when saved again: nothing existing is touched."""
     final, version = step_dir(root, step), 1
     while final.exists():
@@ -221,9 +242,11 @@ def _on_every_rank_or_none(action, mesh: ParallelMesh, what: str) -> None:
                               " previous checkpoint is intact")
 
 
-def read_manifest(path: str | Path, cfg: TransformerConfig | None = None) -> dict:
-    """Load and verify a checkpoint's manifest and files (checksums, model family and shape).
-    Checkpoints written before families were recorded hold GPTs."""
+def read_manifest(path: str | Path, cfg: TransformerConfig | None = None, *,
+                  verify_files: bool = True) -> dict:
+    """Load and verify a checkpoint's manifest and files (checksums, model family and shape;
+    `verify_files` False reads the manifest alone, to learn the model it holds). Checkpoints
+    written before families were recorded hold GPTs."""
     path = Path(path)
     try:
         manifest = json.loads((path / "manifest.json").read_text())
@@ -233,7 +256,7 @@ def read_manifest(path: str | Path, cfg: TransformerConfig | None = None) -> dic
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}, expected"
                               f" {FORMAT!r}")
-    for file_name, digest in manifest["files"].items():
+    for file_name, digest in manifest["files"].items() if verify_files else ():
         file_path = path / file_name
         if not file_path.is_file() or _sha256(file_path) != digest:
             raise CheckpointError(f"checkpoint {path}: {file_name} is missing, corrupt or"
@@ -243,6 +266,16 @@ def read_manifest(path: str | Path, cfg: TransformerConfig | None = None) -> dic
     if cfg is not None:
         _check_model(path, manifest, cfg)
     return manifest
+
+
+def checkpoint_config(path: str | Path) -> TransformerConfig:
+    """The model config a checkpoint (or a run's latest) holds, from its manifest alone."""
+    manifest = read_manifest(resolve_checkpoint(path), verify_files=False)
+    try:
+        return config_from_dict(manifest["family"], manifest["model"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: its model settings do not load ({e})") \
+            from None
 
 
 def _check_model(path: Path, manifest: dict, cfg: TransformerConfig) -> None:
@@ -265,8 +298,8 @@ def _check_model(path: Path, manifest: dict, cfg: TransformerConfig) -> None:
                 " with")
 
 
-class _Reader:
-    """Assembles logical tensors from a verified checkpoint's pieces."""
+class Reader:
+    """Assembles logical tensors from a verified checkpoint's pieces, one at a time."""
 
     def __init__(self, path: Path, manifest: dict, device: torch.device):
         self.path, self.manifest, self.device = path, manifest, device
@@ -303,17 +336,18 @@ class _Reader:
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
-                    load_states: Callable[..., None] | None = None) -> dict:
+                    load_states: Callable[..., None] | None = None, rng: bool = True) -> dict:
     """Load a checkpoint of any layout for this rank; returns the saved train state.
 
     Without `load_states` the values go into the model's parameters (inference). With it, it
     receives ({name: this rank's value}, {name: {moment: tensor}} or None, optimizer step or
     None, and `previous=` {name: value} or None) and places them (master weights, optimizer,
-    ZeRO shards, 2BW's previous weight version). RNG streams are restored
-    only when the layout and the device type are the same as at save time."""
+    ZeRO shards, 2BW's previous weight version). RNG streams are restored (`rng`) only when
+    the layout and the device type are the same as at save time and the checkpoint has them
+    (an imported one has none); a new run started from the weights keeps its own."""
     path = Path(path)
     manifest = read_manifest(path, model.cfg)
-    reader = _Reader(path, manifest, mesh.device)
+    reader = Reader(path, manifest, mesh.device)
     shards = parameter_shards(model)
 
     def local(name: str, shard: Shard | None) -> torch.Tensor:
@@ -343,23 +377,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
         previous = {name: local("previous/" + name, shards[name]) for name in names} \
             if "previous/" + names[0] in manifest["tensors"] else None
         load_states(values, states, step, previous=previous)
-    if manifest["layout"] == mesh.degrees and manifest.get("device") == mesh.device.type:
-        model.rng.set_states({name: reader.raw(f"rng/{mesh.rank}/{name}")
-                              for name in model.rng.get_states()})
+    if rng and manifest["layout"] == mesh.degrees and manifest.get("device") == mesh.device.type:
+        states = {name: reader.raw(f"rng/{mesh.rank}/{name}") for name in model.rng.get_states()}
+        if None not in states.values():
+            model.rng.set_states(states)
     return json.loads((path / "train_state.json").read_text())
 
-
-def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> int:
-    """Write the model of a checkpoint of any layout as one consolidated safetensors file.
-
-    Runs in one process with no process group. Returns the number of tensors written.
-    """
-    checkpoint = Path(checkpoint)
-    manifest = read_manifest(checkpoint)
-    reader = _Reader(checkpoint, manifest, torch.device("cpu"))
-    tensors = {name.removeprefix("model/"): reader.full(name)
-               for name in manifest["tensors"] if name.startswith("model/")}
-    metadata = {"format": "meshtrain-model", "step": str(manifest["step"]),
-                "family": manifest["family"], "model": json.dumps(manifest["model"])}
-    save_file(tensors, str(out_file), metadata=metadata)
-    return len(tensors)

@@ -17,7 +17,12 @@ import sys
 from pathlib import Path
 
 from meshtrain import config as config_mod
-from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    read_manifest,
+    resolve_checkpoint,
+)
 from meshtrain.mesh import check_local_devices, resolve_degrees
 
 EXIT_BAD_INPUT = 2
@@ -81,17 +86,6 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
     return parser
-
-
-def _resolve_checkpoint(run: str) -> Path:
-    path = Path(run)
-    if (path / "manifest.json").is_file():
-        return path
-    found = latest_checkpoint(path / "checkpoints") if path.is_dir() else None
-    if found is None:
-        raise ValueError(f"{run}: no checkpoint there; pass a run directory written by"
-                         " `meshtrain train` or one of its checkpoints/step_* directories")
-    return found
 
 
 def _train_config(args: argparse.Namespace) -> config_mod.RunConfig:
@@ -182,9 +176,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from meshtrain.checkpoint import export_safetensors
+    from meshtrain.model_files import export_safetensors
 
-    path = _resolve_checkpoint(args.run)
+    path = resolve_checkpoint(args.run)
     count = export_safetensors(path, args.out)
     print(f"meshtrain: wrote {count} tensors of {path} to {args.out}")
     return 0
@@ -196,7 +190,7 @@ def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
     if args.tp < 1 or args.nproc < 1:
         raise ValueError("--tp and --nproc must be positive")
     resolve_degrees(int(os.environ.get("WORLD_SIZE", args.nproc)), tp=args.tp)
-    path = _resolve_checkpoint(args.run)
+    path = resolve_checkpoint(args.run)
     manifest = read_manifest(path)
     from meshtrain.models import config_from_dict
 

@@ -1,0 +1,85 @@
+"""A checkpoint's model as whole tensors, from one process and one tensor at a time: streamed
+out (the consolidated export, the source of a Hugging Face export) and streamed in (a model-only
+checkpoint, what an import writes). The peak is one logical tensor, never the model twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from meshtrain.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    Reader,
+    free_step_dir,
+    publish,
+    read_manifest,
+    step_dir,
+)
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models import TransformerConfig
+from meshtrain.safetensors_stream import Planned, write_safetensors
+
+
+def model_entries(manifest: dict) -> list[Planned]:
+    """(name, dtype, shape) of each model tensor of a checkpoint, in manifest order."""
+    return [(name.removeprefix("model/"), getattr(torch, entry["dtype"]), tuple(entry["shape"]))
+            for name, entry in manifest["tensors"].items() if name.startswith("model/")]
+
+
+def model_tensors(path: str | Path, manifest: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of each model tensor of a verified checkpoint, assembled one at a
+    time in `model_entries` order."""
+    reader = Reader(Path(path), manifest, torch.device("cpu"))
+    for name, _, _ in model_entries(manifest):
+        yield name, reader.full("model/" + name)
+
+
+def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> int:
+    """Write the model of a checkpoint of any layout as one consolidated safetensors file.
+
+    Runs in one process with no process group. Returns the number of tensors written.
+    """
+    checkpoint = Path(checkpoint)
+    manifest = read_manifest(checkpoint)
+    planned = model_entries(manifest)
+    metadata = {"format": "meshtrain-model", "step": str(manifest["step"]),
+                "family": manifest["family"], "model": json.dumps(manifest["model"])}
+    write_safetensors(out_file, planned, model_tensors(checkpoint, manifest), metadata=metadata)
+    return len(planned)
+
+
+def write_model_checkpoint(root: str | Path, *, family: str, cfg: TransformerConfig,
+                           planned: list[Planned], tensors: Iterable[tuple[str, torch.Tensor]],
+                           config_toml: str) -> Path:
+    """Write a step-0 checkpoint of model weights alone into `root` (a run's checkpoints/):
+    (name, tensor) pairs in the order of `planned`, each written as it arrives into the file
+    one rank would have written, then published as `save_checkpoint` publishes. It holds no
+    optimizer state (a run started from it has a fresh one) and no RNG streams (runs keep their
+    own), and loads at any layout."""
+    root = Path(root)
+    final, tmp = free_step_dir(root, 0), root / f".tmp_{step_dir(root, 0).name}"
+    file_name = "rank_00000.safetensors"
+    entries = {"model/" + name: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
+                                 "pieces": [{"file": file_name, "key": "model/" + name, "dim": 0,
+                                             "offset": 0, "length": shape[0] if shape else 1}]}
+               for name, dtype, shape in planned}
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        digest = write_safetensors(tmp / file_name,
+                                   [("model/" + n, dtype, shape) for n, dtype, shape in planned],
+                                   (("model/" + name, tensor) for name, tensor in tensors))
+        manifest = {"format": FORMAT, "step": 0, "layout": ParallelMesh.local().degrees,
+                    "device": "cpu", "family": family, "model": dataclasses.asdict(cfg),
+                    "files": {file_name: digest}, "tensors": entries}
+        publish(tmp, final, manifest=manifest, train_state={"step": 0}, config_toml=config_toml)
+    except OSError as e:
+        raise CheckpointError(f"writing the checkpoint into {root} failed ({e})") from None
+    return final
