@@ -15,6 +15,7 @@ from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manife
 from meshtrain.cli import main
 from meshtrain.config import build_config
 from meshtrain.data import synthetic_corpus
+from meshtrain.interop.hf_io import hf_state_dict
 from meshtrain.models.blocks import RMSNorm, Rotary, rope_frequencies
 from meshtrain.parallel.comm import all_gather_objects
 from meshtrain.parallel.sharding import parameter_shards, unshard_tensor
@@ -75,26 +76,6 @@ def test_rotary_angles_stay_fp32_in_a_16_bit_model():
     assert torch.equal(model.layers["0"].attn.rotary.angles(positions), fp32)
 
 
-def _hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
-    """Our dense Llama's weights under Hugging Face's names."""
-    p = {name: t.detach() for name, t in model.named_parameters()}
-    out = {"model.embed_tokens.weight": p["embedding.word.weight"],
-           "model.norm.weight": p["final_norm.weight"],
-           "lm_head.weight": p.get("head.weight", p["embedding.word.weight"])}
-    for i in range(model.cfg.num_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        k, v = p[ours + "attn.qkv.kv.weight"].chunk(2)
-        gate, up = p[ours + "mlp.fc.weight"].chunk(2)
-        out |= {theirs + "input_layernorm.weight": p[ours + "ln1.weight"],
-                theirs + "self_attn.q_proj.weight": p[ours + "attn.qkv.q.weight"],
-                theirs + "self_attn.k_proj.weight": k, theirs + "self_attn.v_proj.weight": v,
-                theirs + "self_attn.o_proj.weight": p[ours + "attn.proj.weight"],
-                theirs + "post_attention_layernorm.weight": p[ours + "ln2.weight"],
-                theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
-                theirs + "mlp.down_proj.weight": p[ours + "mlp.proj.weight"]}
-    return out
-
-
 @pytest.mark.parametrize("kv,tied,scaled", [(4, False, False), (8, False, True),
                                             (2, True, True)], ids=str)
 def test_logits_equal_transformers_llama(kv, tied, scaled):
@@ -114,8 +95,9 @@ def test_logits_equal_transformers_llama(kv, tied, scaled):
         vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=kv, max_position_embeddings=256,
         rms_norm_eps=1e-5, rope_parameters=parameters, tie_word_embeddings=tied)).eval()
-    missing, unexpected = theirs.load_state_dict(_hf_state_dict(ours), strict=False)
-    assert not missing and not unexpected
+    missing, unexpected = theirs.load_state_dict(hf_state_dict(ours), strict=False)
+    assert not unexpected and set(missing) == ({"lm_head.weight"} if tied else set())
+    assert not tied or theirs.lm_head.weight is theirs.model.embed_tokens.weight  # loaded too
     ids = torch.randint(0, 256, (2, 200), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         difference = (ours(ids) - theirs(ids).logits).abs().max().item()

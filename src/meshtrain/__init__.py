@@ -1,5 +1,6 @@
 """meshtrain: train transformer language models with Megatron-style parallelism on one mesh."""
 
+from meshtrain.dense import DenseModel, load_model
 from meshtrain.mesh import MeshAxis, ParallelMesh, destroy_parallel, init_parallel
 from meshtrain.models import FAMILIES, PRESETS, CausalLM, get_family, preset
 from meshtrain.models.gpt import GPT, GPTConfig
@@ -16,6 +17,7 @@ __all__ = [
     "LlamaConfig",
     "PRESETS",
     "CausalLM",
+    "DenseModel",
     "MeshAxis",
     "ParallelMesh",
     "ParallelPlan",
@@ -23,6 +25,7 @@ __all__ = [
     "destroy_parallel",
     "get_family",
     "init_parallel",
+    "load_model",
     "parallelize",
     "preset",
 ]

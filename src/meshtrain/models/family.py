@@ -9,6 +9,7 @@ family's attribute names.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -212,10 +213,20 @@ class AuxiliaryOutputs:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """A model family: its name (recorded in checkpoints), config class, model class and
-    presets."""
+    """A model family: its name (recorded in checkpoints), config class, model class, presets,
+    and the module holding its Hugging Face mapping, if it has a Hugging Face twin."""
 
     name: str
     config: type[TransformerConfig]
     model: type[CausalLM]
     presets: dict[str, TransformerConfig]
+    hf_module: str | None = None
+    """A module of `meshtrain.interop` whose `MAPPING` (an `HFMapping`) converts names and
+    config fields; named, not imported, so models never load interop code they do not use."""
+
+    def hf_mapping(self):
+        """The family's `HFMapping`, imported on first use."""
+        if self.hf_module is None:
+            raise ValueError(f"the {self.name} family has no Hugging Face counterpart: export"
+                             " it with format meshtrain")
+        return importlib.import_module(self.hf_module).MAPPING

@@ -234,4 +234,4 @@ class Llama(CausalLM):
             generator(seed, 1 + cfg.num_layers), bias=False))
 
 
-FAMILY = ModelFamily("llama", LlamaConfig, Llama, PRESETS)
+FAMILY = ModelFamily("llama", LlamaConfig, Llama, PRESETS, hf_module="meshtrain.interop.hf_llama")

@@ -1,0 +1,201 @@
+"""Hugging Face model directories in and out, for every family with a mapping: config.json and
+safetensors weights (one model.safetensors, or shards listed by model.safetensors.index.json).
+
+    import_hf("llama-hf", "runs/llama")                 # a meshtrain run directory at step 0
+    export_hf("runs/llama/checkpoints/step_00000100", "llama-out")   # for from_pretrained
+
+Memory: an import reads the Hugging Face tensors of one of our tensors, converts them and writes
+the result before reading the next; an export assembles one logical tensor from a checkpoint's
+pieces (any layout), converts it and writes its parts. The safetensors headers are planned first
+from shapes alone (the same conversions, run on meta tensors), so each file is written in one
+pass by `safetensors_stream`: the peak is about two copies of the largest tensor (it and its
+transposed copy), never a model. Nothing here needs `transformers`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from meshtrain.checkpoint import CheckpointError, read_manifest
+from meshtrain.interop.hf_mapping import HFMapping
+from meshtrain.model_files import model_entries, model_tensors, write_model_checkpoint
+from meshtrain.models import FAMILIES, CausalLM, config_from_dict, family_of, get_family
+from meshtrain.safetensors_stream import DTYPES, Planned, write_safetensors
+
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    return (Path(path) / CONFIG).is_file()
+
+
+def mapping_for(hf_config: dict) -> HFMapping:
+    """The family mapping of a config.json's architecture (or, without one, its model type)."""
+    mappings = [family.hf_mapping() for family in FAMILIES.values() if family.hf_module]
+    names = hf_config.get("architectures") or []
+    for mapping in mappings:
+        if mapping.architecture in names or \
+                (not names and hf_config.get("model_type") == mapping.model_type):
+            return mapping
+    raise ValueError(f'config.json "architectures": {names or hf_config.get("model_type")!r}'
+                     " cannot be imported: meshtrain imports"
+                     f" {', '.join(m.architecture for m in mappings)}")
+
+
+class HFModelDirectory:
+    """A Hugging Face model directory: its config as ours (refused when meshtrain cannot
+    represent it) and its weights under our names, read one tensor at a time."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not is_hf_directory(self.path):
+            raise ValueError(f"{path}: no {CONFIG} there; pass a Hugging Face model directory"
+                             " (config.json and safetensors weights)")
+        try:
+            self.hf_config = json.loads((self.path / CONFIG).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.path / CONFIG} is not JSON ({e}); fix the file") from None
+        self.mapping = mapping_for(self.hf_config)
+        self.cfg = self.mapping.config_from_hf(self.hf_config)
+        self.cfg.validate()
+        self.maps = self.mapping.tensor_maps(self.cfg)
+        self.files = self._weight_files()
+        self._open: dict[str, object] = {}
+
+    def _weight_files(self) -> dict[str, str]:
+        """Each tensor's file."""
+        if (self.path / INDEX).is_file():
+            return json.loads((self.path / INDEX).read_text())["weight_map"]
+        if (self.path / WEIGHTS).is_file():
+            with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
+                return dict.fromkeys(f.keys(), WEIGHTS)
+        raise ValueError(f"{self.path}: no {WEIGHTS} or {INDEX}; save the model with"
+                         " safetensors (meshtrain reads no pickled pytorch_model.bin)")
+
+    def _find(self, name: str):
+        """(open file, key) of a tensor, named with or without the base model's prefix."""
+        key = name
+        if key not in self.files:
+            key = name.removeprefix(self.mapping.base_prefix)
+            if key not in self.files:
+                raise ValueError(f"{self.path}: its safetensors files have no {name}: they do not"
+                                 f" hold the {self.mapping.architecture} its config describes")
+        file = self.files[key]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.path / file), framework="pt")
+        return self._open[file], key
+
+    def planned(self) -> list[Planned]:
+        """(our name, dtype, shape) of every tensor from the files' headers alone. Refuses files
+        with weights no map reads (they would be dropped)."""
+        planned, used = [], set()
+        for tensor_map in self.maps:
+            metas = []
+            for name in tensor_map.theirs:
+                f, key = self._find(name)
+                used.add(key)
+                part = f.get_slice(key)
+                metas.append(torch.empty(part.get_shape(), dtype=DTYPES[part.get_dtype()],
+                                         device="meta"))
+            ours = tensor_map.to_ours(metas)
+            planned.append((tensor_map.ours, ours.dtype, tuple(ours.shape)))
+        unused = sorted(key for key in self.files
+                        if key not in used and not self.mapping.is_ignored(key, self.cfg))
+        if unused:
+            raise ValueError(f"{self.path}: {len(unused)} tensors such as {unused[0]} have no"
+                             f" place in meshtrain's {self.mapping.family}: the checkpoint is not"
+                             f" the {self.mapping.architecture} its config describes")
+        return planned
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(our name, tensor) of every tensor, read and converted one at a time."""
+        for tensor_map in self.maps:
+            parts = [f.get_tensor(key) for f, key in map(self._find, tensor_map.theirs)]
+            yield tensor_map.ours, tensor_map.to_ours(parts)
+
+    @torch.no_grad()
+    def load_into(self, model: CausalLM) -> None:
+        """Copy the weights into a dense (one-rank) model of this config."""
+        params = dict(model.named_parameters())
+        for name, _, shape in self.planned():
+            if tuple(params[name].shape) != shape:
+                raise ValueError(f"{self.path}: {name} has shape {shape} there and"
+                                 f" {tuple(params[name].shape)} in its config's model")
+        for name, tensor in self.tensors():
+            params[name].copy_(tensor)
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """A dense (one-rank) model's weights under Hugging Face's names, as its files hold them
+    (a tied output layer is the embedding alone)."""
+    params = {name: param.detach() for name, param in model.named_parameters()}
+    mapping = family_of(model.cfg).hf_mapping()
+    return {name: part for tensor_map in mapping.tensor_maps(model.cfg)
+            for name, part in tensor_map.to_theirs(params[tensor_map.ours])}
+
+
+def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Path:
+    """Write a Hugging Face model directory as a meshtrain run directory: a step-0 checkpoint of
+    its weights (loadable at any layout) and its tokenizer.json; returns the checkpoint."""
+    source, run_dir = HFModelDirectory(hf_dir), Path(run_dir)
+    if (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
+        raise ValueError(f"`out` {run_dir} holds a run: import into a new directory")
+    planned = source.planned()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (source.path / TOKENIZER).is_file():
+        shutil.copyfile(source.path / TOKENIZER, run_dir / TOKENIZER)
+    note = f"# meshtrain import-hf {source.path.resolve()}: model weights only, no run settings\n"
+    return write_model_checkpoint(run_dir / "checkpoints", family=source.mapping.family,
+                                  cfg=source.cfg, planned=planned, tensors=source.tensors(),
+                                  config_toml=note)
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
+    """Write a checkpoint of any layout as a Hugging Face model directory (config.json,
+    model.safetensors, and the run's tokenizer.json with a minimal tokenizer_config.json);
+    returns the number of tensors written. The directory appears whole or not at all."""
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"`out` {out_dir} exists and is not empty: export into a new directory")
+    manifest = read_manifest(checkpoint)
+    mapping = get_family(manifest["family"]).hf_mapping()
+    cfg = config_from_dict(manifest["family"], manifest["model"])
+    hf_config = mapping.config_to_hf(cfg)
+    maps = {tensor_map.ours: tensor_map for tensor_map in mapping.tensor_maps(cfg)}
+    entries = model_entries(manifest)
+    if set(maps) != {name for name, _, _ in entries}:
+        raise CheckpointError(f"checkpoint {checkpoint} does not hold the tensors of a"
+                              f" {mapping.architecture}; export it with format meshtrain")
+    planned = [(name, part.dtype, tuple(part.shape)) for ours, dtype, shape in entries
+               for name, part in maps[ours].to_theirs(torch.empty(shape, dtype=dtype,
+                                                                  device="meta"))]
+    tensors = (pair for ours, full in model_tensors(checkpoint, manifest)
+               for pair in maps[ours].to_theirs(full))
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dtype = str(entries[0][1]).removeprefix("torch.")
+    (tmp / CONFIG).write_text(json.dumps(hf_config | {"dtype": dtype}, indent=2) + "\n")
+    write_safetensors(tmp / WEIGHTS, planned, tensors, metadata={"format": "pt"})
+    _copy_tokenizer(checkpoint.parent.parent, tmp, max_length=cfg.max_seq_len)
+    if out_dir.exists():
+        out_dir.rmdir()
+    tmp.rename(out_dir)
+    return len(planned)
+
+
+def _copy_tokenizer(run_dir: Path, out_dir: Path, *, max_length: int) -> None:
+    """The run's tokenizer.json (none: the byte tokenizer, which has no file), with the least
+    tokenizer_config.json that lets `AutoTokenizer` load it."""
+    if not (run_dir / TOKENIZER).is_file():
+        return
+    shutil.copyfile(run_dir / TOKENIZER, out_dir / TOKENIZER)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,110 @@
+"""Llama and Hugging Face's LlamaForCausalLM.
+
+Names: `model.embed_tokens`/`layers.{i}`/`norm` and `lm_head` are our embedding, layers, final
+norm and untied output layer; q_proj is our query projection, k_proj and v_proj are the two
+blocks of our key/value projection, gate_proj and up_proj the two blocks of our SwiGLU input.
+Both use the half-split rotary convention, so no weight is permuted.
+
+Rotary settings are read in both forms: transformers 4's "rope_theta" and "rope_scaling" and
+transformers 5's "rope_parameters" (written on export). Refused: a rotary type other than
+default and llama3 (or a partial rotary factor), biases, another activation than silu, a
+"head_dim" other than hidden_size / num_attention_heads. Token ids, dropout, the initializer
+range, "pretraining_tp" and the like do not change the model and are not refused.
+"""
+
+from __future__ import annotations
+
+from meshtrain.interop.hf_mapping import HFMapping, TensorMap, expect, hf_field
+from meshtrain.models.llama import LlamaConfig
+
+_LAYER = (  # ours, theirs (joined along the rows)
+    ("ln1.weight", ("input_layernorm.weight",)),
+    ("attn.qkv.q.weight", ("self_attn.q_proj.weight",)),
+    ("attn.qkv.kv.weight", ("self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    ("attn.proj.weight", ("self_attn.o_proj.weight",)),
+    ("ln2.weight", ("post_attention_layernorm.weight",)),
+    ("mlp.fc.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    ("mlp.proj.weight", ("mlp.down_proj.weight",)),
+)
+_LLAMA3 = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+           "rope_high_freq_factor": "high_freq_factor",
+           "rope_original_max_positions": "original_max_position_embeddings"}
+_DEFAULT_THETA = 10000.0
+
+
+def _rope(hf: dict) -> dict:
+    """Our rotary fields from either form of config.json (transformers 5's "rope_parameters"
+    wins, as there; the original context defaults to "max_position_embeddings", as there)."""
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f'config.json "{field}": rope type {kind!r} cannot be imported:'
+                         " meshtrain implements default and llama3 rotary positions")
+    expect(params, "partial_rotary_factor", (1, 1.0), 1.0,
+           "meshtrain rotates the whole head dimension")
+    theta = params.get("rope_theta") or hf_field(hf, "rope_theta", _DEFAULT_THETA)
+    if kind == "default":
+        return {"rope_theta": float(theta)}
+    params.setdefault("original_max_position_embeddings",
+                      hf_field(hf, "max_position_embeddings", 2048))
+    return {"rope_theta": float(theta), "rope_scaling": "llama3",
+            **{ours: hf_field(params, theirs) for ours, theirs in _LLAMA3.items()}}
+
+
+class LlamaMapping(HFMapping):
+    family = "llama"
+    architecture = "LlamaForCausalLM"
+    model_type = "llama"
+    base_prefix = "model."
+    buffers = ("rotary_emb.inv_freq",)  # rotary tables older files saved
+
+    def config_from_hf(self, hf: dict) -> LlamaConfig:
+        expect(hf, "hidden_act", ("silu",), "silu", "meshtrain's Llama uses SwiGLU (silu)")
+        for bias in ("attention_bias", "mlp_bias"):
+            expect(hf, bias, (False,), False, "meshtrain's Llama has no biases")
+        hidden, heads = hf_field(hf, "hidden_size"), hf_field(hf, "num_attention_heads")
+        expect(hf, "head_dim", (hidden // heads,), hidden // heads,
+               f"meshtrain's Llama has heads of hidden_size / num_attention_heads ="
+               f" {hidden // heads}")
+        return LlamaConfig(
+            num_layers=hf_field(hf, "num_hidden_layers"), hidden_size=hidden, num_heads=heads,
+            num_kv_heads=hf_field(hf, "num_key_value_heads", heads),
+            vocab_size=hf_field(hf, "vocab_size"),
+            max_seq_len=hf_field(hf, "max_position_embeddings", 2048),
+            ffn_hidden_size=hf_field(hf, "intermediate_size"),
+            rms_norm_eps=hf_field(hf, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf_field(hf, "tie_word_embeddings", False),
+            init_std=hf_field(hf, "initializer_range", 0.02), **_rope(hf))
+
+    def config_to_hf(self, cfg: LlamaConfig) -> dict:
+        if cfg.moe_experts:
+            raise ValueError(f"`moe_experts` {cfg.moe_experts}: {self.architecture} has no"
+                             " experts; export it with format meshtrain")
+        rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
+        if cfg.rope_scaling:
+            rope |= {theirs: getattr(cfg, ours) for ours, theirs in _LLAMA3.items()}
+        return {"architectures": [self.architecture], "model_type": self.model_type,
+                "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.ffn_size, "num_hidden_layers": cfg.num_layers,
+                "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads,
+                "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
+                "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False,
+                "tie_word_embeddings": cfg.tie_word_embeddings,
+                "initializer_range": cfg.init_std, "rope_parameters": rope}
+
+    def tensor_maps(self, cfg: LlamaConfig) -> list[TensorMap]:
+        m = self.base_prefix
+        maps = [TensorMap("embedding.word.weight", (m + "embed_tokens.weight",))]
+        for i in range(cfg.num_layers):
+            maps += [TensorMap(f"layers.{i}.{ours}",
+                               tuple(f"{m}layers.{i}.{name}" for name in theirs))
+                     for ours, theirs in _LAYER]
+        maps.append(TensorMap("final_norm.weight", (m + "norm.weight",)))
+        if not cfg.tie_word_embeddings:
+            maps.append(TensorMap("head.weight", ("lm_head.weight",)))
+        return maps
+
+
+MAPPING = LlamaMapping()

@@ -1,0 +1,91 @@
+"""What a model family says about its Hugging Face twin: the base each family's module fills in.
+
+A family's mapping is a module of its own (`hf_gpt2.py`, `hf_llama.py`), which the family names in
+`ModelFamily.hf_module`, rather than methods on the family: the family owns its names and config
+fields, but models/ stay free of interop code, which is imported only when a Hugging Face
+directory is read or written, and a family with no Hugging Face twin names none. Reading and
+writing the directories themselves is `hf_io.py`'s, once for every family.
+
+Config fields are named in double quotes as config.json spells them (they are not meshtrain
+settings, so they are not backticked).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from meshtrain.models import TransformerConfig
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One of our logical tensors and the Hugging Face tensors it is made of: theirs, each
+    transposed when `transpose` (GPT-2's Conv1D stores weights [in, out]), joined along the first
+    dimension (Llama's k|v and gate|up). Both directions are exact, so a round trip is bitwise."""
+
+    ours: str
+    theirs: tuple[str, ...]
+    transpose: bool = False
+
+    def to_ours(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        parts = [part.t() if self.transpose else part for part in parts]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
+
+    def to_theirs(self, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        parts = tensor.chunk(len(self.theirs))
+        return [(name, (part.t() if self.transpose else part).contiguous())
+                for name, part in zip(self.theirs, parts, strict=True)]
+
+
+class HFMapping(ABC):
+    """A family's Hugging Face architecture: its names, its config fields, what is refused."""
+
+    family: str
+    """The meshtrain family (`ModelFamily.name`)."""
+    architecture: str
+    """The class config.json's "architectures" names (e.g. LlamaForCausalLM)."""
+    model_type: str
+    base_prefix: str
+    """Prefix of the base model's tensors; files saved from the base model omit it."""
+    buffers: tuple[str, ...] = ()
+    """Name endings of tensors some files carry that are no weights (masks, rotary tables)."""
+
+    @abstractmethod
+    def config_from_hf(self, hf: dict) -> TransformerConfig:
+        """Our config of a config.json; ValueError naming the field it cannot represent."""
+
+    @abstractmethod
+    def config_to_hf(self, cfg: TransformerConfig) -> dict:
+        """config.json's fields for `cfg` (without "dtype")."""
+
+    @abstractmethod
+    def tensor_maps(self, cfg: TransformerConfig) -> list[TensorMap]:
+        """Every tensor of the model, in the order of our parameters."""
+
+    def is_ignored(self, name: str, cfg: TransformerConfig) -> bool:
+        """A Hugging Face tensor that is no weight of ours: a buffer, or a tied output layer
+        (the embedding)."""
+        return name.endswith(self.buffers) or (cfg.tie_embeddings and name == "lm_head.weight")
+
+
+def hf_field(hf: dict, name: str, default=_REQUIRED):
+    """config.json's `name`; its default when absent or null, an error when it has none."""
+    value = hf.get(name)
+    if value is not None:
+        return value
+    if default is _REQUIRED:
+        raise ValueError(f'config.json has no "{name}": it is not a complete Hugging Face model'
+                         " config; add the field")
+    return default
+
+
+def expect(hf: dict, name: str, allowed: tuple, default, why: str) -> None:
+    """Refuse a field whose value meshtrain's family cannot compute (naming it and why)."""
+    value = hf_field(hf, name, default)
+    if value not in allowed:
+        raise ValueError(f'config.json "{name}": {value!r} cannot be imported: {why}')
