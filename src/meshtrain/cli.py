@@ -1,4 +1,4 @@
-"""`meshtrain train | export | sample`.
+"""`meshtrain train | export | sample | import-hf`.
 
 Every setting is validated in the launching process before any rank starts, so a bad flag costs
 one line and a non-zero exit, not a launcher traceback. With --nproc N (and not already under
@@ -71,9 +71,20 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    e = sub.add_parser("export", help="write one consolidated safetensors file of a checkpoint")
+    e = sub.add_parser("export", help="write a checkpoint's model as one consolidated"
+                                      " safetensors file or a Hugging Face model directory")
     e.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
-    e.add_argument("--out", required=True, help="output .safetensors file")
+    e.add_argument("--out", required=True, help="output .safetensors file (--format meshtrain)"
+                                                " or new directory (--format hf)")
+    e.add_argument("--format", choices=("meshtrain", "hf"), default="meshtrain",
+                   help="meshtrain: one safetensors file under meshtrain's names (default); hf:"
+                        " config.json + model.safetensors (+ the run's tokenizer) for"
+                        " transformers' from_pretrained")
+    i = sub.add_parser("import-hf", help="turn a Hugging Face GPT-2 or Llama directory into a"
+                                         " meshtrain run directory (train --init-from it)")
+    i.add_argument("hf_dir", metavar="HF_DIR", help="config.json + model.safetensors (or shards"
+                                                     " with model.safetensors.index.json)")
+    i.add_argument("--out", required=True, help="new run directory to write")
     s = sub.add_parser("sample", help="generate text from a checkpoint (any layout)")
     s.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
     s.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
@@ -111,6 +122,9 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
         raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's"
                          f" vocabulary {vocab}: raise it or omit it")
+    if model.vocab_size < vocab:
+        raise ValueError(f"--init-from: the model's vocabulary {model.vocab_size} is smaller"
+                         f" than the data's {vocab}: use data of its tokenizer")
     for split in data.split_tokens(tokens, cfg.data.val_fraction):
         data.TokenDataset(split, seq_len=cfg.train.seq_len)  # raises if a split is too short
     out = Path(cfg.checkpoint.out)
@@ -123,6 +137,8 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     elif has_run:
         raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"
                          " choose another --out")
+    elif cfg.checkpoint.init_from:
+        read_manifest(resolve_checkpoint(cfg.checkpoint.init_from), model)  # files, shapes
     return plan
 
 
@@ -176,11 +192,21 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from meshtrain.interop.hf_io import export_hf
     from meshtrain.model_files import export_safetensors
 
     path = resolve_checkpoint(args.run)
-    count = export_safetensors(path, args.out)
+    export = export_hf if args.format == "hf" else export_safetensors
+    count = export(path, args.out)
     print(f"meshtrain: wrote {count} tensors of {path} to {args.out}")
+    return 0
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    from meshtrain.interop.hf_io import import_hf
+
+    path = import_hf(args.hf_dir, args.out)
+    print(f"meshtrain: wrote {path}; train from it with --init-from {args.out}")
     return 0
 
 
@@ -219,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, argv)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "import-hf":
+            return cmd_import_hf(args)
         return cmd_sample(args, argv)
     except (ValueError, CheckpointError) as e:
         return _error(e)

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtrain.checkpoint import CheckpointError, checkpoint_config
 from meshtrain.data import BYTE_VOCAB_SIZE
 from meshtrain.mesh import check_local_devices
 from meshtrain.models import PRESETS, TransformerConfig, preset
 from meshtrain.parallel.plan import ParallelPlan
+
+DEFAULT_PRESET = "tiny"
 
 
 def _f(default, help: str, **kw):
@@ -29,7 +32,8 @@ def _f(default, help: str, **kw):
 
 @dataclass
 class ModelSettings:
-    model: str = _f("tiny", f"model preset: {', '.join(PRESETS)}", flag="--model")
+    model: str | None = _f(None, f"model preset: {', '.join(PRESETS)} (default: tiny, or with"
+                                 " --init-from the checkpoint's model)", flag="--model")
     num_layers: int | None = _f(None, "override the preset's number of transformer layers")
     hidden_size: int | None = _f(None, "override the preset's hidden size")
     num_heads: int | None = _f(None, "override the preset's number of attention heads")
@@ -127,6 +131,10 @@ class DataSettings:
 class CheckpointSettings:
     out: str | None = _f(None, "output directory (default runs/<date-time>)")
     resume: bool = _f(False, "continue from the latest checkpoint in --out")
+    init_from: str | None = _f(None, "start a new run (step 0, fresh optimizer) from the model"
+                                     " weights of this run or checkpoint directory (any layout,"
+                                     " or the output of meshtrain import-hf); the model's family"
+                                     " and shape are the checkpoint's")
     save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
 
 
@@ -164,19 +172,60 @@ class RunConfig:
                                         "grad_dtype": t.grad_dtype})
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
-        """The preset's config with the model settings given (vocabulary: the setting, else the
-        data's; positions: at least --seq-len)."""
+        """The `init_from` checkpoint's model (`_init_from_model`), or the preset's with the
+        model settings given (vocabulary: the setting, else the data's; positions: at least
+        --seq-len)."""
+        if self.checkpoint.init_from:
+            return self._init_from_model()
         m = self.model
-        base = preset(m.model)
-        fields = {f.name for f in dataclasses.fields(base)}
-        given = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
-                 if f.name != "model" and getattr(m, f.name) is not None}
-        foreign = sorted(name for name in given if name not in fields)
-        if foreign:
-            raise ValueError(f"`{foreign[0]}` is not a setting of the `model` {m.model!r}")
+        base = preset(m.model or DEFAULT_PRESET)
+        given = self._given_model_settings(base, f"`model` {m.model or DEFAULT_PRESET!r}")
         given |= {"vocab_size": m.vocab_size or vocab_size,
                   "max_seq_len": m.max_seq_len or max(self.train.seq_len, base.max_seq_len)}
         return dataclasses.replace(base, **given)
+
+    def _given_model_settings(self, base: TransformerConfig, label: str) -> dict[str, Any]:
+        """The model settings that are set, each a field of `base`'s family."""
+        m = self.model
+        given = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
+                 if f.name != "model" and getattr(m, f.name) is not None}
+        fields = {f.name for f in dataclasses.fields(base)}
+        foreign = sorted(name for name in given if name not in fields)
+        if foreign:
+            raise ValueError(f"`{foreign[0]}` is not a setting of the {label}")
+        return given
+
+    def _init_from_model(self) -> TransformerConfig:
+        """The `init_from` checkpoint's model: its family and tensor shapes, which a `model`
+        preset or shape setting must not change (one left at its default yields); the others
+        (dropout, attention kernel, MoE routing) are this run's. Positions without a table
+        (rotary) grow to --seq-len."""
+        path = self.checkpoint.init_from
+        try:
+            saved = checkpoint_config(path)
+        except CheckpointError as e:
+            raise ValueError(f"`init_from` {e}") from None
+        label = f"{type(saved).__name__.removesuffix('Config')} model in `init_from` {path}"
+        chosen = preset(self.model.model) if self.model.model else saved
+        if type(chosen) is not type(saved) or any(
+                getattr(chosen, key) != getattr(saved, key) for key in saved.SHAPE_FIELDS
+                if key not in ("vocab_size", "max_seq_len")):
+            raise ValueError(f"`model` {self.model.model} is not the shape of the {label}: omit"
+                             " `model`")
+        given, defaults = self._given_model_settings(saved, label), ModelSettings()
+        for name, value in list(given.items()):
+            trial = dataclasses.replace(saved, **{name: value})
+            changed = [key for key in saved.SHAPE_FIELDS
+                       if getattr(trial, key) != getattr(saved, key)]
+            if changed and value == getattr(defaults, name):
+                del given[name]  # a default, not a choice
+            elif changed:
+                raise ValueError(f"`{name}` {value} would change the {changed[0]}"
+                                 f" ({getattr(saved, changed[0])}) of the {label}: omit"
+                                 f" `{name}`")
+        if "max_seq_len" not in given and "max_seq_len" not in saved.SHAPE_FIELDS:
+            given["max_seq_len"] = max(self.train.seq_len, saved.max_seq_len)
+        return dataclasses.replace(saved, **given)
 
 
 def _layer_counts(text: str | None) -> tuple[int, ...] | None:

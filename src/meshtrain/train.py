@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from meshtrain import data
-from meshtrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from meshtrain.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from meshtrain.config import RunConfig
 from meshtrain.mesh import ParallelMesh, init_parallel
 from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics
@@ -181,6 +186,13 @@ class Trainer:
         self.sync.load(values, states, step)
         self.executor.load_state(previous)
 
+    def start_from(self, path: str | Path) -> None:
+        """Take the model weights of a checkpoint (any layout; a run's latest) as this new
+        run's: the optimizer starts fresh, and the step, loss scale and RNG streams stay this
+        run's own."""
+        load_checkpoint(resolve_checkpoint(path), model=self.model, mesh=self.mesh, rng=False,
+                        load_states=lambda values, *_, **__: self._load_states(values, None, None))
+
 
 def run_training(cfg: RunConfig, plan: ParallelPlan | None = None) -> list[dict]:
     """Train as configured on this rank (`plan`: the validated layout; default the settings'
@@ -192,6 +204,8 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None) -> list[dict]
     trainer = Trainer.build(cfg, mesh)
     out = Path(cfg.checkpoint.out)
     start = trainer.resume(out) if cfg.checkpoint.resume else 0
+    if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
+        trainer.start_from(cfg.checkpoint.init_from)
     run = _Run(cfg, trainer, out, start)
     for step in range(start, run.stop):
         run.step(step)
