@@ -1,0 +1,322 @@
+"""Hugging Face interop against transformers itself: import and export (bitwise round trips,
+sharded files, refused configs), logits at tp 1, tp 2 and pp 2, greedy generation, and training
+from an imported model at other layouts. Tiny random models are built offline from configs."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import tokenizers
+import torch
+import transformers
+from harness import run_cli, run_on_ranks, worker_mesh
+from safetensors.torch import load_file, save_file
+
+import meshtrain
+from meshtrain import data
+from meshtrain.checkpoint import checkpoint_config, load_checkpoint, resolve_checkpoint
+from meshtrain.cli import _build_parser, _train_config, check_train, main
+from meshtrain.config import build_config
+from meshtrain.interop.hf_io import HFModelDirectory, import_hf
+from meshtrain.models import family_of
+from meshtrain.parallel import comm
+from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.parallelize import pipeline_stage
+from meshtrain.train import Trainer
+
+IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             initializer_range=0.1)  # larger than the default: rotary errors show in logits
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+CONFIGS = {
+    "gpt2": transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2,
+                                    n_head=4, initializer_range=0.1, bos_token_id=None,
+                                    eos_token_id=None),
+    "llama_gqa": transformers.LlamaConfig(**LLAMA),
+    "llama3_v5": transformers.LlamaConfig(**LLAMA, rope_parameters=LLAMA3),
+    "llama3_v4": transformers.LlamaConfig(**LLAMA, rope_parameters=LLAMA3),  # rewritten below
+    "llama32_tied": transformers.LlamaConfig(**LLAMA, rope_parameters=LLAMA3,
+                                             tie_word_embeddings=True),
+}
+
+
+def _as_transformers_4(path: Path) -> None:
+    """config.json in transformers 4's rotary form, with fields that must not be refused."""
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "torch_dtype": "float32",
+               "pretraining_tp": 1, "attention_dropout": 0.1, "use_cache": False,
+               "pad_token_id": 0}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _tokenizer_json() -> str:
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return tokenizer.to_str()
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> dict[str, Path]:
+    """Each variant saved by transformers (the GPT-2 one with a tokenizer), plus a sharded copy
+    of the GQA Llama."""
+    root = tmp_path_factory.mktemp("hf")
+    paths = {}
+    for seed, (name, config) in enumerate(CONFIGS.items()):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        paths[name] = root / name
+        model.save_pretrained(paths[name])
+        if name == "llama_gqa":
+            paths["sharded"] = root / "sharded"
+            model.save_pretrained(paths["sharded"], max_shard_size="20KB")
+    _as_transformers_4(paths["llama3_v4"])
+    (paths["gpt2"] / "tokenizer.json").write_text(_tokenizer_json())
+    return paths
+
+
+@pytest.fixture(scope="module")
+def imported(hf, tmp_path_factory) -> dict[str, Path]:
+    """Each variant imported by the command line into a run directory."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, path in hf.items():
+        assert main(["import-hf", str(path), "--out", str(root / name)]) == 0
+    return {name: root / name for name in hf}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(data.synthetic_corpus(20_000, seed=3).tobytes())
+    return str(path)
+
+
+def _reference(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _max_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return (ours - theirs).abs().max().item()
+
+
+@pytest.mark.parametrize("variant", [v for v in CONFIGS if v != "llama3_v4"] + ["sharded"])
+def test_import_then_export_is_bitwise_and_loads_cleanly(hf, imported, variant, tmp_path,
+                                                         capfd):
+    out = tmp_path / "hf"
+    assert main(["export", str(imported[variant]), "--format", "hf", "--out", str(out)]) == 0
+    source = hf[variant] / "model.safetensors"
+    original = load_file(source) if source.exists() else {
+        key: tensor for shard in hf[variant].glob("*.safetensors") for key, tensor in
+        load_file(shard).items()}
+    exported = load_file(out / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[key], original[key]) for key in original)
+    capfd.readouterr()
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    assert "LOAD REPORT" not in capfd.readouterr().err  # transformers' table of such keys
+    with torch.no_grad():
+        assert _max_difference(theirs.eval()(IDS).logits, _reference(hf[variant])(IDS).logits) \
+            < 1e-5
+
+
+def test_dense_logits_equal_transformers(hf, imported):
+    """`meshtrain.load_model` of the run directory and of the Hugging Face one (fp32)."""
+    for variant in CONFIGS:
+        with torch.no_grad():
+            expected = _reference(hf[variant])(IDS).logits
+            for source in (imported[variant], hf[variant]):
+                logits = meshtrain.load_model(source)(IDS)
+                assert logits.shape == (2, 24, 256)
+                assert _max_difference(logits, expected) < 1e-5, (variant, source)
+
+
+def test_both_rotary_config_forms_import_alike(hf):
+    v4, v5 = HFModelDirectory(hf["llama3_v4"]).cfg, HFModelDirectory(hf["llama3_v5"]).cfg
+    assert v4 == v5
+    assert (v5.rope_scaling, v5.rope_theta, v5.rope_factor, v5.rope_original_max_positions) == \
+        ("llama3", 500000.0, 8.0, 16)
+
+
+def test_tokenizer_travels_with_the_model(hf, imported, tmp_path):
+    assert (imported["gpt2"] / "tokenizer.json").read_text() == _tokenizer_json()
+    assert main(["export", str(imported["gpt2"]), "--format", "hf", "--out", str(tmp_path)]) == 0
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded("hello world")["input_ids"] == [1, 2]
+
+
+def _logits_at(run: str, ids: torch.Tensor, degrees: dict) -> torch.Tensor | None:
+    """The whole model's logits at this layout (the last pipeline stage returns them)."""
+    mesh = worker_mesh(**degrees)
+    path = resolve_checkpoint(run)
+    cfg = checkpoint_config(path)
+    stage = pipeline_stage(cfg.num_layers, ParallelPlan(**degrees), mesh)
+    model = family_of(cfg).model(cfg, mesh=mesh, stage=stage).eval()
+    load_checkpoint(path, model=model, mesh=mesh)
+    with torch.no_grad():
+        if stage.has_embedding and stage.has_head:
+            return model.full_logits(model(ids))
+        if stage.has_embedding:
+            comm.send(model(ids), mesh.pp, 1).wait()
+            return None
+        hidden = torch.empty(*ids.shape, cfg.hidden_size)
+        comm.recv(hidden, mesh.pp, 0)
+        return model.full_logits(model(hidden, torch.arange(ids.shape[1])))
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied"])
+def test_logits_equal_transformers_at_tp2_and_pp2(hf, imported, variant):
+    with torch.no_grad():
+        expected = _reference(hf[variant])(IDS).logits
+    for degrees in ({"tp": 2}, {"pp": 2}):
+        results = run_on_ranks(2, _logits_at, str(imported[variant]), IDS, degrees)
+        for logits in (r for r in results if r is not None):
+            assert _max_difference(logits, expected) < 1e-5, degrees
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied"])
+def test_greedy_generation_equals_transformers(hf, variant):
+    prompt = IDS[:, :6]
+    theirs = _reference(hf[variant]).generate(prompt, attention_mask=torch.ones_like(prompt),
+                                              max_new_tokens=12, do_sample=False)
+    model = meshtrain.load_model(hf[variant])
+    assert torch.equal(model.generate(prompt, 12), theirs)
+    sampled = model.generate(prompt, 12, temperature=1.0, top_k=5, seed=1)
+    assert sampled.shape == (2, 18) and torch.equal(sampled[:, :6], prompt)
+    assert torch.equal(sampled, model.generate(prompt, 12, temperature=1.0, top_k=5, seed=1))
+
+
+def _first_batch_loss(model, corpus: str, **sampler) -> float:
+    """The dense model's mean loss on step 1's global batch (what the run logs first)."""
+    tokens, _ = data.load_tokens(corpus)
+    train_tokens, _ = data.split_tokens(tokens, 0.05)
+    batches = data.BatchSampler(train_tokens, **sampler).micro_batches(0, dp_rank=0, dp_size=1)
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                  for x, y in batches]
+    return torch.stack(losses).mean().item()
+
+
+def test_training_from_an_imported_model_at_tp2_dp2(imported, corpus, tmp_path):
+    run, out, exported = imported["llama_gqa"], tmp_path / "run", tmp_path / "hf"
+    run_cli("train", "--init-from", str(run), "--nproc", "4", "--tp", "2", "--device", "cpu",
+            "--data", corpus, "--seq-len", "16", "--global-batch", "4", "--micro-batch", "1",
+            "--steps", "3", "--warmup-steps", "0", "--lr", "1e-2", "--eval-every", "0",
+            "--out", str(out))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    start = _first_batch_loss(meshtrain.load_model(run), corpus, seq_len=16, global_batch=4,
+                              micro_batch=1, seed=0)
+    assert rows[0]["loss"] == pytest.approx(start, rel=1e-5)  # the imported weights, step 0
+    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
+    trained = meshtrain.load_model(out)
+    with torch.no_grad():
+        ours, theirs = trained(IDS), _reference(exported)(IDS).logits
+        assert _max_difference(ours, theirs) < 1e-5
+        assert _max_difference(ours, meshtrain.load_model(run)(IDS)) > 1e-3  # it trained
+
+
+def _start_from(run: str, corpus: str, out: str):
+    cfg = build_config({}, {"checkpoint": {"init_from": run, "out": out},
+                            "parallel": {"device": "cpu", "zero": 3},
+                            "train": {"precision": "bf16", "seq_len": 16, "global_batch": 4,
+                                      "micro_batch": 2, "steps": 2},
+                            "data": {"data": corpus}})
+    trainer = Trainer.build(cfg, worker_mesh(dp=2))
+    trainer.start_from(run)
+    values, states, step = trainer.sync.export()
+    loss = trainer.train_step(0)["loss"]
+    return {name: value.clone() for name, value in values.items()}, states, step, loss
+
+
+def test_init_from_under_zero3_in_bf16(imported, corpus, tmp_path):
+    """fp32 master weights sharded over dp are the imported weights exactly; no optimizer
+    state is carried."""
+    run = imported["llama3_v5"]
+    values, states, step, loss = run_on_ranks(2, _start_from, str(run), corpus,
+                                              str(tmp_path))[0]
+    weights = dict(meshtrain.load_model(run).lm.named_parameters())
+    assert values.keys() == weights.keys() and states is None and step is None
+    assert all(torch.equal(values[n], weights[n].detach()) for n in weights)
+    assert values[next(iter(values))].dtype == torch.float32 and loss == loss  # finite
+
+
+def _train_error(capsys, *flags) -> str:
+    assert main(["train", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    return err
+
+
+def test_init_from_takes_the_checkpoint_shape_and_refuses_others(hf, imported, corpus,
+                                                                 tmp_path, capsys):
+    run, out = str(imported["llama_gqa"]), str(tmp_path / "new")
+    common = ["--init-from", run, "--data", corpus, "--out", out]
+    assert "--model tiny is not the shape of the Llama model in --init-from" in \
+        _train_error(capsys, *common, "--model", "tiny")
+    assert "--num-layers 3 would change the num_layers (2)" in \
+        _train_error(capsys, *common, "--num-layers", "3")
+    assert "--init-from nowhere: no checkpoint there" in \
+        _train_error(capsys, "--init-from", "nowhere", "--data", corpus, "--out", out)
+    # shape settings that agree, and settings of this run's own, are accepted
+    cfg = _train_config(_build_parser().parse_args(
+        ["train", *common, "--num-heads", "4", "--num-kv-heads", "2", "--dropout", "0.1",
+         "--seq-len", "128", "--device", "cpu"]))
+    check_train(cfg, 1)
+    saved = checkpoint_config(run)
+    assert cfg.model_config(256) == dataclasses.replace(saved, dropout=0.1, max_seq_len=128)
+    assert main(["import-hf", run, "--out", out]) == 2
+    assert "no config.json there" in capsys.readouterr().err
+    assert main(["import-hf", str(hf["gpt2"]), "--out", run]) == 2
+    assert "--out " + run + " holds a run" in capsys.readouterr().err
+
+
+def _write_config(path: Path, base: str, **fields) -> Path:
+    path.mkdir()
+    config = CONFIGS[base].to_dict() | fields
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("base,fields,named", [
+    ("gpt2", {"activation_function": "relu"}, '"activation_function": \'relu\''),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, '"scale_attn_by_inverse_layer_idx"'),
+    ("gpt2", {"tie_word_embeddings": False}, '"tie_word_embeddings"'),
+    ("llama_gqa", {"hidden_act": "gelu"}, '"hidden_act"'),
+    ("llama_gqa", {"attention_bias": True}, '"attention_bias"'),
+    ("llama_gqa", {"mlp_bias": True}, '"mlp_bias"'),
+    ("llama_gqa", {"head_dim": 16}, '"head_dim": 16'),
+    ("llama_gqa", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
+     "\"rope_parameters\": rope type 'yarn'"),
+    ("llama_gqa", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     "\"rope_scaling\": rope type 'linear'"),
+    ("llama_gqa", {"architectures": ["MistralForCausalLM"]}, '"architectures"'),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_unsupported_configs_are_one_line_errors(base, fields, named, tmp_path, capsys):
+    source = _write_config(tmp_path / "hf", base, **fields)
+    assert main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_files_of_the_base_model_and_stray_tensors(hf, tmp_path):
+    """GPT-2 files saved from the base model (no `transformer.` prefix, causal-mask buffers)
+    import; a weight no map reads is refused rather than dropped."""
+    tensors = {key.removeprefix("transformer."): tensor
+               for key, tensor in load_file(hf["gpt2"] / "model.safetensors").items()}
+    tensors["h.0.attn.bias"] = torch.ones(1, 1, 64, 64)
+    source = _write_config(tmp_path / "base", "gpt2")
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    import_hf(source, tmp_path / "run")
+    with torch.no_grad():
+        assert torch.equal(meshtrain.load_model(tmp_path / "run")(IDS),
+                           meshtrain.load_model(hf["gpt2"])(IDS))
+    save_file(tensors | {"h.0.attn.c_attn.lora": torch.ones(2)}, source / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="1 tensors such as h.0.attn.c_attn.lora have no place"):
+        import_hf(source, tmp_path / "again")
