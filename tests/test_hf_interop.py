@@ -48,7 +48,7 @@ def _as_transformers_4(path: Path) -> None:
     config = json.loads((path / "config.json").read_text())
     rope = config.pop("rope_parameters")
     config |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope, "torch_dtype": "float32",
-               "pretraining_tp": 1, "attention_dropout": 0.1, "use_cache": False,
+               "pretraining_tp": 2, "attention_dropout": 0.1, "use_cache": False,
                "pad_token_id": 0}
     (path / "config.json").write_text(json.dumps(config))
 
@@ -133,6 +133,12 @@ def test_dense_logits_equal_transformers(hf, imported):
                 logits = meshtrain.load_model(source)(IDS)
                 assert logits.shape == (2, 24, 256)
                 assert _max_difference(logits, expected) < 1e-5, (variant, source)
+
+
+def test_sample_reads_an_imported_run(imported):
+    sample = run_cli("sample", str(imported["llama_gqa"]), "--prompt", "ab",
+                     "--max-new-tokens", "4", "--device", "cpu")
+    assert sample.stdout.startswith("ab")
 
 
 def test_both_rotary_config_forms_import_alike(hf):

@@ -190,8 +190,11 @@ class Trainer:
         """Take the model weights of a checkpoint (any layout; a run's latest) as this new
         run's: the optimizer starts fresh, and the step, loss scale and RNG streams stay this
         run's own."""
+        def weights_only(values: dict, *_states, previous=None) -> None:
+            self._load_states(values, None, None)  # no optimizer state, step or 2BW version
+
         load_checkpoint(resolve_checkpoint(path), model=self.model, mesh=self.mesh, rng=False,
-                        load_states=lambda values, *_, **__: self._load_states(values, None, None))
+                        load_states=weights_only)
 
 
 def run_training(cfg: RunConfig, plan: ParallelPlan | None = None) -> list[dict]:
