@@ -1,0 +1,1 @@
+"""Bridges to the outside: Hugging Face tokenizers and models, and real text turned into tokens."""
