@@ -3,6 +3,7 @@ split and training on it, byte-identical output for any number of workers, bad i
 memory, and a run that samples with the tokenizer its data was prepared with."""
 
 import json
+import re
 import tracemalloc
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from harness import raises_as_flags, run_cli, word_level_tokenizer
 
 from meshtrain import ParallelMesh
-from meshtrain.cli import main
+from meshtrain.cli import as_flags, main
 from meshtrain.config import build_config
 from meshtrain.data import encode, load_corpus, synthetic_corpus
 from meshtrain.interop.prepare import prepare
@@ -69,6 +70,10 @@ def test_text_folders_and_jsonl_as_bytes(tmp_path):
                              "tokenizer": "bytes", "documents": 6, "tokens": len(tokens)}
     assert (report.train.documents, report.held_out, report.skipped) == (6, None, None)
     assert sorted(p.name for p in out.parent.iterdir()) == ["d.bin", "d.bin.json"]
+    # the output inside its input folder: a re-run does not read the earlier output
+    for _ in range(2):
+        prepare([folder], out=folder / "a" / "self.bin", workers=1, progress=False)
+        assert load_corpus(folder / "a" / "self.bin").tokens.tolist() == _byte_tokens(docs[:3])
 
 
 def test_long_documents_are_read_in_pieces(tmp_path):
@@ -179,7 +184,7 @@ BAD_INPUTS = [
      r"bad.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes,"
      r" column 2\)", ["ok"]),
     ("bad.jsonl", b'{"body": "x"}\n', "without text",
-     "bad.jsonl:1: no string field 'text'; name the documents' field with --text-field", []),
+     "bad.jsonl:1: no string field 'text'", []),
     ("bad.jsonl", b'{"text": 3}\n', "without text", "bad.jsonl:1: no string field 'text'", []),
     ("bad.jsonl", b'{"text": "\xff"}\n', "not UTF-8",
      "bad.jsonl:1: not UTF-8 at byte 10 of the line", []),
@@ -204,12 +209,15 @@ def test_bad_input_fails_whole_or_is_skipped_and_counted(tmp_path, name, content
     out = tmp_path / "out" / "d.bin"
     # small batches: the bad text file is found after its first pieces were written
     settings = dict(out=out, workers=1, progress=False, batch_bytes=8)
-    with raises_as_flags(f"^{folder}/{message}.*; fix the input or pass --on-error skip$"):
+    fix = "name the documents' field with --text-field" if kind == "without text" else \
+        "fix the input"
+    with raises_as_flags(f"^{folder}/{message}; {fix} or pass --on-error skip$"):
         prepare([folder], **settings)
     assert list(out.parent.iterdir()) == []  # no partial or temporary file
     report = prepare([folder], on_error="skip", **settings)
     assert load_corpus(out).tokens.tolist() == _byte_tokens(["good", *good])
-    assert report.skipped.startswith(f"skipped 1 bad inputs (1 {kind}); the first: ")
+    summary = rf"skipped 1 bad input\(s\) \(1 {kind}\); the first: {folder}/{message}"
+    assert re.match(summary, as_flags(report.skipped)), report.skipped
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

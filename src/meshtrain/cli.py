@@ -279,7 +279,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                      val_fraction=args.val_fraction, val_docs=args.val_docs,
                      on_error=args.on_error, eod_token=args.eod_token)
     for written in filter(None, (report.train, report.held_out)):
-        print(f"meshtrain: wrote {written.tokens} tokens of {written.documents} documents to"
+        print(f"meshtrain: wrote {written.tokens} tokens of {written.documents} document(s) to"
               f" {written.path}")
     if report.skipped:
         print(f"meshtrain: {as_flags(report.skipped)}", file=sys.stderr)

@@ -19,7 +19,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 JSONL_SUFFIX = ".jsonl"
-PIECE_BYTES = 1 << 20
+# A tokenizer's working memory grows with the text of one call (a Hugging Face BPE needed about
+# 200 bytes per input byte at 1 MiB, and ran 3x slower than at 64 KiB): pieces stay small.
+PIECE_BYTES = 1 << 16
 ON_ERROR = ("fail", "skip")
 
 
@@ -45,9 +47,9 @@ class Problems:
         self.counts: Counter[str] = Counter()
         self.first: str | None = None
 
-    def report(self, kind: str, message: str) -> None:
+    def report(self, kind: str, message: str, fix: str = "fix the input") -> None:
         if self.on_error == "fail":
-            raise ValueError(f"{message}; fix the input or pass `on_error` skip")
+            raise ValueError(f"{message}; {fix} or pass `on_error` skip")
         self.counts[kind] += 1
         self.first = self.first or message
 
@@ -56,7 +58,7 @@ class Problems:
         if not self.counts:
             return None
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(self.counts.items()))
-        return f"skipped {self.counts.total()} bad inputs ({kinds}); the first: {self.first}"
+        return f"skipped {self.counts.total()} bad input(s) ({kinds}); the first: {self.first}"
 
 
 def input_files(inputs: Iterable[str | Path], problems: Problems) -> list[Path]:
@@ -201,8 +203,8 @@ def _jsonl_text(line: bytes, where: str, problems: Problems, text_field: str) ->
         return None
     text = value.get(text_field) if isinstance(value, dict) else None
     if not isinstance(text, str):
-        problems.report("without text", f"{where}: no string field {text_field!r}; name the"
-                                         " documents' field with `text_field`")
+        problems.report("without text", f"{where}: no string field {text_field!r}",
+                        fix="name the documents' field with `text_field`")
         return None
     try:
         text.encode("utf-8")

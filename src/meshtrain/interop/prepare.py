@@ -13,6 +13,7 @@ failed run leaves no partial token file.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -35,7 +36,7 @@ from meshtrain.interop.documents import (
 )
 from meshtrain.interop.tokenization import Tokenizer, load_tokenizer
 
-BATCH_BYTES = PIECE_BYTES
+BATCH_BYTES = 1 << 20  # pieces handed to a worker at once
 _IN_FLIGHT_PER_WORKER = 2
 
 
@@ -71,16 +72,18 @@ def prepare(inputs: Iterable[str | Path], *, out: str | Path, tokenizer: str | P
         raise ValueError(f"`tokenizer` {tok.path} has no end-of-document token that meshtrain"
                          " recognises: name it with `eod_token`")
     problems = Problems(on_error)
-    files = input_files(inputs, problems)
+    earlier = _output_paths(out)  # an earlier run's output inside an input folder is no input
+    files = [path for path in input_files(inputs, problems) if path.resolve() not in earlier]
     held_out = _held_out_rule(val_fraction, val_docs, files)
     pieces = read_documents(files, problems, text_field=text_field,
                             piece_bytes=min(PIECE_BYTES, batch_bytes))
     splits: list[_TokenFile] = []
     try:
-        for path in (out, out.with_suffix(".val.bin")):
+        for path in (out, _held_out_path(out)):
             splits.append(_TokenFile(path, data.token_dtype(tok.vocab_size), tok.eod_id))
-        with input_progress(files, "prepare", enabled=progress) as bar:
-            for batch, encoded in _encoded(_batches(pieces, batch_bytes), tokenizer, tok, workers):
+        with _worker_pool(tokenizer, workers) as pool, \
+                input_progress(files, "prepare", enabled=progress) as bar:
+            for batch, encoded in _encoded(_batches(pieces, batch_bytes), tok, pool, workers):
                 for piece, ids in zip(batch, encoded, strict=True):
                     splits[held_out(piece.record)].take(piece, ids)
                 bar.update(sum(piece.size for piece in batch))
@@ -98,6 +101,21 @@ def _checked_out(out: str | Path) -> Path:
                          " sidecar)")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _held_out_path(out: Path) -> Path:
+    return out.with_suffix(".val.bin")
+
+
+def _tokenizer_copy_path(out: Path) -> Path:
+    return out.with_suffix(".tokenizer.json")
+
+
+def _output_paths(out: Path) -> set[Path]:
+    """Every file a run writes, resolved."""
+    held_out = _held_out_path(out)
+    return {path.resolve() for path in (out, data.sidecar_of(out), held_out,
+                                         data.sidecar_of(held_out), _tokenizer_copy_path(out))}
 
 
 def _checked_workers(workers: int | None) -> int:
@@ -163,29 +181,36 @@ def _encode_in_worker(texts: list[str | None]) -> list[np.ndarray | None]:
     return _worker_encoder(texts)
 
 
-def _encoded(batches: Iterator[list[Piece]], spec: str | Path, tokenizer: Tokenizer,
-             workers: int) -> Iterator[tuple[list[Piece], list]]:
-    """(batch, its token arrays) in input order; with several workers at most
-    `_IN_FLIGHT_PER_WORKER` batches per worker are read ahead."""
+def _worker_pool(spec: str | Path, workers: int):
+    """A pool of `workers` encoding processes (none for one worker), made before any progress
+    thread starts. Forked where there is fork: workers start at once, without importing torch
+    again."""
     if workers == 1:
+        return contextlib.nullcontext()
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method).Pool(workers, initializer=_start_worker,
+                                                    initargs=(str(spec),))
+
+
+def _encoded(batches: Iterator[list[Piece]], tokenizer: Tokenizer, pool, workers: int
+             ) -> Iterator[tuple[list[Piece], list]]:
+    """(batch, its token arrays) in input order; with a pool at most `_IN_FLIGHT_PER_WORKER`
+    batches per worker are read ahead."""
+    if pool is None:
         encode = _Encoder(tokenizer)
         for batch in batches:
             yield batch, encode([piece.text for piece in batch])
         return
-    # fork where there is one: workers start at once, without importing torch again
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    context = multiprocessing.get_context(method)
-    with context.Pool(workers, initializer=_start_worker, initargs=(str(spec),)) as pool:
-        pending = collections.deque()
-        for batch in batches:
-            texts = [piece.text for piece in batch]
-            pending.append((batch, pool.apply_async(_encode_in_worker, (texts,))))
-            if len(pending) >= _IN_FLIGHT_PER_WORKER * workers:
-                done, result = pending.popleft()
-                yield done, result.get()
-        while pending:
+    pending = collections.deque()
+    for batch in batches:
+        pending.append((batch, pool.apply_async(_encode_in_worker,
+                                                ([piece.text for piece in batch],))))
+        if len(pending) >= _IN_FLIGHT_PER_WORKER * workers:
             done, result = pending.popleft()
             yield done, result.get()
+    while pending:
+        done, result = pending.popleft()
+        yield done, result.get()
 
 
 class _TokenFile:
@@ -241,7 +266,7 @@ def _commit(train: _TokenFile, held_out: _TokenFile, tokenizer: Tokenizer,
     meta = {"dtype": train.dtype.name, "vocab_size": tokenizer.vocab_size,
             "eod_id": tokenizer.eod_id, "tokenizer": "bytes"}
     if tokenizer.path is not None:
-        copy = train.path.with_suffix(".tokenizer.json")
+        copy = _tokenizer_copy_path(train.path)
         data.write_atomic(copy, tokenizer.path.read_bytes())
         meta["tokenizer"] = copy.name
     written = None
