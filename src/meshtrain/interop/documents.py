@@ -19,8 +19,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 JSONL_SUFFIX = ".jsonl"
-# A tokenizer's working memory grows with the text of one call (a Hugging Face BPE needed about
-# 200 bytes per input byte at 1 MiB, and ran 3x slower than at 64 KiB): pieces stay small.
+# A tokenizer's working memory grows with the text of one call (a Hugging Face BPE needed over
+# 100 bytes per input byte at 1 MiB, and ran 3x slower than at 64 KiB): pieces stay small.
 PIECE_BYTES = 1 << 16
 ON_ERROR = ("fail", "skip")
 
