@@ -163,3 +163,17 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def word_level_tokenizer(folder, words: int, special: str):
+    """`folder`/tokenizer.json: a Hugging Face word-level tokenizer of the words w0 .. w{words-1},
+    [UNK] and one special token, made with the tokenizers library."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(words)} | {"[UNK]": words}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([special])
+    path = folder / "tokenizer.json"
+    tok.save(str(path))
+    return path

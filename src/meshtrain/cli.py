@@ -1,4 +1,4 @@
-"""`meshtrain train | export | sample | import-hf`.
+"""`meshtrain train | export | sample | import-hf | prepare | tokenizer train`.
 
 Every setting is validated in the launching process before any rank starts, so a bad flag costs
 one line and a non-zero exit, not a launcher traceback. With --nproc N (and not already under
@@ -26,6 +26,8 @@ from meshtrain.checkpoint import (
 from meshtrain.mesh import check_local_devices, resolve_degrees
 
 EXIT_BAD_INPUT = 2
+# Options of the data commands that library messages name in backticks, as `train` settings are.
+_DATA_OPTIONS = ("tokenizer", "text_field", "on_error", "workers", "val_docs", "eod_token")
 
 
 def as_flags(message: str) -> str:
@@ -33,6 +35,7 @@ def as_flags(message: str) -> str:
     (--pp-schedule); backticked names that are no setting lose their backticks."""
     flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-"))
              for _, f in config_mod.flag_fields()} | {"config": "--config"}
+    flags |= {name: "--" + name.replace("_", "-") for name in _DATA_OPTIONS}
     return re.sub(r"`([a-z_0-9]+)`", lambda m: flags.get(m.group(1), m.group(1)), message)
 
 
@@ -96,7 +99,53 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (default 1)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    _prepare_parser(sub)
+    _tokenizer_parser(sub)
     return parser
+
+
+def _add_input_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text files (one document each), folders (their files, recursively, in"
+                        " sorted order) and .jsonl files (one document per line)")
+    p.add_argument("--text-field", default="text",
+                   help="the JSONL field holding a document's text (default: text)")
+    p.add_argument("--on-error", default="fail",
+                   help="bad input (unreadable file, invalid JSON line, missing field, non-UTF-8"
+                        " bytes): fail stops with one line, skip counts it and goes on"
+                        " (default: fail)")
+
+
+def _prepare_parser(sub) -> None:
+    p = sub.add_parser("prepare", help="tokenize text, folders and JSONL into a token file",
+                       description="Tokenize documents into FILE.bin + FILE.bin.json for `train"
+                                   " --data`, an end-of-document token after each document.")
+    _add_input_arguments(p)
+    p.add_argument("--out", required=True, metavar="FILE.bin", help="the token file to write")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="bytes (ids 0..255, 256 ends a document) or a tokenizer.json"
+                        " (default: bytes)")
+    p.add_argument("--eod-token", help="the tokenizer.json's end-of-document token (default:"
+                                       " its <|endoftext|>, <|end_of_text|>, </s> or <eos>)")
+    p.add_argument("--workers", type=int, help="tokenizing processes (default: the CPU count,"
+                                               " at most 16)")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="hold out this fraction of the documents (evenly spaced) in FILE.val.bin"
+                        " for evaluation (default: 0, none)")
+    p.add_argument("--val-docs", type=int, help="hold out this many documents instead")
+
+
+def _tokenizer_parser(sub) -> None:
+    t = sub.add_parser("tokenizer", help="tokenizer tools: train")
+    train = t.add_subparsers(dest="tokenizer_command", required=True).add_parser(
+        "train", help="learn a byte-level BPE tokenizer.json from text",
+        description="Learn a byte-level BPE tokenizer (the 256 bytes, <|endoftext|>, merges) from"
+                    " documents; the same inputs give the same file, byte for byte.")
+    _add_input_arguments(train)
+    train.add_argument("--vocab-size", type=int, required=True,
+                       help="token ids to learn, at least 257")
+    train.add_argument("--out", required=True, metavar="tokenizer.json",
+                       help="the tokenizer file to write")
 
 
 def _train_config(args: argparse.Namespace) -> config_mod.RunConfig:
@@ -116,7 +165,8 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     from meshtrain.train import load_corpus
 
     plan = config_mod.validate(cfg, world_size)
-    tokens, vocab = load_corpus(cfg)
+    corpus = load_corpus(cfg)
+    vocab = corpus.vocab_size
     model = cfg.model_config(vocab)
     model.validate()
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
@@ -125,7 +175,7 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     if model.vocab_size < vocab:
         raise ValueError(f"--init-from: the model's vocabulary {model.vocab_size} is smaller"
                          f" than the data's {vocab}: use data of its tokenizer")
-    for split in data.split_tokens(tokens, cfg.data.val_fraction):
+    for split in corpus.splits(cfg.data.val_fraction):
         data.TokenDataset(split, seq_len=cfg.train.seq_len)  # raises if a split is too short
     out = Path(cfg.checkpoint.out)
     has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
@@ -220,14 +270,18 @@ def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
     manifest = read_manifest(path)
     from meshtrain.models import config_from_dict
 
-    config_from_dict(manifest["family"], manifest["model"]).validate_for_tp(args.tp)
+    model = config_from_dict(manifest["family"], manifest["model"])
+    model.validate_for_tp(args.tp)
+    from meshtrain.interop.tokenization import checkpoint_tokenizer
+
+    tokenizer = checkpoint_tokenizer(path, model.vocab_size)
     check_local_devices(args.device, args.nproc)
     if not _under_torchrun() and args.nproc > 1:
         return _launch(args.nproc, argv)
     from meshtrain.generate import sample_from_checkpoint
 
     def go():
-        text = sample_from_checkpoint(path, prompt=args.prompt, tp=args.tp,
+        text = sample_from_checkpoint(path, tokenizer, prompt=args.prompt, tp=args.tp,
                                       max_new_tokens=args.max_new_tokens, top_k=args.top_k,
                                       temperature=args.temperature, seed=args.seed,
                                       device=args.device)
@@ -235,6 +289,32 @@ def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
             print(text)
 
     return _in_rank(go)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from meshtrain.interop.prepare import prepare
+
+    report = prepare(args.inputs, out=args.out, tokenizer=args.tokenizer,
+                     text_field=args.text_field, workers=args.workers,
+                     val_fraction=args.val_fraction, val_docs=args.val_docs,
+                     on_error=args.on_error, eod_token=args.eod_token)
+    for written in filter(None, (report.train, report.held_out)):
+        print(f"meshtrain: wrote {written.tokens} tokens of {written.documents} document(s) to"
+              f" {written.path}")
+    if report.skipped:
+        print(f"meshtrain: {as_flags(report.skipped)}", file=sys.stderr)
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from meshtrain.interop.tokenization import train_tokenizer_file
+
+    size, skipped = train_tokenizer_file(args.inputs, vocab_size=args.vocab_size, out=args.out,
+                                         text_field=args.text_field, on_error=args.on_error)
+    print(f"meshtrain: wrote a tokenizer of {size} tokens to {args.out}")
+    if skipped:
+        print(f"meshtrain: {as_flags(skipped)}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "import-hf":
             return cmd_import_hf(args)
+        if args.command == "prepare":
+            return cmd_prepare(args)
+        if args.command == "tokenizer":
+            return cmd_tokenizer_train(args)
         return cmd_sample(args, argv)
     except (ValueError, CheckpointError) as e:
         return _error(e)

@@ -123,8 +123,10 @@ class TrainSettings:
 @dataclass
 class DataSettings:
     data: str | None = _f(None, "text file (byte tokens) or .bin of uint16/uint32 tokens with a"
-                                " .bin.json sidecar; default: the Python standard library source")
-    val_fraction: float = _f(0.05, "fraction of the tokens held out for evaluation")
+                                " .bin.json sidecar (as meshtrain prepare writes); default:"
+                                " the Python standard library source")
+    val_fraction: float = _f(0.05, "fraction of the tokens held out for evaluation (unused when"
+                                   " the data has a prepared held-out file)")
 
 
 @dataclass

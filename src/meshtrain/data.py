@@ -8,6 +8,7 @@ over ranks is the same list of micro-batches at every dp.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -112,23 +113,52 @@ def _data_error(path: Path, problem: str) -> ValueError:
     return ValueError(f"`data` {path}: {problem}")
 
 
+def sidecar_of(path: Path) -> Path:
+    """The JSON file describing the token file `path`: `X.bin` -> `X.bin.json`."""
+    return path.with_name(path.name + ".json")
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest token file dtype holding every id below `vocab_size`."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def write_atomic(path: Path, content: bytes) -> None:
+    """Write `path` whole or not at all: a temporary file in the same folder, renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def load_tokens(path: str | Path) -> tuple[np.ndarray, int]:
     """Tokens and vocabulary size from a text file (bytes) or a pre-tokenised `.bin` file.
 
     A `.bin` file is raw little-endian uint16/uint32 ids described by a sidecar `<file>.json`
-    such as `{"dtype": "uint16", "vocab_size": 50257}`; it is memory-mapped read-only, so a
-    corpus larger than memory costs only the pages a batch touches.
+    such as `{"dtype": "uint16", "vocab_size": 50257}` (other fields are `load_corpus`'s or
+    ignored); it is memory-mapped read-only, so a corpus larger than memory costs only the pages
+    a batch touches.
     """
-    path = Path(path)
+    tokens, meta = _load(Path(path))
+    return tokens, meta["vocab_size"]
+
+
+def _load(path: Path) -> tuple[np.ndarray, dict]:
+    """`load_tokens`, with the sidecar's fields (`vocab_size` 256 alone for a text file)."""
     if not path.is_file():
         raise _data_error(path, "no such file: pass a text file or a .bin token file")
     size = path.stat().st_size
     if size == 0:
         raise _data_error(path, "the file is empty: pass a file with some text or tokens")
     if path.suffix != ".bin":
-        return np.frombuffer(path.read_bytes(), dtype=np.uint8), BYTE_VOCAB_SIZE
+        return np.frombuffer(path.read_bytes(), dtype=np.uint8), {"vocab_size": BYTE_VOCAB_SIZE}
 
-    sidecar = path.with_name(path.name + ".json")
+    sidecar = sidecar_of(path)
     example = '{"dtype": "uint16", "vocab_size": 50257}'
     if not sidecar.is_file():
         raise _data_error(path, f"a .bin file needs a sidecar {sidecar.name} like {example}")
@@ -153,7 +183,46 @@ def load_tokens(path: str | Path) -> tuple[np.ndarray, int]:
     if top >= vocab_size:
         raise _data_error(path, f"token id {top} is >= vocab_size {vocab_size}: fix vocab_size in"
                                 f" {sidecar.name} or the tokenisation")
-    return tokens, vocab_size
+    return tokens, meta
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Tokens to train on, and what `meshtrain prepare` recorded with them."""
+
+    tokens: np.ndarray
+    vocab_size: int
+    held_out: np.ndarray | None = None  # the prepared validation split: whole documents
+    tokenizer: Path | None = None  # the tokenizer.json that made the tokens; None: bytes
+
+    def splits(self, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+        """(train, validation): the prepared held-out split if any, else the tail (see
+        `split_tokens`)."""
+        if self.held_out is not None:
+            return self.tokens, self.held_out
+        return split_tokens(self.tokens, val_fraction)
+
+
+def load_corpus(path: str | Path) -> Corpus:
+    """`load_tokens`, plus the sidecar's `validation` (a sibling token file of held-out
+    documents) and `tokenizer` (a tokenizer.json beside it, or "bytes") when it names them."""
+    path = Path(path)
+    tokens, meta = _load(path)
+    held_out = None
+    if meta.get("validation"):
+        held_out, held_meta = _load(path.parent / meta["validation"])
+        if held_meta["vocab_size"] != meta["vocab_size"]:
+            raise _data_error(path, f"its validation file {meta['validation']} has vocab_size"
+                                    f" {held_meta['vocab_size']}, not {meta['vocab_size']}:"
+                                    " prepare both again together")
+    tokenizer = meta.get("tokenizer")
+    if tokenizer in (None, "bytes"):
+        return Corpus(tokens, meta["vocab_size"], held_out)
+    tokenizer = path.parent / tokenizer
+    if not tokenizer.is_file():
+        raise _data_error(path, f"{sidecar_of(path).name} names the tokenizer {tokenizer.name},"
+                                " which is missing: put it back beside the data or prepare again")
+    return Corpus(tokens, meta["vocab_size"], held_out, tokenizer)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoint import checkpoint_config, load_checkpoint, read_manifest
-from meshtrain.data import decode, encode
+from meshtrain.checkpoint import checkpoint_config, load_checkpoint
+from meshtrain.interop.tokenization import Tokenizer
 from meshtrain.mesh import ParallelMesh, init_parallel
-from meshtrain.models import CausalLM, config_from_dict, family_of, get_family
+from meshtrain.models import CausalLM, family_of
 
 
 @torch.no_grad()
@@ -33,22 +33,31 @@ def generate(model: CausalLM, ids: torch.Tensor, *, max_new_tokens: int, top_k: 
     return ids
 
 
-def sample_from_checkpoint(path: Path, *, prompt: str, tp: int, max_new_tokens: int,
-                           top_k: int, temperature: float, seed: int,
+def prompt_ids(tokenizer: Tokenizer, prompt: str, vocab_size: int) -> list[int]:
+    """The prompt's ids; an empty prompt starts a document (after the end-of-document token, or
+    a newline for a tokenizer without one)."""
+    ids = tokenizer.encode_prompt(prompt) if prompt else []
+    if not ids:
+        ids = [tokenizer.eod_id] if tokenizer.eod_id is not None else \
+            tokenizer.encode("\n").tolist()
+    if max(ids) >= vocab_size:
+        raise ValueError(f"the prompt holds token id {max(ids)}, past the model's vocabulary of"
+                         f" {vocab_size}: the run's tokenizer does not match its model")
+    return ids
+
+
+def sample_from_checkpoint(path: Path, tokenizer: Tokenizer, *, prompt: str, tp: int,
+                           max_new_tokens: int, top_k: int, temperature: float, seed: int,
                            device: str = "auto") -> str | None:
-    """Generate text (byte tokenizer); returns it on rank 0 and None on other ranks."""
-    manifest = read_manifest(path)
-    cfg = config_from_dict(manifest["family"], manifest["model"])
-    if cfg.vocab_size != 256:
-        raise ValueError(f"sample decodes bytes, but this model's vocabulary is {cfg.vocab_size}:"
-                         " it was trained on pre-tokenised data")
+    """Generate text, encoded and decoded with `tokenizer` (see
+    `tokenization.checkpoint_tokenizer`); returns it on rank 0 and None on other ranks."""
+    ids = prompt_ids(tokenizer, prompt, checkpoint_config(path).vocab_size)
     mesh = init_parallel(tp=tp, device=device)
-    model = get_family(manifest["family"]).model(cfg, mesh=mesh, seed=0)
-    load_checkpoint(path, model=model, mesh=mesh)
-    ids = torch.tensor(encode(prompt or "\n").tolist(), dtype=torch.long, device=mesh.device)[None]
-    out = generate(model, ids, max_new_tokens=max_new_tokens, top_k=top_k,
-                   temperature=temperature, seed=seed)
-    return decode(out[0].tolist()) if mesh.rank == 0 else None
+    model = checkpoint_model(path, mesh)
+    out = generate(model, torch.tensor(ids, dtype=torch.long, device=mesh.device)[None],
+                   max_new_tokens=max_new_tokens, top_k=top_k, temperature=temperature,
+                   seed=seed)
+    return tokenizer.decode(out[0].tolist()) if mesh.rank == 0 else None
 
 
 def checkpoint_model(path: Path, mesh: ParallelMesh) -> CausalLM:

@@ -23,6 +23,7 @@ from meshtrain.checkpoint import (
     save_checkpoint,
 )
 from meshtrain.config import RunConfig
+from meshtrain.interop.tokenization import TOKENIZER_FILE
 from meshtrain.mesh import ParallelMesh, init_parallel
 from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics
 from meshtrain.optim import clip_grad_norm_, lr_at
@@ -36,11 +37,12 @@ from meshtrain.precision import LossScaler
 STATE_KEYS = ("parameters", "gradients", "optimizer_states")
 
 
-def load_corpus(cfg: RunConfig) -> tuple:
-    """(tokens, vocabulary size) of the `data` file, or the embedded standard-library corpus."""
+def load_corpus(cfg: RunConfig) -> data.Corpus:
+    """The `data` file's tokens (and what was prepared with them), or the embedded
+    standard-library corpus."""
     if cfg.data.data is None:
-        return data.stdlib_corpus(), data.BYTE_VOCAB_SIZE
-    return data.load_tokens(cfg.data.data)
+        return data.Corpus(data.stdlib_corpus(), data.BYTE_VOCAB_SIZE)
+    return data.load_corpus(cfg.data.data)
 
 
 @dataclasses.dataclass
@@ -54,6 +56,7 @@ class Trainer:
     train_data: data.BatchSampler
     eval_data: data.BatchSampler
     scaler: LossScaler
+    tokenizer: Path | None = None  # the tokenizer.json the data was prepared with
 
     @property
     def model(self):
@@ -70,18 +73,18 @@ class Trainer:
     @classmethod
     def build(cls, cfg: RunConfig, mesh: ParallelMesh) -> Trainer:
         """The run's settings laid out on `mesh` (its degrees override the settings')."""
-        tokens, vocab = load_corpus(cfg)
-        train_tokens, val_tokens = data.split_tokens(tokens, cfg.data.val_fraction)
+        corpus = load_corpus(cfg)
+        train_tokens, val_tokens = corpus.splits(cfg.data.val_fraction)
         t = cfg.train
         plan = cfg.plan().with_degrees(mesh.degrees)
-        parallel = parallelize(cfg.model_config(vocab), plan, mesh, seed=t.seed,
+        parallel = parallelize(cfg.model_config(corpus.vocab_size), plan, mesh, seed=t.seed,
                                seq_len=t.seq_len, lr=t.lr, weight_decay=t.weight_decay,
                                steps=t.stop_at or t.steps)
         scaler = LossScaler(enabled=plan.precision == "fp16", growth_interval=t.loss_scale_window)
         sampler = dict(seq_len=t.seq_len, global_batch=t.global_batch,
                        micro_batch=t.micro_batch, seed=t.seed)
         return cls(cfg, mesh, plan, parallel, data.BatchSampler(train_tokens, **sampler),
-                   data.BatchSampler(val_tokens, **sampler), scaler)
+                   data.BatchSampler(val_tokens, **sampler), scaler, corpus.tokenizer)
 
     def _micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.train_data.micro_batches(step, dp_rank=self.mesh.dp.rank,
@@ -228,6 +231,8 @@ class _Run:
         if mesh.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.toml").write_text(cfg.to_toml())
+            if trainer.tokenizer is not None:  # `meshtrain sample RUN` decodes with it
+                data.write_atomic(out / TOKENIZER_FILE, trainer.tokenizer.read_bytes())
             self.log = MetricsLog(out / "metrics.jsonl",
                                   resume_step=start if cfg.checkpoint.resume else None)
         self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0)

@@ -1,1 +1,1 @@
-"""Interoperability with other ecosystems: Hugging Face models and tokenizers, dataset files."""
+"""Bridges to the outside: Hugging Face models and tokenizers, and real text turned into tokens."""

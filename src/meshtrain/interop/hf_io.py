@@ -24,12 +24,12 @@ from safetensors import safe_open
 
 from meshtrain.checkpoint import CheckpointError, read_manifest
 from meshtrain.interop.hf_mapping import HFMapping
+from meshtrain.interop.tokenization import TOKENIZER_FILE
 from meshtrain.model_files import model_entries, model_tensors, write_model_checkpoint
 from meshtrain.models import FAMILIES, CausalLM, config_from_dict, family_of, get_family
 from meshtrain.safetensors_stream import DTYPES, Planned, write_safetensors
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
-TOKENIZER = "tokenizer.json"
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -149,8 +149,8 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Path:
         raise ValueError(f"`out` {run_dir} holds a run: import into a new directory")
     planned = source.planned()
     run_dir.mkdir(parents=True, exist_ok=True)
-    if (source.path / TOKENIZER).is_file():
-        shutil.copyfile(source.path / TOKENIZER, run_dir / TOKENIZER)
+    if (source.path / TOKENIZER_FILE).is_file():
+        shutil.copyfile(source.path / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
     note = f"# meshtrain import-hf {source.path.resolve()}: model weights only, no run settings\n"
     return write_model_checkpoint(run_dir / "checkpoints", family=source.mapping.family,
                                   cfg=source.cfg, planned=planned, tensors=source.tensors(),
@@ -194,8 +194,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
 def _copy_tokenizer(run_dir: Path, out_dir: Path, *, max_length: int) -> None:
     """The run's tokenizer.json (none: the byte tokenizer, which has no file), with the least
     tokenizer_config.json that lets `AutoTokenizer` load it."""
-    if not (run_dir / TOKENIZER).is_file():
+    if not (run_dir / TOKENIZER_FILE).is_file():
         return
-    shutil.copyfile(run_dir / TOKENIZER, out_dir / TOKENIZER)
+    shutil.copyfile(run_dir / TOKENIZER_FILE, out_dir / TOKENIZER_FILE)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
