@@ -19,6 +19,7 @@ from meshtrain.checkpoint import checkpoint_config, load_checkpoint, resolve_che
 from meshtrain.cli import _build_parser, _train_config, check_train, main
 from meshtrain.config import build_config
 from meshtrain.interop.hf_io import HFModelDirectory, import_hf
+from meshtrain.interop.tokenization import train_bpe
 from meshtrain.models import family_of
 from meshtrain.parallel import comm
 from meshtrain.parallel.plan import ParallelPlan
@@ -224,6 +225,51 @@ def test_training_from_an_imported_model_at_tp2_dp2(imported, corpus, tmp_path):
         ours, theirs = trained(IDS), _reference(exported)(IDS).logits
         assert _max_difference(ours, theirs) < 1e-5
         assert _max_difference(ours, meshtrain.load_model(run)(IDS)) > 1e-3  # it trained
+
+
+def _llama3_style_tokenizer(path: Path, text: str) -> tokenizers.Tokenizer:
+    """A BPE trained on `text` (`<|endoftext|>` ends documents) that puts `<|begin_of_text|>`
+    before every input, as Llama 3's does."""
+    tok = tokenizers.Tokenizer.from_str(train_bpe([text], vocab_size=300))
+    tok.add_special_tokens(["<|begin_of_text|>"])
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A",
+        special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])
+    tok.save(str(path))
+    return tok
+
+
+def test_fine_tune_with_the_models_own_tokenizer(tmp_path):
+    """The guide's path: a Hugging Face directory with its tokenizer, imported; data prepared
+    with that tokenizer; training at pp 2; an export that transformers loads, tokenizer and all,
+    with the tokenizer's end-of-document and begin-of-text ids in config.json."""
+    hf_dir, run, out, exported = (tmp_path / name for name in ("hf", "run", "tuned", "export"))
+    text = data.synthetic_corpus(6_000, seed=5).tobytes().decode()
+    (tmp_path / "a.txt").write_text(text[:3000])
+    (tmp_path / "b.txt").write_text(text[3000:])
+    hf_dir.mkdir()
+    tok = _llama3_style_tokenizer(hf_dir / "tokenizer.json", text)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **LLAMA | {"vocab_size": tok.get_vocab_size()})).save_pretrained(hf_dir)
+    assert main(["import-hf", str(hf_dir), "--out", str(run)]) == 0
+    tokens = tmp_path / "tokens.bin"
+    assert main(["prepare", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--workers", "1",
+                 "--tokenizer", str(run / "tokenizer.json"), "--out", str(tokens)]) == 0
+    run_cli("train", "--init-from", str(run), "--data", str(tokens), "--nproc", "2", "--pp", "2",
+            "--device", "cpu", "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2",
+            "--steps", "2", "--eval-every", "0", "--out", str(out))
+    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
+    config = json.loads((exported / "config.json").read_text())
+    bos = tok.token_to_id("<|begin_of_text|>")
+    assert (config["eos_token_id"], config["bos_token_id"]) == (0, bos)
+    theirs = transformers.AutoTokenizer.from_pretrained(exported)
+    assert (theirs.eos_token, theirs.bos_token) == ("<|endoftext|>", "<|begin_of_text|>")
+    ids = torch.tensor([theirs("the cat")["input_ids"]])
+    assert ids[0].tolist() == tok.encode("the cat").ids and ids[0, 0] == bos
+    with torch.no_grad():
+        assert _max_difference(meshtrain.load_model(out)(ids),
+                               _reference(exported)(ids).logits) < 1e-5
 
 
 def _start_from(run: str, corpus: str, out: str):

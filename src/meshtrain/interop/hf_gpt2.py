@@ -8,7 +8,7 @@ token embedding (`lm_head.weight`, when a file has it, is not read, and is never
 Refused: another activation than the tanh GeLU, unscaled or layer-scaled attention scores,
 cross-attention, an untied output layer. Dropout probabilities are not carried over (meshtrain's
 `dropout` is the run's setting); token ids and the initializer range do not change the model
-(an export leaves transformers' default token ids, or none where they exceed the vocabulary).
+(an export takes its token ids from the run's tokenizer: see `hf_io.export_hf`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ _LAYER = (  # ours, theirs, transposed (Conv1D)
     ("mlp.proj.weight", "mlp.c_proj.weight", True), ("mlp.proj.bias", "mlp.c_proj.bias", False),
 )
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-_GPT2_EOS = 50256
 
 
 class GPT2Mapping(HFMapping):
@@ -64,12 +63,7 @@ class GPT2Mapping(HFMapping):
                 "n_inner": cfg.ffn_hidden_size, "activation_function": "gelu_pytorch_tanh",
                 "layer_norm_epsilon": cfg.layernorm_eps, "initializer_range": cfg.init_std,
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-                "scale_attn_weights": True, "tie_word_embeddings": True,
-                **self._token_ids(cfg)}
-
-    def _token_ids(self, cfg: GPTConfig) -> dict:
-        """None where transformers' default ids (GPT-2's 50256) lie outside the vocabulary."""
-        return {} if cfg.vocab_size > _GPT2_EOS else {"bos_token_id": None, "eos_token_id": None}
+                "scale_attn_weights": True, "tie_word_embeddings": True}
 
     def tensor_maps(self, cfg: GPTConfig) -> list[TensorMap]:
         t = self.base_prefix

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from meshtrain.checkpoint import CheckpointError, read_manifest
 from meshtrain.interop.hf_mapping import HFMapping
-from meshtrain.interop.tokenization import TOKENIZER_FILE
+from meshtrain.interop.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.model_files import model_entries, model_tensors, write_model_checkpoint
 from meshtrain.models import FAMILIES, CausalLM, config_from_dict, family_of, get_family
 from meshtrain.safetensors_stream import DTYPES, Planned, write_safetensors
@@ -160,7 +160,9 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Path:
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
     """Write a checkpoint of any layout as a Hugging Face model directory (config.json,
     model.safetensors, and the run's tokenizer.json with a minimal tokenizer_config.json);
-    returns the number of tensors written. The directory appears whole or not at all."""
+    returns the number of tensors written. The directory appears whole or not at all.
+    config.json's token ids are the run tokenizer's (so `generate` stops where training data
+    ended documents), None where it has no such token or the run no tokenizer."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"`out` {out_dir} exists and is not empty: export into a new directory")
@@ -182,20 +184,26 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     dtype = str(entries[0][1]).removeprefix("torch.")
-    (tmp / CONFIG).write_text(json.dumps(hf_config | {"dtype": dtype}, indent=2) + "\n")
+    tokenizer = checkpoint_tokenizer(checkpoint, cfg.vocab_size, required=False)
+    token_ids = {"bos_token_id": tokenizer.bos_id if tokenizer else None,
+                 "eos_token_id": tokenizer.eod_id if tokenizer else None}
+    (tmp / CONFIG).write_text(json.dumps(hf_config | token_ids | {"dtype": dtype}, indent=2)
+                              + "\n")
     write_safetensors(tmp / WEIGHTS, planned, tensors, metadata={"format": "pt"})
-    _copy_tokenizer(checkpoint.parent.parent, tmp, max_length=cfg.max_seq_len)
+    if isinstance(tokenizer, HFTokenizer):
+        _copy_tokenizer(tokenizer, tmp, max_length=cfg.max_seq_len)
     if out_dir.exists():
         out_dir.rmdir()
     tmp.rename(out_dir)
     return len(planned)
 
 
-def _copy_tokenizer(run_dir: Path, out_dir: Path, *, max_length: int) -> None:
-    """The run's tokenizer.json (none: the byte tokenizer, which has no file), with the least
-    tokenizer_config.json that lets `AutoTokenizer` load it."""
-    if not (run_dir / TOKENIZER_FILE).is_file():
-        return
-    shutil.copyfile(run_dir / TOKENIZER_FILE, out_dir / TOKENIZER_FILE)
+def _copy_tokenizer(tokenizer: HFTokenizer, out_dir: Path, *, max_length: int) -> None:
+    """The run's tokenizer.json, with the least tokenizer_config.json that lets `AutoTokenizer`
+    load it and know its end-of-document and begin-of-text tokens."""
+    shutil.copyfile(tokenizer.path, out_dir / TOKENIZER_FILE)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length}
+    for key, token_id in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eod_id)):
+        if token_id is not None:
+            config[key] = tokenizer.token(token_id)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -9,7 +9,8 @@ Rotary settings are read in both forms: transformers 4's "rope_theta" and "rope_
 transformers 5's "rope_parameters" (written on export). Refused: a rotary type other than
 default and llama3 (or a partial rotary factor), biases, another activation than silu, a
 "head_dim" other than hidden_size / num_attention_heads. Token ids, dropout, the initializer
-range, "pretraining_tp" and the like do not change the model and are not refused.
+range, "pretraining_tp" and the like do not change the model and are not refused (an export
+takes its token ids from the run's tokenizer: see `hf_io.export_hf`).
 """
 
 from __future__ import annotations

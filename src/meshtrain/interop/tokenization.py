@@ -19,16 +19,19 @@ from meshtrain.interop.documents import Problems, input_files, input_progress, r
 
 TOKENIZER_FILE = "tokenizer.json"  # a run directory's tokenizer; absent means bytes
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of trained tokenizers; bytes render 256 so
-# Spellings of the end-of-document token in published tokenizer.json files (GPT-2 and Qwen,
-# Llama 3, Llama 2 and Mistral, Gemma), tried in this order when none is named.
+# Spellings of the end-of-document and begin-of-text tokens in published tokenizer.json files
+# (GPT-2 and Qwen, Llama 3, Llama 2 and Mistral, Gemma), tried in this order when none is named.
 _EOD_SPELLINGS = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
+_BOS_SPELLINGS = ("<|begin_of_text|>", "<s>", "<bos>")
 
 
 class Tokenizer(ABC):
-    """Text <-> token ids. `eod_id` is the token that ends a document (None: it has none)."""
+    """Text <-> token ids. `eod_id` is the token that ends a document, `bos_id` the one the
+    tokenizer puts before an input (None: it has none)."""
 
     vocab_size: int
     eod_id: int | None
+    bos_id: int | None = None
     path: Path | None  # the tokenizer.json behind it; None for bytes
 
     @abstractmethod
@@ -85,21 +88,24 @@ class HFTokenizer(Tokenizer):
                              f" reads ({problem}); pass another") from None
         self._tokenizer.encode_special_tokens = True
         self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-        self.eod_id = self._find_eod(eod_token)
+        if eod_token is not None and self._tokenizer.token_to_id(eod_token) is None:
+            raise ValueError(f"`eod_token` {eod_token!r} is not a token of {self.path}: name"
+                             " one of its tokens")
+        self.eod_id = self._special_id(eod_token, "eos_token", _EOD_SPELLINGS)
+        self.bos_id = self._special_id(None, "bos_token", _BOS_SPELLINGS)
 
-    def _find_eod(self, eod_token: str | None) -> int | None:
-        if eod_token is not None:
-            found = self._tokenizer.token_to_id(eod_token)
-            if found is None:
-                raise ValueError(f"`eod_token` {eod_token!r} is not a token of {self.path}: name"
-                                 " one of its tokens")
-            return found
-        configured = _configured_eos(self.path.parent / "tokenizer_config.json")
-        if configured is not None and self._tokenizer.token_to_id(configured) is not None:
-            return self._tokenizer.token_to_id(configured)
+    def _special_id(self, named: str | None, config_key: str, spellings: tuple) -> int | None:
+        """The id of `named`, else of the token a tokenizer_config.json beside the file names
+        under `config_key`, else of the first of `spellings` that is a special token."""
+        named = named or _configured_token(self.path.parent / "tokenizer_config.json", config_key)
+        if named is not None and self._tokenizer.token_to_id(named) is not None:
+            return self._tokenizer.token_to_id(named)
         special = {token.content: index for index, token
                    in self._tokenizer.get_added_tokens_decoder().items() if token.special}
-        return next((special[name] for name in _EOD_SPELLINGS if name in special), None)
+        return next((special[name] for name in spellings if name in special), None)
+
+    def token(self, token_id: int) -> str:
+        return self._tokenizer.id_to_token(token_id)
 
     def encode(self, text: str) -> np.ndarray:
         return np.array(self._tokenizer.encode(text, add_special_tokens=False).ids,
@@ -112,13 +118,15 @@ class HFTokenizer(Tokenizer):
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def _configured_eos(config: Path) -> str | None:
-    """The `eos_token` a Hugging Face tokenizer_config.json names, if it is there and readable."""
+def _configured_token(config: Path, key: str) -> str | None:
+    """The token (`eos_token`, `bos_token`) a Hugging Face tokenizer_config.json names, if it is
+    there and readable."""
     try:
-        eos = json.loads(config.read_text()).get("eos_token")
+        token = json.loads(config.read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+    return token.get("content") if isinstance(token, dict) else \
+        token if isinstance(token, str) else None
 
 
 def _import_tokenizers():
@@ -140,10 +148,11 @@ def load_tokenizer(spec: str | Path, *, eod_token: str | None = None) -> Tokeniz
     return HFTokenizer(spec, eod_token=eod_token)
 
 
-def checkpoint_tokenizer(checkpoint: Path, vocab_size: int) -> Tokenizer:
+def checkpoint_tokenizer(checkpoint: Path, vocab_size: int, *,
+                         required: bool = True) -> Tokenizer | None:
     """The tokenizer of a checkpoint's model: its run's tokenizer.json (beside the checkpoint or
     in the run directory holding `checkpoints/`), else bytes when the vocabulary is bytes (256,
-    or 257 with the end-of-document id)."""
+    or 257 with the end-of-document id); else an error, or None when not `required`."""
     candidates = [checkpoint / TOKENIZER_FILE]
     if checkpoint.parent.name == "checkpoints":
         candidates.append(checkpoint.parent.parent / TOKENIZER_FILE)
@@ -152,6 +161,8 @@ def checkpoint_tokenizer(checkpoint: Path, vocab_size: int) -> Tokenizer:
         return HFTokenizer(found)
     if vocab_size in (data.BYTE_VOCAB_SIZE, data.BYTE_VOCAB_SIZE + 1):
         return ByteTokenizer(eod=vocab_size > data.BYTE_VOCAB_SIZE)
+    if not required:
+        return None
     raise ValueError(f"{checkpoint}: the model's vocabulary is {vocab_size}, not bytes, and its run"
                      f" has no {TOKENIZER_FILE}: copy the tokenizer its data was prepared with"
                      f" to RUN/{TOKENIZER_FILE}")
