@@ -5,12 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import LLAMA, dense_reference, run_on_ranks, worker_mesh
+from harness import LLAMA, dense_reference, run_cli, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh
 from meshtrain.config import build_config
 from meshtrain.data import BatchSampler, synthetic_corpus
+from meshtrain.metrics import MetricsLog, read_metrics
 from meshtrain.optim import global_grad_norm, lr_at
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.train import Trainer, run_training
@@ -177,3 +178,27 @@ def test_gradient_buckets_close_before_overflowing_and_guard_their_views():
     model.layers["0"].ln1.weight.grad = None
     with pytest.raises(RuntimeError, match="zero gradients with the reducer's zero_grad"):
         reducer.wait()
+
+
+def test_metrics_rows_wait_for_flush(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in (1, 2, 3):
+        log.write({"step": step, "loss": 1.0 / step})
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # a step writes no file
+    log.flush()
+    assert [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    log.write({"step": 4, "loss": 0.25})
+    log.close()
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 4
+
+
+def test_progress_lines_every_log_interval_without_a_terminal(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("train", "--data", corpus, "--model", "tiny", "--num-layers", "1",
+                     "--steps", "5", "--log-every", "2", "--eval-every", "0", "--seq-len", "16",
+                     "--device", "cpu", "--out", str(out))
+    lines = [line for line in result.stderr.splitlines() if line.startswith("train: step")]
+    assert [line.split(",")[0] for line in lines] == \
+        ["train: step 2/5", "train: step 4/5", "train: step 5/5"], result.stderr
+    assert "\r" not in result.stderr  # no bar redraws in a log
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]

@@ -113,6 +113,8 @@ class TrainSettings:
     seed: int = _f(0, "seed for weights, data order and dropout")
     eval_every: int = _f(100, "evaluate the held-out loss every N steps (0 disables)")
     eval_batches: int = _f(4, "global batches per evaluation")
+    log_every: int = _f(10, "write the buffered metrics.jsonl rows every N steps (and at each"
+                            " checkpoint and the end); without a terminal, also a progress line")
     precision: str = _f("fp32", "parameter/activation dtype: fp32, bf16 or fp16 (16-bit keeps fp32"
                                 " master weights; fp16 adds dynamic loss scaling)")
     grad_dtype: str = _f("fp32", "dtype gradients are accumulated and reduced in: fp32, or the"
@@ -351,7 +353,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
 
 
 def _validate_train(t: TrainSettings) -> None:
-    for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches"):
+    for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches", "log_every"):
         if getattr(t, name) < 1:
             raise ValueError(f"`{name}` must be positive, got {getattr(t, name)}")
     for name in ("warmup_steps", "eval_every"):

@@ -7,11 +7,21 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 
+def read_scalars(scalars: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-dim device tensors -> Python floats in one device-to-host transfer (each `.item()` of
+    its own would wait for the device once per value)."""
+    values = torch.stack([value.detach().double() for value in scalars.values()]).tolist()
+    return dict(zip(scalars, values, strict=True))
+
+
 class MetricsLog:
-    """Appends one JSON object per row to `metrics.jsonl` (rank 0 only).
+    """Appends one JSON object per row to `metrics.jsonl` (rank 0 only), in batches: rows wait
+    in memory until `flush` (the loop flushes every `log_every` steps, at checkpoints and at the
+    end), so a step costs no file write.
 
     On resume from step N, rows after N (written after the checkpoint by an interrupted run) are
     dropped so the file reads as one uninterrupted run.
@@ -24,17 +34,25 @@ class MetricsLog:
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
         self._file = open(path, "a")
+        self._pending: list[str] = []
         self._tensorboard = _tensorboard_writer(path.parent / "tensorboard")
 
     def write(self, row: dict) -> None:
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self._pending.append(json.dumps(row) + "\n")
         if self._tensorboard is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float):
                     self._tensorboard.add_scalar(key, value, row["step"])
 
+    def flush(self) -> None:
+        self._file.write("".join(self._pending))
+        self._file.flush()
+        self._pending.clear()
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
+
     def close(self) -> None:
+        self.flush()
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
@@ -53,14 +71,20 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class Progress:
-    """tqdm bar over optimizer steps showing loss and tokens/s (silent off rank 0)."""
+    """Progress over optimizer steps showing loss and tokens/s (silent off rank 0): a tqdm bar
+    on a terminal; otherwise (a log file, a scheduler's capture) one line every `interval`
+    steps instead of carriage-return redraws."""
 
-    def __init__(self, *, total: int, initial: int, enabled: bool):
-        self.enabled = enabled
-        self._bar = tqdm(total=total, initial=initial, disable=not enabled, unit="step",
-                         dynamic_ncols=True, file=sys.stderr, desc="train")
+    def __init__(self, *, total: int, initial: int, enabled: bool, interval: int = 1):
+        self.enabled, self.total, self.interval = enabled, total, interval
+        self.lines = enabled and not sys.stderr.isatty()
+        self._bar = tqdm(total=total, initial=initial, disable=not enabled or self.lines,
+                         unit="step", dynamic_ncols=True, file=sys.stderr, desc="train")
 
-    def update(self, *, loss: float, tokens_per_s: float) -> None:
+    def update(self, *, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.lines and (step % self.interval == 0 or step == self.total):
+            print(f"train: step {step}/{self.total}, loss {loss:.4f}, {tokens_per_s:,.0f}"
+                  " tokens/s", file=sys.stderr, flush=True)
         self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         self._bar.update(1)
 

@@ -25,7 +25,7 @@ from meshtrain.checkpoint import (
 from meshtrain.config import RunConfig
 from meshtrain.interop.tokenization import TOKENIZER_FILE
 from meshtrain.mesh import ParallelMesh, init_parallel
-from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics
+from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics, read_scalars
 from meshtrain.optim import clip_grad_norm_, lr_at
 from meshtrain.parallel import comm
 from meshtrain.parallel.pipeline_trace import gather_timeline, write_trace
@@ -92,7 +92,12 @@ class Trainer:
 
     def train_step(self, step: int, *, timeline: list | None = None) -> dict:
         """One optimizer step (0-based index `step`); returns its metrics. `timeline` collects
-        this rank's pipeline events (see `run_schedule`)."""
+        this rank's pipeline events (see `run_schedule`).
+
+        The step reads the device once: its scalars (loss, gradient norm, the overflow flag,
+        routing statistics) in one transfer (`read_scalars`). With a loss scale that read comes
+        before the optimizer step, which an overflow skips; otherwise after it, so the device
+        queue never drains mid-step."""
         t, mesh, sync = self.cfg.train, self.mesh, self.sync
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                    total_steps=t.steps)
@@ -101,37 +106,43 @@ class Trainer:
         result = self.executor.forward_backward(step, self._micro_batches, sync,
                                                 loss_scale=self.scaler.scale, timeline=timeline)
         grads = sync.wait()
-        row = {"step": step + 1}
+        scalars = {}
         if self.scaler.enabled:
             for grad in grads.values():
                 grad.mul_(1.0 / self.scaler.scale)
-            row["loss_scale"] = self.scaler.scale
-        overflow = self.scaler.enabled and self._any_overflow(grads)
-        grad_norm = torch.full((), float("nan"))
-        if not overflow:
-            roles = self.parallel.roles
-            grad_norm = clip_grad_norm_(self.model, mesh, t.clip_grad, grads,
-                                        counted_elsewhere=roles.counted_elsewhere,
-                                        experts=roles.experts, sharded=sync.sharded)
-            self.executor.optimizer_step(lambda: sync.step(lr))
-        self.scaler.update(overflow)
-        if self.scaler.enabled:
-            row["skipped"] = int(overflow)
+            scalars["overflow"] = self._any_overflow(grads)
+        roles = self.parallel.roles
+        scalars["grad_norm"] = clip_grad_norm_(self.model, mesh, t.clip_grad, grads,
+                                               counted_elsewhere=roles.counted_elsewhere,
+                                               experts=roles.experts, sharded=sync.sharded)
         comm.all_reduce(result.loss, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
-        routing = result.routing.summary(mesh, self.plan.micro_batches_per_step(t.global_batch)) \
-            if self.model.cfg.moe_experts else {}
-        return row | {"loss": result.loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
-                      **routing}
+        scalars["loss"] = result.loss
+        if self.model.cfg.moe_experts:
+            micro_batches = self.plan.micro_batches_per_step(t.global_batch)
+            scalars |= result.routing.summary(mesh, micro_batches)
+        row = {"step": step + 1}
+        if not self.scaler.enabled:
+            self.executor.optimizer_step(lambda: sync.step(lr))
+            values = read_scalars(scalars)
+        else:
+            values = read_scalars(scalars)
+            overflow = values.pop("overflow") > 0
+            if not overflow:
+                self.executor.optimizer_step(lambda: sync.step(lr))
+            else:
+                values["grad_norm"] = float("nan")  # the step did not happen
+            row |= {"loss_scale": self.scaler.scale, "skipped": int(overflow)}
+            self.scaler.update(overflow)
+        return row | {"loss": values.pop("loss"), "grad_norm": values.pop("grad_norm"),
+                      "lr": lr} | values
 
-    def _any_overflow(self, grads: dict[int, torch.Tensor]) -> bool:
-        """An inf/nan anywhere on any rank: every rank must skip the same step."""
-        found = torch.zeros((), device=self.mesh.device)
-        for grad in grads.values():
-            if not torch.isfinite(grad).all():
-                found.fill_(1.0)
-                break
+    def _any_overflow(self, grads: dict[int, torch.Tensor]) -> torch.Tensor:
+        """1.0 if an inf/nan is anywhere on any rank, else 0.0, on the device: every rank
+        must skip the same step."""
+        finite = torch.stack([grad.isfinite().all() for grad in grads.values()]).all()
+        found = (~finite).float()
         comm.all_reduce(found, self.mesh.world, op=torch.distributed.ReduceOp.MAX)
-        return bool(found.item())
+        return found
 
     def traced_train_step(self, step: int, trace_dir: Path) -> tuple[dict, dict | None]:
         """`train_step` with its pipeline timeline recorded; world rank 0 writes its pipeline's
@@ -213,8 +224,11 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None) -> list[dict]
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
     run = _Run(cfg, trainer, out, start)
-    for step in range(start, run.stop):
-        run.step(step)
+    try:
+        for step in range(start, run.stop):
+            run.step(step)
+    finally:
+        run.flush()  # the rows of the steps done, even when one fails
     return run.finish()
 
 
@@ -235,7 +249,8 @@ class _Run:
                 data.write_atomic(out / TOKENIZER_FILE, trainer.tokenizer.read_bytes())
             self.log = MetricsLog(out / "metrics.jsonl",
                                   resume_step=start if cfg.checkpoint.resume else None)
-        self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0)
+        self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0,
+                                 interval=t.log_every)
         trace = cfg.parallel.trace  # a pipeline's warm step (the CLI says when there is none)
         self.traced = min(start + 1, self.stop - 1) if trace and mesh.pp.size > 1 else None
         self.timer, self.rows = StepTimer(), []
@@ -253,9 +268,12 @@ class _Run:
             self._write(evaluation)
             self.progress.write(f"step {done}: eval loss {evaluation['eval_loss']:.4f}")
         self._write(row)
-        self.progress.update(loss=row["loss"], tokens_per_s=row["tokens_per_s"])
+        self.progress.update(step=done, loss=row["loss"], tokens_per_s=row["tokens_per_s"])
         save_every = self.cfg.checkpoint.save_every
-        if done == self.stop or (save_every and done % save_every == 0):
+        saving = done == self.stop or (save_every and done % save_every == 0)
+        if saving or done % t.log_every == 0:
+            self.flush()  # the metrics of every step a checkpoint holds are on disk with it
+        if saving:
             trainer.save(self.out, done)
         self.timer.lap()  # exclude evaluation and checkpointing from the next step's time
 
@@ -282,6 +300,10 @@ class _Run:
         if self.log is not None:
             self.log.write(row)
             self.rows.append(row)
+
+    def flush(self) -> None:
+        if self.log is not None:
+            self.log.flush()
 
     def finish(self) -> list[dict]:
         self.progress.close()

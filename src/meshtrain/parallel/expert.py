@@ -11,8 +11,9 @@ dropped (its token still passes through the residual connection).
 Expert parallelism: the E experts are spread over the EP axis (E/ep consecutive experts per
 rank). Kept (token, choice) rows are sorted by expert and sent to the experts' ranks with one
 all-to-all of variable split sizes (no capacity padding), preceded by a tiny all-to-all of the
-per-expert counts; results come back by the reverse all-to-all. Gradients flow back through the
-same two all-to-alls in reverse.
+per-expert counts, which the host reads once per layer forward (the only device read inside a
+step besides the step's scalars); results come back by the reverse all-to-all. Gradients flow
+back through the same two all-to-alls in reverse.
 
 Experts and TP: each expert is an MLP split over TP exactly like the dense one (column-parallel
 fc, row-parallel proj), so each TP rank holds 1/tp of every local expert. The router and the
@@ -71,8 +72,21 @@ def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routin
     aux_loss = num_experts * (top1_fraction * probs.mean(dim=0)).sum()
     z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
     tokens_per_expert = torch.zeros(num_experts, dtype=torch.long, device=logits.device)
-    tokens_per_expert.index_add_(0, experts[kept], torch.ones_like(experts[kept]))
+    tokens_per_expert.index_add_(0, experts.flatten(), kept.flatten().long())  # no masked select
     return Routing(experts, weights, slots, kept, aux_loss, z_loss, tokens_per_expert)
+
+
+@dataclass
+class _Dispatch:
+    """One MoE layer's sizes, read from the device once: kept (token, choice) rows, rows sent to
+    and received from each EP rank, rows per local expert; `per_source` [ep, local] stays on
+    the device (received rows per source rank and local expert)."""
+
+    num_kept: int
+    send_splits: list[int]
+    recv_splits: list[int]
+    sizes: list[int]
+    per_source: torch.Tensor
 
 
 class MoE(nn.Module):
@@ -104,13 +118,14 @@ class MoE(nn.Module):
         aux.loss = aux.loss + self.aux_loss_coef * routing.aux_loss
         if self.z_loss_coef:
             aux.loss = aux.loss + self.z_loss_coef * routing.z_loss
-        kept = routing.kept.nonzero()  # [N, 2]: (token, choice), token-major
+        dispatch = self._dispatch(routing.tokens_per_expert)
+        kept = torch.nonzero_static(routing.kept, size=dispatch.num_kept)  # [N, 2], token-major
         experts = routing.experts[kept[:, 0], kept[:, 1]]
         slots = routing.slots[kept[:, 0], kept[:, 1]]
         # Send order: by expert, then by slot (the order the capacity rule placed them).
         order = torch.argsort(experts * (b * s * self.top_k) + slots)
-        token_idx, choice_idx, experts = kept[order, 0], kept[order, 1], experts[order]
-        outputs = self._run_experts(tokens[token_idx], experts)  # [N, h] in send order
+        token_idx, choice_idx = kept[order, 0], kept[order, 1]
+        outputs = self._run_experts(tokens[token_idx], dispatch)  # [N, h] in send order
         weights = routing.weights[token_idx, choice_idx].unsqueeze(-1).to(outputs.dtype)
         combined = torch.zeros_like(tokens).index_add(0, token_idx, outputs * weights)
         aux.routing.append({"tokens_per_expert": routing.tokens_per_expert.detach(),
@@ -118,37 +133,43 @@ class MoE(nn.Module):
                             "aux_loss": routing.aux_loss.detach()})
         return combined.view(b, s, h)
 
-    def _run_experts(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _dispatch(self, counts: torch.Tensor) -> _Dispatch:
+        """The sizes of this layer's all-to-alls and expert batches from the kept choices per
+        expert `counts` [E]: the layer's one read of the device (an all-to-all of variable
+        splits takes its sizes on the host)."""
+        ep, local = self.ep_axis, self.num_local
+        received = counts if ep.size == 1 else comm.all_to_all(
+            counts, ep, send_splits=[local] * ep.size, recv_splits=[local] * ep.size)
+        host = torch.cat([counts, received]).tolist()
+        sent, got = host[:self.num_experts], host[self.num_experts:]
+
+        def per_rank(values: list[int]) -> list[int]:
+            return [sum(values[i:i + local]) for i in range(0, len(values), local)]
+
+        return _Dispatch(num_kept=sum(sent), send_splits=per_rank(sent),
+                         recv_splits=per_rank(got),
+                         sizes=[sum(got[e::local]) for e in range(local)],
+                         per_source=received.view(-1, local))
+
+    def _run_experts(self, rows: torch.Tensor, dispatch: _Dispatch) -> torch.Tensor:
         """Rows sorted by expert -> expert outputs in the same order (through EP when ep > 1)."""
-        counts = torch.bincount(experts, minlength=self.num_experts)  # [E], send order
         ep = self.ep_axis
         if ep.size > 1:
-            recv_counts = comm.all_to_all(counts, ep, send_splits=[self.num_local] * ep.size,
-                                          recv_splits=[self.num_local] * ep.size)
-            send_splits = counts.view(ep.size, self.num_local).sum(dim=1).tolist()
-            recv_splits = recv_counts.view(ep.size, self.num_local).sum(dim=1).tolist()
-            rows = comm.all_to_all_differentiable(rows, ep, send_splits=send_splits,
-                                                  recv_splits=recv_splits)
-            per_source = recv_counts.view(ep.size, self.num_local)  # [source, local expert]
-        else:
-            per_source = counts.view(1, self.num_experts)
-        # Received rows are grouped by source, then by local expert: regroup by expert.
-        starts = torch.cumsum(per_source.flatten(), 0) - per_source.flatten()
-        starts = starts.view_as(per_source)
-        perm, sizes = [], []
-        for local in range(self.num_local):
-            for src in range(per_source.shape[0]):
-                n = int(per_source[src, local])
-                perm.append(torch.arange(n, device=rows.device) + starts[src, local])
-            sizes.append(int(per_source[:, local].sum()))
-        perm = torch.cat(perm)
-        grouped = rows[perm]
+            rows = comm.all_to_all_differentiable(rows, ep, send_splits=dispatch.send_splits,
+                                                  recv_splits=dispatch.recv_splits)
+        # Received rows are grouped by source, then by local expert: a stable sort on each
+        # row's local expert regroups them by expert, sources in order.
+        sources = dispatch.per_source.shape[0]
+        labels = torch.arange(self.num_local, device=rows.device).repeat(sources)
+        owner = torch.repeat_interleave(labels, dispatch.per_source.flatten(),
+                                        output_size=rows.shape[0])
+        perm = torch.argsort(owner, stable=True)
         outs = [self.experts[str(self.first_local + local)](chunk)
-                for local, chunk in enumerate(grouped.split(sizes))]
+                for local, chunk in enumerate(rows[perm].split(dispatch.sizes))]
         out = torch.cat(outs)[torch.argsort(perm)]  # back to the received order
         if ep.size > 1:
-            out = comm.all_to_all_differentiable(out, ep, send_splits=recv_splits,
-                                                 recv_splits=send_splits)
+            out = comm.all_to_all_differentiable(out, ep, send_splits=dispatch.recv_splits,
+                                                 recv_splits=dispatch.send_splits)
         return out
 
 
@@ -180,7 +201,8 @@ class RoutingStats:
     def summary(self, mesh: ParallelMesh, num_micro_batches: int) -> dict:
         """Over the whole global batch (summed over DP ranks, and over pipeline stages):
         tokens each expert processed (min/mean/max over layers and experts), drop rate, aux
-        loss per micro-batch. Every rank of a pipeline joins, with or without MoE layers."""
+        loss per micro-batch, as 0-dim device tensors (the step reads them with its other
+        scalars). Every rank of a pipeline joins, with or without MoE layers."""
         device = mesh.device
         per_layer = list(self.tokens_per_expert.values())  # the same order on every dp rank
         tokens = torch.stack(per_layer).double() if per_layer \
@@ -188,17 +210,16 @@ class RoutingStats:
         counts = self.counts.double()
         comm.all_reduce(tokens, mesh.dp_cp)
         comm.all_reduce(counts, mesh.dp_cp)
-        spread = torch.stack([tokens.sum(), torch.tensor(float(tokens.numel()),
-                                                          dtype=torch.double, device=device)])
-        low = tokens.min().float() if tokens.numel() else torch.tensor(math.inf, device=device)
-        high = tokens.max().float() if tokens.numel() else torch.tensor(-math.inf,
-                                                                          device=device)
+        spread = torch.stack([tokens.sum(), torch.full((), tokens.numel(), dtype=torch.double,
+                                                        device=device)])
+        low = tokens.min().float() if tokens.numel() else torch.full((), math.inf, device=device)
+        high = tokens.max().float() if tokens.numel() else torch.full((), -math.inf,
+                                                                        device=device)
         sum_, min_, max_ = (torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MIN,
                             torch.distributed.ReduceOp.MAX)
         for tensor, op in ((counts, sum_), (spread, sum_), (low, min_), (high, max_)):
             comm.all_reduce(tensor, mesh.pp, op=op)
-        aux = counts[2].item() / (num_micro_batches * mesh.dp_cp.size)
-        return {"moe_tokens_per_expert_min": low.item(),
-                "moe_tokens_per_expert_mean": (spread[0] / spread[1]).item(),
-                "moe_tokens_per_expert_max": high.item(),
-                "moe_drop_rate": (counts[0] / counts[1]).item(), "moe_aux_loss": aux}
+        return {"moe_tokens_per_expert_min": low,
+                "moe_tokens_per_expert_mean": spread[0] / spread[1],
+                "moe_tokens_per_expert_max": high, "moe_drop_rate": counts[0] / counts[1],
+                "moe_aux_loss": counts[2] / (num_micro_batches * mesh.dp_cp.size)}
