@@ -12,7 +12,7 @@ from harness import run_on_ranks, worker_mesh
 
 import meshtrain
 from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
+from meshtrain.data import synthetic_corpus, to_device
 from meshtrain.parallel.expert import MoE
 from meshtrain.train import Trainer
 
@@ -103,3 +103,23 @@ def test_moe_reads_once_per_layer_forward(corpus):
     for reads, forwards in run_on_ranks(2, _reads_per_step, cfg, {"dp": 2, "ep": 2}):
         assert forwards == 2 * 2  # two MoE layers, two micro-batches per data-parallel rank
         assert [len(calls) for calls in reads] == [1 + forwards] * 2, reads
+
+
+def test_micro_batches_reach_the_device_in_one_transfer(monkeypatch):
+    """Off the CPU the step's micro-batches are stacked, pinned and copied once without the host
+    waiting (here the meta device stands in for a GPU, and pinning for the missing CUDA)."""
+    batches = [(torch.arange(6).view(2, 3) + i, torch.arange(6).view(2, 3) - i) for i in range(3)]
+    copies = []
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        copies.append(kwargs.get("non_blocking"))
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    moved = to_device(batches, torch.device("meta"))
+    assert copies == [True]
+    assert [(x.device.type, x.shape, y.shape) for x, y in moved] == \
+        [("meta", (2, 3), (2, 3))] * 3
+    assert to_device(batches, torch.device("cpu")) is batches  # nothing to move

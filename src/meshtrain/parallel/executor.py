@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtrain.data import to_device
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models.family import AuxiliaryOutputs
 from meshtrain.parallel import comm
@@ -46,10 +47,12 @@ class LocalExecutor:
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int):
         self.model, self.mesh = model, mesh
         self.positions = context_parallel_positions(seq_len, mesh.cp.size, mesh.cp.rank)
+        self.device_positions = self.positions.to(mesh.device)
 
     def local_slices(self, batches: Batches) -> Batches:
-        """This context-parallel rank's tokens of each (inputs, targets)."""
-        return [(x[:, self.positions], y[:, self.positions]) for x, y in batches]
+        """This context-parallel rank's tokens of each (inputs, targets), on the device."""
+        return to_device([(x[:, self.positions], y[:, self.positions]) for x, y in batches],
+                         self.mesh.device)
 
     def forward_backward(self, step: int, batches: Callable[[int], Batches], sync, *,
                          loss_scale: float, timeline: list | None = None) -> StepResult:
@@ -70,9 +73,8 @@ class LocalExecutor:
                       aux: AuxiliaryOutputs | None = None) -> torch.Tensor:
         """Mean cross-entropy of this rank's tokens (equal counts on every dp x cp rank, so
         averaging over them gives the global mean)."""
-        device = self.mesh.device
-        logits = self.model(inputs.to(device), self.positions.to(device), aux=aux)
-        return self.model.cross_entropy(logits, targets.to(device))
+        logits = self.model(inputs, self.device_positions, aux=aux)
+        return self.model.cross_entropy(logits, targets)
 
     @torch.no_grad()
     def evaluate(self, batches: Batches) -> torch.Tensor:
@@ -113,11 +115,9 @@ class PipelineExecutor(LocalExecutor):
     def stage(self, routing: RoutingStats | None):
         """The stage function for `run_schedule`: one local chunk's forward and its extra loss;
         routing statistics go to `routing`."""
-        positions = self.positions.to(self.mesh.device)
-
         def run(x: torch.Tensor, chunk: int):
             aux = AuxiliaryOutputs()
-            out = self.model(x, positions, chunk=chunk, aux=aux)
+            out = self.model(x, self.device_positions, chunk=chunk, aux=aux)
             if routing is not None:
                 routing.add(aux.routing, chunk)
             return out, aux.loss
