@@ -5,7 +5,7 @@
     out = model.generate(ids, max_new_tokens=20)    # greedy; temperature > 0 samples
 
 It is the family's `CausalLM` on `ParallelMesh.local()` (the same code every layout runs) behind
-a thin wrapper; generation is `generate.generate`.
+a thin wrapper; generation is `generate.generate` (with its key/value cache).
 """
 
 from __future__ import annotations

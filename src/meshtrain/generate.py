@@ -14,15 +14,31 @@ from meshtrain.models import CausalLM, family_of
 
 @torch.no_grad()
 def generate(model: CausalLM, ids: torch.Tensor, *, max_new_tokens: int, top_k: int = 0,
-             temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
+             temperature: float = 1.0, seed: int = 0, use_cache: bool = True) -> torch.Tensor:
     """Extend `ids` `[b, s]` token by token. Greedy when `top_k` is 0. Every TP rank draws with
-    the same generator, so all ranks pick the same token."""
+    the same generator, so all ranks pick the same token.
+
+    The context of a step is the last `max_seq_len` tokens. With `use_cache` the prompt runs
+    once, filling a key/value cache (`CausalLM.kv_cache`; each TP rank caches its own heads),
+    and each later step runs only its new token; without it (the reference the tests compare
+    with) every step runs the whole context. Once the sequence outgrows `max_seq_len` the window
+    slides, every token's position changes and no cached key or value is valid any more: the
+    cache is dropped and each step recomputes the window, so the output stays the uncached one.
+    MoE models always recompute (expert capacity depends on the tokens routed together).
+    """
     model.eval()
     cfg, mesh = model.cfg, model.mesh
     gen = torch.Generator(device=mesh.device).manual_seed(seed)
+    cache = model.kv_cache(min(cfg.max_seq_len, ids.shape[1] + max_new_tokens)) \
+        if use_cache and not cfg.moe_experts else None
     for _ in range(max_new_tokens):
-        context = ids[:, -cfg.max_seq_len:]
-        logits = model.full_logits(model(context)[:, -1]).float()  # [b, V]
+        if cache is not None and ids.shape[1] > cfg.max_seq_len:
+            cache = None  # the window slides from here on
+        if cache is not None:
+            local_logits = model(ids[:, cache.length:], cache=cache)
+        else:
+            local_logits = model(ids[:, -cfg.max_seq_len:])
+        logits = model.full_logits(local_logits[:, -1]).float()  # [b, V]
         if top_k == 0:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:

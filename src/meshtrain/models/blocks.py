@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.models.kv_cache import LayerCache
 from meshtrain.parallel.expert import MoE
 from meshtrain.random import RNGTracker
 
@@ -179,7 +180,9 @@ def split_grouped_qkv(projections: tuple[torch.Tensor, torch.Tensor], head_dim: 
 class Attention(nn.Module):
     """Causal self-attention over this rank's heads: project to q, k, v (`qkv`, cut into heads by
     `split`), rotate q and k by their positions (rotary families), attend (the factory's core),
-    project back. Input and output are this rank's hidden states."""
+    project back. Input and output are this rank's hidden states. With a layer's `cache`
+    (generation, `kv_cache.py`) the new keys and values are appended to it and the queries attend
+    over all of its tokens."""
 
     def __init__(self, qkv: nn.Module, proj: nn.Module, core: nn.Module, *,
                  split: Callable, head_dim: int, rotary: Rotary | None = None):
@@ -187,11 +190,14 @@ class Attention(nn.Module):
         self.qkv, self.proj, self.core, self.rotary = qkv, proj, core, rotary
         self.split, self.head_dim = split, head_dim
 
-    def forward(self, x: torch.Tensor, rng: RNGTracker, positions: torch.Tensor | None):
+    def forward(self, x: torch.Tensor, rng: RNGTracker, positions: torch.Tensor | None,
+                cache: LayerCache | None = None):
         # q, k, v cover the whole local sequence, also under sequence parallelism
         q, k, v = self.split(self.qkv(x), self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if cache is not None:
+            k, v = cache.extend(k, v)
         out = self.core(q, k, v, rng)
         b, _, s, _ = out.shape
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))  # proj input [b, s, h/tp]
@@ -232,9 +238,9 @@ class Block(nn.Module):
         self.routed = isinstance(mlp, MoE)
 
     def forward(self, x: torch.Tensor, rng: RNGTracker, positions: torch.Tensor | None,
-                aux) -> torch.Tensor:
-        x = x + dropout(self.attn(self.ln1(x), rng, positions), self.dropout, self.training,
-                        rng, self.stream)
+                aux, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + dropout(self.attn(self.ln1(x), rng, positions, cache), self.dropout,
+                        self.training, rng, self.stream)
         hidden = self.ln2(x)
         out = self.mlp(hidden, aux) if self.routed else self.mlp(hidden)
         return x + dropout(out, self.dropout, self.training, rng, self.stream)

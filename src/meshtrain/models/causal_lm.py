@@ -25,6 +25,7 @@ from meshtrain.models.family import (
     StageSpec,
     TransformerConfig,
 )
+from meshtrain.models.kv_cache import KVCache
 from meshtrain.parallel.expert import MoE
 from meshtrain.parallel.factory import LayerFactory, layer_factory
 from meshtrain.parallel.plan import ParallelPlan
@@ -104,19 +105,25 @@ class CausalLM(nn.Module, ABC):
         raise TypeError(f"{type(self).__name__} ties its output layer to the embedding")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
-                chunk: int | None = None, aux: AuxiliaryOutputs | None = None) -> torch.Tensor:
+                chunk: int | None = None, aux: AuxiliaryOutputs | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states -> hidden states or local logits (last).
 
         `positions`: the sequence positions of the tokens in `x` (context parallelism holds a
-        load-balanced subset); default 0..s-1 for token ids; rotary families need them for
-        hidden-state input. `chunk`: run only this local model chunk (an interleaved pipeline
-        stage), with the embedding if it is the first and the head if it is the last; None runs
-        them all. `aux` collects the auxiliary losses and statistics of MoE layers.
+        load-balanced subset); default 0..s-1 for token ids, or from `cache.length` on with a
+        cache; rotary families need them for hidden-state input. `chunk`: run only this local
+        model chunk (an interleaved pipeline stage), with the embedding if it is the first and
+        the head if it is the last; None runs them all. `aux` collects the auxiliary losses and
+        statistics of MoE layers. `cache` (eval mode only; see `kv_cache`): the keys and values
+        of the tokens before `x`, which the new ones are appended to.
         """
         aux = aux if aux is not None else AuxiliaryOutputs()
         chunks = range(len(self.stage.chunks)) if chunk is None else [chunk]
+        if cache is not None and self.training:
+            raise ValueError("a key/value cache is for generation: call `model.eval()` first")
         if positions is None and x.dim() == 2:
-            positions = torch.arange(x.shape[1], device=x.device)
+            start = 0 if cache is None else cache.length
+            positions = torch.arange(start, start + x.shape[1], device=x.device)
         if self.stage.has_embedding and chunks[0] == 0:
             x = self.embedding(x, positions, self.rng)
         for index in (i for c in chunks for i in self.stage.chunks[c]):
@@ -124,10 +131,30 @@ class CausalLM(nn.Module, ABC):
             if index in self._recomputed_layers and self.training:
                 x = recomputed(block, self.rng, x, self.rng, positions, aux)
             else:
-                x = block(x, self.rng, positions, aux)
+                x = block(x, self.rng, positions, aux, None if cache is None else cache[index])
         if self.stage.has_head and chunks[-1] == len(self.stage.chunks) - 1:
             x = self.output_layer.logits(self.final_norm(x))
         return x  # logits: [b, s, V_padded/tp]
+
+    def kv_cache(self, capacity: int) -> KVCache:
+        """An empty key/value cache of `capacity` tokens (at most `max_seq_len`) for generating
+        with this model: `forward(ids, cache=cache)` runs only the new tokens. Whole models at
+        any tp only; MoE models are refused, since expert capacity drops tokens by how many are
+        routed together, so one token at a time would route differently from the whole
+        sequence."""
+        cfg, stage = self.cfg, self.stage
+        if not (stage.has_embedding and stage.has_head) or len(stage.layers) < cfg.num_layers:
+            problem = "a pipeline stage holds part of the model"
+        elif self.factory.splits_sequence:
+            problem = "sequence and context parallelism split the sequence over ranks"
+        elif cfg.moe_experts:
+            problem = "`moe_experts`: expert capacity depends on the tokens routed together"
+        elif not 1 <= capacity <= cfg.max_seq_len:
+            problem = f"its capacity must be 1 .. `max_seq_len` ({cfg.max_seq_len}), got {capacity}"
+        else:
+            return KVCache(stage.layers, capacity)
+        raise ValueError(f"no key/value cache here: {problem} (generation caches whole models"
+                         " at any tp)")
 
     @property
     def output_layer(self) -> nn.Module:

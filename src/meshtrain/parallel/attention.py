@@ -6,6 +6,9 @@ Dropout on the probabilities draws from the per-TP-rank stream (heads differ per
 their masks). Selective recomputation recomputes only this core in backward. Grouped-query
 attention (fewer key/value heads than query heads) runs natively in SDPA; the other paths repeat
 each key/value head for its query heads first.
+
+With a key/value cache (generation) the queries are the last of the keys' tokens: each query sees
+the keys up to its own position (the causal mask aligned to the bottom right).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from meshtrain.recompute import recomputed
 
 
 def eager_attention(q, k, v, p: float) -> torch.Tensor:
-    """Explicit causal attention `[b, a, s, d]`: saves the s x s probabilities (and mask)."""
-    s = q.shape[-2]
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a/tp, s, s]
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+    """Explicit causal attention `[b, a, s, d]`: saves the s x s probabilities (and mask). Keys
+    may be more than the queries (cached ones before them)."""
+    s, t = q.shape[-2], k.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a/tp, s, t]
+    causal = torch.ones(s, t, dtype=torch.bool, device=q.device).triu_(1 + t - s)
     probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
     if p > 0.0:
         probs = F.dropout(probs, p, training=True)
@@ -34,8 +38,9 @@ def eager_attention(q, k, v, p: float) -> torch.Tensor:
 
 
 class AttentionCore(nn.Module):
-    """`core(q, k, v, rng)`: q `[b, a, s, d]`, k and v `[b, kv, s, d]` (kv divides a) for this
-    rank's heads and tokens -> `[b, a, s, d]`. No parameters."""
+    """`core(q, k, v, rng)`: q `[b, a, s, d]`, k and v `[b, kv, t, d]` (kv divides a) for this
+    rank's heads and tokens -> `[b, a, s, d]`; t = s, or t > s with a key/value cache (whose
+    tokens come first). No parameters."""
 
     def __init__(self, *, dropout: float, eager: bool, cp_axis: MeshAxis, cp_mode: str,
                  recompute: bool):
@@ -69,10 +74,17 @@ class AttentionCore(nn.Module):
     def _local(self, q, k, v, p: float = 0.0) -> torch.Tensor:
         if self.eager:
             return eager_attention(q, _repeat_heads(k, q), _repeat_heads(v, q), p)
-        if k.shape[1] == q.shape[1]:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                              enable_gqa=True)
+        gqa = k.shape[1] != q.shape[1]
+        s, t = q.shape[-2], k.shape[-2]
+        if s == t:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=gqa)
+        # cached keys: SDPA's is_causal aligns the mask to the top left, so pass it (one query
+        # sees every key and needs none)
+        mask = None if s == 1 else \
+            torch.ones(s, t, dtype=torch.bool, device=q.device).tril_(t - s)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                              enable_gqa=gqa)
 
 
 def _repeat_heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,12 @@ class LayerFactory(ABC):
     def hidden_stream(self) -> str:
         """The RNG stream dropout on hidden states draws from (random.py)."""
 
+    @property
+    @abstractmethod
+    def splits_sequence(self) -> bool:
+        """Whether a rank's layers see only part of the sequence (sequence or context
+        parallelism): a key/value cache, which appends whole tokens, cannot be used then."""
+
     @abstractmethod
     def hidden_shape(self, batch: int, tokens: int, hidden: int) -> tuple[int, ...]:
         """Shape of the hidden states this rank holds between layers (and pipeline stages)."""
@@ -169,6 +175,10 @@ class Megatron1D(LayerFactory):
     def hidden_stream(self) -> str:
         # under sequence parallelism each TP rank holds different tokens
         return TENSOR_PARALLEL if self.sequence_parallel else REPLICATED
+
+    @property
+    def splits_sequence(self) -> bool:
+        return self.sequence_parallel or self.mesh.cp.size > 1
 
     def hidden_shape(self, batch: int, tokens: int, hidden: int) -> tuple[int, ...]:
         return (batch, tokens // (self.mesh.tp.size if self.sequence_parallel else 1), hidden)

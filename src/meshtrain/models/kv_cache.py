@@ -1,0 +1,61 @@
+"""Key/value caches for generation: every layer's keys and values of the tokens already run, so
+that a step runs only its new tokens.
+
+    cache = model.kv_cache(capacity=64)
+    logits = model(prompt, cache=cache)      # prefill: positions 0 .. s-1
+    logits = model(next_ids, cache=cache)    # one token: position cache.length
+
+The cache is an object passed through `CausalLM.forward(..., cache=)` to each block's attention,
+not state kept in the modules: training never passes one, so the training path stays the code it
+was, and a model holds nothing between calls (two caches decode two sequences with one model).
+Each rank caches the keys and values of its own heads as its attention computes them (rotated,
+in rotary families; a key/value head shared by several tensor-parallel ranks is cached on each
+of them): nothing is gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class LayerCache:
+    """One layer's keys and values `[b, kv heads/tp, t, d]`, in buffers of `capacity` tokens
+    that the first `extend` allocates (so they take the layer's dtype, device and heads)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens' keys and values `[b, kv, s, d]`; returns all of them so far
+        (views of the buffers)."""
+        end = self.length + k.shape[-2]
+        if end > self.capacity:
+            raise ValueError(f"the key/value cache holds {self.capacity} tokens, {end} were"
+                             " asked: make a larger one (at most `max_seq_len`)")
+        if self.keys is None:
+            shape = (*k.shape[:2], self.capacity, k.shape[-1])
+            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+        self.keys[:, :, self.length:end] = k
+        self.values[:, :, self.length:end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """The caches of a model's layers (`cache[index]`), keyed by global layer index; `length`
+    is how many tokens they hold, which is the position of the next token."""
+
+    def __init__(self, layers: Iterable[int], capacity: int):
+        self.capacity = capacity
+        self.layers = {index: LayerCache(capacity) for index in layers}
+
+    def __getitem__(self, index: int) -> LayerCache:
+        return self.layers[index]
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.layers.values())).length
