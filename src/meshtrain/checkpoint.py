@@ -8,29 +8,42 @@ replicated tensors by TP rank 0, TP slices by their TP rank, all on DP rank 0; p
 rows are never written. Loading assembles each logical tensor and re-slices it for the current
 layout, so a checkpoint written at one (tp, dp) loads at any other.
 
-Writes are atomic: ranks write into a hidden temporary directory, rank 0 writes the manifest and
-renames the directory into place, then moves the `latest` pointer. A crash at any point leaves the
-previous checkpoint intact and loadable. Loading executes no pickled code (safetensors + JSON).
-`model_files.py` reads and writes whole models in this format from one process.
+Writes are atomic: ranks write into a hidden temporary directory, rank 0 writes the manifest, the
+run files and last the record of every file's digest (`checkpoint_verify`), renames the
+directory into place, then moves the `latest` pointer. A crash at any point leaves the previous
+checkpoint intact and loadable. Loading verifies everything first and executes no pickled code
+(safetensors + JSON). `model_files.py` reads and writes whole models in this format from one
+process; `checkpoint_retention.py` removes leftovers and old checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from meshtrain.checkpoint_retention import keep_newest, remove_leftovers
+from meshtrain.checkpoint_verify import (
+    FORMAT,
+    METADATA,
+    RECORD,
+    RECORD_FORMAT,
+    CheckpointError,
+    read_manifest,
+    sha256,
+)
+from meshtrain.checkpoint_verify import checkpoint_config as checkpoint_config
+from meshtrain.checkpoint_verify import latest_checkpoint as latest_checkpoint
+from meshtrain.checkpoint_verify import resolve_checkpoint as resolve_checkpoint
 from meshtrain.mesh import ParallelMesh
-from meshtrain.models import TransformerConfig, config_from_dict, family_of
 from meshtrain.parallel import comm
 from meshtrain.parallel.sharding import (
     Shard,
@@ -40,50 +53,11 @@ from meshtrain.parallel.sharding import (
     shard_tensor,
 )
 
-FORMAT = "meshtrain-checkpoint-1"
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, corrupt, truncated or of another model."""
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint the `latest` pointer names (None when there is none)."""
-    root = Path(root)
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / "manifest.json").is_file():
-        raise CheckpointError(f"{pointer} names {path.name}, which has no manifest: the checkpoint"
-                              f" directory is damaged; restore it or start without `resume`")
-    return path
-
-
-def resolve_checkpoint(run: str | Path) -> Path:
-    """A checkpoint directory itself, or the latest checkpoint of a run directory."""
-    path = Path(run)
-    if (path / "manifest.json").is_file():
-        return path
-    found = latest_checkpoint(path / "checkpoints") if path.is_dir() else None
-    if found is None:
-        raise CheckpointError(f"{run}: no checkpoint there; pass a run directory written by"
-                              " meshtrain train or import-hf, or one of its checkpoints/step_*"
-                              " directories")
-    return found
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -119,18 +93,19 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
                     train_state: dict, config_toml: str, values: dict[str, torch.Tensor],
                     states: dict[str, dict[str, torch.Tensor]] | None = None,
                     optimizer_step: torch.Tensor | None = None,
-                    previous: dict[str, torch.Tensor] | None = None) -> Path:
+                    previous: dict[str, torch.Tensor] | None = None, keep_last: int = 0) -> Path:
     """Write the checkpoint of `step` collectively (every rank calls this).
 
     `values` are this rank's (TP-local) full tensors of every parameter by name - the fp32
     master weights under mixed precision - and `states` their Adam moments (None before the
     first step); ZeRO gathers its shards into these before calling. `previous`: the weight
-    version before `values` (PipeDream-2BW's in-flight micro-batches use it)."""
+    version before `values` (PipeDream-2BW's in-flight micro-batches use it). After the publish,
+    rank 0 keeps the newest `keep_last` checkpoints (0: all)."""
     root = Path(root)
     final, tmp = free_step_dir(root, step), root / f".tmp_step_{step:08d}"
 
     def make_tmp():
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_leftovers(root)
         tmp.mkdir(parents=True)
 
     _on_every_rank_or_none(make_tmp if mesh.rank == 0 else None, mesh, "creating " + str(tmp))
@@ -148,23 +123,25 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
             {"file": file_name, "key": "optim/step", "dim": 0, "offset": 0, "length": 1}]}
     for name, state in model.rng.get_states().items():
         tensors[f"rng/{mesh.rank}/{name}"] = state.cpu()
-    path = tmp / file_name
+    path, digest = tmp / file_name, []
 
     def write_file():
         save_file(tensors, str(path))
         with open(path, "rb") as f:
             os.fsync(f.fileno())
+        digest.append(sha256(path))
 
     _on_every_rank_or_none(write_file, mesh, "writing " + file_name)
-    gathered = comm.all_gather_objects((file_name, _sha256(path), entries), mesh.world)
+    gathered = comm.all_gather_objects((file_name, digest[0], entries), mesh.world)
 
     def complete():
         manifest = {"format": FORMAT, "step": step, "layout": mesh.degrees,
                     "device": mesh.device.type, "family": model.family,
                     "model": dataclasses.asdict(model.cfg),
-                    "files": {f: digest for f, digest, _ in gathered},
+                    "files": {f: file_digest for f, file_digest, _ in gathered},
                     "tensors": _merge_entries([rank_entries for _, _, rank_entries in gathered])}
         publish(tmp, final, manifest=manifest, train_state=train_state, config_toml=config_toml)
+        _keep_newest(root, keep_last)
 
     _on_every_rank_or_none(complete if mesh.rank == 0 else None, mesh, "publishing " + final.name)
     return final
@@ -172,14 +149,28 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
 
 def publish(tmp: Path, final: Path, *, manifest: dict, train_state: dict,
             config_toml: str) -> None:
-    """Complete a checkpoint written into `tmp`: manifest and run files (fsynced), the rename
+    """Complete a checkpoint written into `tmp` (its rank files listed in `manifest["files"]`):
+    manifest and run files, then the record of every file's digest (all fsynced), the rename
     into place, then the `latest` pointer (write + rename)."""
-    _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1))
-    _fsync_write(tmp / "train_state.json", json.dumps(train_state))
-    _fsync_write(tmp / "config.toml", config_toml)
+    texts = dict(zip(METADATA, (json.dumps(manifest | {"record": RECORD}, indent=1),
+                                json.dumps(train_state), config_toml), strict=True))
+    for name, text in texts.items():
+        _fsync_write(tmp / name, text)
+    files = manifest["files"] | {name: sha256(tmp / name) for name in texts}
+    _fsync_write(tmp / RECORD, json.dumps({"format": RECORD_FORMAT, "files": files}, indent=1))
     tmp.rename(final)
     _fsync_write(final.parent / ".latest.tmp", final.name)
     os.replace(final.parent / ".latest.tmp", final.parent / "latest")
+
+
+def _keep_newest(root: Path, keep_last: int) -> None:
+    """Retention after a publish; a checkpoint that cannot be deleted is reported, not fatal
+    (the new one is complete)."""
+    try:
+        keep_newest(root, keep_last)
+    except (OSError, CheckpointError) as e:
+        print(f"meshtrain: warning: could not delete old checkpoints in {root} ({e}); delete"
+              " them by hand", file=sys.stderr)
 
 
 def free_step_dir(root: Path, step: int) -> Path:
@@ -227,79 +218,25 @@ def _merge_entries(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
 
 def _on_every_rank_or_none(action, mesh: ParallelMesh, what: str) -> None:
     """Run this rank's part of a save (or nothing) and agree with every rank on the outcome, so
-    a failure anywhere raises the same one-line error everywhere instead of stranding peers."""
+    a failure anywhere (an OSError, or safetensors' own error, e.g. for a full disk) raises the
+    same one-line error everywhere instead of stranding peers or printing tracebacks."""
     failed = torch.zeros((), device=mesh.device)
     reason = ""
     try:
         if action is not None:
             action()
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         failed.fill_(1.0)
-        reason = f": {e}"
+        reason = ": " + " ".join(str(e).split())
     comm.all_reduce(failed, mesh.world, op=torch.distributed.ReduceOp.MAX)
     if failed.item():
         raise CheckpointError(f"saving the checkpoint failed on some rank ({what}{reason}); the"
                               " previous checkpoint is intact")
 
 
-def read_manifest(path: str | Path, cfg: TransformerConfig | None = None, *,
-                  verify_files: bool = True) -> dict:
-    """Load and verify a checkpoint's manifest and files (checksums, model family and shape;
-    `verify_files` False reads the manifest alone, to learn the model it holds). Checkpoints
-    written before families were recorded hold GPTs."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: unreadable manifest ({e}); it is damaged,"
-                              " restore it or start without `resume`") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')!r}, expected"
-                              f" {FORMAT!r}")
-    for file_name, digest in manifest["files"].items() if verify_files else ():
-        file_path = path / file_name
-        if not file_path.is_file() or _sha256(file_path) != digest:
-            raise CheckpointError(f"checkpoint {path}: {file_name} is missing, corrupt or"
-                                  " truncated (checksum mismatch); restore it or resume from an"
-                                  " earlier checkpoint")
-    manifest.setdefault("family", "gpt")
-    if cfg is not None:
-        _check_model(path, manifest, cfg)
-    return manifest
-
-
-def checkpoint_config(path: str | Path) -> TransformerConfig:
-    """The model config a checkpoint (or a run's latest) holds, from its manifest alone."""
-    manifest = read_manifest(resolve_checkpoint(path), verify_files=False)
-    try:
-        return config_from_dict(manifest["family"], manifest["model"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: its model settings do not load ({e})") \
-            from None
-
-
-def _check_model(path: Path, manifest: dict, cfg: TransformerConfig) -> None:
-    """The checkpoint holds a model of `cfg`'s family and tensor shapes."""
-    family = family_of(cfg).name
-    if manifest["family"] != family:
-        raise CheckpointError(f"checkpoint {path} holds a {manifest['family']} model, not a"
-                              f" {family}: choose a {manifest['family']} `model` preset to"
-                              " load it")
-    try:
-        saved = config_from_dict(family, manifest["model"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: its model settings do not load ({e})") \
-            from None
-    for key in cfg.SHAPE_FIELDS:
-        if getattr(saved, key) != getattr(cfg, key):
-            raise CheckpointError(
-                f"checkpoint {path} is from a different model shape: {key} {getattr(saved, key)}"
-                f" there vs {getattr(cfg, key)} here; use the model settings it was trained"
-                " with")
-
-
 class Reader:
-    """Assembles logical tensors from a verified checkpoint's pieces, one at a time."""
+    """Assembles logical tensors from a checkpoint's pieces, one at a time: only from a
+    manifest `read_manifest` returned (verified files and pieces)."""
 
     def __init__(self, path: Path, manifest: dict, device: torch.device):
         self.path, self.manifest, self.device = path, manifest, device
@@ -316,15 +253,9 @@ class Reader:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}: it is from a"
                                   " different model; use matching model settings")
         out = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
-        covered = 0
-        for piece in entry["pieces"]:
+        for piece in entry["pieces"]:  # verified to tile `out` exactly once
             data = self._open(piece["file"]).get_tensor(piece["key"])
             out.narrow(piece["dim"], piece["offset"], piece["length"]).copy_(data)
-            covered += piece["length"]
-        expected = entry["shape"][entry["pieces"][0]["dim"]] if entry["shape"] else 1
-        if covered != expected:
-            raise CheckpointError(f"checkpoint {self.path}: pieces of {name} cover {covered} of"
-                                  f" {expected} rows; the checkpoint is incomplete")
         return out
 
     def raw(self, key: str) -> torch.Tensor | None:

@@ -140,6 +140,9 @@ class CheckpointSettings:
                                      " or the output of meshtrain import-hf); the model's family"
                                      " and shape are the checkpoint's")
     save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
+    keep_last: int = _f(0, "after each save keep only the newest N checkpoints, deleting older"
+                           " ones (0: keep all); the one the latest pointer names is never"
+                           " deleted")
 
 
 @dataclass
@@ -338,6 +341,9 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     _validate_train(t)
     if cfg.checkpoint.save_every < 0:
         raise ValueError(f"`save_every` must be >= 0, got {cfg.checkpoint.save_every}")
+    if cfg.checkpoint.keep_last < 0:
+        raise ValueError(f"`keep_last` must be >= 0 (0 keeps every checkpoint), got"
+                         f" {cfg.checkpoint.keep_last}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ValueError(f"`val_fraction` must be in (0, 1), got {cfg.data.val_fraction}")
     model = cfg.model_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)

@@ -22,6 +22,7 @@ from meshtrain.checkpoint import (
     read_manifest,
     step_dir,
 )
+from meshtrain.checkpoint_retention import remove_leftovers
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import TransformerConfig
 from meshtrain.safetensors_stream import Planned, write_safetensors
@@ -41,17 +42,30 @@ def model_tensors(path: str | Path, manifest: dict) -> Iterator[tuple[str, torch
         yield name, reader.full("model/" + name)
 
 
+def unwritable(out: Path, error: OSError) -> ValueError:
+    """The one-line error of an export whose output cannot be written."""
+    return ValueError(f"`out` {out}: cannot write there ({error}); choose a writable location")
+
+
 def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> int:
     """Write the model of a checkpoint of any layout as one consolidated safetensors file.
 
-    Runs in one process with no process group. Returns the number of tensors written.
+    Runs in one process with no process group. The checkpoint is verified before anything is
+    written; the file appears whole or not at all. Returns the number of tensors written.
     """
-    checkpoint = Path(checkpoint)
+    checkpoint, out_file = Path(checkpoint), Path(out_file)
+    if out_file.is_dir():
+        raise ValueError(f"`out` {out_file} is a directory: name the .safetensors file to write")
     manifest = read_manifest(checkpoint)
     planned = model_entries(manifest)
     metadata = {"format": "meshtrain-model", "step": str(manifest["step"]),
                 "family": manifest["family"], "model": json.dumps(manifest["model"])}
-    write_safetensors(out_file, planned, model_tensors(checkpoint, manifest), metadata=metadata)
+    try:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        write_safetensors(out_file, planned, model_tensors(checkpoint, manifest),
+                          metadata=metadata)
+    except OSError as e:
+        raise unwritable(out_file, e) from None
     return len(planned)
 
 
@@ -71,7 +85,7 @@ def write_model_checkpoint(root: str | Path, *, family: str, cfg: TransformerCon
                                              "offset": 0, "length": shape[0] if shape else 1}]}
                for name, dtype, shape in planned}
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_leftovers(root)
         tmp.mkdir(parents=True)
         digest = write_safetensors(tmp / file_name,
                                    [("model/" + n, dtype, shape) for n, dtype, shape in planned],
@@ -82,4 +96,6 @@ def write_model_checkpoint(root: str | Path, *, family: str, cfg: TransformerCon
         publish(tmp, final, manifest=manifest, train_state={"step": 0}, config_toml=config_toml)
     except OSError as e:
         raise CheckpointError(f"writing the checkpoint into {root} failed ({e})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (gone after a publish)
     return final

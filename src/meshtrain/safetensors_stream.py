@@ -9,6 +9,7 @@ being written, whatever the file's size.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -52,21 +53,30 @@ def write_safetensors(path: str | Path, planned: list[Planned],
     tmp = path.with_name(f".{path.name}.tmp")
     digest = hashlib.sha256()
     header = _header(planned, metadata)
-    with open(tmp, "wb") as f:
-        for chunk in (struct.pack("<Q", len(header)), header):
-            f.write(chunk)
-            digest.update(chunk)
-        arrived = iter(tensors)
-        for name, dtype, shape in planned:
-            got, tensor = next(arrived)
-            if got != name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-                raise ValueError(f"{path.name}: {got} {tensor.dtype} {tuple(tensor.shape)}"
-                                 f" arrived where {name} {dtype} {tuple(shape)} was planned")
-            raw = memoryview(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8)
-                             .numpy())
-            f.write(raw)
-            digest.update(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in (struct.pack("<Q", len(header)), header):
+                f.write(chunk)
+                digest.update(chunk)
+            _write_tensors(f, digest, path, planned, tensors)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # nothing partial is left behind
+        raise
     return digest.hexdigest()
+
+
+def _write_tensors(f, digest, path: Path, planned: list[Planned],
+                   tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    arrived = iter(tensors)
+    for name, dtype, shape in planned:
+        got, tensor = next(arrived)
+        if got != name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{path.name}: {got} {tensor.dtype} {tuple(tensor.shape)}"
+                             f" arrived where {name} {dtype} {tuple(shape)} was planned")
+        raw = memoryview(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        f.write(raw)
+        digest.update(raw)

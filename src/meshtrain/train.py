@@ -182,7 +182,8 @@ class Trainer:
                                train_state={"step": step, "loss_scaler": self.scaler.state_dict()},
                                config_toml=self.cfg.to_toml(), values=values, states=states,
                                optimizer_step=optimizer_step,
-                               previous=self.executor.saved_state())
+                               previous=self.executor.saved_state(),
+                               keep_last=self.cfg.checkpoint.keep_last)
 
     def resume(self, out: Path) -> int:
         """Load the latest checkpoint in `out` (any layout); returns the step to continue at."""

@@ -25,7 +25,12 @@ from safetensors import safe_open
 from meshtrain.checkpoint import CheckpointError, read_manifest
 from meshtrain.interop.hf_mapping import HFMapping
 from meshtrain.interop.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
-from meshtrain.model_files import model_entries, model_tensors, write_model_checkpoint
+from meshtrain.model_files import (
+    model_entries,
+    model_tensors,
+    unwritable,
+    write_model_checkpoint,
+)
 from meshtrain.models import FAMILIES, CausalLM, config_from_dict, family_of, get_family
 from meshtrain.safetensors_stream import DTYPES, Planned, write_safetensors
 
@@ -160,16 +165,18 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Path:
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
     """Write a checkpoint of any layout as a Hugging Face model directory (config.json,
     model.safetensors, and the run's tokenizer.json with a minimal tokenizer_config.json);
-    returns the number of tensors written. The directory appears whole or not at all.
+    returns the number of tensors written. The checkpoint is verified before anything is
+    written, and the directory appears whole or not at all.
     config.json's token ids are the run tokenizer's (so `generate` stops where training data
     ended documents), None where it has no such token or the run no tokenizer."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"`out` {out_dir} is a file: export into a new directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
         raise ValueError(f"`out` {out_dir} exists and is not empty: export into a new directory")
     manifest = read_manifest(checkpoint)
     mapping = get_family(manifest["family"]).hf_mapping()
     cfg = config_from_dict(manifest["family"], manifest["model"])
-    hf_config = mapping.config_to_hf(cfg)
     maps = {tensor_map.ours: tensor_map for tensor_map in mapping.tensor_maps(cfg)}
     entries = model_entries(manifest)
     if set(maps) != {name for name, _, _ in entries}:
@@ -180,21 +187,26 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
                                                                   device="meta"))]
     tensors = (pair for ours, full in model_tensors(checkpoint, manifest)
                for pair in maps[ours].to_theirs(full))
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    dtype = str(entries[0][1]).removeprefix("torch.")
     tokenizer = checkpoint_tokenizer(checkpoint, cfg.vocab_size, required=False)
     token_ids = {"bos_token_id": tokenizer.bos_id if tokenizer else None,
                  "eos_token_id": tokenizer.eod_id if tokenizer else None}
-    (tmp / CONFIG).write_text(json.dumps(hf_config | token_ids | {"dtype": dtype}, indent=2)
-                              + "\n")
-    write_safetensors(tmp / WEIGHTS, planned, tensors, metadata={"format": "pt"})
-    if isinstance(tokenizer, HFTokenizer):
-        _copy_tokenizer(tokenizer, tmp, max_length=cfg.max_seq_len)
-    if out_dir.exists():
-        out_dir.rmdir()
-    tmp.rename(out_dir)
+    dtype = str(entries[0][1]).removeprefix("torch.")
+    hf_config = mapping.config_to_hf(cfg) | token_ids | {"dtype": dtype}
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
+        write_safetensors(tmp / WEIGHTS, planned, tensors, metadata={"format": "pt"})
+        if isinstance(tokenizer, HFTokenizer):
+            _copy_tokenizer(tokenizer, tmp, max_length=cfg.max_seq_len)
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except OSError as e:
+        raise unwritable(out_dir, e) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (gone after the rename)
     return len(planned)
 
 
