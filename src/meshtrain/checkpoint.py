@@ -219,19 +219,18 @@ def _merge_entries(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
 def _on_every_rank_or_none(action, mesh: ParallelMesh, what: str) -> None:
     """Run this rank's part of a save (or nothing) and agree with every rank on the outcome, so
     a failure anywhere (an OSError, or safetensors' own error, e.g. for a full disk) raises the
-    same one-line error everywhere instead of stranding peers or printing tracebacks."""
-    failed = torch.zeros((), device=mesh.device)
-    reason = ""
+    same one-line error, the first failed rank's, everywhere instead of stranding peers or
+    printing tracebacks."""
+    failure = None
     try:
         if action is not None:
             action()
     except (OSError, SafetensorError) as e:
-        failed.fill_(1.0)
-        reason = ": " + " ".join(str(e).split())
-    comm.all_reduce(failed, mesh.world, op=torch.distributed.ReduceOp.MAX)
-    if failed.item():
-        raise CheckpointError(f"saving the checkpoint failed on some rank ({what}{reason}); the"
-                              " previous checkpoint is intact")
+        failure = f"rank {mesh.rank} ({what}: {' '.join(str(e).split())})"
+    failures = [f for f in comm.all_gather_objects(failure, mesh.world) if f is not None]
+    if failures:
+        raise CheckpointError(f"saving the checkpoint failed on {failures[0]}; the previous"
+                              " checkpoint is intact")
 
 
 class Reader:

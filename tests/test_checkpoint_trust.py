@@ -1,0 +1,328 @@
+"""Checkpoints are trusted only once verified whole: each damage to a copy of one small run's
+checkpoint is refused by export (both formats), sample, --resume and --init-from with one line
+naming the file and the problem. Also: old checkpoints without a record, leftovers of killed
+saves, --keep-last retention, a full disk during a save, and export --out checks."""
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from harness import run_cli, run_on_ranks, worker_mesh
+from safetensors import SafetensorError
+
+from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.checkpoint_retention import keep_newest
+from meshtrain.cli import main
+from meshtrain.config import build_config
+from meshtrain.data import synthetic_corpus
+from meshtrain.train import Trainer
+
+TRAIN = ["--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--micro-batch", "2",
+         "--steps", "4", "--save-every", "1", "--eval-every", "0"]
+EMBEDDING = "model/embedding.word.weight"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(synthetic_corpus(20_000, seed=1).tobytes())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def made_run(corpus, tmp_path_factory) -> Path:
+    """A 1-rank run stopped after step 2: checkpoints step_00000001 and step_00000002."""
+    run = tmp_path_factory.mktemp("made") / "run"
+    run_cli("train", *TRAIN, "--stop-at", "2", "--data", corpus, "--out", str(run))
+    return run
+
+
+@pytest.fixture()
+def run(made_run, tmp_path) -> Path:
+    """A copy of the run to damage."""
+    return Path(shutil.copytree(made_run, tmp_path / "run", symlinks=True))
+
+
+def _latest(run: Path) -> Path:
+    return run / "checkpoints" / "step_00000002"
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _recommit(ck: Path, name: str) -> None:
+    """Record `name`'s new digest in digests.json, as an editor covering its tracks would."""
+    record = json.loads((ck / "digests.json").read_text())
+    record["files"][name] = _sha(ck / name)
+    (ck / "digests.json").write_text(json.dumps(record))
+
+
+def _edit_manifest(ck: Path, edit) -> None:
+    manifest = json.loads((ck / "manifest.json").read_text())
+    edit(manifest)
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    _recommit(ck, "manifest.json")
+
+
+def _edit_pieces(ck: Path, edit) -> None:
+    _edit_manifest(ck, lambda m: edit(m["tensors"][EMBEDDING]))
+
+
+def _rows(ck: Path) -> int:
+    return json.loads((ck / "manifest.json").read_text())["tensors"][EMBEDDING]["shape"][0]
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _rewrite(ck: Path, name: str, text: str) -> None:
+    (ck / name).write_text(text)
+    _recommit(ck, name)
+
+
+def _link_outside(ck: Path) -> None:
+    """The rank file replaced by a link to an identical file elsewhere (its digest matches)."""
+    outside = ck.parent.parent.parent / "outside.safetensors"
+    shutil.move(ck / "rank_00000.safetensors", outside)
+    (ck / "rank_00000.safetensors").symlink_to(outside)
+
+
+def _latest_elsewhere(ck: Path) -> None:
+    run = ck.parent.parent
+    shutil.copytree(run, run.parent / "other")
+    (run / "checkpoints" / "latest").write_text("../../other/checkpoints/step_00000002")
+
+
+RANK = "rank_00000.safetensors"
+DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named)
+    "manifest-digest": (lambda ck: (ck / "manifest.json").write_text(
+        (ck / "manifest.json").read_text() + " "), "manifest.json", "corrupt or truncated"),
+    "train-state-digest": (lambda ck: (ck / "train_state.json").write_text('{"step": 9}'),
+                           "train_state.json", "corrupt or truncated"),
+    "config-digest": (lambda ck: (ck / "config.toml").write_text("[train]\nsteps = 9\n"),
+                      "config.toml", "corrupt or truncated"),
+    "rank-file-digest": (lambda ck: _flip(ck / RANK), RANK, "corrupt or truncated"),
+    "missing-file": (lambda ck: (ck / RANK).unlink(), RANK, "missing"),
+    "truncated-file": (lambda ck: (ck / RANK).write_bytes((ck / RANK).read_bytes()[:5000]),
+                       RANK, "corrupt or truncated"),
+    "missing-record": (lambda ck: (ck / "digests.json").unlink(), "digests.json", "missing"),
+    "record-invalid-json": (lambda ck: (ck / "digests.json").write_text("{oops"),
+                            "digests.json", "not valid JSON"),
+    "manifest-invalid-json": (lambda ck: _rewrite(ck, "manifest.json", "{oops"),
+                              "manifest.json", "not valid JSON"),
+    "train-state-invalid-json": (lambda ck: _rewrite(ck, "train_state.json", "{oops"),
+                                 "train_state.json", "not valid JSON"),
+    "files-dotdot": (lambda ck: _edit_manifest(ck, lambda m: m["files"].update(
+        {"../step_00000001/" + RANK: "0" * 64})), "manifest.json", "not a plain file name"),
+    "files-absolute": (lambda ck: _edit_manifest(ck, lambda m: m["files"].update(
+        {"/etc/passwd": "0" * 64})), "manifest.json", "not a plain file name"),
+    "files-separator": (lambda ck: _edit_manifest(ck, lambda m: m["files"].update(
+        {"sub/" + RANK: "0" * 64})), "manifest.json", "not a plain file name"),
+    "record-dotdot": (lambda ck: _edit_record_name(ck, "../../x"), "digests.json",
+                      "not a plain file name"),
+    "piece-dotdot": (lambda ck: _edit_pieces(ck, lambda e: e["pieces"][0].update(
+        file="../step_00000001/" + RANK)), "manifest.json", "not a plain file name"),
+    "piece-absolute": (lambda ck: _edit_pieces(ck, lambda e: e["pieces"][0].update(
+        file="/etc/passwd")), "manifest.json", "not a plain file name"),
+    "link-leaving": (_link_outside, RANK, "a link leaving the checkpoint directory"),
+    "latest-elsewhere": (_latest_elsewhere, "latest", "not a step_NNNNNNNN directory"),
+    "overlapping-pieces": (lambda ck: _edit_pieces(ck, lambda e: e["pieces"].append(
+        {**e["pieces"][0], "key": "other", "offset": 8, "length": 8})), "manifest.json",
+        f"pieces of {EMBEDDING} overlap at rows 8..16"),
+    "gap": (lambda ck: _edit_pieces(ck, lambda e: e["pieces"][0].update(
+        length=e["shape"][0] - 3)), "manifest.json", f"rows 253..256 of {EMBEDDING} are in no"
+                                                     r" piece \(a gap\)"),
+    "piece-out-of-range": (lambda ck: _edit_pieces(ck, lambda e: e["pieces"][0].update(
+        length=e["shape"][0] + 5)), "manifest.json", "spans rows 0..261, out of range"),
+    "dtype-edit": (lambda ck: _edit_pieces(ck, lambda e: e.update(dtype="float16")), RANK,
+                   "is F32 there, but manifest.json records float16"),
+    "unknown-dtype": (lambda ck: _edit_pieces(ck, lambda e: e.update(dtype="float128")),
+                      "manifest.json", "has dtype 'float128', not one of"),
+    "shape-edit": (lambda ck: _edit_pieces(ck, lambda e: e.update(shape=[e["shape"][0], 65])),
+                   RANK, r"has shape \[256, 64\] there, but manifest.json's .* needs \[256, 65\]"),
+    "missing-key": (lambda ck: _edit_pieces(ck, lambda e: e["pieces"][0].update(key="nope")),
+                    RANK, "has no tensor nope"),
+}
+
+
+def _edit_record_name(ck: Path, name: str) -> None:
+    record = json.loads((ck / "digests.json").read_text())
+    record["files"][name] = "0" * 64
+    (ck / "digests.json").write_text(json.dumps(record))
+
+
+def _refusals(run: Path, corpus: str, capsys) -> list[str]:
+    """The one line each of export (both formats), sample, --resume and --init-from prints for
+    `run`; nothing is written."""
+    out = run.parent
+    commands = [["export", str(run), "--out", str(out / "m.safetensors")],
+                ["export", str(run), "--format", "hf", "--out", str(out / "hf")],
+                ["sample", str(run), "--device", "cpu"],
+                ["train", *TRAIN, "--data", corpus, "--out", str(run), "--resume"],
+                ["train", *TRAIN, "--data", corpus, "--out", str(out / "new"),
+                 "--init-from", str(run)]]
+    lines = []
+    for argv in commands:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("meshtrain: error: "), err
+        lines.append(err)
+    written = {"m.safetensors", ".m.safetensors.tmp", "hf", ".hf.tmp", "new"}
+    assert not written & {p.name for p in out.iterdir()}
+    return lines
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damage_is_refused_in_one_line(case, run, corpus, capsys):
+    damage, file, problem = DAMAGE[case]
+    damage(_latest(run))
+    for line in _refusals(run, corpus, capsys):
+        assert file in line and re.search(problem, line), line
+
+
+def _old_format(ck: Path) -> None:
+    """What a checkpoint written before the record looked like: no digests.json, and a
+    manifest without `record`."""
+    (ck / "digests.json").unlink()
+    manifest = json.loads((ck / "manifest.json").read_text())
+    del manifest["record"]
+    (ck / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def test_checkpoint_without_record_still_loads(run, made_run, capsys):
+    ck = _latest(run)
+    _old_format(ck)
+    cfg = read_manifest(_latest(made_run))  # the same model, verified by its record
+    assert read_manifest(ck)["tensors"] == cfg["tensors"]
+    assert main(["export", str(run), "--out", str(run.parent / "old.safetensors")]) == 0
+    assert main(["export", str(made_run), "--out", str(run.parent / "new.safetensors")]) == 0
+    assert (run.parent / "old.safetensors").read_bytes() == \
+        (run.parent / "new.safetensors").read_bytes()
+    _flip(ck / RANK)  # its rank files are still checked against the manifest's digests
+    with pytest.raises(CheckpointError, match=f"{RANK}: corrupt or truncated .checksum mismatch"
+                                              " with manifest.json"):
+        read_manifest(ck)
+    capsys.readouterr()
+
+
+def test_leftovers_go_and_keep_last_keeps_the_newest(run, corpus):
+    """A resumed run saving steps 3 and 4 with --keep-last 2: what killed saves left is removed
+    by the first save; older checkpoints go, other files stay."""
+    root = run / "checkpoints"
+    (root / ".tmp_step_00000003").mkdir()
+    (root / ".tmp_step_00000003" / RANK).write_bytes(b"half a file")
+    (root / ".latest.tmp").write_text("step_00000003")
+    (root / "notes.txt").write_text("mine")
+    (root / "step_0000000x").mkdir()
+    run_cli("train", *TRAIN, "--data", corpus, "--out", str(run), "--resume", "--keep-last", "2")
+    assert sorted(p.name for p in root.iterdir()) == [
+        "latest", "notes.txt", "step_00000003", "step_00000004", "step_0000000x"]
+    assert latest_checkpoint(root).name == "step_00000004"
+    read_manifest(root / "step_00000003")
+
+
+def test_keep_newest_never_deletes_latest_or_other_files(tmp_path):
+    for name in ("step_00000001", "step_00000002", "step_00000002.1", "step_00000003"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    (tmp_path / "step_00000009").mkdir()  # no manifest: not a complete checkpoint
+    (tmp_path / "step_00000000").write_text("a file")
+    (tmp_path / "latest").write_text("step_00000001")
+    assert keep_newest(tmp_path, 0) == []
+    assert keep_newest(tmp_path, 2) == ["step_00000002"]  # step_N.1 is newer than step_N
+    assert keep_newest(tmp_path, 1) == ["step_00000002.1"]  # never the one `latest` names
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step_00000000", "step_00000001", "step_00000003", "step_00000009"]
+
+
+def test_keep_last_must_not_be_negative(corpus, tmp_path, capsys):
+    assert main(["train", *TRAIN, "--data", corpus, "--out", str(tmp_path / "r"),
+                 "--keep-last", "-1"]) == 2
+    assert "--keep-last must be >= 0" in capsys.readouterr().err
+
+
+def _save_on_a_full_disk(corpus: str, out: str) -> str:
+    """Rank 1's rank file meets a full disk (safetensors raises its own error type, as it
+    does for ENOSPC); then a save that works removes the failed save's leftovers."""
+    cfg = build_config({}, {"train": {"global_batch": 4, "micro_batch": 2, "seq_len": 16},
+                            "parallel": {"device": "cpu"}, "data": {"data": corpus},
+                            "checkpoint": {"out": out}})
+    mesh = worker_mesh(dp=2)
+    trainer = Trainer.build(cfg, mesh)
+    real = ckpt.save_file
+
+    def full_disk(tensors, path):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind:'
+                              ' StorageFull, message: "No space left on device" })')
+
+    ckpt.save_file = full_disk if mesh.rank == 1 else real
+    try:
+        with pytest.raises(CheckpointError) as failed:
+            trainer.save(Path(out), 1)
+    finally:
+        ckpt.save_file = real
+    left = sorted(p.name for p in (Path(out) / "checkpoints").iterdir())
+    trainer.save(Path(out), 1)
+    return str(failed.value), left
+
+
+def test_full_disk_during_a_save_is_one_agreed_line(corpus, tmp_path):
+    """Simulated: no small filesystem can be filled on this machine."""
+    results = run_on_ranks(2, _save_on_a_full_disk, corpus, str(tmp_path), timeout=90)
+    (line, left), (peer_line, _) = results
+    assert line == peer_line and len(line.splitlines()) == 1
+    assert "failed on rank 1 (writing rank_00001.safetensors: Error while serializing" in line
+    assert "No space left on device" in line and "previous checkpoint is intact" in line
+    assert left == [".tmp_step_00000001"]
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    read_manifest(root / "step_00000001")
+
+
+def _export(capsys, *argv: str) -> str:
+    assert main(["export", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_export_out_is_checked(made_run, tmp_path, capsys, monkeypatch):
+    run = str(made_run)
+    (tmp_path / "dir").mkdir()
+    assert "--out " + str(tmp_path / "dir") + " is a directory" in \
+        _export(capsys, run, "--out", str(tmp_path / "dir"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert "exists and is not empty" in \
+        _export(capsys, run, "--format", "hf", "--out", str(tmp_path / "full"))
+    (tmp_path / "file").write_text("mine")
+    assert "is a file" in _export(capsys, run, "--format", "hf", "--out", str(tmp_path / "file"))
+    for fmt in ("meshtrain", "hf"):  # (tests run as root: a read-only directory would not do)
+        assert "cannot write there" in \
+            _export(capsys, run, "--format", fmt, "--out", str(tmp_path / "file" / "sub"))
+    assert (tmp_path / "file").read_text() == "mine"
+
+    def disk_full_midway(path, manifest):
+        yield from list(real(path, manifest))[:3]
+        raise OSError(28, "No space left on device")
+
+    from meshtrain import model_files
+    from meshtrain.interop import hf_io
+
+    real = model_files.model_tensors
+    monkeypatch.setattr(model_files, "model_tensors", disk_full_midway)
+    monkeypatch.setattr(hf_io, "model_tensors", disk_full_midway)
+    for fmt, name in (("meshtrain", "m.safetensors"), ("hf", "hf")):
+        assert "No space left on device" in \
+            _export(capsys, run, "--format", fmt, "--out", str(tmp_path / name))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "full"]
+    assert list((tmp_path / "dir").iterdir()) == [] and \
+        [p.name for p in (tmp_path / "full").iterdir()] == ["x"]
