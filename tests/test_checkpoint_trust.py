@@ -13,12 +13,15 @@ import pytest
 from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors import SafetensorError
 
+from meshtrain import ParallelMesh, preset
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from meshtrain.checkpoint_retention import keep_newest
 from meshtrain.cli import main
 from meshtrain.config import build_config
 from meshtrain.data import synthetic_corpus
+from meshtrain.model_files import write_model_checkpoint
+from meshtrain.models import family_of
 from meshtrain.train import Trainer
 
 TRAIN = ["--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--micro-batch", "2",
@@ -102,7 +105,7 @@ def _latest_elsewhere(ck: Path) -> None:
 
 
 RANK = "rank_00000.safetensors"
-DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named)
+DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named), as patterns
     "manifest-digest": (lambda ck: (ck / "manifest.json").write_text(
         (ck / "manifest.json").read_text() + " "), "manifest.json", "corrupt or truncated"),
     "train-state-digest": (lambda ck: (ck / "train_state.json").write_text('{"step": 9}'),
@@ -146,10 +149,16 @@ DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named)
                    "is F32 there, but manifest.json records float16"),
     "unknown-dtype": (lambda ck: _edit_pieces(ck, lambda e: e.update(dtype="float128")),
                       "manifest.json", "has dtype 'float128', not one of"),
+    # (--init-from reads the metadata alone first: the parameter count refuses it there)
     "shape-edit": (lambda ck: _edit_pieces(ck, lambda e: e.update(shape=[e["shape"][0], 65])),
-                   RANK, r"has shape \[256, 64\] there, but manifest.json's .* needs \[256, 65\]"),
+                   f"{RANK}|manifest.json", r"has shape \[256, 64\] there, but manifest.json's"
+                   r" .* needs \[256, 65\]|model settings make 232832 parameters, its model"
+                   " tensors hold 233088"),
     "missing-key": (lambda ck: _edit_pieces(ck, lambda e: e["pieces"][0].update(key="nope")),
                     RANK, "has no tensor nope"),
+    "model-settings-edit": (lambda ck: _edit_manifest(ck, lambda m: m["model"].update(
+        hidden_size=4096)), "manifest.json", "its model settings make .* parameters, its model"
+                                            " tensors hold 232832"),
 }
 
 
@@ -185,7 +194,7 @@ def test_damage_is_refused_in_one_line(case, run, corpus, capsys):
     damage, file, problem = DAMAGE[case]
     damage(_latest(run))
     for line in _refusals(run, corpus, capsys):
-        assert file in line and re.search(problem, line), line
+        assert re.search(file, line) and re.search(problem, line), line
 
 
 def _old_format(ck: Path) -> None:
@@ -241,6 +250,22 @@ def test_keep_newest_never_deletes_latest_or_other_files(tmp_path):
     assert keep_newest(tmp_path, 1) == ["step_00000002.1"]  # never the one `latest` names
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "latest", "step_00000000", "step_00000001", "step_00000003", "step_00000009"]
+
+
+def test_import_writes_the_record_and_removes_leftovers(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / ".tmp_step_00000000").mkdir(parents=True)
+    (root / ".latest.tmp").write_text("x")
+    cfg = preset("tiny", num_layers=1, hidden_size=8, num_heads=2, vocab_size=4, max_seq_len=4)
+    model = family_of(cfg).model(cfg, mesh=ParallelMesh.local(), seed=0)
+    planned = [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
+    path = write_model_checkpoint(root, family="gpt", cfg=cfg, planned=planned,
+                                  tensors=((n, p.detach()) for n, p in model.named_parameters()),
+                                  config_toml="# imported\n")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000000"]
+    record = json.loads((path / "digests.json").read_text())["files"]
+    assert sorted(record) == sorted(p.name for p in path.iterdir() if p.name != "digests.json")
+    assert read_manifest(path, cfg)["step"] == 0
 
 
 def test_keep_last_must_not_be_negative(corpus, tmp_path, capsys):

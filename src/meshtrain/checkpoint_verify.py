@@ -16,8 +16,10 @@ line naming the checkpoint, the file and the problem.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 
@@ -32,6 +34,7 @@ RECORD_FORMAT = "meshtrain-digests-1"
 METADATA = ("manifest.json", "train_state.json", "config.toml")
 STEP_NAME = re.compile(r"step_(\d{8})(?:\.(\d+))?")
 DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in CODES}
+_SETTING_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 
 
 class CheckpointError(ValueError):
@@ -148,15 +151,42 @@ def read_manifest(path: str | Path, cfg: TransformerConfig | None = None, *,
         _check_headers(path, manifest)
     _check_train_state(path)
     manifest.setdefault("family", "gpt")  # checkpoints written before families were recorded
+    _model_config(path, manifest)
     if cfg is not None:
         _check_model(path, manifest, cfg)
     return manifest
 
 
+def _model_config(path: Path, manifest: dict) -> TransformerConfig:
+    """The manifest's model settings as a config: known fields, each of its declared type, a
+    shape that can be built, and as many parameters as its model tensors hold (so nothing
+    builds a model larger than the checkpoint's files)."""
+    try:
+        cfg = config_from_dict(manifest["family"], manifest["model"])
+        for f in dataclasses.fields(cfg):
+            value, kinds = getattr(cfg, f.name), str(f.type).split(" | ")
+            if not (value is None and "None" in kinds) and \
+                    not any(type(value) in _SETTING_TYPES.get(kind, ()) for kind in kinds):
+                raise ValueError(f"{f.name} is {value!r}, not {f.type}")
+        layers = {name.split(".")[1] for name in manifest["tensors"]
+                  if name.startswith("model/layers.")}
+        if cfg.num_layers != len(layers):  # (before anything counts over the layers)
+            raise ValueError(f"num_layers {cfg.num_layers}, but tensors of {len(layers)}")
+        cfg.validate()
+    except (KeyError, TypeError, ValueError) as e:
+        raise _damaged(path, "manifest.json", f"its model settings do not load ({e})") from None
+    held = sum(math.prod(entry["shape"]) for name, entry in manifest["tensors"].items()
+               if name.startswith("model/"))
+    if held != cfg.num_parameters():
+        raise _damaged(path, "manifest.json", f"its model settings make {cfg.num_parameters()}"
+                                              f" parameters, its model tensors hold {held}")
+    return cfg
+
+
 def _check_train_state(path: Path) -> None:
     state = _read_json(path, "train_state.json")
-    if not isinstance(state, dict) or type(state.get("step")) is not int:
-        raise _damaged(path, "train_state.json", "has no integer `step`")
+    if not isinstance(state, dict) or not _is_int(state.get("step")):
+        raise _damaged(path, "train_state.json", "has no integer step")
 
 
 def _is_int(value: object) -> bool:
@@ -166,15 +196,16 @@ def _is_int(value: object) -> bool:
 def _check_tensors(path: Path, manifest: dict) -> None:
     """Each tensor entry: a shape, a known dtype, and pieces of listed files that tile it."""
     tensors = manifest.get("tensors")
-    if not isinstance(tensors, dict) or not isinstance(manifest.get("model"), dict) or \
-            not isinstance(manifest.get("family", "gpt"), str):
-        raise _damaged(path, "manifest.json", "has no `tensors` or `model` table or no family")
+    if not isinstance(tensors, dict) or not _is_int(manifest.get("step")) or \
+            not isinstance(manifest.get("layout"), dict) or \
+            not isinstance(manifest.get("model"), dict):
+        raise _damaged(path, "manifest.json", "lacks its step, layout, model or tensors")
     used: dict[tuple[str, str], str] = {}
     for name, entry in tensors.items():
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
             raise _damaged(path, "manifest.json", f"{name} has no valid shape ({shape!r})")
-        if entry.get("dtype") not in DTYPE_NAMES:
+        if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPE_NAMES:
             raise _damaged(path, "manifest.json", f"{name} has dtype {entry.get('dtype')!r},"
                                                   f" not one of {', '.join(DTYPE_NAMES)}")
         pieces = entry.get("pieces")
@@ -304,12 +335,8 @@ def resolve_checkpoint(run: str | Path) -> Path:
 
 def checkpoint_config(path: str | Path) -> TransformerConfig:
     """The model config a checkpoint (or a run's latest) holds, from its metadata alone."""
-    manifest = read_manifest(resolve_checkpoint(path), verify_files=False)
-    try:
-        return config_from_dict(manifest["family"], manifest["model"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: its model settings do not load ({e})") \
-            from None
+    path = resolve_checkpoint(path)
+    return _model_config(path, read_manifest(path, verify_files=False))
 
 
 def _check_model(path: Path, manifest: dict, cfg: TransformerConfig) -> None:
@@ -319,11 +346,7 @@ def _check_model(path: Path, manifest: dict, cfg: TransformerConfig) -> None:
         raise CheckpointError(f"checkpoint {path} holds a {manifest['family']} model, not a"
                               f" {family}: choose a {manifest['family']} `model` preset to"
                               " load it")
-    try:
-        saved = config_from_dict(family, manifest["model"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path}: its model settings do not load ({e})") \
-            from None
+    saved = config_from_dict(family, manifest["model"])
     for key in cfg.SHAPE_FIELDS:
         if getattr(saved, key) != getattr(cfg, key):
             raise CheckpointError(
