@@ -13,7 +13,10 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from meshtrain import config as config_mod
@@ -23,9 +26,15 @@ from meshtrain.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
+from meshtrain.failures import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_HANG,
+    EXIT_PEER_FAILED,
+    RunFailure,
+)
 from meshtrain.mesh import check_local_devices, resolve_degrees
 
-EXIT_BAD_INPUT = 2
 # Options of the data commands that library messages name in backticks, as `train` settings are.
 _DATA_OPTIONS = ("tokenizer", "text_field", "on_error", "workers", "val_docs", "eod_token")
 
@@ -44,12 +53,35 @@ def _error(e: Exception) -> int:
     return EXIT_BAD_INPUT
 
 
+def _unexpected(e: Exception, debug: bool, where: str = "") -> int:
+    """An error no check foresaw: one line (`where` names the rank), or with `debug` the
+    traceback."""
+    if debug:
+        traceback.print_exc()
+    else:
+        message = " ".join(str(e).split())[:300]
+        print(f"meshtrain: error: {where}{type(e).__name__}: {message} (rerun with --debug for"
+              " the traceback)", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _debug_parent() -> argparse.ArgumentParser:
+    """`--debug` for every subcommand (ranks re-run the same argv, so they get it too)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--debug", action="store_true", default=False,
+                        help="show the traceback of an unexpected error instead of one line")
+    return parent
+
+
+DEBUG = [_debug_parent()]
+
 def _train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS,
+                       parents=DEBUG,
                        description="Train a language model on a device mesh. Degrees not given"
                                    " are 1 and dp fills the world. Precedence: defaults <"
                                    " --config FILE.toml < flags.")
@@ -74,8 +106,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    e = sub.add_parser("export", help="write a checkpoint's model as one consolidated"
-                                      " safetensors file or a Hugging Face model directory")
+    e = sub.add_parser("export", parents=DEBUG,
+                       help="write a checkpoint's model as one consolidated"
+                            " safetensors file or a Hugging Face model directory")
     e.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
     e.add_argument("--out", required=True, help="output .safetensors file (--format meshtrain)"
                                                 " or new directory (--format hf)")
@@ -83,12 +116,13 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="meshtrain: one safetensors file under meshtrain's names (default); hf:"
                         " config.json + model.safetensors (+ the run's tokenizer) for"
                         " transformers' from_pretrained")
-    i = sub.add_parser("import-hf", help="turn a Hugging Face GPT-2 or Llama directory into a"
-                                         " meshtrain run directory (train --init-from it)")
+    i = sub.add_parser("import-hf", parents=DEBUG,
+                       help="turn a Hugging Face GPT-2 or Llama directory into a"
+                            " meshtrain run directory (train --init-from it)")
     i.add_argument("hf_dir", metavar="HF_DIR", help="config.json + model.safetensors (or shards"
                                                      " with model.safetensors.index.json)")
     i.add_argument("--out", required=True, help="new run directory to write")
-    s = sub.add_parser("sample", help="generate text from a checkpoint (any layout)")
+    s = sub.add_parser("sample", parents=DEBUG, help="generate text from a checkpoint (any layout)")
     s.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
     s.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     s.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
@@ -99,9 +133,13 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (default 1)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    d = sub.add_parser("doctor", parents=DEBUG,
+                       help="say what diverged in a hung run, from its dumps")
+    d.add_argument("run", metavar="RUN_DIR", help="the run's --out (its hang/ dumps)")
     _prepare_parser(sub)
     _tokenizer_parser(sub)
     return parser
+
 
 
 def _add_input_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,7 +155,8 @@ def _add_input_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _prepare_parser(sub) -> None:
-    p = sub.add_parser("prepare", help="tokenize text, folders and JSONL into a token file",
+    p = sub.add_parser("prepare", parents=DEBUG,
+                       help="tokenize text, folders and JSONL into a token file",
                        description="Tokenize documents into FILE.bin + FILE.bin.json for `train"
                                    " --data`, an end-of-document token after each document.")
     _add_input_arguments(p)
@@ -136,9 +175,9 @@ def _prepare_parser(sub) -> None:
 
 
 def _tokenizer_parser(sub) -> None:
-    t = sub.add_parser("tokenizer", help="tokenizer tools: train")
+    t = sub.add_parser("tokenizer", parents=DEBUG, help="tokenizer tools: train")
     train = t.add_subparsers(dest="tokenizer_command", required=True).add_parser(
-        "train", help="learn a byte-level BPE tokenizer.json from text",
+        "train", parents=DEBUG, help="learn a byte-level BPE tokenizer.json from text",
         description="Learn a byte-level BPE tokenizer (the 256 bytes, <|endoftext|>, merges) from"
                     " documents; the same inputs give the same file, byte for byte.")
     _add_input_arguments(train)
@@ -197,7 +236,10 @@ def _launch(nproc: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    if "--debug" not in argv:  # the user sees meshtrain's one line, not the agent's records
+        for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     launch_args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "meshtrain"])
@@ -205,19 +247,66 @@ def _launch(nproc: int, argv: list[str]) -> int:
     try:
         run(launch_args)
     except ChildFailedError as failure:
-        codes = [f.exitcode for f in failure.failures.values()]
-        return next((c for c in codes if c and c > 0), 1)
+        return _launch_failure(failure.failures)
     return 0
 
 
-def _in_rank(fn) -> int:
-    """Run `fn` on this rank; a bad input becomes one line and exit code 2, never a hang."""
+def _launch_failure(failures: dict) -> int:
+    """The exit code of a launch whose ranks failed (global rank -> `ProcessFailure`), and its
+    one line where no rank printed one. The agent SIGTERMs the ranks still running after the
+    first failure and lists them too: a death by another signal (or a rank's own exit code)
+    is the cause."""
+    if any(f.exitcode == EXIT_HANG for f in failures.values()):
+        return EXIT_HANG  # the ranks printed the verdict
+    signalled = sorted((f.exitcode == -signal.SIGTERM, f.timestamp, rank)
+                       for rank, f in failures.items() if f.exitcode < 0)
+    if signalled and not signalled[0][0]:
+        _, when, rank = signalled[0]
+        print(f"meshtrain: rank {rank} was killed by {failures[rank].signal_name()} at"
+              f" {time.strftime('%H:%M:%S', time.localtime(when))}; the other ranks stopped",
+              file=sys.stderr)
+        return EXIT_PEER_FAILED
+    codes = {rank: f.exitcode for rank, f in sorted(failures.items())}
+    explained = [code for code in codes.values() if code > 0 and code != EXIT_PEER_FAILED]
+    if explained:
+        return explained[0]  # that rank printed its line
+    rank = min(codes)
+    print(f"meshtrain: rank {rank} ended with exit code {codes[rank]}"
+          f" ({failures[rank].signal_name() if codes[rank] < 0 else 'no message'}); the other"
+          " ranks stopped", file=sys.stderr)
+    return EXIT_PEER_FAILED
+
+
+def _peer_failed(e: Exception) -> bool:
+    """A collective failed because another rank died or left: the backend's own error (NCCL's
+    DistBackendError), or gloo's RuntimeError from its transport."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and (
+        "gloo/transport" in text or "Connection closed by peer" in text
+        or "Connection reset by peer" in text)
+
+
+def _in_rank(fn, debug: bool = False) -> int:
+    """Run `fn` on this rank and turn how it ends into one line (at most) and an exit code: a
+    bad input 2; a `RunFailure` its code, printed once; a peer's death `EXIT_PEER_FAILED` in
+    silence (the launcher names the dead rank); anything else one line naming this rank."""
     from meshtrain.mesh import destroy_parallel
 
+    rank = int(os.environ.get("RANK", "0"))
     try:
         fn()
     except ValueError as e:
         return _error(e)
+    except RunFailure as e:
+        if rank == 0 or not e.agreed:
+            print(f"meshtrain: {as_flags(str(e))}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:
+        if _peer_failed(e) and not debug:
+            return EXIT_PEER_FAILED
+        return _unexpected(e, debug, f"rank {rank}: ")
     finally:
         destroy_parallel()
     return 0
@@ -238,7 +327,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         return _launch(world, [*argv, "--out", cfg.checkpoint.out])
     from meshtrain.train import run_training
 
-    return _in_rank(lambda: run_training(cfg, plan))
+    return _in_rank(lambda: run_training(cfg, plan), args.debug)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -288,7 +377,15 @@ def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
         if text is not None:
             print(text)
 
-    return _in_rank(go)
+    return _in_rank(go, args.debug)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from meshtrain.doctor import doctor
+
+    code, lines = doctor(args.run)
+    print("\n".join(lines), file=sys.stderr if code else sys.stdout)
+    return code
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -329,11 +426,15 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_import_hf(args)
         if args.command == "prepare":
             return cmd_prepare(args)
+        if args.command == "doctor":
+            return cmd_doctor(args)
         if args.command == "tokenizer":
             return cmd_tokenizer_train(args)
         return cmd_sample(args, argv)
     except (ValueError, CheckpointError) as e:
         return _error(e)
+    except Exception as e:
+        return _unexpected(e, args.debug)
 
 
 if __name__ == "__main__":

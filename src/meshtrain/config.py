@@ -92,6 +92,10 @@ class ParallelSettings:
                                         " gradient and the Adam moments in host memory and step"
                                         " there (needs --zero >= 1)")
     device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
+    collective_timeout: float = _f(600.0, "seconds a rank may wait in one collective before the"
+                                          " run is declared hung: the ranks dump their last"
+                                          " collectives to --out/hang and the run exits with"
+                                          " code 4 naming what diverged (meshtrain doctor OUT)")
     trace: str | None = _f(None, "with --pp > 1, write the second step's pipeline timeline to"
                                  " this directory: pipeline.json (Perfetto), pipeline.png and"
                                  " pipeline_idle.json (measured vs simulated idle per stage)")
@@ -336,6 +340,9 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     plan = cfg.plan().resolved(world_size)
     check_local_devices(p.device, int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size)))
     _validate_train(t)
+    if not 0 < p.collective_timeout < 1e7:
+        raise ValueError(f"`collective_timeout` must be a positive number of seconds, got"
+                         f" {p.collective_timeout}")
     if cfg.checkpoint.save_every < 0:
         raise ValueError(f"`save_every` must be >= 0, got {cfg.checkpoint.save_every}")
     if not 0.0 < cfg.data.val_fraction < 1.0:

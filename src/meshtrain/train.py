@@ -33,6 +33,7 @@ from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.parallelize import ParallelModel, parallelize
 from meshtrain.plots import plot_loss_curve
 from meshtrain.precision import LossScaler
+from meshtrain.watchdog import HangWatchdog, process_group_timeout
 
 STATE_KEYS = ("parameters", "gradients", "optimizer_states")
 
@@ -217,7 +218,15 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None) -> list[dict]
     if plan is None:
         plan = cfg.plan().resolved(int(torch.distributed.get_world_size()
                                        if torch.distributed.is_initialized() else 1))
-    mesh = init_parallel(**plan.degrees, device=cfg.parallel.device)
+    timeout = cfg.parallel.collective_timeout
+    mesh = init_parallel(**plan.degrees, device=cfg.parallel.device,
+                         timeout=process_group_timeout(timeout))
+    with HangWatchdog(rank=mesh.rank, world_size=mesh.world_size, timeout=timeout,
+                      out=cfg.checkpoint.out):
+        return _train(cfg, mesh)
+
+
+def _train(cfg: RunConfig, mesh: ParallelMesh) -> list[dict]:
     trainer = Trainer.build(cfg, mesh)
     out = Path(cfg.checkpoint.out)
     start = trainer.resume(out) if cfg.checkpoint.resume else 0
