@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshtrain import cli
+from meshtrain import cli, endings
 from meshtrain.doctor import read_dumps, verdict
 from meshtrain.failures import EXIT_FAILED, EXIT_HANG, EXIT_PEER_FAILED, RunFailure
 from meshtrain.mesh import MeshAxis
@@ -201,11 +201,11 @@ def _failure(code, when=100):
 
 def test_launcher_names_the_rank_that_died(capsys):
     # The agent SIGTERMs the ranks left after the first failure and lists them too.
-    code = cli._launch_failure({0: _failure(-signal.SIGTERM), 1: _failure(-signal.SIGKILL)})
+    code = endings.launch_failure({0: _failure(-signal.SIGTERM), 1: _failure(-signal.SIGKILL)})
     err = capsys.readouterr().err
     assert code == EXIT_PEER_FAILED and err.startswith("meshtrain: rank 1 was killed by SIGKILL")
-    assert cli._launch_failure({0: _failure(EXIT_HANG), 1: _failure(-signal.SIGKILL)}) == 4
-    assert cli._launch_failure({0: _failure(EXIT_PEER_FAILED), 1: _failure(2)}) == 2
+    assert endings.launch_failure({0: _failure(EXIT_HANG), 1: _failure(-signal.SIGKILL)}) == 4
+    assert endings.launch_failure({0: _failure(EXIT_PEER_FAILED), 1: _failure(2)}) == 2
     assert capsys.readouterr().err == ""  # those ranks printed their own line
 
 

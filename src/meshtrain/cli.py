@@ -13,26 +13,18 @@ import dataclasses
 import logging
 import os
 import re
-import signal
 import sys
-import time
-import traceback
 from pathlib import Path
 
 from meshtrain import config as config_mod
+from meshtrain import endings
 from meshtrain.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     read_manifest,
     resolve_checkpoint,
 )
-from meshtrain.failures import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_HANG,
-    EXIT_PEER_FAILED,
-    RunFailure,
-)
+from meshtrain.failures import EXIT_BAD_INPUT, EXIT_PEER_FAILED, RunFailure
 from meshtrain.mesh import check_local_devices, resolve_degrees
 
 # Options of the data commands that library messages name in backticks, as `train` settings are.
@@ -51,18 +43,6 @@ def as_flags(message: str) -> str:
 def _error(e: Exception) -> int:
     print(f"meshtrain: error: {as_flags(str(e))}", file=sys.stderr)
     return EXIT_BAD_INPUT
-
-
-def _unexpected(e: Exception, debug: bool, where: str = "") -> int:
-    """An error no check foresaw: one line (`where` names the rank), or with `debug` the
-    traceback."""
-    if debug:
-        traceback.print_exc()
-    else:
-        message = " ".join(str(e).split())[:300]
-        print(f"meshtrain: error: {where}{type(e).__name__}: {message} (rerun with --debug for"
-              " the traceback)", file=sys.stderr)
-    return EXIT_FAILED
 
 
 def _under_torchrun() -> bool:
@@ -247,45 +227,8 @@ def _launch(nproc: int, argv: list[str]) -> int:
     try:
         run(launch_args)
     except ChildFailedError as failure:
-        return _launch_failure(failure.failures)
+        return endings.launch_failure(failure.failures)
     return 0
-
-
-def _launch_failure(failures: dict) -> int:
-    """The exit code of a launch whose ranks failed (global rank -> `ProcessFailure`), and its
-    one line where no rank printed one. The agent SIGTERMs the ranks still running after the
-    first failure and lists them too: a death by another signal (or a rank's own exit code)
-    is the cause."""
-    if any(f.exitcode == EXIT_HANG for f in failures.values()):
-        return EXIT_HANG  # the ranks printed the verdict
-    signalled = sorted((f.exitcode == -signal.SIGTERM, f.timestamp, rank)
-                       for rank, f in failures.items() if f.exitcode < 0)
-    if signalled and not signalled[0][0]:
-        _, when, rank = signalled[0]
-        print(f"meshtrain: rank {rank} was killed by {failures[rank].signal_name()} at"
-              f" {time.strftime('%H:%M:%S', time.localtime(when))}; the other ranks stopped",
-              file=sys.stderr)
-        return EXIT_PEER_FAILED
-    codes = {rank: f.exitcode for rank, f in sorted(failures.items())}
-    explained = [code for code in codes.values() if code > 0 and code != EXIT_PEER_FAILED]
-    if explained:
-        return explained[0]  # that rank printed its line
-    rank = min(codes)
-    print(f"meshtrain: rank {rank} ended with exit code {codes[rank]}"
-          f" ({failures[rank].signal_name() if codes[rank] < 0 else 'no message'}); the other"
-          " ranks stopped", file=sys.stderr)
-    return EXIT_PEER_FAILED
-
-
-def _peer_failed(e: Exception) -> bool:
-    """A collective failed because another rank died or left: the backend's own error (NCCL's
-    DistBackendError), or gloo's RuntimeError from its transport."""
-    import torch.distributed as dist
-
-    text = str(e)
-    return isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and (
-        "gloo/transport" in text or "Connection closed by peer" in text
-        or "Connection reset by peer" in text)
 
 
 def _in_rank(fn, debug: bool = False) -> int:
@@ -304,9 +247,9 @@ def _in_rank(fn, debug: bool = False) -> int:
             print(f"meshtrain: {as_flags(str(e))}", file=sys.stderr)
         return e.exit_code
     except Exception as e:
-        if _peer_failed(e) and not debug:
+        if endings.peer_failed(e) and not debug:
             return EXIT_PEER_FAILED
-        return _unexpected(e, debug, f"rank {rank}: ")
+        return endings.unexpected(e, debug, f"rank {rank}: ")
     finally:
         destroy_parallel()
     return 0
@@ -434,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, CheckpointError) as e:
         return _error(e)
     except Exception as e:
-        return _unexpected(e, args.debug)
+        return endings.unexpected(e, args.debug)
 
 
 if __name__ == "__main__":

@@ -99,13 +99,13 @@ class FlightRecorder:
 
     def end(self, entry: Entry) -> None:
         """The host is past `entry`; on CUDA the device may still be in it."""
-        self.waiting = None
         if entry.event is None:
             entry.ended = time.monotonic()
-        else:
+        else:  # recorded before `waiting` clears: the watchdog never queries an unrecorded event
             entry.event.record()
             if entry.blocked is None:
                 entry.blocked = entry.issued
+        self.waiting = None
 
     def poll_device(self) -> None:
         """End the CUDA entries whose event the device has passed (watchdog thread)."""
