@@ -4,9 +4,10 @@
     python benchmarks/flight_recorder_overhead.py --steps 40
 
 1. The bookkeeping alone (`issue` + `done` of one entry, no communication), in this process.
-2. A tiny training step on two gloo ranks (one thread each) with the recorder (and its
-   watchdog thread) armed or not, alternating blocks of steps (A B A B ...) so that load from
-   other work on the host hits both alike; median step time and collectives per step.
+2. A tiny training step on two gloo ranks (one thread each) with nothing armed, the ring
+   alone, or the ring and its watchdog thread, in blocks of steps whose order rotates
+   (A B C, B C A, ...) so that load from other work on the host hits all alike; median step
+   time and collectives per step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from meshtrain.mesh import MeshAxis, init_parallel
 from meshtrain.parallel.flight_recorder import FlightRecorder
 from meshtrain.train import Trainer
 from meshtrain.watchdog import HangWatchdog
+
+SETTINGS = ("off", "ring", "watchdog")  # nothing armed; the ring alone; ring and watchdog
 
 
 def bookkeeping_ns(calls: int = 200_000) -> float:
@@ -52,22 +55,23 @@ def _rank(rank: int, port: int, layout: str, steps: int, blocks: int, results) -
     cfg.train.seq_len = 32
     mesh = init_parallel(**cfg.plan().resolved(2).degrees, device="cpu")
     trainer = Trainer.build(cfg, mesh)
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    times: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
     per_step = 0
     with tempfile.TemporaryDirectory() as out:
-        for block in range(2 * blocks):
-            armed = block % 2 == 1
+        for block in range(len(SETTINGS) * blocks):
+            setting = SETTINGS[(block + block // len(SETTINGS)) % len(SETTINGS)]  # rotate order
             watch = HangWatchdog(rank=rank, world_size=2, timeout=600, out=out)
-            if armed:
-                watch.__enter__()
+            armed = {"off": None, "ring": watch.recorder, "watchdog": watch}[setting]
+            if armed is not None:
+                armed.__enter__()
             for step in range(steps):
                 dist.barrier()
                 start = time.perf_counter()
                 trainer.train_step(block * steps + step)
-                times["on" if armed else "off"].append(time.perf_counter() - start)
-            if armed:
+                times[setting].append(time.perf_counter() - start)
+            if armed is not None:
                 per_step = sum(watch.recorder.seq.values()) // steps
-                watch.__exit__(None, None, None)
+                armed.__exit__(None, None, None)
     dist.destroy_process_group()
     if rank == 0:
         results.put((layout, {k: statistics.median(v) * 1e3 for k, v in times.items()},
@@ -99,9 +103,10 @@ def main() -> None:
     print(f"bookkeeping: {bookkeeping_ns():.0f} ns per collective")
     for layout in ("dp2", "tp2"):
         medians, per_step = step_overhead(layout, args.steps, args.blocks)
-        print(f"{layout}: {per_step} collectives per step; median step {medians['off']:.2f} ms"
-              f" unarmed, {medians['on']:.2f} ms armed ({medians['on'] / medians['off'] - 1:+.1%});"
-              f" bookkeeping share {per_step * bookkeeping_ns(20_000) / 1e6 / medians['off']:.3%}")
+        shown = ", ".join(f"{name} {ms:.2f} ms ({ms / medians['off'] - 1:+.1%})"
+                          for name, ms in medians.items())
+        print(f"{layout}: {per_step} collectives per step; median step: {shown}; bookkeeping"
+              f" share {per_step * bookkeeping_ns(20_000) / 1e6 / medians['off']:.3%}")
 
 
 if __name__ == "__main__":
