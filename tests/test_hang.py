@@ -209,6 +209,13 @@ def test_launcher_names_the_rank_that_died(capsys):
     assert capsys.readouterr().err == ""  # those ranks printed their own line
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "inf"])
+def test_collective_timeout_must_be_positive(capsys, value):
+    assert cli.main(["train", "--collective-timeout", value, "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("meshtrain: error: --collective-timeout must be a"
+                                              " positive number of seconds")
+
+
 def test_every_subcommand_accepts_debug():
     parser = cli._build_parser()
     for argv in (["train"], ["export", "r", "--out", "x"], ["import-hf", "d", "--out", "x"],
