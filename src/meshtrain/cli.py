@@ -23,6 +23,7 @@ from meshtrain.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
+from meshtrain.failures import RunFailure
 from meshtrain.mesh import check_local_devices, resolve_degrees
 
 EXIT_BAD_INPUT = 2
@@ -42,6 +43,13 @@ def as_flags(message: str) -> str:
 def _error(e: Exception) -> int:
     print(f"meshtrain: error: {as_flags(str(e))}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def torch_rank() -> int:
+    """This process's global rank (0 outside a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _under_torchrun() -> bool:
@@ -177,7 +185,7 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
                          f" than the data's {vocab}: use data of its tokenizer")
     for split in corpus.splits(cfg.data.val_fraction):
         data.TokenDataset(split, seq_len=cfg.train.seq_len)  # raises if a split is too short
-    out = Path(cfg.checkpoint.out)
+    out = _writable_out(Path(cfg.checkpoint.out))
     has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
     if cfg.checkpoint.resume:
         path = latest_checkpoint(out / "checkpoints") if has_run else None
@@ -190,6 +198,21 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     elif cfg.checkpoint.init_from:
         read_manifest(resolve_checkpoint(cfg.checkpoint.init_from), model)  # files, shapes
     return plan
+
+
+def _writable_out(out: Path) -> Path:
+    """`out`, created if needed; a file there, or a place this user cannot write, is refused
+    now rather than at the first metrics row or checkpoint."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"`out` {out} is a file, not a directory: choose another `out`")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"`out` {out} cannot be created ({e.strerror or e}): choose a"
+                         " writable `out`") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"`out` {out} is not writable by this user: choose another `out`")
+    return out
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
@@ -218,6 +241,10 @@ def _in_rank(fn) -> int:
         fn()
     except ValueError as e:
         return _error(e)
+    except RunFailure as failure:
+        if not failure.agreed or torch_rank() == 0:
+            print(f"meshtrain: {as_flags(str(failure))}", file=sys.stderr)
+        return failure.exit_code
     finally:
         destroy_parallel()
     return 0

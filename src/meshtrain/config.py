@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -110,6 +111,10 @@ class TrainSettings:
     warmup_steps: int = _f(20, "linear warmup steps")
     weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases and LayerNorms)")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
+    max_nonfinite_steps: int = _f(1, "stop (exit code 5, nothing saved) after this many"
+                                     " consecutive steps whose loss or gradient norm is inf or"
+                                     " NaN; above 1, such steps skip their update (fp16 also"
+                                     " skips and rescales on gradient overflow, as always)")
     seed: int = _f(0, "seed for weights, data order and dropout")
     eval_every: int = _f(100, "evaluate the held-out loss every N steps (0 disables)")
     eval_batches: int = _f(4, "global batches per evaluation")
@@ -353,7 +358,8 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
 
 
 def _validate_train(t: TrainSettings) -> None:
-    for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches", "log_every"):
+    for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches", "log_every",
+                 "max_nonfinite_steps"):
         if getattr(t, name) < 1:
             raise ValueError(f"`{name}` must be positive, got {getattr(t, name)}")
     for name in ("warmup_steps", "eval_every"):
@@ -361,6 +367,9 @@ def _validate_train(t: TrainSettings) -> None:
             raise ValueError(f"`{name}` must be >= 0, got {getattr(t, name)}")
     if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
         raise ValueError(f"`stop_at` must be between 1 and `steps` ({t.steps}), got {t.stop_at}")
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
+        if not math.isfinite(getattr(t, name)):
+            raise ValueError(f"`{name}` must be a finite number, got {getattr(t, name)}")
     if t.lr < 0 or t.min_lr < 0:
         raise ValueError(f"`lr` and `min_lr` must be >= 0, got {t.lr} and {t.min_lr}")
     if t.min_lr > t.lr:

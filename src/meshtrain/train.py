@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from meshtrain.checkpoint import (
     save_checkpoint,
 )
 from meshtrain.config import RunConfig
+from meshtrain.failures import EXIT_NONFINITE, RunFailure, writing
 from meshtrain.interop.tokenization import TOKENIZER_FILE
 from meshtrain.mesh import ParallelMesh, init_parallel
 from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics, read_scalars
@@ -95,9 +97,10 @@ class Trainer:
         this rank's pipeline events (see `run_schedule`).
 
         The step reads the device once: its scalars (loss, gradient norm, the overflow flag,
-        routing statistics) in one transfer (`read_scalars`). With a loss scale that read comes
-        before the optimizer step, which an overflow skips; otherwise after it, so the device
-        queue never drains mid-step."""
+        routing statistics) in one transfer (`read_scalars`). With a loss scale, or when
+        `max_nonfinite_steps` lets a non-finite step be skipped, that read comes before the
+        optimizer step; otherwise after it, so the device queue never drains mid-step (a
+        non-finite step then ends the run before anything is saved)."""
         t, mesh, sync = self.cfg.train, self.mesh, self.sync
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                    total_steps=t.steps)
@@ -121,20 +124,35 @@ class Trainer:
             micro_batches = self.plan.micro_batches_per_step(t.global_batch)
             scalars |= result.routing.summary(mesh, micro_batches)
         row = {"step": step + 1}
-        if not self.scaler.enabled:
+        if not self.scaler.enabled and t.max_nonfinite_steps == 1:  # a bad step ends the run
             self.executor.optimizer_step(lambda: sync.step(lr))
             values = read_scalars(scalars)
-        else:
+            bad = self._nonfinite(values)
+        else:  # decide before the update whether to skip it
             values = read_scalars(scalars)
-            overflow = values.pop("overflow") > 0
-            if not overflow:
+            bad, overflow = self._nonfinite(values), values.pop("overflow", 0) > 0
+            skipped = bad or overflow
+            if not skipped:
                 self.executor.optimizer_step(lambda: sync.step(lr))
-            else:
+            elif overflow:
                 values["grad_norm"] = float("nan")  # the step did not happen
-            row |= {"loss_scale": self.scaler.scale, "skipped": int(overflow)}
-            self.scaler.update(overflow)
+            row["skipped"] = int(skipped)
+            if self.scaler.enabled:
+                row["loss_scale"] = self.scaler.scale
+                self.scaler.update(overflow)
+        if bad:
+            row["nonfinite"] = 1
         return row | {"loss": values.pop("loss"), "grad_norm": values.pop("grad_norm"),
                       "lr": lr} | values
+
+    def _nonfinite(self, values: dict[str, float]) -> bool:
+        """Whether the step's loss (or, without a loss scale, its gradient norm) is inf or NaN.
+        Both are reduced over every rank before the read, so every rank decides alike. An fp16
+        gradient overflow is the loss scale's business (skip and rescale), not a failure."""
+        finite = math.isfinite(values["loss"])
+        if not self.scaler.enabled:
+            finite = finite and math.isfinite(values["grad_norm"])
+        return not finite
 
     def _any_overflow(self, grads: dict[int, torch.Tensor]) -> torch.Tensor:
         """1.0 if an inf/nan is anywhere on any rank, else 0.0, on the device: every rank
@@ -243,21 +261,27 @@ class _Run:
         self.log = None
         comm.barrier(mesh.world)  # every rank has checked `out` before rank 0 writes to it
         if mesh.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.toml").write_text(cfg.to_toml())
-            if trainer.tokenizer is not None:  # `meshtrain sample RUN` decodes with it
-                data.write_atomic(out / TOKENIZER_FILE, trainer.tokenizer.read_bytes())
+            with writing(out):
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "config.toml").write_text(cfg.to_toml())
+                if trainer.tokenizer is not None:  # `meshtrain sample RUN` decodes with it
+                    data.write_atomic(out / TOKENIZER_FILE, trainer.tokenizer.read_bytes())
             self.log = MetricsLog(out / "metrics.jsonl",
                                   resume_step=start if cfg.checkpoint.resume else None)
         self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0,
                                  interval=t.log_every)
+        if self.log is not None and self.log.damaged:
+            self.progress.write(f"meshtrain: dropped {self.log.damaged} damaged line(s) of"
+                                f" {self.log.path} (a write cut short)")
         trace = cfg.parallel.trace  # a pipeline's warm step (the CLI says when there is none)
         self.traced = min(start + 1, self.stop - 1) if trace and mesh.pp.size > 1 else None
         self.timer, self.rows = StepTimer(), []
+        self.nonfinite_run = 0  # consecutive steps with an inf/NaN loss or gradient norm
 
     def step(self, step: int) -> None:
         trainer, t = self.trainer, self.cfg.train
         row = self._traced(step) if step == self.traced else trainer.train_step(step)
+        self._stop_if_nonfinite(row)
         if step == self.start:
             self._report_memory()
         elapsed = self.timer.lap()
@@ -276,6 +300,22 @@ class _Run:
         if saving:
             trainer.save(self.out, done)
         self.timer.lap()  # exclude evaluation and checkpointing from the next step's time
+
+    def _stop_if_nonfinite(self, row: dict) -> None:
+        """After `max_nonfinite_steps` consecutive inf/NaN steps, end the run before anything
+        is evaluated or saved. Every rank read the same reduced values, so all stop together."""
+        self.nonfinite_run = self.nonfinite_run + 1 if row.get("nonfinite") else 0
+        if self.nonfinite_run < self.cfg.train.max_nonfinite_steps:
+            return
+        self._write(row)
+        last = latest_checkpoint(self.out / "checkpoints") if self.log is not None else None
+        good = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+        raise RunFailure(f"step {row['step']}: loss {row['loss']}, gradient norm"
+                         f" {row['grad_norm']}: not finite for {self.nonfinite_run} consecutive"
+                         f" step(s), so the run stopped without saving; {good}. Lower `lr`, raise"
+                         " `warmup_steps` or tighten `clip_grad`, and train again (or allow"
+                         " skipped steps with `max_nonfinite_steps`)",
+                         EXIT_NONFINITE, agreed=True)
 
     def _traced(self, step: int) -> dict:
         trace = Path(self.cfg.parallel.trace)
