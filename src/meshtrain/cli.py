@@ -229,7 +229,7 @@ def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
             return signals.outcome()
         except ChildFailedError as failure:
             codes = [f.exitcode for f in failure.failures.values()]
-            return next((c for c in codes if c and c > 0), 1)
+            return signals.explain(next((c for c in codes if c and c > 0), 1))
     return 0
 
 

@@ -210,12 +210,17 @@ class LauncherSignals:
             return 128 + sig
         aborted = sorted(code for code in codes.values() if code > 128)
         if aborted:
-            print(f"meshtrain: {signal.Signals(aborted[-1] - 128).name} again while stopping:"
-                  " aborted without saving; the last complete checkpoint is kept",
-                  file=sys.stderr)
-            return aborted[-1]
+            return self.explain(aborted[-1])
         other = [codes[r] for r in sorted(codes) if codes[r] not in (EXIT_OK, EXIT_STOPPED)]
         if other:
             return other[0]  # that rank printed its line
         return EXIT_STOPPED if EXIT_STOPPED in codes.values() else EXIT_OK
+
+    def explain(self, code: int) -> int:
+        """`code` (a failed rank's), with the line for the ranks that aborted on a repeated
+        signal: they leave the line to this launcher."""
+        if code > 128 and code in self.codes().values():
+            print(f"meshtrain: {signal.Signals(code - 128).name} again while stopping: aborted"
+                  " without saving; the last complete checkpoint is kept", file=sys.stderr)
+        return code
 
