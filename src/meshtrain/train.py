@@ -124,7 +124,7 @@ class Trainer:
         comm.all_reduce(result.loss, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
         scalars["loss"] = result.loss
         if self.requests is not None:  # every rank reads the same stop/save decision
-            scalars["request"] = torch.tensor(self.requests(), device=mesh.device)
+            scalars["request"] = torch.full((), self.requests(), device=mesh.device)
             comm.all_reduce(scalars["request"], mesh.world, op=torch.distributed.ReduceOp.MAX)
         if self.model.cfg.moe_experts:
             micro_batches = self.plan.micro_batches_per_step(t.global_batch)
