@@ -204,9 +204,9 @@ class LauncherSignals:
         missing = [rank for rank in range(self.world) if rank not in codes]
         if missing:
             ranks = ", ".join(f"rank {r}" for r in missing)
-            print(f"meshtrain: {sig.name}: {ranks} did not stop within the launcher's shutdown"
-                  f" timeout ({shutdown_timeout()} s) and were killed; the last complete"
-                  " checkpoint is kept", file=sys.stderr)
+            print(f"meshtrain: {sig.name}: {ranks} ended without reporting (killed by the"
+                  f" signal, or after the launcher's {shutdown_timeout()} s shutdown timeout);"
+                  " the last complete checkpoint is kept", file=sys.stderr)
             return 128 + sig
         aborted = sorted(code for code in codes.values() if code > 128)
         if aborted:
