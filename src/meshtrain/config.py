@@ -63,6 +63,9 @@ class ModelSettings:
 class ParallelSettings:
     nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp, degrees not"
                                  " given being 1); omit under torchrun")
+    max_restarts: int = _f(0, "restart every rank up to N times after one fails (meshtrain's"
+                              " launcher; needs --auto-resume); under torchrun use its own"
+                              " --max-restarts")
     tp: int = _f(1, "tensor-parallel degree")
     pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
                     " remainder)")
@@ -145,6 +148,11 @@ class CheckpointSettings:
                                      " or the output of meshtrain import-hf); the model's family"
                                      " and shape are the checkpoint's")
     save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
+    save_every_minutes: float = _f(0.0, "also save when this many minutes have passed since the"
+                                        " run's start or last save (rank 0's clock decides, at a"
+                                        " step's end; 0: off)")
+    auto_resume: bool = _f(False, "continue from the newest complete checkpoint in --out when"
+                                  " there is one, else start fresh (for restarts)")
 
 
 @dataclass
@@ -341,8 +349,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     plan = cfg.plan().resolved(world_size)
     check_local_devices(p.device, int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size)))
     _validate_train(t)
-    if cfg.checkpoint.save_every < 0:
-        raise ValueError(f"`save_every` must be >= 0, got {cfg.checkpoint.save_every}")
+    _validate_restarts(cfg)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ValueError(f"`val_fraction` must be in (0, 1), got {cfg.data.val_fraction}")
     model = cfg.model_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
@@ -355,6 +362,22 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                          " flush): trace `pp_schedule` 1f1b instead")
     return plan.validate(model, world_size=world_size, global_batch=t.global_batch,
                          seq_len=t.seq_len)
+
+
+def _validate_restarts(cfg: RunConfig) -> None:
+    c = cfg.checkpoint
+    if c.save_every < 0:
+        raise ValueError(f"`save_every` must be >= 0, got {c.save_every}")
+    if not 0.0 <= c.save_every_minutes < float("inf"):
+        raise ValueError(f"`save_every_minutes` must be >= 0, got {c.save_every_minutes}")
+    if c.resume and c.auto_resume:
+        raise ValueError("`resume` and `auto_resume` exclude each other: `auto_resume` resumes"
+                         " when there is a checkpoint; pass one of them")
+    if cfg.parallel.max_restarts < 0:
+        raise ValueError(f"`max_restarts` must be >= 0, got {cfg.parallel.max_restarts}")
+    if cfg.parallel.max_restarts and not c.auto_resume:
+        raise ValueError("`max_restarts` restarts the ranks with the same flags: add"
+                         " `auto_resume` so they continue from the newest checkpoint")
 
 
 def _validate_train(t: TrainSettings) -> None:
