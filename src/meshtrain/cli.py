@@ -17,13 +17,8 @@ import sys
 from pathlib import Path
 
 from meshtrain import config as config_mod
-from meshtrain import endings
-from meshtrain.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    read_manifest,
-    resolve_checkpoint,
-)
+from meshtrain import endings, resuming, run_lock, stopping
+from meshtrain.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
 from meshtrain.failures import EXIT_BAD_INPUT, EXIT_PEER_FAILED, RunFailure
 from meshtrain.mesh import check_local_devices, resolve_degrees
 
@@ -58,6 +53,14 @@ def _debug_parent() -> argparse.ArgumentParser:
 
 
 DEBUG = [_debug_parent()]
+
+
+def _notice(message: str) -> None:
+    """A line from the process that speaks for the run: the launching one, or global rank 0
+    under torchrun (not again in the ranks meshtrain's launcher starts)."""
+    if os.environ.get("RANK", "0") == "0" and not stopping.under_meshtrain_launcher():
+        print(f"meshtrain: {as_flags(message)}", file=sys.stderr)
+
 
 def _train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS,
@@ -196,14 +199,16 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
                          f" than the data's {vocab}: use data of its tokenizer")
     for split in corpus.splits(cfg.data.val_fraction):
         data.TokenDataset(split, seq_len=cfg.train.seq_len)  # raises if a split is too short
-    out = Path(cfg.checkpoint.out)
+    out = _writable_out(Path(cfg.checkpoint.out))
+    run_lock.check_free(out, run_lock.own_run_id())
     has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
-    if cfg.checkpoint.resume:
-        path = latest_checkpoint(out / "checkpoints") if has_run else None
-        if path is None:
-            raise ValueError(f"--resume: no checkpoint in {out}; start without --resume")
+    resumed = resuming.checkpoint_to_resume(cfg)  # raises RunComplete when nothing is left
+    if resumed is not None:
+        path, step = resumed
         read_manifest(path, model)
-    elif has_run:
+        if note := resuming.schedule_changes(cfg, path, step):
+            _notice(note)
+    elif has_run and not cfg.checkpoint.auto_resume:
         raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"
                          " choose another --out")
     elif cfg.checkpoint.init_from:
@@ -211,23 +216,53 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     return plan
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
-    """Run `python -m meshtrain <argv>` as `nproc` local ranks with torch's elastic launcher."""
+def _writable_out(out: Path) -> Path:
+    """`out`, created if needed; a file there, or a place this user cannot write, is refused
+    now rather than at the first metrics row or checkpoint."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"`out` {out} is a file, not a directory: choose another `out`")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"`out` {out} cannot be created ({e.strerror or e}): choose a"
+                         " writable `out`") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"`out` {out} is not writable by this user: choose another `out`")
+    return out
+
+
+def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
+            run_id: str | None = None) -> int:
+    """Run `python -m meshtrain <argv>` as `nproc` local ranks with torch's elastic launcher
+    (standalone rendezvous under `run_id`, which the ranks see as TORCHELASTIC_RUN_ID). Stop
+    signals are meshtrain's (`stopping.LauncherSignals`); torch's agent keeps SIGHUP/SIGQUIT."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     if "--debug" not in argv:  # the user sees meshtrain's one line, not the agent's records
-        for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        for name in list(logging.root.manager.loggerDict):  # each module's logger has its level
             if name.startswith("torch.distributed.elastic"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # Restarted ranks would read the previous attempt's addresses from a store the agent shares
+    # with them (pytorch/pytorch#135712): give each attempt its own.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launch_args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "meshtrain"])
+        ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+         f"--rdzv-id={run_id or uuid.uuid4().hex}", f"--nproc-per-node={nproc}",
+         f"--max-restarts={max_restarts}", f"--shutdown-timeout={stopping.shutdown_timeout()}",
+         "--signals-to-handle=SIGHUP,SIGQUIT", "-m", "meshtrain"])
     launch_args.training_script_args = argv  # kept from the launcher's own option parsing
-    try:
-        run(launch_args)
-    except ChildFailedError as failure:
-        return endings.launch_failure(failure.failures)
+    with stopping.LauncherSignals(nproc) as signals:
+        try:
+            run(launch_args)
+        except SignalException:
+            return signals.outcome()
+        except ChildFailedError as failure:
+            return signals.explain(endings.launch_failure(failure.failures))
     return 0
 
 
@@ -259,18 +294,42 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _train_config(args)
     env_world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else None
     world = config_mod.world_size_of(cfg, env_world)
-    plan = check_train(cfg, world)
+    try:
+        plan = check_train(cfg, world)
+    except resuming.RunComplete as done:
+        _notice(str(done))
+        return 0
     if cfg.parallel.trace and plan.pp == 1 and int(os.environ.get("RANK", "0")) == 0:
         print("meshtrain: --trace records pipeline timelines; with --pp 1 it writes nothing",
               file=sys.stderr)
-    if env_world is None and world > 1:
-        layout = ", ".join(f"{k}={v}" for k, v in plan.degrees.items() if v > 1)
-        print(f"meshtrain: {world} ranks ({layout}), writing to {cfg.checkpoint.out}",
-              file=sys.stderr)
-        return _launch(world, [*argv, "--out", cfg.checkpoint.out])
+    if env_world is not None:  # a rank: under torchrun rank 0 takes the lock for the world
+        mine = None if stopping.under_meshtrain_launcher() else run_lock.RunLock(
+            cfg.checkpoint.out, run_lock.own_run_id())
+        return _train_in_rank(cfg, plan, mine, args.debug)
+    with run_lock.RunLock(cfg.checkpoint.out) as held:  # this process launches: it holds it
+        if world > 1 or cfg.parallel.max_restarts:
+            layout = ", ".join(f"{k}={v}" for k, v in plan.degrees.items() if v > 1) or "dp=1"
+            print(f"meshtrain: {world} ranks ({layout}), writing to {cfg.checkpoint.out}",
+                  file=sys.stderr)
+            return _launch(world, [*argv, "--out", cfg.checkpoint.out],
+                           max_restarts=cfg.parallel.max_restarts, run_id=held.run_id)
+        return _train_in_rank(cfg, plan, None, args.debug)
+
+
+def _train_in_rank(cfg: config_mod.RunConfig, plan, lock: run_lock.RunLock | None,
+                   debug: bool) -> int:
+    """This rank's training with stop signals armed; its exit code goes to meshtrain's
+    launcher too (when that started it)."""
     from meshtrain.train import run_training
 
-    return _in_rank(lambda: run_training(cfg, plan), args.debug)
+    signals = stopping.StopSignals(rank=int(os.environ.get("RANK", "0")))
+    signals.arm()
+    try:
+        code = _in_rank(lambda: run_training(cfg, plan, stop=signals, lock=lock), debug)
+    finally:
+        signals.disarm()
+    stopping.report_exit(code)
+    return code
 
 
 def cmd_export(args: argparse.Namespace) -> int:
