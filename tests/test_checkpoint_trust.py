@@ -184,7 +184,7 @@ def _refusals(run: Path, corpus: str, capsys) -> list[str]:
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("meshtrain: error: "), err
         lines.append(err)
-    written = {"m.safetensors", ".m.safetensors.tmp", "hf", ".hf.tmp", "new"}
+    written = {"m.safetensors", ".m.safetensors.tmp", "hf", ".hf.tmp"}
     assert not written & {p.name for p in out.iterdir()}
     return lines
 

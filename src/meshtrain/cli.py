@@ -17,15 +17,11 @@ import sys
 from pathlib import Path
 
 from meshtrain import config as config_mod
-from meshtrain.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    read_manifest,
-    resolve_checkpoint,
-)
+from meshtrain import endings, resuming, run_lock, stopping
+from meshtrain.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
+from meshtrain.failures import EXIT_BAD_INPUT, EXIT_PEER_FAILED, RunFailure
 from meshtrain.mesh import check_local_devices, resolve_degrees
 
-EXIT_BAD_INPUT = 2
 # Options of the data commands that library messages name in backticks, as `train` settings are.
 _DATA_OPTIONS = ("tokenizer", "text_field", "on_error", "workers", "val_docs", "eod_token")
 
@@ -48,8 +44,27 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _debug_parent() -> argparse.ArgumentParser:
+    """`--debug` for every subcommand (ranks re-run the same argv, so they get it too)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--debug", action="store_true", default=False,
+                        help="show the traceback of an unexpected error instead of one line")
+    return parent
+
+
+DEBUG = [_debug_parent()]
+
+
+def _notice(message: str) -> None:
+    """A line from the process that speaks for the run: the launching one, or global rank 0
+    under torchrun (not again in the ranks meshtrain's launcher starts)."""
+    if os.environ.get("RANK", "0") == "0" and not stopping.under_meshtrain_launcher():
+        print(f"meshtrain: {as_flags(message)}", file=sys.stderr)
+
+
 def _train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS,
+                       parents=DEBUG,
                        description="Train a language model on a device mesh. Degrees not given"
                                    " are 1 and dp fills the world. Precedence: defaults <"
                                    " --config FILE.toml < flags.")
@@ -74,8 +89,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    e = sub.add_parser("export", help="write a checkpoint's model as one consolidated"
-                                      " safetensors file or a Hugging Face model directory")
+    e = sub.add_parser("export", parents=DEBUG,
+                       help="write a checkpoint's model as one consolidated"
+                            " safetensors file or a Hugging Face model directory")
     e.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
     e.add_argument("--out", required=True, help="output .safetensors file (--format meshtrain)"
                                                 " or new directory (--format hf)")
@@ -83,12 +99,13 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="meshtrain: one safetensors file under meshtrain's names (default); hf:"
                         " config.json + model.safetensors (+ the run's tokenizer) for"
                         " transformers' from_pretrained")
-    i = sub.add_parser("import-hf", help="turn a Hugging Face GPT-2 or Llama directory into a"
-                                         " meshtrain run directory (train --init-from it)")
+    i = sub.add_parser("import-hf", parents=DEBUG,
+                       help="turn a Hugging Face GPT-2 or Llama directory into a"
+                            " meshtrain run directory (train --init-from it)")
     i.add_argument("hf_dir", metavar="HF_DIR", help="config.json + model.safetensors (or shards"
                                                      " with model.safetensors.index.json)")
     i.add_argument("--out", required=True, help="new run directory to write")
-    s = sub.add_parser("sample", help="generate text from a checkpoint (any layout)")
+    s = sub.add_parser("sample", parents=DEBUG, help="generate text from a checkpoint (any layout)")
     s.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
     s.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     s.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
@@ -99,9 +116,13 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (default 1)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    d = sub.add_parser("doctor", parents=DEBUG,
+                       help="say what diverged in a hung run, from its dumps")
+    d.add_argument("run", metavar="RUN_DIR", help="the run's --out (its hang/ dumps)")
     _prepare_parser(sub)
     _tokenizer_parser(sub)
     return parser
+
 
 
 def _add_input_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,7 +138,8 @@ def _add_input_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _prepare_parser(sub) -> None:
-    p = sub.add_parser("prepare", help="tokenize text, folders and JSONL into a token file",
+    p = sub.add_parser("prepare", parents=DEBUG,
+                       help="tokenize text, folders and JSONL into a token file",
                        description="Tokenize documents into FILE.bin + FILE.bin.json for `train"
                                    " --data`, an end-of-document token after each document.")
     _add_input_arguments(p)
@@ -136,9 +158,9 @@ def _prepare_parser(sub) -> None:
 
 
 def _tokenizer_parser(sub) -> None:
-    t = sub.add_parser("tokenizer", help="tokenizer tools: train")
+    t = sub.add_parser("tokenizer", parents=DEBUG, help="tokenizer tools: train")
     train = t.add_subparsers(dest="tokenizer_command", required=True).add_parser(
-        "train", help="learn a byte-level BPE tokenizer.json from text",
+        "train", parents=DEBUG, help="learn a byte-level BPE tokenizer.json from text",
         description="Learn a byte-level BPE tokenizer (the 256 bytes, <|endoftext|>, merges) from"
                     " documents; the same inputs give the same file, byte for byte.")
     _add_input_arguments(train)
@@ -177,14 +199,16 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
                          f" than the data's {vocab}: use data of its tokenizer")
     for split in corpus.splits(cfg.data.val_fraction):
         data.TokenDataset(split, seq_len=cfg.train.seq_len)  # raises if a split is too short
-    out = Path(cfg.checkpoint.out)
+    out = _writable_out(Path(cfg.checkpoint.out))
+    run_lock.check_free(out, run_lock.own_run_id())
     has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
-    if cfg.checkpoint.resume:
-        path = latest_checkpoint(out / "checkpoints") if has_run else None
-        if path is None:
-            raise ValueError(f"--resume: no checkpoint in {out}; start without --resume")
+    resumed = resuming.checkpoint_to_resume(cfg)  # raises RunComplete when nothing is left
+    if resumed is not None:
+        path, step = resumed
         read_manifest(path, model)
-    elif has_run:
+        if note := resuming.schedule_changes(cfg, path, step):
+            _notice(note)
+    elif has_run and not cfg.checkpoint.auto_resume:
         raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"
                          " choose another --out")
     elif cfg.checkpoint.init_from:
@@ -192,32 +216,75 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     return plan
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
-    """Run `python -m meshtrain <argv>` as `nproc` local ranks with torch's elastic launcher."""
+def _writable_out(out: Path) -> Path:
+    """`out`, created if needed; a file there, or a place this user cannot write, is refused
+    now rather than at the first metrics row or checkpoint."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"`out` {out} is a file, not a directory: choose another `out`")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"`out` {out} cannot be created ({e.strerror or e}): choose a"
+                         " writable `out`") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"`out` {out} is not writable by this user: choose another `out`")
+    return out
+
+
+def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
+            run_id: str | None = None) -> int:
+    """Run `python -m meshtrain <argv>` as `nproc` local ranks with torch's elastic launcher
+    (standalone rendezvous under `run_id`, which the ranks see as TORCHELASTIC_RUN_ID). Stop
+    signals are meshtrain's (`stopping.LauncherSignals`); torch's agent keeps SIGHUP/SIGQUIT."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    if "--debug" not in argv:  # the user sees meshtrain's one line, not the agent's records
+        for name in list(logging.root.manager.loggerDict):  # each module's logger has its level
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # Restarted ranks would read the previous attempt's addresses from a store the agent shares
+    # with them (pytorch/pytorch#135712): give each attempt its own.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launch_args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "meshtrain"])
+        ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+         f"--rdzv-id={run_id or uuid.uuid4().hex}", f"--nproc-per-node={nproc}",
+         f"--max-restarts={max_restarts}", f"--shutdown-timeout={stopping.shutdown_timeout()}",
+         "--signals-to-handle=SIGHUP,SIGQUIT", "-m", "meshtrain"])
     launch_args.training_script_args = argv  # kept from the launcher's own option parsing
-    try:
-        run(launch_args)
-    except ChildFailedError as failure:
-        codes = [f.exitcode for f in failure.failures.values()]
-        return next((c for c in codes if c and c > 0), 1)
+    with stopping.LauncherSignals(nproc) as signals:
+        try:
+            run(launch_args)
+        except SignalException:
+            return signals.outcome()
+        except ChildFailedError as failure:
+            return signals.explain(endings.launch_failure(failure.failures))
     return 0
 
 
-def _in_rank(fn) -> int:
-    """Run `fn` on this rank; a bad input becomes one line and exit code 2, never a hang."""
+def _in_rank(fn, debug: bool = False) -> int:
+    """Run `fn` on this rank and turn how it ends into one line (at most) and an exit code: a
+    bad input 2; a `RunFailure` its code, printed once; a peer's death `EXIT_PEER_FAILED` in
+    silence (the launcher names the dead rank); anything else one line naming this rank."""
     from meshtrain.mesh import destroy_parallel
 
+    rank = int(os.environ.get("RANK", "0"))
     try:
         fn()
     except ValueError as e:
         return _error(e)
+    except RunFailure as e:
+        if rank == 0 or not e.agreed:
+            print(f"meshtrain: {as_flags(str(e))}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:
+        if endings.peer_failed(e) and not debug:
+            return EXIT_PEER_FAILED
+        return endings.unexpected(e, debug, f"rank {rank}: ")
     finally:
         destroy_parallel()
     return 0
@@ -227,18 +294,42 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _train_config(args)
     env_world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else None
     world = config_mod.world_size_of(cfg, env_world)
-    plan = check_train(cfg, world)
+    try:
+        plan = check_train(cfg, world)
+    except resuming.RunComplete as done:
+        _notice(str(done))
+        return 0
     if cfg.parallel.trace and plan.pp == 1 and int(os.environ.get("RANK", "0")) == 0:
         print("meshtrain: --trace records pipeline timelines; with --pp 1 it writes nothing",
               file=sys.stderr)
-    if env_world is None and world > 1:
-        layout = ", ".join(f"{k}={v}" for k, v in plan.degrees.items() if v > 1)
-        print(f"meshtrain: {world} ranks ({layout}), writing to {cfg.checkpoint.out}",
-              file=sys.stderr)
-        return _launch(world, [*argv, "--out", cfg.checkpoint.out])
+    if env_world is not None:  # a rank: under torchrun rank 0 takes the lock for the world
+        mine = None if stopping.under_meshtrain_launcher() else run_lock.RunLock(
+            cfg.checkpoint.out, run_lock.own_run_id())
+        return _train_in_rank(cfg, plan, mine, args.debug)
+    with run_lock.RunLock(cfg.checkpoint.out) as held:  # this process launches: it holds it
+        if world > 1 or cfg.parallel.max_restarts:
+            layout = ", ".join(f"{k}={v}" for k, v in plan.degrees.items() if v > 1) or "dp=1"
+            print(f"meshtrain: {world} ranks ({layout}), writing to {cfg.checkpoint.out}",
+                  file=sys.stderr)
+            return _launch(world, [*argv, "--out", cfg.checkpoint.out],
+                           max_restarts=cfg.parallel.max_restarts, run_id=held.run_id)
+        return _train_in_rank(cfg, plan, None, args.debug)
+
+
+def _train_in_rank(cfg: config_mod.RunConfig, plan, lock: run_lock.RunLock | None,
+                   debug: bool) -> int:
+    """This rank's training with stop signals armed; its exit code goes to meshtrain's
+    launcher too (when that started it)."""
     from meshtrain.train import run_training
 
-    return _in_rank(lambda: run_training(cfg, plan))
+    signals = stopping.StopSignals(rank=int(os.environ.get("RANK", "0")))
+    signals.arm()
+    try:
+        code = _in_rank(lambda: run_training(cfg, plan, stop=signals, lock=lock), debug)
+    finally:
+        signals.disarm()
+    stopping.report_exit(code)
+    return code
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -288,7 +379,15 @@ def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
         if text is not None:
             print(text)
 
-    return _in_rank(go)
+    return _in_rank(go, args.debug)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from meshtrain.doctor import doctor
+
+    code, lines = doctor(args.run)
+    print("\n".join(lines), file=sys.stderr if code else sys.stdout)
+    return code
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -329,11 +428,15 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_import_hf(args)
         if args.command == "prepare":
             return cmd_prepare(args)
+        if args.command == "doctor":
+            return cmd_doctor(args)
         if args.command == "tokenizer":
             return cmd_tokenizer_train(args)
         return cmd_sample(args, argv)
     except (ValueError, CheckpointError) as e:
         return _error(e)
+    except Exception as e:
+        return endings.unexpected(e, args.debug)
 
 
 if __name__ == "__main__":

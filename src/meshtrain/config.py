@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ class ModelSettings:
 class ParallelSettings:
     nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp, degrees not"
                                  " given being 1); omit under torchrun")
+    max_restarts: int = _f(0, "restart every rank up to N times after one fails (meshtrain's"
+                              " launcher; needs --auto-resume); under torchrun use its own"
+                              " --max-restarts")
     tp: int = _f(1, "tensor-parallel degree")
     pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
                     " remainder)")
@@ -92,6 +96,10 @@ class ParallelSettings:
                                         " gradient and the Adam moments in host memory and step"
                                         " there (needs --zero >= 1)")
     device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
+    collective_timeout: float = _f(600.0, "seconds a rank may wait in one collective before the"
+                                          " run is declared hung: the ranks dump their last"
+                                          " collectives to --out/hang and the run exits with"
+                                          " code 4 naming what diverged (meshtrain doctor OUT)")
     trace: str | None = _f(None, "with --pp > 1, write the second step's pipeline timeline to"
                                  " this directory: pipeline.json (Perfetto), pipeline.png and"
                                  " pipeline_idle.json (measured vs simulated idle per stage)")
@@ -110,6 +118,10 @@ class TrainSettings:
     warmup_steps: int = _f(20, "linear warmup steps")
     weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases and LayerNorms)")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
+    max_nonfinite_steps: int = _f(1, "stop (exit code 5, nothing saved) after this many"
+                                     " consecutive steps whose loss or gradient norm is inf or"
+                                     " NaN; above 1, such steps skip their update (fp16 also"
+                                     " skips and rescales on gradient overflow, as always)")
     seed: int = _f(0, "seed for weights, data order and dropout")
     eval_every: int = _f(100, "evaluate the held-out loss every N steps (0 disables)")
     eval_batches: int = _f(4, "global batches per evaluation")
@@ -140,6 +152,11 @@ class CheckpointSettings:
                                      " or the output of meshtrain import-hf); the model's family"
                                      " and shape are the checkpoint's")
     save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
+    save_every_minutes: float = _f(0.0, "also save when this many minutes have passed since the"
+                                        " run's start or last save (rank 0's clock decides, at a"
+                                        " step's end; 0: off)")
+    auto_resume: bool = _f(False, "continue from the newest complete checkpoint in --out when"
+                                  " there is one, else start fresh (for restarts)")
     keep_last: int = _f(0, "after each save keep only the newest N checkpoints, deleting older"
                            " ones (0: keep all); the one the latest pointer names is never"
                            " deleted")
@@ -339,11 +356,13 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     plan = cfg.plan().resolved(world_size)
     check_local_devices(p.device, int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size)))
     _validate_train(t)
-    if cfg.checkpoint.save_every < 0:
-        raise ValueError(f"`save_every` must be >= 0, got {cfg.checkpoint.save_every}")
     if cfg.checkpoint.keep_last < 0:
         raise ValueError(f"`keep_last` must be >= 0 (0 keeps every checkpoint), got"
                          f" {cfg.checkpoint.keep_last}")
+    if not 0 < p.collective_timeout < 1e7:
+        raise ValueError(f"`collective_timeout` must be a positive number of seconds, got"
+                         f" {p.collective_timeout}")
+    _validate_restarts(cfg)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ValueError(f"`val_fraction` must be in (0, 1), got {cfg.data.val_fraction}")
     model = cfg.model_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
@@ -358,8 +377,25 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                          seq_len=t.seq_len)
 
 
+def _validate_restarts(cfg: RunConfig) -> None:
+    c = cfg.checkpoint
+    if c.save_every < 0:
+        raise ValueError(f"`save_every` must be >= 0, got {c.save_every}")
+    if not 0.0 <= c.save_every_minutes < float("inf"):
+        raise ValueError(f"`save_every_minutes` must be >= 0, got {c.save_every_minutes}")
+    if c.resume and c.auto_resume:
+        raise ValueError("`resume` and `auto_resume` exclude each other: `auto_resume` resumes"
+                         " when there is a checkpoint; pass one of them")
+    if cfg.parallel.max_restarts < 0:
+        raise ValueError(f"`max_restarts` must be >= 0, got {cfg.parallel.max_restarts}")
+    if cfg.parallel.max_restarts and not c.auto_resume:
+        raise ValueError("`max_restarts` restarts the ranks with the same flags: add"
+                         " `auto_resume` so they continue from the newest checkpoint")
+
+
 def _validate_train(t: TrainSettings) -> None:
-    for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches", "log_every"):
+    for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches", "log_every",
+                 "max_nonfinite_steps"):
         if getattr(t, name) < 1:
             raise ValueError(f"`{name}` must be positive, got {getattr(t, name)}")
     for name in ("warmup_steps", "eval_every"):
@@ -367,6 +403,9 @@ def _validate_train(t: TrainSettings) -> None:
             raise ValueError(f"`{name}` must be >= 0, got {getattr(t, name)}")
     if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
         raise ValueError(f"`stop_at` must be between 1 and `steps` ({t.steps}), got {t.stop_at}")
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
+        if not math.isfinite(getattr(t, name)):
+            raise ValueError(f"`{name}` must be a finite number, got {getattr(t, name)}")
     if t.lr < 0 or t.min_lr < 0:
         raise ValueError(f"`lr` and `min_lr` must be >= 0, got {t.lr} and {t.min_lr}")
     if t.min_lr > t.lr:

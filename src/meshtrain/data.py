@@ -8,6 +8,7 @@ over ranks is the same list of micro-batches at every dp.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import os
@@ -156,7 +157,7 @@ def _load(path: Path) -> tuple[np.ndarray, dict]:
     if size == 0:
         raise _data_error(path, "the file is empty: pass a file with some text or tokens")
     if path.suffix != ".bin":
-        return np.frombuffer(path.read_bytes(), dtype=np.uint8), {"vocab_size": BYTE_VOCAB_SIZE}
+        return _text_bytes(path), {"vocab_size": BYTE_VOCAB_SIZE}
 
     sidecar = sidecar_of(path)
     example = '{"dtype": "uint16", "vocab_size": 50257}'
@@ -184,6 +185,27 @@ def _load(path: Path) -> tuple[np.ndarray, dict]:
         raise _data_error(path, f"token id {top} is >= vocab_size {vocab_size}: fix vocab_size in"
                                 f" {sidecar.name} or the tokenisation")
     return tokens, meta
+
+
+def _text_bytes(path: Path) -> np.ndarray:
+    """A text file's bytes as byte tokens; refuses what is not UTF-8 text (an image, a NumPy
+    array, a token file without its .bin name), which would otherwise train on noise."""
+    content = path.read_bytes()
+    fix = ("pass UTF-8 text, or a token file from `meshtrain prepare` (FILE.bin with its"
+           " FILE.bin.json)")
+    if path.suffix == ".npy" or content.startswith(b"\x93NUMPY"):
+        raise _data_error(path, f"a NumPy array is not text nor a token file: {fix}")
+    if b"\0" in content:
+        raise _data_error(path, f"binary content (a NUL byte at offset {content.index(0)}):"
+                                f" {fix}")
+    decoder, block = codecs.getincrementaldecoder("utf-8")(), 1 << 20
+    for start in range(0, len(content), block):  # in blocks: no whole-file str copy
+        try:
+            decoder.decode(content[start:start + block], final=start + block >= len(content))
+        except UnicodeDecodeError as err:
+            raise _data_error(path, f"not UTF-8 text (near byte offset {start + err.start}):"
+                                    f" {fix}") from None
+    return np.frombuffer(content, dtype=np.uint8)
 
 
 @dataclasses.dataclass(frozen=True)

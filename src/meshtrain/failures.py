@@ -7,6 +7,9 @@ job script can tell "stopped early, resumable" from "broken input" or "hung".
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # an unexpected error; `--debug` shows its traceback
 EXIT_BAD_INPUT = 2  # a setting, a file or a checkpoint that cannot be used
@@ -25,3 +28,15 @@ class RunFailure(Exception):
         super().__init__(message)
         self.exit_code = exit_code
         self.agreed = agreed
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """Turn a failed write of a run file (a full disk, a revoked permission) into one line
+    naming the file; what a checkpoint already holds is untouched."""
+    try:
+        yield
+    except OSError as e:
+        raise RunFailure(f"writing {path} failed ({e.strerror or e}): free space or fix the"
+                         " permissions, then continue from the last checkpoint with `resume`",
+                         EXIT_FAILED) from None

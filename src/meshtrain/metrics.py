@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from meshtrain.data import write_atomic
+from meshtrain.failures import writing
+
 
 def read_scalars(scalars: dict[str, torch.Tensor]) -> dict[str, float]:
     """0-dim device tensors -> Python floats in one device-to-host transfer (each `.item()` of
@@ -24,18 +27,33 @@ class MetricsLog:
     end), so a step costs no file write.
 
     On resume from step N, rows after N (written after the checkpoint by an interrupted run) are
-    dropped so the file reads as one uninterrupted run.
+    dropped so the file reads as one uninterrupted run, and so are lines that do not parse (a
+    write cut short by a crash or a full disk): `damaged` counts them. A failed write is a
+    `RunFailure` naming the file, not a traceback.
     """
 
     def __init__(self, path: Path, *, resume_step: int | None = None):
-        self.path = path
-        if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-        self._file = open(path, "a")
+        self.path, self.damaged = path, 0
+        with writing(path):
+            if resume_step is not None and path.exists():
+                self._truncate(resume_step)
+            self._file = open(path, "a")
         self._pending: list[str] = []
         self._tensorboard = _tensorboard_writer(path.parent / "tensorboard")
+
+    def _truncate(self, resume_step: int) -> None:
+        kept = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                self.damaged += bool(line.strip())
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= resume_step:
+                kept.append(line)
+            else:
+                self.damaged += not isinstance(row, dict)
+        write_atomic(self.path, "".join(line + "\n" for line in kept).encode())
 
     def write(self, row: dict) -> None:
         self._pending.append(json.dumps(row) + "\n")
@@ -45,8 +63,9 @@ class MetricsLog:
                     self._tensorboard.add_scalar(key, value, row["step"])
 
     def flush(self) -> None:
-        self._file.write("".join(self._pending))
-        self._file.flush()
+        with writing(self.path):
+            self._file.write("".join(self._pending))
+            self._file.flush()
         self._pending.clear()
         if self._tensorboard is not None:
             self._tensorboard.flush()

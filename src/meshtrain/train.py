@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from meshtrain.checkpoint import (
     save_checkpoint,
 )
 from meshtrain.config import RunConfig
+from meshtrain.failures import EXIT_NONFINITE, EXIT_STOPPED, RunFailure, writing
 from meshtrain.interop.tokenization import TOKENIZER_FILE
 from meshtrain.mesh import ParallelMesh, init_parallel
 from meshtrain.metrics import MetricsLog, Progress, StepTimer, read_metrics, read_scalars
@@ -33,6 +36,9 @@ from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.parallelize import ParallelModel, parallelize
 from meshtrain.plots import plot_loss_curve
 from meshtrain.precision import LossScaler
+from meshtrain.run_lock import RunLock
+from meshtrain.stopping import SAVE_NOW, StopSignals, stop_signal
+from meshtrain.watchdog import HangWatchdog, process_group_timeout
 
 STATE_KEYS = ("parameters", "gradients", "optimizer_states")
 
@@ -57,6 +63,8 @@ class Trainer:
     eval_data: data.BatchSampler
     scaler: LossScaler
     tokenizer: Path | None = None  # the tokenizer.json the data was prepared with
+    # This rank's request for the step (a stop or a timed save, `stopping`); None: no flag.
+    requests: Callable[[], float] | None = None
 
     @property
     def model(self):
@@ -95,9 +103,10 @@ class Trainer:
         this rank's pipeline events (see `run_schedule`).
 
         The step reads the device once: its scalars (loss, gradient norm, the overflow flag,
-        routing statistics) in one transfer (`read_scalars`). With a loss scale that read comes
-        before the optimizer step, which an overflow skips; otherwise after it, so the device
-        queue never drains mid-step."""
+        routing statistics) in one transfer (`read_scalars`). With a loss scale, or when
+        `max_nonfinite_steps` lets a non-finite step be skipped, that read comes before the
+        optimizer step; otherwise after it, so the device queue never drains mid-step (a
+        non-finite step then ends the run before anything is saved)."""
         t, mesh, sync = self.cfg.train, self.mesh, self.sync
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
                    total_steps=t.steps)
@@ -117,24 +126,42 @@ class Trainer:
                                                experts=roles.experts, sharded=sync.sharded)
         comm.all_reduce(result.loss, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)
         scalars["loss"] = result.loss
+        if self.requests is not None:  # every rank reads the same stop/save decision
+            scalars["request"] = torch.full((), self.requests(), device=mesh.device)
+            comm.all_reduce(scalars["request"], mesh.world, op=torch.distributed.ReduceOp.MAX)
         if self.model.cfg.moe_experts:
             micro_batches = self.plan.micro_batches_per_step(t.global_batch)
             scalars |= result.routing.summary(mesh, micro_batches)
         row = {"step": step + 1}
-        if not self.scaler.enabled:
+        if not self.scaler.enabled and t.max_nonfinite_steps == 1:  # a bad step ends the run
             self.executor.optimizer_step(lambda: sync.step(lr))
             values = read_scalars(scalars)
-        else:
+            bad = self._nonfinite(values)
+        else:  # decide before the update whether to skip it
             values = read_scalars(scalars)
-            overflow = values.pop("overflow") > 0
-            if not overflow:
+            bad, overflow = self._nonfinite(values), values.pop("overflow", 0) > 0
+            skipped = bad or overflow
+            if not skipped:
                 self.executor.optimizer_step(lambda: sync.step(lr))
-            else:
+            elif overflow:
                 values["grad_norm"] = float("nan")  # the step did not happen
-            row |= {"loss_scale": self.scaler.scale, "skipped": int(overflow)}
-            self.scaler.update(overflow)
+            row["skipped"] = int(skipped)
+            if self.scaler.enabled:
+                row["loss_scale"] = self.scaler.scale
+                self.scaler.update(overflow)
+        if bad:
+            row["nonfinite"] = 1
         return row | {"loss": values.pop("loss"), "grad_norm": values.pop("grad_norm"),
                       "lr": lr} | values
+
+    def _nonfinite(self, values: dict[str, float]) -> bool:
+        """Whether the step's loss (or, without a loss scale, its gradient norm) is inf or NaN.
+        Both are reduced over every rank before the read, so every rank decides alike. An fp16
+        gradient overflow is the loss scale's business (skip and rescale), not a failure."""
+        finite = math.isfinite(values["loss"])
+        if not self.scaler.enabled:
+            finite = finite and math.isfinite(values["grad_norm"])
+        return not finite
 
     def _any_overflow(self, grads: dict[int, torch.Tensor]) -> torch.Tensor:
         """1.0 if an inf/nan is anywhere on any rank, else 0.0, on the device: every rank
@@ -212,19 +239,37 @@ class Trainer:
                         load_states=weights_only)
 
 
-def run_training(cfg: RunConfig, plan: ParallelPlan | None = None) -> list[dict]:
+def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
+                 stop: StopSignals | None = None, lock: RunLock | None = None) -> list[dict]:
     """Train as configured on this rank (`plan`: the validated layout; default the settings'
-    resolved against the launcher's world); returns the metrics rows (rank 0; empty elsewhere)."""
+    resolved against the launcher's world); returns the metrics rows (rank 0; empty elsewhere).
+    `stop`: armed signals that end the run early with a checkpoint (RunFailure EXIT_STOPPED);
+    `lock`: the `out` lock global rank 0 takes for the world (under torchrun)."""
     if plan is None:
         plan = cfg.plan().resolved(int(torch.distributed.get_world_size()
                                        if torch.distributed.is_initialized() else 1))
-    mesh = init_parallel(**plan.degrees, device=cfg.parallel.device)
+    timeout = cfg.parallel.collective_timeout
+    mesh = init_parallel(**plan.degrees, device=cfg.parallel.device,
+                         timeout=process_group_timeout(timeout))
+    if lock is not None:
+        lock.acquire_agreed(mesh)
+    try:
+        with HangWatchdog(rank=mesh.rank, world_size=mesh.world_size, timeout=timeout,
+                          out=cfg.checkpoint.out):
+            return _train(cfg, mesh, stop)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None) -> list[dict]:
     trainer = Trainer.build(cfg, mesh)
     out = Path(cfg.checkpoint.out)
-    start = trainer.resume(out) if cfg.checkpoint.resume else 0
+    resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
+    start = trainer.resume(out) if resuming else 0
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
-    run = _Run(cfg, trainer, out, start)
+    run = _Run(cfg, trainer, out, start, stop)
     try:
         for step in range(start, run.stop):
             run.step(step)
@@ -237,31 +282,44 @@ class _Run:
     """The loop's bookkeeping on this rank: metrics (rank 0 writes), progress, timing,
     evaluation and checkpoint cadence, the pipeline trace."""
 
-    def __init__(self, cfg: RunConfig, trainer: Trainer, out: Path, start: int):
+    def __init__(self, cfg: RunConfig, trainer: Trainer, out: Path, start: int,
+                 stop: StopSignals | None = None):
         t, mesh = cfg.train, trainer.mesh
         self.cfg, self.trainer, self.out, self.start = cfg, trainer, out, start
+        self.signals, self.last_save = stop, time.monotonic()
+        if stop is not None or cfg.checkpoint.save_every_minutes:
+            trainer.requests = self._request
         self.stop = t.stop_at or t.steps
         self.log = None
         comm.barrier(mesh.world)  # every rank has checked `out` before rank 0 writes to it
         if mesh.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.toml").write_text(cfg.to_toml())
-            if trainer.tokenizer is not None:  # `meshtrain sample RUN` decodes with it
-                data.write_atomic(out / TOKENIZER_FILE, trainer.tokenizer.read_bytes())
-            self.log = MetricsLog(out / "metrics.jsonl",
-                                  resume_step=start if cfg.checkpoint.resume else None)
+            with writing(out):
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "config.toml").write_text(cfg.to_toml())
+                if trainer.tokenizer is not None:  # `meshtrain sample RUN` decodes with it
+                    data.write_atomic(out / TOKENIZER_FILE, trainer.tokenizer.read_bytes())
+            resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
+            self.log = MetricsLog(out / "metrics.jsonl", resume_step=start if resuming else None)
         self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0,
                                  interval=t.log_every)
+        if self.log is not None and self.log.damaged:
+            self.progress.write(f"meshtrain: dropped {self.log.damaged} damaged line(s) of"
+                                f" {self.log.path} (a write cut short)")
         trace = cfg.parallel.trace  # a pipeline's warm step (the CLI says when there is none)
         self.traced = min(start + 1, self.stop - 1) if trace and mesh.pp.size > 1 else None
         self.timer, self.rows = StepTimer(), []
+        self.nonfinite_run = 0  # consecutive steps with an inf/NaN loss or gradient norm
 
     def step(self, step: int) -> None:
         trainer, t = self.trainer, self.cfg.train
         row = self._traced(step) if step == self.traced else trainer.train_step(step)
+        request = row.pop("request", 0.0)
+        self._stop_if_nonfinite(row)
         if step == self.start:
             self._report_memory()
         elapsed = self.timer.lap()
+        if self.signals is not None:
+            self.signals.longest_step = max(self.signals.longest_step, elapsed)
         row |= {"tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_time_s": elapsed}
         done = step + 1
         if t.eval_every and (done % t.eval_every == 0 or done == self.stop):
@@ -271,12 +329,47 @@ class _Run:
         self._write(row)
         self.progress.update(step=done, loss=row["loss"], tokens_per_s=row["tokens_per_s"])
         save_every = self.cfg.checkpoint.save_every
-        saving = done == self.stop or (save_every and done % save_every == 0)
+        stopping = stop_signal(request) if done < self.stop else None
+        saving = (done == self.stop or (save_every and done % save_every == 0)
+                  or request >= SAVE_NOW)
+        if stopping and self.signals is not None:
+            self.signals.agreed()
         if saving or done % t.log_every == 0:
             self.flush()  # the metrics of every step a checkpoint holds are on disk with it
         if saving:
-            trainer.save(self.out, done)
+            path = trainer.save(self.out, done)
+            self.last_save = time.monotonic()
+        if stopping:
+            self.progress.close()
+            raise RunFailure(f"stopped by {stopping.name} after step {done}; checkpoint"
+                             f" {path.name} saved; continue with `resume` (or `auto_resume`)",
+                             EXIT_STOPPED, agreed=True)
         self.timer.lap()  # exclude evaluation and checkpointing from the next step's time
+
+    def _stop_if_nonfinite(self, row: dict) -> None:
+        """After `max_nonfinite_steps` consecutive inf/NaN steps, end the run before anything
+        is evaluated or saved. Every rank read the same reduced values, so all stop together."""
+        self.nonfinite_run = self.nonfinite_run + 1 if row.get("nonfinite") else 0
+        if self.nonfinite_run < self.cfg.train.max_nonfinite_steps:
+            return
+        self._write(row)
+        last = latest_checkpoint(self.out / "checkpoints") if self.log is not None else None
+        good = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+        raise RunFailure(f"step {row['step']}: loss {row['loss']}, gradient norm"
+                         f" {row['grad_norm']}: not finite for {self.nonfinite_run} consecutive"
+                         f" step(s), so the run stopped without saving; {good}. Lower `lr`, raise"
+                         " `warmup_steps` or tighten `clip_grad`, and train again (or allow"
+                         " skipped steps with `max_nonfinite_steps`)",
+                         EXIT_NONFINITE, agreed=True)
+    def _request(self) -> float:
+        """This rank's part of the step's request: a stop signal's, or (rank 0's clock) a
+        timed save when `save_every_minutes` have passed since the last save."""
+        value = self.signals.request() if self.signals is not None else 0.0
+        minutes = self.cfg.checkpoint.save_every_minutes
+        rank0 = self.trainer.mesh.rank == 0
+        if minutes and rank0 and time.monotonic() - self.last_save >= 60 * minutes:
+            value = max(value, SAVE_NOW)
+        return value
 
     def _traced(self, step: int) -> dict:
         trace = Path(self.cfg.parallel.trace)

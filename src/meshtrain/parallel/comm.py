@@ -8,7 +8,9 @@ Two layers:
   (identity forward, all-reduce backward) and its conjugate g = `reduce_from_tensor_parallel_region`
   (all-reduce forward, identity backward), plus scatter/gather along the last dimension.
 
-A collective over an axis of size 1 is skipped and not recorded: nothing is sent.
+A collective over an axis of size 1 is skipped and not recorded: nothing is sent. Every call is
+also reported to the armed `FlightRecorder` (the ring the hang watchdog dumps), which tracks when
+this rank blocks in it: async works come back wrapped so that their `wait()` is tracked too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.mesh import MeshAxis
+from meshtrain.parallel import flight_recorder
+from meshtrain.parallel.flight_recorder import Entry
 
 # The `*_tensor` spellings exist in every torch >= 2.6; newer releases flag them as deprecated
 # in favour of `*_single`, which older ones lack. Keep one spelling and silence only that notice.
@@ -88,14 +92,33 @@ class CommRecorder:
 
 # Observers only: which group a collective uses is always passed explicitly.
 _active_recorders: list[CommRecorder] = []
+_flight_recorders = flight_recorder.ARMED  # the last one armed is fed
 
 
-def _record(op: str, axis: MeshAxis, tensor: torch.Tensor, sent_bytes: int | None = None) -> None:
+def _record(op: str, axis: MeshAxis, tensor: torch.Tensor, sent_bytes: int | None = None, *,
+            blocking: bool = True, peer: int | None = None) -> Entry | None:
+    """Report a call to the recorders; returns its flight entry (None when none is armed)."""
     if _active_recorders:
         nbytes = tensor.numel() * tensor.element_size()
         record = CommRecord(op, axis.name, axis.size, tensor.dtype, nbytes, sent_bytes)
         for recorder in _active_recorders:
             recorder.records.append(record)
+    return _flight(op, axis, tensor, blocking=blocking, peer=peer)
+
+
+def _flight(op: str, axis: MeshAxis, tensor: torch.Tensor | None = None, *,
+            blocking: bool = True, peer: int | None = None) -> Entry | None:
+    """Report a call to the armed flight recorder only (calls the counts leave out)."""
+    if _flight_recorders:
+        return _flight_recorders[-1].issue(op, axis, tensor, blocking=blocking, peer=peer)
+    return None
+
+
+def _done(entry: Entry | None, work: dist.Work | None = None):
+    """After the call: a blocking call has ended; an async one's work comes back tracked."""
+    if entry is None or not _flight_recorders:
+        return work
+    return _flight_recorders[-1].done(entry, work)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,8 +130,8 @@ def all_reduce(tensor: torch.Tensor, axis: MeshAxis, *, op: dist.ReduceOp = dist
     """Reduce `tensor` in place over `axis`."""
     if axis.size == 1:
         return None
-    _record("all_reduce", axis, tensor)
-    return dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op)
+    entry = _record("all_reduce", axis, tensor, blocking=not async_op)
+    return _done(entry, dist.all_reduce(tensor, op=op, group=axis.group, async_op=async_op))
 
 
 def all_gather(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = 0) -> torch.Tensor:
@@ -118,8 +141,8 @@ def all_gather(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = 0) -> torch.T
     tensor = tensor.contiguous()
     out = torch.empty((axis.size * tensor.shape[0],) + tuple(tensor.shape[1:]),
                       dtype=tensor.dtype, device=tensor.device)
-    _record("all_gather", axis, out)
-    dist.all_gather_into_tensor(out, tensor, group=axis.group)
+    entry = _record("all_gather", axis, out)
+    _done(entry, dist.all_gather_into_tensor(out, tensor, group=axis.group))
     if dim % tensor.dim() == 0:
         return out
     return torch.cat(out.chunk(axis.size, dim=0), dim=dim)
@@ -138,8 +161,8 @@ def reduce_scatter(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = 0,
     tensor = tensor.contiguous()
     out = torch.empty((tensor.shape[0] // axis.size,) + tuple(tensor.shape[1:]),
                       dtype=tensor.dtype, device=tensor.device)
-    _record("reduce_scatter", axis, tensor)
-    dist.reduce_scatter_tensor(out, tensor, op=op, group=axis.group)
+    entry = _record("reduce_scatter", axis, tensor)
+    _done(entry, dist.reduce_scatter_tensor(out, tensor, op=op, group=axis.group))
     return out
 
 
@@ -150,8 +173,9 @@ def reduce_scatter_into(output: torch.Tensor, flat: torch.Tensor, axis: MeshAxis
     this rank's slice of `flat` itself (in place: no extra buffer)."""
     if axis.size == 1:
         return None
-    _record("reduce_scatter", axis, flat)
-    return dist.reduce_scatter_tensor(output, flat, op=op, group=axis.group, async_op=async_op)
+    entry = _record("reduce_scatter", axis, flat, blocking=not async_op)
+    return _done(entry, dist.reduce_scatter_tensor(output, flat, op=op, group=axis.group,
+                                                   async_op=async_op))
 
 
 def all_gather_into(flat: torch.Tensor, shard: torch.Tensor, axis: MeshAxis, *,
@@ -160,8 +184,9 @@ def all_gather_into(flat: torch.Tensor, shard: torch.Tensor, axis: MeshAxis, *,
     `flat` (in place)."""
     if axis.size == 1:
         return None
-    _record("all_gather", axis, flat)
-    return dist.all_gather_into_tensor(flat, shard, group=axis.group, async_op=async_op)
+    entry = _record("all_gather", axis, flat, blocking=not async_op)
+    return _done(entry, dist.all_gather_into_tensor(flat, shard, group=axis.group,
+                                                    async_op=async_op))
 
 
 def split_along(tensor: torch.Tensor, axis: MeshAxis, *, dim: int = -1) -> torch.Tensor:
@@ -178,8 +203,8 @@ def broadcast(tensor: torch.Tensor, axis: MeshAxis, *, src_axis_rank: int = 0) -
     """Overwrite `tensor` on every rank of `axis` with axis rank `src_axis_rank`'s copy."""
     if axis.size == 1:
         return
-    _record("broadcast", axis, tensor)
-    dist.broadcast(tensor, src=axis.ranks[src_axis_rank], group=axis.group)
+    entry = _record("broadcast", axis, tensor)
+    _done(entry, dist.broadcast(tensor, src=axis.ranks[src_axis_rank], group=axis.group))
 
 
 def all_to_all(tensor: torch.Tensor, axis: MeshAxis, *, send_splits: list[int],
@@ -191,10 +216,10 @@ def all_to_all(tensor: torch.Tensor, axis: MeshAxis, *, send_splits: list[int],
     tensor = tensor.contiguous()
     out = tensor.new_empty((sum(recv_splits),) + tuple(tensor.shape[1:]))
     row_bytes = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
-    _record("all_to_all", axis, tensor,
-            sent_bytes=(sum(send_splits) - send_splits[axis.rank]) * row_bytes)
-    dist.all_to_all_single(out, tensor, output_split_sizes=recv_splits,
-                           input_split_sizes=send_splits, group=axis.group)
+    entry = _record("all_to_all", axis, tensor,
+                    sent_bytes=(sum(send_splits) - send_splits[axis.rank]) * row_bytes)
+    _done(entry, dist.all_to_all_single(out, tensor, output_split_sizes=recv_splits,
+                                        input_split_sizes=send_splits, group=axis.group))
     return out
 
 
@@ -222,14 +247,16 @@ def all_to_all_differentiable(x: torch.Tensor, axis: MeshAxis, *, send_splits: l
 
 def send(tensor: torch.Tensor, axis: MeshAxis, to: int, *, tag: int = 0) -> dist.Work:
     """Start sending `tensor` to axis rank `to`; wait on the returned work before reusing it."""
-    _record("send", axis, tensor)
-    return dist.isend(tensor.contiguous(), dst=axis.ranks[to], group=axis.group, tag=tag)
+    entry = _record("send", axis, tensor, blocking=False, peer=axis.ranks[to])
+    return _done(entry, dist.isend(tensor.contiguous(), dst=axis.ranks[to], group=axis.group,
+                                   tag=tag))
 
 
 def recv(tensor: torch.Tensor, axis: MeshAxis, src: int, *, tag: int = 0) -> None:
     """Receive into `tensor` from axis rank `src` (blocking)."""
-    _record("recv", axis, tensor)
+    entry = _record("recv", axis, tensor, peer=axis.ranks[src])
     dist.irecv(tensor, src=axis.ranks[src], group=axis.group, tag=tag).wait()
+    _done(entry)
 
 
 def ring_shift(tensor: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
@@ -238,18 +265,20 @@ def ring_shift(tensor: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
         return tensor
     tensor = tensor.contiguous()
     out = torch.empty_like(tensor)
-    _record("send", axis, tensor)
     nxt, prev = axis.ranks[(axis.rank + 1) % axis.size], axis.ranks[(axis.rank - 1) % axis.size]
+    _record("send", axis, tensor, blocking=False)  # counted as a send (its bytes)
+    entry = _flight("sendrecv", axis, tensor, peer=prev)  # blocks on both; named by `prev`
     ops = [dist.P2POp(dist.isend, tensor, nxt, axis.group),
            dist.P2POp(dist.irecv, out, prev, axis.group)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+    _done(entry)
     return out
 
 
 def barrier(axis: MeshAxis) -> None:
     if axis.size > 1:
-        dist.barrier(group=axis.group)
+        _done(_flight("barrier", axis), dist.barrier(group=axis.group))
 
 
 def all_gather_objects(obj, axis: MeshAxis) -> list:
@@ -257,7 +286,9 @@ def all_gather_objects(obj, axis: MeshAxis) -> list:
     if axis.size == 1:
         return [obj]
     out = [None] * axis.size
+    entry = _flight("all_gather_object", axis)
     dist.all_gather_object(out, obj, group=axis.group)
+    _done(entry)
     return out
 
 

@@ -1,0 +1,165 @@
+"""Runs that cannot go on end with one line and a documented exit code: a non-finite loss or
+gradient norm (caught on every rank together, nothing non-finite saved), input that is not
+text or tokens, an `out` that cannot be written, a damaged metrics file on resume."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from harness import run_cli, run_on_ranks, worker_mesh
+from safetensors.torch import load_file
+
+from meshtrain.checkpoint import latest_checkpoint
+from meshtrain.config import build_config
+from meshtrain.data import synthetic_corpus
+from meshtrain.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, RunFailure
+from meshtrain.metrics import MetricsLog, read_metrics
+from meshtrain.train import Trainer
+
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--seq-len", "16",
+        "--global-batch", "4", "--micro-batch", "4", "--eval-every", "0", "--log-every", "1"]
+# AdamW at this rate blows the weights up in one step: step 2's loss is NaN.
+DIVERGING = ["--lr", "1e6", "--warmup-steps", "0", "--steps", "6", "--save-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(synthetic_corpus(20_000, seed=8).tobytes())
+    return str(path)
+
+
+def _one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert lines and "Traceback" not in result.stderr, result.stderr
+    return lines[-1]
+
+
+def _all_finite(checkpoint) -> bool:
+    return all(torch.isfinite(t).all() for f in checkpoint.glob("rank_*.safetensors")
+               for t in load_file(str(f)).values() if t.is_floating_point())
+
+
+def test_a_nonfinite_step_stops_the_run_unsaved_and_names_the_last_good_checkpoint(
+        corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("train", *TINY, *DIVERGING, "--data", corpus, "--out", str(out),
+                     check=False)
+    assert result.returncode == EXIT_NONFINITE, result.stderr
+    line = _one_line(result)
+    assert line.startswith("meshtrain: step 2: loss nan") and "step_00000001" in line, line
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000001"]
+    assert _all_finite(latest_checkpoint(out / "checkpoints"))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["nonfinite"] == 1
+
+
+def test_allowed_nonfinite_steps_are_skipped_and_never_saved(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("train", *TINY, *DIVERGING, "--max-nonfinite-steps", "3", "--data", corpus,
+                     "--out", str(out), check=False)
+    assert result.returncode == EXIT_NONFINITE, result.stderr
+    assert _one_line(result).startswith("meshtrain: step 4: loss nan")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["skipped"], r.get("nonfinite", 0)) for r in rows] == [
+        (1, 0, 0), (2, 1, 1), (3, 1, 1), (4, 1, 1)]
+    saved = sorted((out / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == ["step_00000001", "step_00000002", "step_00000003"]
+    assert all(_all_finite(p) for p in saved)  # the skipped steps left the weights alone
+
+
+def _steps_with_poison(cfg, degrees: dict, poisoned_rank: int) -> list[tuple]:
+    """Two steps; in the second, one parameter's gradient on `poisoned_rank` turns NaN. Returns
+    per step (nonfinite flag, skipped flag, whether this rank's weights are unchanged)."""
+    trainer = Trainer.build(cfg, worker_mesh(**degrees))
+    param = next(trainer.model.parameters())
+    rows = []
+    for step in (0, 1):
+        if step == 1 and trainer.mesh.rank == poisoned_rank:
+            param.register_hook(lambda grad: torch.full_like(grad, math.nan))
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        row = trainer.train_step(step)
+        same = all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(),
+                                                     strict=True))
+        rows.append((row.get("nonfinite", 0), row["skipped"], same))
+    return rows
+
+
+@pytest.mark.parametrize("degrees", [{"dp": 2}, {"tp": 2}, {"pp": 2}], ids=["dp2", "tp2", "pp2"])
+def test_every_rank_sees_a_nan_that_one_rank_made(corpus, degrees):
+    cfg = build_config({}, {
+        "model": {"model": "tiny", "num_layers": 2, "hidden_size": 32, "num_heads": 4},
+        "train": {"steps": 2, "global_batch": 4, "micro_batch": 2, "seq_len": 16,
+                  "max_nonfinite_steps": 2},
+        "parallel": {"device": "cpu"}, "data": {"data": corpus},
+        "checkpoint": {"out": "/nonexistent"}})
+    for rows in run_on_ranks(2, _steps_with_poison, cfg, degrees, poisoned_rank=1):
+        assert rows == [(0, 0, False), (1, 1, True)], rows
+
+
+def test_an_infinite_learning_rate_is_refused_before_training(corpus, tmp_path):
+    result = run_cli("train", *TINY, "--lr", "inf", "--data", corpus,
+                     "--out", str(tmp_path / "run"), check=False)
+    assert result.returncode == EXIT_BAD_INPUT
+    assert _one_line(result) == "meshtrain: error: --lr must be a finite number, got inf"
+
+
+@pytest.mark.parametrize("name,content,problem", [
+    ("image.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary content (a NUL byte"),
+    ("latin1.txt", "caf\xe9 au lait".encode("latin-1"), "not UTF-8 text"),
+    ("array.npy", None, "a NumPy array is not text nor a token file"),
+])
+def test_data_that_is_neither_text_nor_tokens_is_refused(tmp_path, name, content, problem):
+    path = tmp_path / name
+    if content is None:
+        np.save(path, np.arange(1000))
+    else:
+        path.write_bytes(content * 100)
+    result = run_cli("train", *TINY, "--data", str(path), "--out", str(tmp_path / "run"),
+                     check=False)
+    assert result.returncode == EXIT_BAD_INPUT
+    line = _one_line(result)
+    assert f"--data {path}: {problem}" in line and "meshtrain prepare" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "under-a-file"])
+def test_an_out_that_cannot_be_a_directory_is_refused(corpus, tmp_path, kind):
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a directory")
+    out = blocker if kind == "file" else blocker / "run"
+    result = run_cli("train", *TINY, "--steps", "1", "--data", corpus, "--out", str(out),
+                     check=False)
+    assert result.returncode == EXIT_BAD_INPUT
+    expected = "is a file, not a directory" if kind == "file" else "cannot be created"
+    assert expected in _one_line(result) and "--out" in _one_line(result)
+
+
+def test_a_damaged_metrics_line_is_dropped_on_resume(corpus, tmp_path):
+    out = tmp_path / "run"
+    run_cli("train", *TINY, "--steps", "4", "--stop-at", "2", "--data", corpus,
+            "--out", str(out))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.')  # a write cut short
+    result = run_cli("train", *TINY, "--steps", "4", "--resume", "--data", corpus,
+                     "--out", str(out))
+    assert "dropped 1 damaged line(s)" in result.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, monkeypatch):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 1, "loss": 1.0})
+
+    class FullDisk:
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(log, "_file", FullDisk())
+    with pytest.raises(RunFailure) as failure:
+        log.flush()
+    assert failure.value.exit_code == EXIT_FAILED
+    assert str(failure.value).startswith(f"writing {tmp_path / 'metrics.jsonl'} failed (No space"
+                                         " left on device)")
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # the row was never half-written

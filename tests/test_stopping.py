@@ -1,0 +1,260 @@
+"""Graceful stop, elastic restart and the resume rules, through the `meshtrain` command.
+
+Every signalled run waits until metrics.jsonl shows step 2 before signalling, so the stop lands
+mid-run; the stopped-and-continued runs and the restarted one must end bitwise where one
+uninterrupted run ends (dropout 0, the same layout).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_cli
+from safetensors.torch import load_file
+
+from meshtrain.cli import _build_parser, _train_config, check_train, main
+from meshtrain.data import synthetic_corpus
+from meshtrain.run_lock import LOCK_FILE, RunLock, check_free
+
+STEPS = 100
+TINY = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "32", "--num-heads", "2",
+        "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--eval-every", "0",
+        "--log-every", "1", "--tp", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(synthetic_corpus(30_000, seed=2).tobytes())
+    return str(path)
+
+
+def _flags(corpus: str, out: Path, *more: str) -> list[str]:
+    return ["train", *TINY, "--data", corpus, "--steps", str(STEPS), "--out", str(out), *more]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    """One uninterrupted 2-rank run. Its --out holds the metrics of a run killed before its first
+    save, which --auto-resume must drop: it starts fresh."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 99.0}) + "\n")
+    run_cli(*_flags(corpus, out, "--nproc", "2", "--auto-resume"))
+    return out
+
+
+def _start(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "meshtrain", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r.get("step", 0) >= step for r in _rows(out)):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run did not reach step {step}"
+        time.sleep(0.02)
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """The ranks meshtrain's launcher started: its children, by their RANK variable."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1]
+                                               .split()[1]) != launcher:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        pids |= {int(item[5:]): int(entry.name) for item in env if item.startswith(b"RANK=")}
+    return pids
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, err
+
+
+def _meshtrain_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("meshtrain:")
+            and "ranks (dp=2), writing to" not in line]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _rows(out) if "loss" in r}
+
+
+def _final_tensors(out: Path) -> dict[str, torch.Tensor]:
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    assert latest.name == f"step_{STEPS:08d}"
+    return load_file(str(latest / "rank_00000.safetensors"))
+
+
+def _assert_same_run(out: Path, reference: Path) -> None:
+    assert _losses(out) == _losses(reference)  # bitwise: JSON floats round-trip exactly
+    mine, theirs = _final_tensors(out), _final_tensors(reference)
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), key
+
+
+def test_auto_resume_on_a_fresh_out_starts_fresh(reference):
+    losses = _losses(reference)
+    assert sorted(losses) == list(range(1, STEPS + 1)) and 99.0 not in losses.values()
+    assert not (reference / LOCK_FILE).exists()  # released at the end
+
+
+def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, reference,
+                                                                      tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    (out / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid,
+                                             "run_id": "crashed"}))  # stale: taken over
+
+    # SIGTERM as a scheduler sends it: to the launcher (twice) and to every rank, at once.
+    proc = _start(*_flags(corpus, out, "--nproc", "2"))
+    _wait_for_step(out, 2, proc)
+    ranks = _rank_pids(proc.pid)
+    for pid in [proc.pid, proc.pid, *ranks.values()]:
+        os.kill(pid, signal.SIGTERM)
+    code, err = _finish(proc)
+    lines = _meshtrain_lines(err)
+    assert code == 3 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    first = max(_losses(out))
+    assert lines[0] == (f"meshtrain: stopped by SIGTERM after step {first}; checkpoint"
+                        f" step_{first:08d} saved; continue with --resume (or --auto-resume)")
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{first:08d}"
+
+    # SIGUSR1 to one rank: meshtrain's launcher hears of it and stops them all. Timed saves on.
+    proc = _start(*_flags(corpus, out, "--nproc", "2", "--resume",
+                          "--save-every-minutes", "0.0001"))
+    _wait_for_step(out, first + 2, proc)
+    os.kill(_rank_pids(proc.pid)[1], signal.SIGUSR1)
+    code, err = _finish(proc)
+    lines = _meshtrain_lines(err)
+    second = max(_losses(out))
+    assert code == 3 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"meshtrain: stopped by SIGUSR1 after step {second};")
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert [name for name in saved if first < int(name[5:]) < second], saved  # by the clock
+
+    # Continue under restarts; SIGKILL rank 1 two steps after the next save at a multiple of 10.
+    proc = _start(*_flags(corpus, out, "--nproc", "2", "--max-restarts", "1", "--auto-resume",
+                          "--save-every", "10"))
+    kill_at = (second // 10 + 1) * 10 + 2
+    assert kill_at < STEPS - 10
+    _wait_for_step(out, kill_at, proc)
+    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)
+    code, err = _finish(proc)
+    assert code == 0, err[-3000:]
+    assert err.count("model states on rank 0") == 2  # it did restart
+    _assert_same_run(out, reference)
+
+
+def _in_process(capsys, corpus, out, *flags) -> tuple[int, str]:
+    code = main(_flags(corpus, out, *flags))
+    return code, capsys.readouterr().err.strip()
+
+
+def test_resume_rules(capsys, corpus, reference):
+    code, err = _in_process(capsys, corpus, reference, "--nproc", "2", "--auto-resume")
+    assert code == 0 and err == (f"meshtrain: {reference} is complete: its checkpoint"
+                                 f" step_{STEPS:08d} is at step {STEPS}, the run's end; nothing"
+                                 " to do")
+    for flags, needle in [
+        (["--resume"], f"--steps {STEPS} is at or below the step of the checkpoint to resume"
+                       f" (step_{STEPS:08d}, step {STEPS}): raise --steps past {STEPS}"),
+        (["--resume", "--steps", "50"], "--steps 50 is at or below"),
+        (["--auto-resume", "--steps", "300", "--stop-at", "80"], "--stop-at 80 is at or below"),
+        (["--resume", "--auto-resume"], "--resume and --auto-resume exclude each other"),
+        (["--nproc", "2", "--max-restarts", "1"], "--max-restarts restarts the ranks with the"
+                                                  " same flags: add --auto-resume"),
+        (["--save-every-minutes", "-1"], "--save-every-minutes must be >= 0"),
+    ]:
+        code, err = _in_process(capsys, corpus, reference, *flags)
+        assert code == 2 and len(err.splitlines()) == 1 and needle in err, (flags, err)
+
+    argv = _flags(corpus, reference, "--resume", "--steps", "150", "--lr", "0.001")
+    check_train(_train_config(_build_parser().parse_args(argv)), 1)
+    assert capsys.readouterr().err.strip() == (
+        "meshtrain: --steps changed from 100 to 150, --lr changed from 0.003 to 0.001 on resume:"
+        f" the learning-rate schedule follows the new values from step {STEPS} on")
+
+
+def test_a_live_run_holds_its_out(capsys, corpus, reference, monkeypatch):
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": "first"}
+    (reference / LOCK_FILE).write_text(json.dumps(owner))
+    try:
+        code, err = _in_process(capsys, corpus, reference, "--resume", "--steps", "150")
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert f"--out {reference} is in use by another run (host {owner['host']}, pid" \
+               f" {os.getpid()}, run id first)" in err
+        check_free(reference, "first")  # a restarted worker of the same elastic run
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "first")
+        check_train(_train_config(_build_parser().parse_args(
+            _flags(corpus, reference, "--resume", "--steps", "150"))), 1)
+        with pytest.raises(ValueError, match="in use by another run"):
+            RunLock(reference, "second").acquire()
+    finally:
+        (reference / LOCK_FILE).unlink()
+    capsys.readouterr()
+
+
+_SIGNALS_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from meshtrain import stopping
+    stopping.DUPLICATE_WINDOW_S, stopping.AGREE_DEADLINE_S = 0.5, float(sys.argv[1])
+    stop = stopping.StopSignals(rank=0)
+    stop.arm()
+    for pause in sys.argv[2:]:
+        time.sleep(float(pause))
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        print(stop.request(), flush=True)
+    time.sleep(2)  # the main thread busy elsewhere: the watcher must act on its own
+    print("slept", flush=True)
+""")
+
+
+def _signal_script(deadline: float, *pauses: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _SIGNALS_SCRIPT, str(deadline),
+                           *map(str, pauses)], capture_output=True, text=True, timeout=60)
+
+
+def test_a_repeat_counts_once_and_a_later_signal_aborts():
+    twice = _signal_script(60, 0, 0.1)  # SIGINT twice within 0.2 s: one stop request
+    assert twice.returncode == 0 and twice.stdout.split() == ["102.0", "102.0", "slept"]
+    later = _signal_script(60, 0, 1.0)  # the second 1.1 s after the first: abort at once
+    assert later.returncode == 128 + signal.SIGINT and later.stdout.split() == ["102.0"]
+    assert later.stderr.strip() == ("meshtrain: rank 0: SIGINT again 1 s after SIGINT: aborted at"
+                                    " once without saving; the last complete checkpoint is kept")
+
+
+def test_a_stop_the_ranks_cannot_agree_on_gives_up():
+    stuck = _signal_script(1.0, 0)  # nobody reads the request: as if a peer were gone
+    assert stuck.returncode == 6 and stuck.stdout.split() == ["102.0"]
+    assert "SIGINT: the ranks did not all reach the end of the step within 1 s" in stuck.stderr
