@@ -7,7 +7,8 @@ import pytest
 from harness import run_cli
 
 from meshtrain import config
-from meshtrain.cli import _build_parser, _train_config, as_flags, main
+from meshtrain.cli import _train_config, as_flags, main
+from meshtrain.cli_parsers import build_parser
 from meshtrain.config import build_config, flag_fields
 from meshtrain.data import synthetic_corpus
 
@@ -42,7 +43,7 @@ def test_degrees_not_given_are_one_and_dp_fills_the_world(corpus):
     from meshtrain.cli import check_train
 
     def plan(*flags, world=None):
-        cfg = _train_config(_build_parser().parse_args(
+        cfg = _train_config(build_parser().parse_args(
             ["train", "--device", "cpu", "--data", corpus, "--micro-batch", "2", "--out",
              "/nonexistent/run", *flags]))
         return check_train(cfg, config.world_size_of(cfg, world)).degrees

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from meshtrain import config
-from meshtrain.cli import _build_parser, _train_config
+from meshtrain.cli import _train_config
+from meshtrain.cli_parsers import build_parser
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -48,7 +49,7 @@ def test_the_docs_show_commands():
 def test_documented_command_is_valid(doc, argv, world, tmp_path):
     if argv == ["train", "--help"]:
         return
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command != "train" or "--config" in argv or "--init-from" in argv:
         return  # (the TOML example writes its file, --init-from reads a run made before it)
     cfg = _train_config(args)

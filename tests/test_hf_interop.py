@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 import meshtrain
 from meshtrain import data
 from meshtrain.checkpoint import checkpoint_config, load_checkpoint, resolve_checkpoint
-from meshtrain.cli import _build_parser, _train_config, check_train, main
+from meshtrain.cli import _train_config, check_train, main
+from meshtrain.cli_parsers import build_parser
 from meshtrain.config import build_config
 from meshtrain.interop.hf_io import HFModelDirectory, import_hf
 from meshtrain.interop.tokenization import train_bpe
@@ -315,7 +316,7 @@ def test_init_from_takes_the_checkpoint_shape_and_refuses_others(hf, imported, c
     assert "--init-from nowhere: no checkpoint there" in \
         _train_error(capsys, "--init-from", "nowhere", "--data", corpus, "--out", out)
     # shape settings that agree, and settings of this run's own, are accepted
-    cfg = _train_config(_build_parser().parse_args(
+    cfg = _train_config(build_parser().parse_args(
         ["train", *common, "--num-heads", "4", "--num-kv-heads", "2", "--dropout", "0.1",
          "--seq-len", "128", "--device", "cpu"]))
     check_train(cfg, 1)
