@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshtrain import cli, endings
+from meshtrain import cli, cli_parsers, endings
 from meshtrain.doctor import read_dumps, verdict
 from meshtrain.failures import EXIT_FAILED, EXIT_HANG, EXIT_PEER_FAILED, RunFailure
 from meshtrain.mesh import MeshAxis
@@ -217,7 +217,7 @@ def test_collective_timeout_must_be_positive(capsys, value):
 
 
 def test_every_subcommand_accepts_debug():
-    parser = cli._build_parser()
+    parser = cli_parsers.build_parser()
     for argv in (["train"], ["export", "r", "--out", "x"], ["import-hf", "d", "--out", "x"],
                  ["sample", "r"], ["doctor", "r"], ["prepare", "f", "--out", "x"],
                  ["tokenizer", "train", "f", "--vocab-size", "300", "--out", "x"]):

@@ -20,7 +20,8 @@ import torch
 from harness import run_cli
 from safetensors.torch import load_file
 
-from meshtrain.cli import _build_parser, _train_config, check_train, main
+from meshtrain.cli import _train_config, check_train, main
+from meshtrain.cli_parsers import build_parser
 from meshtrain.data import synthetic_corpus
 from meshtrain.run_lock import LOCK_FILE, RunLock, check_free
 
@@ -199,7 +200,7 @@ def test_resume_rules(capsys, corpus, reference):
         assert code == 2 and len(err.splitlines()) == 1 and needle in err, (flags, err)
 
     argv = _flags(corpus, reference, "--resume", "--steps", "150", "--lr", "0.001")
-    check_train(_train_config(_build_parser().parse_args(argv)), 1)
+    check_train(_train_config(build_parser().parse_args(argv)), 1)
     assert capsys.readouterr().err.strip() == (
         "meshtrain: --steps changed from 100 to 150, --lr changed from 0.003 to 0.001 on resume:"
         f" the learning-rate schedule follows the new values from step {STEPS} on")
@@ -215,7 +216,7 @@ def test_a_live_run_holds_its_out(capsys, corpus, reference, monkeypatch):
                f" {os.getpid()}, run id first)" in err
         check_free(reference, "first")  # a restarted worker of the same elastic run
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "first")
-        check_train(_train_config(_build_parser().parse_args(
+        check_train(_train_config(build_parser().parse_args(
             _flags(corpus, reference, "--resume", "--steps", "150"))), 1)
         with pytest.raises(ValueError, match="in use by another run"):
             RunLock(reference, "second").acquire()

@@ -98,17 +98,18 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
 
 
 def _writable_out(out: Path) -> Path:
-    """`out`, created if needed; a file there, or a place this user cannot write, is refused
-    now rather than at the first metrics row or checkpoint."""
+    """`out`, refused now (rather than at the first metrics row or checkpoint) when it is a
+    file or cannot be created or written; nothing is created here, so a refusal leaves no
+    trace."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"`out` {out} is a file, not a directory: choose another `out`")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"`out` {out} cannot be created ({e.strerror or e}): choose a"
-                         " writable `out`") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ValueError(f"`out` {out} is not writable by this user: choose another `out`")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"`out` {out} cannot be created ({existing} is a file): choose another"
+                         " `out`")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"`out` {out} is not writable by this user ({existing}): choose"
+                         " another `out`")
     return out
 
 
