@@ -129,9 +129,6 @@ def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
             if name.startswith("torch.distributed.elastic"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # Restarted ranks would read the previous attempt's addresses from a store the agent shares
-    # with them (pytorch/pytorch#135712): give each attempt its own.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launch_args = get_args_parser().parse_args(
         ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
          f"--rdzv-id={run_id or uuid.uuid4().hex}", f"--nproc-per-node={nproc}",

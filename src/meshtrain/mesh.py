@@ -253,7 +253,7 @@ def init_parallel(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
         else:
             dist.init_process_group(
                 backend,
@@ -263,6 +263,21 @@ def init_parallel(
                 timeout=timeout,
             )
     return ParallelMesh(degrees, rank=dist.get_rank(), device=device)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict:
+    """Under torch's elastic agent sharing its store with the ranks, that store outlives a
+    restart and still holds the dead attempt's gloo addresses, which restarted ranks would try
+    to connect to (pytorch/pytorch#135712): give each attempt keys of its own. Elsewhere,
+    torchrun's env:// store as usual (an empty dict)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"meshtrain/attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": world_size}
 
 
 def destroy_parallel() -> None:
