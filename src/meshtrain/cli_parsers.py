@@ -45,7 +45,9 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshtrain", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="meshtrain", description="Train transformer language models on a device mesh; see"
+                                      " `meshtrain COMMAND --help` for each command.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     e = sub.add_parser("export", parents=DEBUG,
