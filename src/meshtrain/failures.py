@@ -17,6 +17,7 @@ EXIT_STOPPED = 3  # a signal asked the run to stop: it saved a checkpoint to res
 EXIT_HANG = 4  # a collective waited longer than `collective_timeout`
 EXIT_NONFINITE = 5  # the loss or the gradient norm stopped being finite
 EXIT_PEER_FAILED = 6  # another rank died or failed first: the one line comes from elsewhere
+EXIT_SIGNAL_BASE = 128  # + N: a second signal N aborted a stop unsaved (as shells report)
 
 
 class RunFailure(Exception):

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshtrain.failures import EXIT_OK, EXIT_PEER_FAILED, EXIT_STOPPED
+from meshtrain.failures import EXIT_OK, EXIT_PEER_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 DUPLICATE_WINDOW_S = 3.0  # a repeat of a stop signal within this counts once
@@ -125,9 +125,10 @@ class StopSignals:
             self._echo = False
         elif now - self._first[1] > DUPLICATE_WINDOW_S:
             first = signal.Signals(self._first[0]).name
-            self._exit(128 + sig, f"{sig.name} again {now - self._first[1]:.0f} s after {first}:"
-                                  " aborted at once without saving; the last complete checkpoint"
-                                  " is kept", speak=not under_meshtrain_launcher())
+            self._exit(EXIT_SIGNAL_BASE + sig,
+                       f"{sig.name} again {now - self._first[1]:.0f} s after {first}: aborted at"
+                       " once without saving; the last complete checkpoint is kept",
+                       speak=not under_meshtrain_launcher())
 
     def _give_up(self, sig: signal.Signals, seconds: float) -> None:
         self._exit(EXIT_PEER_FAILED, f"{sig.name}: the ranks did not all reach the end of the"
@@ -207,8 +208,8 @@ class LauncherSignals:
             print(f"meshtrain: {sig.name}: {ranks} ended without reporting (killed by the"
                   f" signal, or after the launcher's {shutdown_timeout()} s shutdown timeout);"
                   " the last complete checkpoint is kept", file=sys.stderr)
-            return 128 + sig
-        aborted = sorted(code for code in codes.values() if code > 128)
+            return EXIT_SIGNAL_BASE + sig
+        aborted = sorted(code for code in codes.values() if code > EXIT_SIGNAL_BASE)
         if aborted:
             return self.explain(aborted[-1])
         other = [codes[r] for r in sorted(codes) if codes[r] not in (EXIT_OK, EXIT_STOPPED)]
@@ -219,8 +220,9 @@ class LauncherSignals:
     def explain(self, code: int) -> int:
         """`code` (a failed rank's), with the line for the ranks that aborted on a repeated
         signal: they leave the line to this launcher."""
-        if code > 128 and code in self.codes().values():
-            print(f"meshtrain: {signal.Signals(code - 128).name} again while stopping: aborted"
-                  " without saving; the last complete checkpoint is kept", file=sys.stderr)
+        if code > EXIT_SIGNAL_BASE and code in self.codes().values():
+            name = signal.Signals(code - EXIT_SIGNAL_BASE).name
+            print(f"meshtrain: {name} again while stopping: aborted without saving; the last"
+                  " complete checkpoint is kept", file=sys.stderr)
         return code
 
