@@ -163,3 +163,20 @@ def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, monkeypatch):
     assert str(failure.value).startswith(f"writing {tmp_path / 'metrics.jsonl'} failed (No space"
                                          " left on device)")
     assert (tmp_path / "metrics.jsonl").read_text() == ""  # the row was never half-written
+
+
+def test_tensorboard_forgets_the_steps_after_the_resumed_one(tmp_path):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator")  # an optional dependency
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in range(1, 5):
+        log.write({"step": step, "loss": float(step)})
+    log.close()
+    log = MetricsLog(tmp_path / "metrics.jsonl", resume_step=2)  # steps 3 and 4 run again
+    for step in (3, 4):
+        log.write({"step": step, "loss": 10.0 * step})
+    log.close()
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

@@ -39,7 +39,7 @@ class MetricsLog:
                 self._truncate(resume_step)
             self._file = open(path, "a")
         self._pending: list[str] = []
-        self._tensorboard = _tensorboard_writer(path.parent / "tensorboard")
+        self._tensorboard = _tensorboard_writer(path.parent / "tensorboard", resume_step)
 
     def _truncate(self, resume_step: int) -> None:
         kept = []
@@ -77,12 +77,15 @@ class MetricsLog:
             self._tensorboard.close()
 
 
-def _tensorboard_writer(log_dir: Path):
+def _tensorboard_writer(log_dir: Path, resume_step: int | None):
+    """A writer that, on resume from step N, hides the events an interrupted run wrote after N
+    (TensorBoard's `purge_step`), as metrics.jsonl drops its rows."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional
         return None
-    return SummaryWriter(str(log_dir))
+    purge = None if resume_step is None else resume_step + 1
+    return SummaryWriter(str(log_dir), purge_step=purge)
 
 
 def read_metrics(path: Path) -> list[dict]:
