@@ -84,16 +84,19 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     run_lock.check_free(out, run_lock.own_run_id())
     has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
     resumed = resuming.checkpoint_to_resume(cfg)  # raises RunComplete when nothing is left
+    # Hash the files where a damaged checkpoint is one line before spawning; ranks that
+    # meshtrain's launcher spawned after doing so check metadata only (their load hashes again).
+    hashed = not stopping.under_meshtrain_launcher()
     if resumed is not None:
         path, step = resumed
-        read_manifest(path, model)
+        read_manifest(path, model, verify_files=hashed)
         if note := resuming.schedule_changes(cfg, path, step):
             _notice(note)
     elif has_run and not cfg.checkpoint.auto_resume:
         raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"
                          " choose another --out")
     elif cfg.checkpoint.init_from:
-        read_manifest(resolve_checkpoint(cfg.checkpoint.init_from), model)  # files, shapes
+        read_manifest(resolve_checkpoint(cfg.checkpoint.init_from), model, verify_files=hashed)
     return plan
 
 

@@ -9,11 +9,10 @@ the schedule follows the new values from the resumed step on.
 
 from __future__ import annotations
 
-import json
 import tomllib
 from pathlib import Path
 
-from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.checkpoint import latest_checkpoint, read_manifest
 from meshtrain.config import RunConfig
 
 SCHEDULE_SETTINGS = ("steps", "lr", "min_lr", "warmup_steps")
@@ -24,12 +23,8 @@ class RunComplete(Exception):
 
 
 def checkpoint_step(path: Path) -> int:
-    read_manifest(path, verify_files=False)  # its metadata against the committed record first
-    try:
-        return int(json.loads((path / "train_state.json").read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: unreadable train_state.json ({e}); restore it"
-                              " or resume from an earlier checkpoint") from None
+    """The step a checkpoint holds, from its verified metadata."""
+    return int(read_manifest(path, verify_files=False)["step"])
 
 
 def checkpoint_to_resume(cfg: RunConfig) -> tuple[Path, int] | None:

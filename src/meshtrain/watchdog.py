@@ -27,11 +27,13 @@ import threading
 import time
 from pathlib import Path
 
+from meshtrain.data import write_atomic
 from meshtrain.doctor import hang_line, read_dumps
 from meshtrain.failures import EXIT_HANG
 from meshtrain.parallel.flight_recorder import FlightRecorder
 
 PROCESS_GROUP_MARGIN_S = 60.0  # the backend's timeout comes this much after ours
+RING_CAPACITY = 128  # collectives each rank remembers
 CLOCK_SKEW_S = 2.0  # dumps older than this before arming belong to an earlier run
 
 
@@ -44,20 +46,18 @@ def process_group_timeout(collective_timeout: float) -> datetime.timedelta:
 class HangWatchdog:
     """Arms a `FlightRecorder` and watches it while the `with` block runs (on every rank)."""
 
-    def __init__(self, *, rank: int, world_size: int, timeout: float, out: str | Path,
-                 capacity: int = 128, exit=os._exit):
+    def __init__(self, *, rank: int, world_size: int, timeout: float, out: str | Path):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.out, self.hang_dir = Path(out), Path(out) / "hang"
-        self.recorder = FlightRecorder(capacity)
+        self.recorder = FlightRecorder(RING_CAPACITY)
         self.poll = min(1.0, timeout / 4)
         self.grace = min(10.0, max(2.0, timeout / 2))
         self.run = (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
                     f":{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}")
-        self._exit = exit
         self._stop, self._firing = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._watch, name="meshtrain-watchdog",
                                         daemon=True)
-        self.armed = time.time() - CLOCK_SKEW_S
+        self.armed = 0.0  # when the `with` block began (less the skew); set by __enter__
 
     def __enter__(self) -> HangWatchdog:
         self.recorder.__enter__()
@@ -103,7 +103,7 @@ class HangWatchdog:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            self._exit(code)
+            os._exit(code)
 
     def _dump(self, reason: str) -> dict:
         record = {"rank": self.rank, "world_size": self.world_size, "run": self.run,
@@ -112,9 +112,8 @@ class HangWatchdog:
                   "collective_timeout": self.timeout} | self.recorder.dump()
         try:
             self.hang_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.hang_dir / f".rank_{self.rank}.json.tmp"
-            tmp.write_text(json.dumps(record, indent=1))
-            os.replace(tmp, self.hang_dir / f"rank_{self.rank}.json")
+            write_atomic(self.hang_dir / f"rank_{self.rank}.json",
+                         json.dumps(record, indent=1).encode())
         except OSError as e:
             print(f"meshtrain: rank {self.rank} could not write its hang dump: {e}",
                   file=sys.stderr)
