@@ -1,0 +1,110 @@
+"""Hardware profiles: what one accelerator and its links can do, and how much of it training
+reaches (the efficiency parameters, calibrated against measurements or published runs).
+
+A profile is a built-in name or a TOML file with the same fields (`meshtrain plan calibrate`
+writes one for the machine it runs on). Bandwidths are per device, one direction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device type and its interconnect, plus the calibrated efficiency parameters."""
+
+    name: str
+    peak_tflops: float
+    """Dense 16-bit (bf16/fp16) matmul peak per device: the MFU denominator."""
+    hbm_gib: float
+    """Device memory per device."""
+    gpus_per_node: int
+    """Devices joined by the fast intra-node links (tensor parallelism stays inside one node)."""
+    intra_node_gbytes_per_s: float
+    """Per-device, one-direction bandwidth to devices of the same node."""
+    inter_node_gbytes_per_s: float
+    """Per-device, one-direction bandwidth to devices of other nodes."""
+    fp32_peak_tflops: float = 0.0
+    """fp32 matmul peak per device (0: half the 16-bit peak)."""
+    hbm_gbytes_per_s: float = 2000.0
+    """Device memory bandwidth (elementwise work: norms, softmax, dropout, optimizer)."""
+    matmul_efficiency: float = 0.7
+    """Fraction of the peak a large matmul reaches."""
+    matmul_half_gflop: float = 1.0
+    """Work (GFLOP) at which one matmul reaches half of `matmul_efficiency` (small-matmul
+    falloff: efficiency(w) = matmul_efficiency x w / (w + matmul_half_gflop))."""
+    memory_efficiency: float = 0.7
+    """Fraction of `hbm_gbytes_per_s` elementwise kernels reach."""
+    network_efficiency: float = 0.8
+    """Fraction of the link bandwidth a large collective reaches."""
+    collective_latency_s: float = 2e-5
+    """Fixed cost of one collective step (the alpha of the alpha-beta model)."""
+    layer_overhead_s: float = 0.0
+    """Host time per transformer layer per forward (kernel launches, Python); backward counts
+    it twice."""
+    default_precision: str = "bf16"
+    """The precision `meshtrain plan` assumes for this hardware unless told otherwise."""
+
+    def peak_for(self, precision: str) -> float:
+        """Matmul peak TFLOP/s in a precision (fp32, bf16, fp16)."""
+        if precision == "fp32":
+            return self.fp32_peak_tflops or self.peak_tflops / 2
+        return self.peak_tflops
+
+    def to_toml(self) -> str:
+        lines = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            lines.append(f"{f.name} = {value!r}" if not isinstance(value, str)
+                         else f'{f.name} = "{value}"')
+        return "\n".join(lines) + "\n"
+
+
+BUILT_IN: dict[str, Hardware] = {
+    "v100-32g-dgx2h": Hardware(
+        name="v100-32g-dgx2h", peak_tflops=125.0, hbm_gib=32, gpus_per_node=16,
+        intra_node_gbytes_per_s=150.0, inter_node_gbytes_per_s=6.25, fp32_peak_tflops=15.7,
+        hbm_gbytes_per_s=900.0),
+    "a100-40g": Hardware(
+        name="a100-40g", peak_tflops=312.0, hbm_gib=40, gpus_per_node=8,
+        intra_node_gbytes_per_s=300.0, inter_node_gbytes_per_s=25.0, fp32_peak_tflops=156.0,
+        hbm_gbytes_per_s=1555.0),
+    "a100-80g-selene": Hardware(
+        name="a100-80g-selene", peak_tflops=312.0, hbm_gib=80, gpus_per_node=8,
+        intra_node_gbytes_per_s=300.0, inter_node_gbytes_per_s=25.0, fp32_peak_tflops=156.0,
+        hbm_gbytes_per_s=2039.0),
+    "h100-80g": Hardware(
+        name="h100-80g", peak_tflops=989.0, hbm_gib=80, gpus_per_node=8,
+        intra_node_gbytes_per_s=450.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=494.0,
+        hbm_gbytes_per_s=3350.0),
+}
+"""Peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s hardware
+table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
+
+
+def load_hardware(name_or_file: str) -> Hardware:
+    """A built-in profile by name, or a TOML file with `Hardware`'s fields."""
+    if name_or_file in BUILT_IN:
+        return BUILT_IN[name_or_file]
+    path = Path(name_or_file)
+    if not path.suffix == ".toml":
+        raise ValueError(f"`hardware` {name_or_file!r} is neither a built-in profile"
+                         f" ({', '.join(BUILT_IN)}) nor a .toml file")
+    try:
+        values = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"`hardware` file {path} cannot be read: {e}") from None
+    known = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"`hardware` file {path} has an unknown field {unknown[0]!r}: the"
+                         f" fields are {', '.join(sorted(known))}")
+    values.setdefault("name", path.stem)
+    try:
+        return Hardware(**values)
+    except TypeError as e:
+        raise ValueError(f"`hardware` file {path} lacks a field: {e}") from None
