@@ -14,6 +14,7 @@ lists on a real model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 FORWARD, BACKWARD = "F", "B"
@@ -149,13 +150,17 @@ class Simulation:
         return 1.0 - self.busy[rank] / self.makespan
 
 
-def simulate(schedule: list[list[Action]], *, forward_cost: float = 1.0,
-             backward_cost: float = 2.0, v: int = 1) -> Simulation:
+def simulate(schedule: list[list[Action]], *, forward_cost: float | Sequence[float] = 1.0,
+             backward_cost: float | Sequence[float] = 2.0, v: int = 1) -> Simulation:
     """Run every rank's list in order; a forward waits for the previous model chunk's forward
-    of the same micro-batch, a backward for the next chunk's backward. Costs are per whole
-    stage: a chunk of an interleaved schedule costs 1/v of them. Communication is free."""
+    of the same micro-batch, a backward for the next chunk's backward. A number is a cost per
+    whole stage (a chunk of an interleaved schedule costs 1/v of it); a sequence gives each
+    model chunk's own cost, in global chunk order (uneven stages, the head on the last one).
+    Communication is free."""
     p = len(schedule)
     last = p * v - 1
+    forward = _chunk_costs(forward_cost, p, v)
+    backward = _chunk_costs(backward_cost, p, v)
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro, global chunk) -> end time
     position = [0] * p
     clock = [0.0] * p
@@ -180,7 +185,8 @@ def simulate(schedule: list[list[Action]], *, forward_cost: float = 1.0,
                 if dep is None:
                     break
                 start = max(ready, dep)
-                cost = {FORWARD: forward_cost / v, BACKWARD: backward_cost / v}.get(a.kind, 0.0)
+                cost = forward[g] if a.kind == FORWARD else backward[g] \
+                    if a.kind == BACKWARD else 0.0
                 clock[s] = start + cost
                 busy[s] += cost
                 if a.kind in (FORWARD, BACKWARD):
@@ -196,3 +202,12 @@ def simulate(schedule: list[list[Action]], *, forward_cost: float = 1.0,
                      if position[s] < len(schedule[s])}
             raise RuntimeError(f"schedule deadlocks: ranks wait on {stuck}")
     return Simulation(max(clock), busy, peak, timeline)
+
+
+def _chunk_costs(cost: float | Sequence[float], p: int, v: int) -> list[float]:
+    if isinstance(cost, int | float):
+        return [cost / v] * (p * v)
+    if len(cost) != p * v:
+        raise ValueError(f"chunk costs must number pp x virtual_stages = {p * v}, got"
+                         f" {len(cost)}")
+    return list(cost)

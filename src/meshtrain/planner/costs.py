@@ -1,6 +1,15 @@
 """The cost model: predicted step time and memory of one layout of one model on one hardware.
 
-Step time = compute + exposed communication + pipeline bubble (the three a user can act on).
+Step time = compute + exposed communication + pipeline bubble (the three a user can act on), on
+the rank whose step is longest. Per model chunk and micro-batch (`chunk_costs`): each matmul
+costs FLOPs / (peak x efficiency(its size)), elementwise work bytes / memory bandwidth, each layer
+a fixed host overhead (x2 in backward), each TP/CP collective its alpha-beta time
+(`collectives.py`); backward is twice the forward, plus what recomputation repeats. Overlap is
+charged where meshtrain achieves it: a column-parallel layer's input-gradient all-reduce runs
+behind its weight-gradient matmul; data-parallel buckets (ZeRO 1/2: reduce-scatters) behind the
+last micro-batch's backward (ZeRO 2: every micro-batch's); ZeRO-3's prefetched gathers behind the
+forward and backward they feed. The pipeline runs meshtrain's own schedule through the
+simulator (`schedules.simulate`) on those per-chunk costs. Memory is `memory_model.py`'s.
 """
 
 from __future__ import annotations
@@ -8,35 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
+from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.layout import Layout
+from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
+from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
+from meshtrain.planner.workload import GRAD_BYTES, Workload
 
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Peak bytes per device, by kind (the busiest pipeline stage)."""
-
-    parameters: float
-    gradients: float
-    optimizer_states: float
-    """Adam moments and fp32 master weights (ZeRO's K)."""
-    activations: float
-    """Saved for backward, at the schedule's peak of micro-batches in flight."""
-    buffers: float
-    """Communication buckets, gathered ZeRO-3 units, logits, workspace."""
-
-    @property
-    def total(self) -> float:
-        return (self.parameters + self.gradients + self.optimizer_states + self.activations
-                + self.buffers)
-
-    def gib(self) -> dict[str, float]:
-        return {"parameters": self.parameters / GIB, "gradients": self.gradients / GIB,
-                "optimizer_states": self.optimizer_states / GIB,
-                "activations": self.activations / GIB, "buffers": self.buffers / GIB,
-                "total": self.total / GIB}
+OPTIMIZER_BYTES_PER_PARAMETER = 36
+"""Adam's step reads and writes parameter, fp32 gradient, moments and master (~36 B)."""
 
 
 @dataclass(frozen=True)
@@ -67,4 +57,156 @@ def predict(model: TransformerConfig, layout: Layout, hardware: Hardware, *, seq
             global_batch: int, precision: str = "bf16") -> Prediction:
     """Predict one training step of `model` laid out as `layout` (already valid: the search
     checks layouts with `ParallelPlan.validate` first) on `hardware`."""
-    raise NotImplementedError("the cost model lands next")
+    work = Workload(model, layout, seq_len, global_batch, precision)
+    chunks = chunk_costs(work, hardware)
+    pipe = run_pipeline(chunks, layout, work.micro_batches)
+    totals = []
+    for rank in range(layout.pp):
+        own = [chunks[g] for g in pipe.chunks_of(rank)]
+        sync = data_parallel_exposed(work, hardware, own)
+        optimizer = optimizer_time(work, hardware, sum(c.parameters for c in own))
+        totals.append((pipe.makespan + sync + optimizer, rank, sync, optimizer))
+    step, rank, sync, optimizer = max(totals)
+    own = [chunks[g] for g in pipe.chunks_of(rank)]
+    in_path = pipe.micro_batches * sum(c.forward_comm + c.backward_comm for c in own)
+    busy = pipe.busy[rank]
+    flops = model.flops_per_token(seq_len) * global_batch * seq_len
+    tflops = flops / step / layout.gpus / 1e12
+    return Prediction(layout=layout, step_time_s=step, compute_s=busy - in_path + optimizer,
+                      exposed_comm_s=in_path + sync, bubble_s=pipe.makespan - busy,
+                      tflops_per_gpu=tflops, mfu=tflops / hardware.peak_for(precision),
+                      memory=peak_memory(work, chunks, pipe))
+
+
+def _matmul(hardware: Hardware, flops: float, precision: str) -> float:
+    gflop = flops / 1e9
+    efficiency = hardware.matmul_efficiency * gflop / (gflop + hardware.matmul_half_gflop)
+    return flops / (hardware.peak_for(precision) * 1e12 * efficiency)
+
+
+def _elementwise(hardware: Hardware, nbytes: float) -> float:
+    return nbytes / (hardware.hbm_gbytes_per_s * 1e9 * hardware.memory_efficiency)
+
+
+def _hidden(hardware: Hardware, comm: float, window: float) -> float:
+    """What of `comm` stays exposed when it runs behind `window` seconds of compute."""
+    return max(0.0, comm - hardware.overlap_efficiency * window)
+
+
+def chunk_costs(work: Workload, hardware: Hardware) -> list[ChunkCost]:
+    """Forward and backward cost of one micro-batch through each global model chunk."""
+    lay = work.layout
+    ranges = lay.to_plan(precision=work.precision).stage_layers(work.model.num_layers)
+    costs = []
+    for g, layers in enumerate(ranges):
+        parts = [_layer_cost(work, hardware, i) for i in layers]
+        if g == 0:
+            parts.append(_embedding_cost(work, hardware))
+        if g == len(ranges) - 1:
+            parts.append(_head_cost(work, hardware))
+        send = coll.send(hardware, work.boundary_bytes, 2 * lay.tp * lay.cp * lay.dp)
+        total = ChunkCost(*(sum(p[k] for p in parts) for k in range(5)))
+        costs.append(total._replace(
+            forward_comm=total.forward_comm + (send if g < len(ranges) - 1 else 0.0),
+            backward_comm=total.backward_comm + (send if g > 0 else 0.0)))
+    return costs
+
+
+def _layer_cost(work: Workload, hw: Hardware, index: int) -> ChunkCost:
+    lay, p = work.layout, work.precision
+    w = work.layer(index)
+    weights = [_matmul(hw, f, p) for f in w.weight_matmuls]
+    core = 2 * _matmul(hw, w.core_matmuls / 2, p)
+    forward = sum(weights) + core + _elementwise(hw, w.elementwise_bytes) + hw.layer_overhead_s
+    backward = 2 * (forward - hw.layer_overhead_s) + 2 * hw.layer_overhead_s
+    tp_forward, tp_backward = _tensor_parallel_comm(work, hw, weights)
+    cp_forward, cp_backward = _context_parallel_comm(work, hw, core)
+    forward_comm, backward_comm = tp_forward + cp_forward, tp_backward + cp_backward
+    if lay.recompute == "selective":
+        backward += core
+    elif lay.recompute == "full":
+        backward += forward
+        backward_comm += forward_comm
+    return ChunkCost(forward, forward_comm, backward, backward_comm, w.parameters)
+
+
+def _tensor_parallel_comm(work: Workload, hw: Hardware,
+                          weights: list[float]) -> tuple[float, float]:
+    """Megatron 1D: two all-reduces a layer each way (SP: an all-gather and a reduce-scatter
+    each); backward's all-reduces of the QKV and first MLP inputs run behind those matmuls'
+    weight gradients."""
+    t = work.layout.tp
+    n = work.activation_bytes
+    if work.layout.sp:
+        both = 2 * (coll.all_gather(hw, n, t, t) + coll.reduce_scatter(hw, n, t, t))
+        return both, both
+    one = coll.all_reduce(hw, n, t, t)
+    return 2 * one, _hidden(hw, one, weights[0]) + _hidden(hw, one, weights[2])
+
+
+def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[float, float]:
+    """Ring attention (the layouts' context-parallel mode): cp - 1 K/V blocks pass each way
+    behind the attention blocks; backward sends their gradients too, and returns them home."""
+    lay, m = work.layout, work.model
+    c, span = lay.cp, lay.tp * lay.cp
+    if c == 1:
+        return 0.0, 0.0
+    kv_width = max(getattr(m, "kv_heads", m.num_heads) // lay.tp, 1) * m.head_dim
+    block = 2 * work.local_tokens * kv_width * work.element_bytes
+    step = coll.send(hw, block, span)
+    forward = (c - 1) * _hidden(hw, step, core / c)
+    return forward, (c - 1) * _hidden(hw, 2 * step, 2 * core / c) + step
+
+
+def _embedding_cost(work: Workload, hw: Hardware) -> ChunkCost:
+    lay, n = work.layout, work.activation_bytes
+    t = lay.tp
+    comm = coll.reduce_scatter(hw, n, t, t) if lay.sp else coll.all_reduce(hw, n, t, t)
+    moved = _elementwise(hw, n)
+    return ChunkCost(moved, comm, moved, 0.0, work.embedding_parameters())
+
+
+def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
+    """Final norm, the vocab-parallel output matmul and cross-entropy (three small all-reduces
+    of per-token statistics); an untied (or, in a pipeline, tied copy of the) embedding."""
+    lay, m = work.layout, work.model
+    t = lay.tp
+    matmul = _matmul(hw, work.head_matmul(), work.precision)
+    stats = 3 * coll.all_reduce(hw, work.local_tokens * 4, t, t)
+    gather = coll.all_gather(hw, work.activation_bytes, t, t) if lay.sp else 0.0
+    forward = matmul + _elementwise(hw, 3 * work.logits_bytes() + 2 * work.activation_bytes)
+    backward = 2 * matmul + _elementwise(hw, 2 * work.logits_bytes())
+    held = 0.0 if m.tie_embeddings and lay.pp == 1 else work.embedding_parameters()
+    return ChunkCost(forward, stats + gather, backward, gather, held)
+
+
+def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
+    """Gradient sync over dp x cp (ZeRO: reduce-scatter, then all-gather the updated
+    parameters; stage 3 gathers each unit before its forward and backward instead)."""
+    lay = work.layout
+    g, span = lay.dp * lay.cp, lay.tp * lay.cp * lay.dp
+    if g == 1:
+        return 0.0
+    params = sum(c.parameters for c in own)
+    grads, weights = params * GRAD_BYTES, params * work.element_bytes
+    forward = sum(c.forward for c in own)
+    backward = sum(c.backward for c in own)
+    last_bucket = min(1.0, 25 * 2**20 / max(grads, 1.0))
+    if lay.zero == 3:
+        gather = coll.all_gather(hw, weights, g, span)
+        scatter = coll.reduce_scatter(hw, grads, g, span)
+        per_micro = max(_hidden(hw, gather, forward), gather / max(len(own), 1)) \
+            + max(_hidden(hw, gather + scatter, backward), scatter * last_bucket)
+        return work.micro_batches * per_micro
+    reduce = coll.all_reduce(hw, grads, g, span) if lay.zero == 0 \
+        else coll.reduce_scatter(hw, grads, g, span)
+    exposed = max(_hidden(hw, reduce, backward), reduce * last_bucket)
+    if lay.zero == 2:
+        exposed *= work.micro_batches
+    return exposed + (coll.all_gather(hw, weights, g, span) if lay.zero else 0.0)
+
+
+def optimizer_time(work: Workload, hw: Hardware, params: float) -> float:
+    """Adam over this rank's parameters (its shard under ZeRO), bound by memory bandwidth."""
+    shard = params / (work.layout.dp * work.layout.cp) if work.layout.zero else params
+    return _elementwise(hw, shard * OPTIMIZER_BYTES_PER_PARAMETER)

@@ -43,6 +43,10 @@ class Hardware:
     """Fraction of the link bandwidth a large collective reaches."""
     collective_latency_s: float = 2e-5
     """Fixed cost of one collective step (the alpha of the alpha-beta model)."""
+    overlap_efficiency: float = 1.0
+    """Fraction of an overlap window (backward compute a bucket's all-reduce runs behind) that
+    really hides communication: 1 where copies run on their own engines (GPUs); less where
+    communication competes with compute for the same cores (gloo on a CPU)."""
     layer_overhead_s: float = 0.0
     """Host time per transformer layer per forward (kernel launches, Python); backward counts
     it twice."""

@@ -1,0 +1,47 @@
+"""Time of one collective: the alpha-beta model of ring algorithms on the link a group crosses.
+
+For a group of g ranks and a message of n bytes (the full tensor: the all-reduced one, or the
+all-gather's output / reduce-scatter's input): all-reduce 2(g-1) steps moving 2(g-1)/g n bytes
+per rank; all-gather and reduce-scatter (g-1) steps moving (g-1)/g n; all-to-all (g-1) steps
+moving (g-1)/g n; a send 1 step moving n. Each step costs `collective_latency_s`; bytes move at
+the link's bandwidth times `network_efficiency`. The link is intra-node when the group's ranks
+lie in one node: mesh axes are ordered pp, dp, cp, tp (outer to inner), so a group whose ranks
+span `span` consecutive ranks stays inside a node when span <= gpus_per_node.
+"""
+
+from __future__ import annotations
+
+from meshtrain.planner.hardware import Hardware
+
+
+def bandwidth(hardware: Hardware, span: int) -> float:
+    """Bytes/s one rank moves to its group's peers across `span` consecutive ranks."""
+    gbytes = hardware.intra_node_gbytes_per_s if span <= hardware.gpus_per_node \
+        else hardware.inter_node_gbytes_per_s
+    return gbytes * 1e9 * hardware.network_efficiency
+
+
+def _ring(hardware: Hardware, *, steps: int, moved: float, span: int) -> float:
+    return steps * hardware.collective_latency_s + moved / bandwidth(hardware, span)
+
+
+def all_reduce(hardware: Hardware, nbytes: float, group: int, span: int) -> float:
+    if group == 1:
+        return 0.0
+    return _ring(hardware, steps=2 * (group - 1), moved=2 * (group - 1) / group * nbytes,
+                 span=span)
+
+
+def all_gather(hardware: Hardware, nbytes: float, group: int, span: int) -> float:
+    """Also a reduce-scatter's or an all-to-all's time (same steps and bytes)."""
+    if group == 1:
+        return 0.0
+    return _ring(hardware, steps=group - 1, moved=(group - 1) / group * nbytes, span=span)
+
+
+reduce_scatter = all_gather
+all_to_all = all_gather
+
+
+def send(hardware: Hardware, nbytes: float, span: int) -> float:
+    return _ring(hardware, steps=1, moved=nbytes, span=span)

@@ -1,0 +1,109 @@
+"""What one rank computes and stores for one micro-batch: the work of a transformer layer, the
+embedding and the output layer, split over the layout's tensor- and context-parallel ranks.
+
+Counts, not times: FLOPs of each matmul (so small ones can be charged their lower efficiency),
+bytes elementwise kernels move, bytes each collective carries, parameters each rank holds. The
+cost model (`costs.py`) turns them into seconds on a `Hardware`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtrain.models.family import TransformerConfig
+from meshtrain.planner.layout import Layout
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GRAD_BYTES = 4
+"""Gradients are accumulated and reduced in fp32 (`grad_dtype`'s default)."""
+CAUSAL_FRACTION = 0.5
+"""Share of the s x s score and value matmuls a causal kernel computes."""
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One transformer layer's forward for one micro-batch on one rank."""
+
+    weight_matmuls: tuple[float, ...]
+    """FLOPs of each weight matmul (QKV, output projection, the MLP's), in forward order."""
+    core_matmuls: float
+    """FLOPs of the attention core (scores and their product with the values)."""
+    elementwise_bytes: float
+    """Bytes norms, activations, residual adds (and an eager softmax) read and write."""
+    parameters: float
+    """This rank's share of the layer's parameters."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: TransformerConfig
+    layout: Layout
+    seq_len: int
+    global_batch: int
+    precision: str
+
+    @property
+    def element_bytes(self) -> int:
+        return ELEMENT_BYTES[self.precision]
+
+    @property
+    def micro_batches(self) -> int:
+        return self.global_batch // (self.layout.mb * self.layout.dp)
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of one micro-batch on one rank (context parallelism splits the sequence)."""
+        return self.layout.mb * self.seq_len // self.layout.cp
+
+    @property
+    def activation_bytes(self) -> float:
+        """One full activation [b, s/cp, h] of one micro-batch: what TP collectives carry."""
+        return self.local_tokens * self.model.hidden_size * self.element_bytes
+
+    @property
+    def boundary_bytes(self) -> float:
+        """What a pipeline stage sends its neighbour per micro-batch (split by SP)."""
+        return self.activation_bytes / (self.layout.tp if self.layout.sp else 1)
+
+    def layer(self, index: int) -> LayerWork:
+        m, t, tokens = self.model, self.layout.tp, self.local_tokens
+        h, f = m.hidden_size, m.ffn_size
+        attention = m.attention_parameters(weights_only=True)
+        mlp = m.mlp_parameters(weights_only=True)
+        matrices = mlp // (h * f)  # 2 (GELU MLP) or 3 (SwiGLU)
+        parameters = m.attention_parameters() + m.mlp_parameters()
+        if m.is_moe_layer(index):
+            parameters += m.moe_experts * h + (m.moe_experts - 1) * m.mlp_parameters() \
+                / self.layout.ep
+            mlp = m.moe_top_k * mlp + h * m.moe_experts
+        weight = tuple(2 * tokens * w / t for w in (attention * 3 / 4, attention / 4,
+                                                     mlp / 2, mlp / 2))
+        width = m.num_heads * m.head_dim
+        core = 4 * tokens * self.seq_len * width / t * CAUSAL_FRACTION
+        replicated = 10 * h / (t if self.layout.sp else 1)  # 2 norms in/out, 2 residual adds
+        activation = (2 * matrices - 2) * f / t  # GELU: read + write; SwiGLU: 2 reads, 2 writes
+        moved = tokens * (replicated + activation) * self.element_bytes
+        if m.attention == "eager":
+            moved += 4 * m.num_heads / t * tokens * self.seq_len * self.element_bytes
+        return LayerWork(weight, core, moved, parameters / t)
+
+    def head_matmul(self) -> float:
+        return 2 * self.local_tokens * self.model.hidden_size * self.model.vocab_size \
+            / self.layout.tp
+
+    def logits_bytes(self) -> float:
+        """fp32 logits of one micro-batch on one rank (the loss works on them in fp32)."""
+        return self.local_tokens * self.model.vocab_size / self.layout.tp * 4
+
+    def embedding_parameters(self) -> float:
+        return self.model.vocab_size * self.model.hidden_size / self.layout.tp
+
+    def layer_activation_bytes(self) -> float:
+        """Bytes one layer saves for backward per micro-batch (the family's tested formula;
+        sdpa saves no s x s probabilities, which the eager form without them equals)."""
+        lay, m = self.layout, self.model
+        recompute = "selective" if lay.recompute == "none" and m.attention == "sdpa" \
+            else lay.recompute
+        return m.activation_bytes(seq_len=self.seq_len // lay.cp, micro_batch=lay.mb, tp=lay.tp,
+                                  sequence_parallel=lay.sp, recompute=recompute,
+                                  element_size=self.element_bytes, dropout=m.dropout > 0)
