@@ -1,0 +1,354 @@
+"""Measure the machine this runs on and fit a `Hardware` profile to it, for the backend in use.
+
+Every number is measured with `ranks` processes running at once (one thread each on a CPU, one
+device each on CUDA), so it describes one rank of a run of that many ranks sharing the host: on
+a 2-core machine, 4 ranks share 2 cores, and that is the machine the planner predicts. The fits
+are the cost model's own formulas, so a calibrated profile predicts the measured times back:
+
+- matmul, `costs._matmul`: t(w) = w / (peak x eff(w)), eff(w) = E x w / (w + H), w in GFLOP.
+  peak is the best rate of its dtype (bf16: `peak_tflops`, fp32: `fp32_peak_tflops`); then
+  t(w) = (w + H) / (peak x E) is linear in 1/E and H/E, fitted over every shape of both dtypes
+  by least squares on the relative error (`matmul_efficiency` = E, `matmul_half_gflop` = H).
+- memory: bytes moved / time of large elementwise adds and copies (`memory_efficiency` 1).
+- collectives, `collectives.py`: t = steps x alpha + moved / bandwidth, with each op's steps and
+  bytes moved per rank taken from that module; alpha and 1/bandwidth by least squares on the
+  relative error (`network_efficiency` 1; one host: intra-node = inter-node bandwidth).
+- overlap: an all-reduce started asynchronously behind W seconds of matmuls ends X seconds late;
+  the cost model's exposed = comm - overlap x W gives overlap = (comm - X) / W, clamped to [0, 1].
+- layer overhead: a tiny transformer block's forward + backward minus the cost model's compute
+  for it, over 3 (the model charges it once in the forward and twice in the backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models.family import AuxiliaryOutputs
+from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.planner import collectives as coll
+from meshtrain.planner.costs import chunk_costs
+from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.layout import Layout
+from meshtrain.planner.workload import Workload
+
+MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024),
+                 (512, 128, 384), (512, 128, 512), (512, 512, 128), (2048, 256, 1024),
+                 (2048, 1024, 256))
+"""(m, k, n): squares, and a small transformer's QKV, MLP and their backward shapes."""
+QUICK_MATMUL_SHAPES = ((128, 128, 128), (512, 512, 512), (512, 128, 384), (2048, 256, 1024))
+COLLECTIVE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+QUICK_COLLECTIVE_BYTES = (4 << 10, 1 << 20)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+TINY_BLOCK = GPTConfig(num_layers=1, hidden_size=32, num_heads=2, vocab_size=64, max_seq_len=16)
+"""So small that its matmuls take microseconds: what is left of its time is host overhead."""
+MAX_CALLS = 2000
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def calibrate_machine(*, ranks: int = 4, quick: bool = False,
+                      report: Callable[[str], None] | None = None) -> Hardware:
+    """Measure this machine with `ranks` ranks at once and fit a profile (~40 s; quick ~10 s
+    with fewer sizes and shorter timings). `report` receives one line per fitted quantity."""
+    if not isinstance(ranks, int) or ranks < 2:
+        raise ValueError(f"`ranks` must be an integer of at least 2 (collectives need a"
+                         f" group), got {ranks!r}")
+    cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.device_count() < ranks:
+        raise ValueError(f"`ranks` {ranks} exceeds the {torch.cuda.device_count()} CUDA devices"
+                         " (one rank per device)")
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_rank_main, args=(ranks, _free_port(), quick, results), nprocs=ranks,
+                       start_method="spawn")
+    return fit_profile(results.get(), ranks=ranks, report=report)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rank:
+    """What every measurement needs: the device, how to wait for it, and how long to time."""
+
+    device: torch.device
+    budget_s: float
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, fn: Callable[[], object]) -> float:
+        """Seconds per call of `fn`, averaged over the ranks. Every rank makes the same number
+        of calls (agreed from one timed warm call), so collectives inside `fn` stay matched."""
+        fn()
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        first = self.world_max(time.perf_counter() - start)
+        calls = max(2, min(MAX_CALLS, int(self.budget_s / max(first, 1e-7))))
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        self.sync()
+        return self.world_mean((time.perf_counter() - start) / calls)
+
+    def world_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def world_mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.item() / dist.get_world_size()
+
+
+def _rank_main(rank: int, ranks: int, port: int, quick: bool, results) -> None:
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=ranks, timeout=TIMEOUT)
+    try:
+        r = _Rank(device, budget_s=0.08 if quick else 0.25)
+        shapes = QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES
+        sizes = QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES
+        measured = {
+            "backend": dist.get_backend(), "device": device.type,
+            "memory_bytes": _device_memory(device),
+            "matmul": [(dtype, shape, _time_matmul(r, shape, dtype))
+                       for dtype in ("fp32", "bf16") for shape in shapes],
+            "elementwise": _time_elementwise(r, 1 << (22 if quick else 23)),
+            "collectives": _time_collectives(r, ranks, sizes),
+            "overlap": _time_overlap(r, (1 if quick else 4) << 20),
+            "block": _time_block(r),
+        }
+        if rank == 0:
+            results.put(measured)
+    finally:
+        dist.destroy_process_group()
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _time_matmul(r: _Rank, shape: tuple[int, int, int], dtype: str) -> float:
+    m, k, n = shape
+    a = torch.randn(m, k, device=r.device).to(DTYPES[dtype])
+    b = torch.randn(k, n, device=r.device).to(DTYPES[dtype])
+    return r.timed(lambda: a @ b)
+
+
+def _time_elementwise(r: _Rank, numel: int) -> list[tuple[float, float]]:
+    """(bytes moved, seconds) of an add (two reads, one write) and a copy (one each)."""
+    a, b, out = (torch.randn(numel, device=r.device) for _ in range(3))
+    nbytes = numel * 4
+    return [(3 * nbytes, r.timed(lambda: torch.add(a, b, out=out))),
+            (2 * nbytes, r.timed(lambda: out.copy_(a)))]
+
+
+def _time_collectives(r: _Rank, ranks: int, sizes: tuple[int, ...]) -> list[tuple]:
+    """(op, group size, bytes, seconds) for groups of 2 (every pair at once: tensor-parallel
+    groups run side by side) and of all ranks; sends go around the group's ring."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(ranks // 2)]
+    groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, ranks: dist.group.WORLD}
+    rows = []
+    for size, group in groups.items():
+        for op in COLLECTIVES:
+            for nbytes in sizes:
+                fn = _collective(op, nbytes, group, r.device) if group is not None \
+                    else (lambda: None)
+                rows.append((op, size, nbytes, r.timed(fn)))
+    return rows
+
+
+def _collective(op: str, nbytes: int, group, device: torch.device) -> Callable[[], None]:
+    """One call of `op` on `nbytes` (the full tensor, as `collectives.py` counts it)."""
+    g, rank = dist.get_world_size(group), dist.get_rank(group)
+    full = torch.ones(nbytes // 4, device=device)
+    part = torch.ones(nbytes // 4 // g, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full[:part.numel() * g], part, group=group)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(part, full[:part.numel() * g], group=group)
+    nxt = dist.get_global_rank(group, (rank + 1) % g)
+    prev = dist.get_global_rank(group, (rank - 1) % g)
+    received = torch.empty_like(full)
+
+    def send() -> None:
+        ops = [dist.P2POp(dist.isend, full, nxt, group), dist.P2POp(dist.irecv, received, prev,
+                                                                    group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return send
+
+
+def _time_overlap(r: _Rank, nbytes: int) -> dict[str, float]:
+    """An all-reduce over every rank alone, matmuls filling about half its time alone, and the
+    two together (the all-reduce started asynchronously first, as gradient buckets are)."""
+    grads = torch.ones(nbytes // 4, device=r.device)
+    a = torch.randn(256, 256, device=r.device)
+    comm = r.timed(lambda: dist.all_reduce(grads, group=dist.group.WORLD))
+    one = r.timed(lambda: a @ a)
+    count = max(1, round(comm / 2 / one))
+
+    def compute() -> None:
+        for _ in range(count):
+            a @ a
+
+    def both() -> None:
+        work = dist.all_reduce(grads, group=dist.group.WORLD, async_op=True)
+        compute()
+        work.wait()
+    return {"comm": comm, "compute": r.timed(compute), "both": r.timed(both)}
+
+
+def _time_block(r: _Rank) -> dict[str, float]:
+    """Forward and backward seconds of `TINY_BLOCK`'s transformer layer on one sequence."""
+    model = GPT(TINY_BLOCK, mesh=ParallelMesh.local(r.device))
+    block = model.layers["0"]
+    s, h = TINY_BLOCK.max_seq_len, TINY_BLOCK.hidden_size
+    x = torch.randn(1, s, h, device=r.device, requires_grad=True)
+    positions = torch.arange(s, device=r.device)
+    grad = torch.ones(1, s, h, device=r.device)
+    forward = r.timed(lambda: block(x, model.rng, positions, AuxiliaryOutputs()))
+    both = r.timed(lambda: block(x, model.rng, positions, AuxiliaryOutputs()).backward(grad))
+    return {"forward": forward, "backward": both - forward}
+
+
+def fit_profile(measured: dict, *, ranks: int,
+                report: Callable[[str], None] | None = None) -> Hardware:
+    """The profile whose cost formulas best reproduce what the ranks measured."""
+    say = report or (lambda line: None)
+    peaks = {d: max(_gflop(shape) / t for dt, shape, t in measured["matmul"] if dt == d)
+             for d in DTYPES}  # GFLOP/s
+    efficiency, half = _fit_matmul(measured["matmul"], peaks, say)
+    moved, seconds = (sum(col) for col in zip(*measured["elementwise"], strict=True))
+    alpha, link = _fit_collectives(measured["collectives"], say)
+    o = measured["overlap"]
+    overlap = min(1.0, max(0.0, (o["comm"] - (o["both"] - o["compute"])) / o["compute"]))
+    say(f"overlap: all-reduce {o['comm'] * 1e3:.2f} ms, matmuls {o['compute'] * 1e3:.2f} ms,"
+        f" together {o['both'] * 1e3:.2f} ms -> overlap_efficiency {overlap:.3g}")
+    cpu = measured["device"] == "cpu"
+    hardware = Hardware(
+        name=f"{measured['device']}-{measured['backend']}", peak_tflops=peaks["bf16"] / 1e3,
+        hbm_gib=measured["memory_bytes"] / (ranks if cpu else 1) / 2**30, gpus_per_node=ranks,
+        intra_node_gbytes_per_s=link / 1e9, inter_node_gbytes_per_s=link / 1e9,
+        fp32_peak_tflops=peaks["fp32"] / 1e3, hbm_gbytes_per_s=moved / seconds / 1e9,
+        matmul_efficiency=efficiency, matmul_half_gflop=half, memory_efficiency=1.0,
+        network_efficiency=1.0, collective_latency_s=alpha, overlap_efficiency=overlap,
+        default_precision="fp32" if cpu else "bf16")
+    block = measured["block"]
+    compute = _layer_compute(hardware)
+    overhead = max(0.0, (block["forward"] + block["backward"] - compute) / 3)
+    say(f"tiny block: forward {block['forward'] * 1e6:.0f} us, backward"
+        f" {block['backward'] * 1e6:.0f} us, modelled compute {compute * 1e6:.0f} us"
+        f" -> layer_overhead_s {overhead:.3g}")
+    return _rounded(dataclasses.replace(hardware, layer_overhead_s=overhead))
+
+
+def _gflop(shape: tuple[int, int, int]) -> float:
+    m, k, n = shape
+    return 2 * m * k * n / 1e9
+
+
+def _fit_matmul(rows: list[tuple], peaks: dict[str, float],
+                say: Callable[[str], None]) -> tuple[float, float]:
+    """E and H of t(w) = (w + H) / (peak x E): linear in 1/E and H/E."""
+    points = [(_gflop(shape) / peaks[d], 1 / peaks[d], t) for d, shape, t in rows]
+    inverse, half_over = _relative_least_squares(points)
+    efficiency, half = 1 / inverse, half_over / inverse
+    for d in DTYPES:
+        say(f"matmul {d}: best {peaks[d]:.1f} GFLOP/s; " + ", ".join(
+            f"{'x'.join(map(str, shape))} {_gflop(shape) / t:.1f}" for dt, shape, t in rows
+            if dt == d))
+    say(f"matmul fit: matmul_efficiency {efficiency:.3g}, matmul_half_gflop {half:.3g}, worst"
+        f" time error {_worst_error(points, inverse, half_over):.0%}")
+    return efficiency, half
+
+
+UNIT_LATENCY = Hardware(name="steps", peak_tflops=1.0, hbm_gib=1.0, gpus_per_node=1 << 20,
+                        intra_node_gbytes_per_s=float("inf"), inter_node_gbytes_per_s=1.0,
+                        network_efficiency=1.0, collective_latency_s=1.0)
+"""Prices each collective step at one second and bytes at nothing: the model's step count."""
+UNIT_BYTES = dataclasses.replace(UNIT_LATENCY, name="bytes", intra_node_gbytes_per_s=1e-9,
+                                 collective_latency_s=0.0)
+"""Prices each byte at one second and steps at nothing: the model's bytes moved per rank."""
+MODEL = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
+         "reduce_scatter": coll.reduce_scatter,
+         "send": lambda hw, nbytes, group, span: coll.send(hw, nbytes, span)}
+
+
+def _fit_collectives(rows: list[tuple], say: Callable[[str], None]) -> tuple[float, float]:
+    """alpha and the bandwidth (bytes/s) of t = steps x alpha + moved / bandwidth."""
+    points = [(MODEL[op](UNIT_LATENCY, n, g, g), MODEL[op](UNIT_BYTES, n, g, g), t)
+              for op, g, n, t in rows]
+    alpha, per_byte = _relative_least_squares(points)
+    for op in COLLECTIVES:
+        say(f"{op}: " + ", ".join(f"g{g} {n >> 10} KiB {t * 1e3:.3f} ms" for o, g, n, t in rows
+                                  if o == op))
+    say(f"collective fit: collective_latency_s {alpha:.3g}, bandwidth {1e-9 / per_byte:.3g}"
+        f" GB/s, worst time error {_worst_error(points, alpha, per_byte):.0%}")
+    return alpha, 1 / per_byte
+
+
+def _relative_least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """x, y >= 0 minimising sum((x p + y q) / t - 1)^2 over (p, q, t): the normal equations,
+    or the best one-term fit when the pair would need a negative term."""
+    a = [(p / t, q / t) for p, q, t in points]
+    saa, sbb = sum(u * u for u, _ in a), sum(v * v for _, v in a)
+    sab, sa, sb = sum(u * v for u, v in a), sum(u for u, _ in a), sum(v for _, v in a)
+    det = saa * sbb - sab * sab
+    if det > 0:
+        x, y = (sa * sbb - sb * sab) / det, (sb * saa - sa * sab) / det
+        if x >= 0 and y >= 0:
+            return x, y
+    return (sa / saa, 0.0) if saa > 0 else (0.0, sb / sbb)
+
+
+def _worst_error(points: list[tuple[float, float, float]], x: float, y: float) -> float:
+    return max(abs((x * p + y * q) / t - 1) for p, q, t in points)
+
+
+def _layer_compute(hardware: Hardware) -> float:
+    """The cost model's forward + backward time of `TINY_BLOCK`'s layer: its first pipeline
+    chunk with two layers minus with one (the embedding and the head cancel)."""
+    def chunk(layers: int) -> float:
+        cfg = dataclasses.replace(TINY_BLOCK, num_layers=layers)
+        cost = chunk_costs(Workload(cfg, Layout(), cfg.max_seq_len, 1, "fp32"), hardware)[0]
+        return cost.forward + cost.backward
+    return chunk(2) - chunk(1)
+
+
+def _rounded(hardware: Hardware) -> Hardware:
+    """Four significant digits: more would only record the noise."""
+    return dataclasses.replace(hardware, **{
+        f.name: float(f"{getattr(hardware, f.name):.4g}") for f in dataclasses.fields(hardware)
+        if isinstance(getattr(hardware, f.name), float)})
