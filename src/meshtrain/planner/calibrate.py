@@ -338,8 +338,10 @@ def _worst_error(points: list[tuple[float, float, float]], x: float, y: float) -
 
 
 def _layer_compute(hardware: Hardware) -> float:
-    """The cost model's forward + backward time of `TINY_BLOCK`'s layer: its first pipeline
-    chunk with two layers minus with one (the embedding and the head cancel)."""
+    """The cost model's forward + backward compute of `TINY_BLOCK`'s layer, host overhead left
+    out: its first pipeline chunk with two layers minus with one (embedding and head cancel)."""
+    hardware = dataclasses.replace(hardware, layer_overhead_s=0.0)
+
     def chunk(layers: int) -> float:
         cfg = dataclasses.replace(TINY_BLOCK, num_layers=layers)
         cost = chunk_costs(Workload(cfg, Layout(), cfg.max_seq_len, 1, "fp32"), hardware)[0]

@@ -1,0 +1,104 @@
+"""Calibration: the fits invert the cost model's formulas, and a quick calibration of this machine
+gives a finite, self-consistent profile that predicts a matmul timed here and survives TOML."""
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+from meshtrain.planner import calibrate
+from meshtrain.planner import collectives as coll
+from meshtrain.planner.costs import _elementwise, _matmul
+from meshtrain.planner.hardware import Hardware, load_hardware
+
+TRUE = Hardware(name="cpu-gloo", peak_tflops=0.1, hbm_gib=4.0, gpus_per_node=4,
+                intra_node_gbytes_per_s=0.8, inter_node_gbytes_per_s=0.8,
+                fp32_peak_tflops=0.04, hbm_gbytes_per_s=10.0, matmul_efficiency=0.9,
+                matmul_half_gflop=0.002, memory_efficiency=1.0, network_efficiency=1.0,
+                collective_latency_s=5e-4, overlap_efficiency=0.25, layer_overhead_s=3e-4,
+                default_precision="fp32")
+"""A machine whose every measurement the cost model predicts exactly."""
+OPS = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
+       "reduce_scatter": coll.reduce_scatter, "send": lambda hw, n, g, span: coll.send(hw, n, span)}
+
+
+def measurements_of(hw: Hardware) -> dict:
+    """What the ranks would report on `hw`: each time from the cost model's own formulas."""
+    layer = calibrate._layer_compute(hw)
+    return {
+        "backend": "gloo", "device": "cpu", "memory_bytes": 16 * 2**30,
+        "matmul": [(d, s, _matmul(hw, 2 * math.prod(s), d)) for d in ("fp32", "bf16")
+                   for s in calibrate.MATMUL_SHAPES],
+        "elementwise": [(n, _elementwise(hw, n)) for n in (3 << 25, 2 << 25)],
+        "collectives": [(op, g, n, OPS[op](hw, n, g, g)) for op in calibrate.COLLECTIVES
+                        for g in (2, 4) for n in calibrate.COLLECTIVE_BYTES],
+        "overlap": {"comm": 0.01, "compute": 0.005, "both": 0.005 + 0.01 - 0.25 * 0.005},
+        "block": {"forward": layer / 3 + hw.layer_overhead_s,
+                  "backward": 2 * layer / 3 + 2 * hw.layer_overhead_s},
+    }
+
+
+def test_fits_recover_the_machine_the_formulas_describe():
+    fitted = calibrate.fit_profile(measurements_of(TRUE), ranks=4)
+    for d in ("fp32", "bf16"):  # peak x efficiency is what a time determines
+        for s in calibrate.MATMUL_SHAPES + ((64, 64, 64), (4096, 4096, 4096)):
+            flops = 2 * math.prod(s)
+            assert _matmul(fitted, flops, d) == pytest.approx(_matmul(TRUE, flops, d), rel=2e-3)
+    assert fitted.matmul_half_gflop == pytest.approx(TRUE.matmul_half_gflop, rel=1e-3)
+    for op, fn in OPS.items():
+        for g in (2, 4, 8):
+            for n in (1 << 10, 1 << 30):
+                assert fn(fitted, n, g, g) == pytest.approx(fn(TRUE, n, g, g), rel=1e-3), op
+    for field in ("hbm_gbytes_per_s", "collective_latency_s", "intra_node_gbytes_per_s",
+                  "inter_node_gbytes_per_s", "overlap_efficiency", "layer_overhead_s"):
+        assert getattr(fitted, field) == pytest.approx(getattr(TRUE, field), rel=2e-3), field
+    assert fitted.hbm_gib == 4.0 and fitted.gpus_per_node == 4
+    assert fitted.default_precision == "fp32" and fitted.name == "cpu-gloo"
+
+
+@pytest.fixture(scope="module")
+def calibrated() -> Hardware:
+    return calibrate.calibrate_machine(ranks=2, quick=True)
+
+
+def test_quick_calibration_is_finite_and_describes_two_ranks(calibrated):
+    values = {f.name: getattr(calibrated, f.name) for f in dataclasses.fields(Hardware)}
+    numbers = {k: v for k, v in values.items() if not isinstance(v, str)}
+    assert all(math.isfinite(v) and v >= 0 for v in numbers.values()), numbers
+    for positive in ("peak_tflops", "fp32_peak_tflops", "hbm_gbytes_per_s", "matmul_efficiency",
+                     "intra_node_gbytes_per_s", "collective_latency_s"):
+        assert values[positive] > 0, positive
+    assert calibrated.overlap_efficiency <= 1
+    assert calibrated.gpus_per_node == 2
+    assert calibrated.intra_node_gbytes_per_s == calibrated.inter_node_gbytes_per_s
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    assert calibrated.hbm_gib == pytest.approx(host / 2, rel=1e-3)
+    assert (calibrated.name, calibrated.default_precision) == ("cpu-gloo", "fp32")
+
+
+def test_profile_predicts_a_matmul_timed_here(calibrated):
+    """Two ranks on this 2-core host have a core each, as this test process does."""
+    a, b = torch.randn(1024, 512), torch.randn(512, 1024)
+    a @ b
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    predicted = _matmul(calibrated, 2 * 1024 * 512 * 1024, "fp32")
+    assert 0.5 < predicted / statistics.median(times) < 2
+
+
+def test_profile_round_trips_through_toml(calibrated, tmp_path):
+    path = tmp_path / "machine.toml"
+    path.write_text(calibrated.to_toml())
+    assert load_hardware(str(path)) == calibrated
+
+
+def test_calibration_needs_a_group_to_time():
+    with pytest.raises(ValueError, match="`ranks` must be an integer of at least 2"):
+        calibrate.calibrate_machine(ranks=1)
