@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import statistics
 import time
 from collections.abc import Callable
 
@@ -86,16 +87,26 @@ class _Rank:
 
     device: torch.device
     budget_s: float
+    """Seconds one round spends timing one thing."""
+    rounds: int
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def timed_each(self, fns: dict) -> dict:
+        """Seconds per call of each of `fns`, averaged over the ranks, median over rounds. The
+        rounds take the functions in turn, so a burst of load on a shared host lands on every
+        one of them rather than skewing the fits."""
+        times = {key: [] for key in fns}
+        for _ in range(self.rounds):
+            for key, fn in fns.items():
+                times[key].append(self.timed(fn))
+        return {key: statistics.median(t) for key, t in times.items()}
+
     def timed(self, fn: Callable[[], object]) -> float:
         """Seconds per call of `fn`, averaged over the ranks. Every rank makes the same number
-        of calls (agreed from one timed warm call), so collectives inside `fn` stay matched."""
-        fn()
-        self.sync()
+        of calls (agreed from one timed warm-up call), so collectives in `fn` stay matched."""
         start = time.perf_counter()
         fn()
         self.sync()
@@ -128,14 +139,13 @@ def _rank_main(rank: int, ranks: int, port: int, quick: bool, results) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=ranks, timeout=TIMEOUT)
     try:
-        r = _Rank(device, budget_s=0.08 if quick else 0.25)
+        r = _Rank(device, budget_s=0.03 if quick else 0.08, rounds=2 if quick else 3)
         shapes = QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES
         sizes = QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES
         measured = {
             "backend": dist.get_backend(), "device": device.type,
             "memory_bytes": _device_memory(device),
-            "matmul": [(dtype, shape, _time_matmul(r, shape, dtype))
-                       for dtype in ("fp32", "bf16") for shape in shapes],
+            "matmul": _time_matmuls(r, shapes),
             "elementwise": _time_elementwise(r, 1 << (22 if quick else 23)),
             "collectives": _time_collectives(r, ranks, sizes),
             "overlap": _time_overlap(r, (1 if quick else 4) << 20),
@@ -156,19 +166,22 @@ def _device_memory(device: torch.device) -> int:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _time_matmul(r: _Rank, shape: tuple[int, int, int], dtype: str) -> float:
-    m, k, n = shape
-    a = torch.randn(m, k, device=r.device).to(DTYPES[dtype])
-    b = torch.randn(k, n, device=r.device).to(DTYPES[dtype])
-    return r.timed(lambda: a @ b)
+def _time_matmuls(r: _Rank, shapes: tuple[tuple[int, int, int], ...]) -> list[tuple]:
+    """(dtype, (m, k, n), seconds) of `[m, k] @ [k, n]` in each dtype."""
+    fns = {}
+    for dtype in DTYPES:
+        for m, k, n in shapes:
+            a = torch.randn(m, k, device=r.device).to(DTYPES[dtype])
+            b = torch.randn(k, n, device=r.device).to(DTYPES[dtype])
+            fns[dtype, (m, k, n)] = lambda a=a, b=b: a @ b
+    return [(*key, t) for key, t in r.timed_each(fns).items()]
 
 
 def _time_elementwise(r: _Rank, numel: int) -> list[tuple[float, float]]:
     """(bytes moved, seconds) of an add (two reads, one write) and a copy (one each)."""
     a, b, out = (torch.randn(numel, device=r.device) for _ in range(3))
-    nbytes = numel * 4
-    return [(3 * nbytes, r.timed(lambda: torch.add(a, b, out=out))),
-            (2 * nbytes, r.timed(lambda: out.copy_(a)))]
+    t = r.timed_each({3: lambda: torch.add(a, b, out=out), 2: lambda: out.copy_(a)})
+    return [(passes * numel * 4, seconds) for passes, seconds in t.items()]
 
 
 def _time_collectives(r: _Rank, ranks: int, sizes: tuple[int, ...]) -> list[tuple]:
@@ -177,14 +190,10 @@ def _time_collectives(r: _Rank, ranks: int, sizes: tuple[int, ...]) -> list[tupl
     rank = dist.get_rank()
     pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(ranks // 2)]
     groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, ranks: dist.group.WORLD}
-    rows = []
-    for size, group in groups.items():
-        for op in COLLECTIVES:
-            for nbytes in sizes:
-                fn = _collective(op, nbytes, group, r.device) if group is not None \
-                    else (lambda: None)
-                rows.append((op, size, nbytes, r.timed(fn)))
-    return rows
+    fns = {(op, size, nbytes): _collective(op, nbytes, group, r.device) if group is not None
+           else (lambda: None)
+           for size, group in groups.items() for op in COLLECTIVES for nbytes in sizes}
+    return [(*key, t) for key, t in r.timed_each(fns).items()]
 
 
 def _collective(op: str, nbytes: int, group, device: torch.device) -> Callable[[], None]:
@@ -215,9 +224,11 @@ def _time_overlap(r: _Rank, nbytes: int) -> dict[str, float]:
     two together (the all-reduce started asynchronously first, as gradient buckets are)."""
     grads = torch.ones(nbytes // 4, device=r.device)
     a = torch.randn(256, 256, device=r.device)
-    comm = r.timed(lambda: dist.all_reduce(grads, group=dist.group.WORLD))
-    one = r.timed(lambda: a @ a)
-    count = max(1, round(comm / 2 / one))
+
+    def comm() -> None:
+        dist.all_reduce(grads, group=dist.group.WORLD)
+    first = r.timed_each({"comm": comm, "one": lambda: a @ a})
+    count = max(1, round(first["comm"] / 2 / first["one"]))
 
     def compute() -> None:
         for _ in range(count):
@@ -227,7 +238,7 @@ def _time_overlap(r: _Rank, nbytes: int) -> dict[str, float]:
         work = dist.all_reduce(grads, group=dist.group.WORLD, async_op=True)
         compute()
         work.wait()
-    return {"comm": comm, "compute": r.timed(compute), "both": r.timed(both)}
+    return r.timed_each({"comm": comm, "compute": compute, "both": both})
 
 
 def _time_block(r: _Rank) -> dict[str, float]:
@@ -238,10 +249,10 @@ def _time_block(r: _Rank) -> dict[str, float]:
     x = torch.randn(1, s, h, device=r.device, requires_grad=True)
     positions = torch.arange(s, device=r.device)
     grad = torch.ones(1, s, h, device=r.device)
-    forward = r.timed(lambda: block(x, model.rng, positions, AuxiliaryOutputs()))
-    both = r.timed(lambda: block(x, model.rng, positions, AuxiliaryOutputs()).backward(grad))
-    return {"forward": forward, "backward": both - forward}
-
+    t = r.timed_each({
+        "forward": lambda: block(x, model.rng, positions, AuxiliaryOutputs()),
+        "both": lambda: block(x, model.rng, positions, AuxiliaryOutputs()).backward(grad)})
+    return {"forward": t["forward"], "backward": t["both"] - t["forward"]}
 
 def fit_profile(measured: dict, *, ranks: int,
                 report: Callable[[str], None] | None = None) -> Hardware:
