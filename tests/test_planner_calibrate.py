@@ -13,7 +13,7 @@ import torch
 from meshtrain.planner import calibrate
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.costs import _elementwise, _matmul
-from meshtrain.planner.hardware import Hardware, load_hardware
+from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
 
 TRUE = Hardware(name="cpu-gloo", peak_tflops=0.1, hbm_gib=4.0, gpus_per_node=4,
                 intra_node_gbytes_per_s=0.8, inter_node_gbytes_per_s=0.8,
@@ -93,10 +93,11 @@ def test_profile_predicts_a_matmul_timed_here(calibrated):
     assert 0.5 < predicted / statistics.median(times) < 2
 
 
-def test_profile_round_trips_through_toml(calibrated, tmp_path):
-    path = tmp_path / "machine.toml"
-    path.write_text(calibrated.to_toml())
-    assert load_hardware(str(path)) == calibrated
+def test_profiles_round_trip_through_toml(calibrated, tmp_path):
+    for profile in (calibrated, BUILT_IN["cpu-gloo"]):  # the built-in one: 4 ranks calibrated
+        path = tmp_path / f"{profile.name}.toml"
+        path.write_text(profile.to_toml())
+        assert load_hardware(str(path)) == profile
 
 
 def test_calibration_needs_a_group_to_time():

@@ -85,9 +85,19 @@ BUILT_IN: dict[str, Hardware] = {
         name="h100-80g", peak_tflops=989.0, hbm_gib=80, gpus_per_node=8,
         intra_node_gbytes_per_s=450.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=494.0,
         hbm_gbytes_per_s=3350.0),
+    # This 2-core CI host with 4 gloo ranks sharing it (one thread each), per rank, as
+    # `calibrate_machine(ranks=4)` measured it (`python benchmarks/plan_vs_measured.py` prints
+    # the fit); another host, or this one under other load, calibrates its own.
+    "cpu-gloo": Hardware(
+        name="cpu-gloo", peak_tflops=0.06331, hbm_gib=5.885, gpus_per_node=4,
+        intra_node_gbytes_per_s=0.7817, inter_node_gbytes_per_s=0.7817,
+        fp32_peak_tflops=0.02282, hbm_gbytes_per_s=7.786, matmul_efficiency=0.8916,
+        matmul_half_gflop=0.0, memory_efficiency=1.0, network_efficiency=1.0,
+        collective_latency_s=0.001015, overlap_efficiency=0.0, layer_overhead_s=0.0004067,
+        default_precision="fp32"),
 }
-"""Peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s hardware
-table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
+"""GPU peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s
+hardware table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
 
 
 def load_hardware(name_or_file: str) -> Hardware:
