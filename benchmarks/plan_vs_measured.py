@@ -76,17 +76,22 @@ def train_flags(layout: Layout) -> list[str]:
     return [str(f) for f in flags] + (["--sequence-parallel"] if layout.sp else [])
 
 
-def measure_once(layout: Layout, steps: int) -> list[float]:
-    """Step times (s) after the warm-up steps of one `meshtrain train --nproc 4` run."""
-    with tempfile.TemporaryDirectory(prefix="plan_vs_measured_") as out:
-        cmd = [sys.executable, "-m", "meshtrain", "train", "--nproc", str(RANKS), *MODEL_FLAGS,
-               *train_flags(layout), "--steps", str(steps), "--eval-every", "0",
-               "--log-every", "1", "--out", out]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        if done.returncode:
-            sys.exit(f"{short(layout)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
-    return [row["step_time_s"] for row in rows if "step_time_s" in row][WARMUP_STEPS:]
+def measure_once(layout: Layout, steps: int, attempts: int = 2) -> list[float]:
+    """Step times (s) after the warm-up steps of one `meshtrain train --nproc 4` run. A failed
+    run is tried again once: on this shared host a rank now and then fails to start (exit 6)."""
+    for attempt in range(attempts):
+        with tempfile.TemporaryDirectory(prefix="plan_vs_measured_") as out:
+            cmd = [sys.executable, "-m", "meshtrain", "train", "--nproc", str(RANKS),
+                   *MODEL_FLAGS, *train_flags(layout), "--steps", str(steps), "--eval-every",
+                   "0", "--log-every", "1", "--out", out]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if done.returncode == 0:
+                rows = [json.loads(line)
+                        for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+                return [row["step_time_s"] for row in rows][WARMUP_STEPS:]
+        print(f"  {short(layout)} failed (exit {done.returncode}, attempt {attempt + 1}):"
+              f" {done.stderr.strip().splitlines()[-1:]}", flush=True)
+    sys.exit(f"{short(layout)} failed {attempts} times:\n{done.stderr[-3000:]}")
 
 
 def measure_all(repeats: int, steps: int) -> list[float]:

@@ -169,10 +169,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _time_matmuls(r: _Rank, shapes: tuple[tuple[int, int, int], ...]) -> list[tuple]:
     """(dtype, (m, k, n), seconds) of `[m, k] @ [k, n]` in each dtype."""
     fns = {}
-    for dtype in DTYPES:
+    for dtype, torch_dtype in DTYPES.items():
         for m, k, n in shapes:
-            a = torch.randn(m, k, device=r.device).to(DTYPES[dtype])
-            b = torch.randn(k, n, device=r.device).to(DTYPES[dtype])
+            a = torch.randn(m, k, device=r.device).to(torch_dtype)
+            b = torch.randn(k, n, device=r.device).to(torch_dtype)
             fns[dtype, (m, k, n)] = lambda a=a, b=b: a @ b
     return [(*key, t) for key, t in r.timed_each(fns).items()]
 
