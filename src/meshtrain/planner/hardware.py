@@ -72,7 +72,7 @@ BUILT_IN: dict[str, Hardware] = {
     "v100-32g-dgx2h": Hardware(
         name="v100-32g-dgx2h", peak_tflops=125.0, hbm_gib=32, gpus_per_node=16,
         intra_node_gbytes_per_s=150.0, inter_node_gbytes_per_s=6.25, fp32_peak_tflops=15.7,
-        hbm_gbytes_per_s=900.0),
+        hbm_gbytes_per_s=900.0, default_precision="fp16"),
     "a100-40g": Hardware(
         name="a100-40g", peak_tflops=312.0, hbm_gib=40, gpus_per_node=8,
         intra_node_gbytes_per_s=300.0, inter_node_gbytes_per_s=25.0, fp32_peak_tflops=156.0,
