@@ -320,3 +320,29 @@ def test_train_layout_auto_end_to_end(tmp_path):
     assert str(saved["train"]["micro_batch"]) == chosen["mb"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name,profile", [("NVIDIA H100 80GB HBM3", "h100-80g"),
+                                          ("NVIDIA A100-SXM4-80GB", "a100-80g-selene"),
+                                          ("NVIDIA A100-SXM4-40GB", "a100-40g"),
+                                          ("Tesla V100-SXM3-32GB", "v100-32g-dgx2h"),
+                                          ("NVIDIA GeForce RTX 4090", None)])
+def test_default_hardware_follows_the_cuda_device(monkeypatch, name, profile):
+    import torch
+
+    from meshtrain.auto_layout import default_hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+    if profile is None:
+        with pytest.raises(ValueError, match="no built-in hardware profile matches"):
+            default_hardware("auto")
+    else:
+        assert default_hardware("auto").name == profile
+    # --device cpu plans for the CPU even with CUDA present.
+    cpu = BUILT_IN.get("cpu-gloo")
+    if cpu is None:
+        with pytest.raises(ValueError, match="plan calibrate"):
+            default_hardware("cpu")
+    else:
+        assert default_hardware("cpu") is cpu
