@@ -68,6 +68,10 @@ def choose_layout(cfg: RunConfig, world_size: int, given: set[tuple[str, str]]) 
     """Search the run's layout on `world_size` devices, set its settings from the fastest that
     fits, and say what was chosen and why."""
     p, t = cfg.parallel, cfg.train
+    for name in ("pp_layers", "recompute_layers"):
+        if getattr(p, name) is not None:
+            raise ValueError(f"`{name}` belongs to one layout: drop it with `layout` (the"
+                             " planner splits layers evenly and recomputes all or none)")
     hardware = load_hardware(p.hardware) if p.hardware else default_hardware(p.device)
     vocab = cfg.model.vocab_size or (data.BYTE_VOCAB_SIZE if cfg.data.data is None
                                      else data.load_corpus(cfg.data.data).vocab_size)

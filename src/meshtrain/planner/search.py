@@ -100,7 +100,8 @@ def search(model: TransformerConfig, hardware: Hardware, *, gpus: int, seq_len: 
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 class _Search:
