@@ -59,7 +59,8 @@ class Rejection(NamedTuple):
 @dataclass
 class SearchResult:
     ranked: list[Prediction]
-    """Layouts within the memory budget, fastest first (a fully fixed one even when over)."""
+    """Layouts within the memory budget, fastest (then smallest) first; a fully fixed one even
+    when over."""
     rejected: dict[str, list[Rejection]] = field(default_factory=dict)
     """By short reason ("heads not divisible by tp", "memory over budget")."""
     warnings: list[str] = field(default_factory=list)
@@ -95,7 +96,7 @@ def search(model: TransformerConfig, hardware: Hardware, *, gpus: int, seq_len: 
     for t, combo in timed[:REFINE_AT_MOST]:
         if t <= (1 + REFINE_MARGIN) * timed[0][0]:
             run.refine(combo)
-    run.result.ranked.sort(key=lambda p: p.step_time_s)
+    run.result.ranked.sort(key=lambda p: (p.step_time_s, p.memory_gib))
     return run.result
 
 
