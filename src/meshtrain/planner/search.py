@@ -59,7 +59,8 @@ class Rejection(NamedTuple):
 @dataclass
 class SearchResult:
     ranked: list[Prediction]
-    """Layouts within the memory budget, fastest first (a fully fixed one even when over)."""
+    """Layouts within the memory budget, fastest (then smallest) first; a fully fixed one even
+    when over."""
     rejected: dict[str, list[Rejection]] = field(default_factory=dict)
     """By short reason ("heads not divisible by tp", "memory over budget")."""
     warnings: list[str] = field(default_factory=list)
@@ -95,12 +96,13 @@ def search(model: TransformerConfig, hardware: Hardware, *, gpus: int, seq_len: 
     for t, combo in timed[:REFINE_AT_MOST]:
         if t <= (1 + REFINE_MARGIN) * timed[0][0]:
             run.refine(combo)
-    run.result.ranked.sort(key=lambda p: p.step_time_s)
+    run.result.ranked.sort(key=lambda p: (p.step_time_s, p.memory_gib))
     return run.result
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 class _Search:
@@ -125,13 +127,14 @@ class _Search:
         for _, value in given:
             product *= value
         names = " x ".join(d for d, _ in given)
-        values = " x ".join(str(v) for _, v in given)
+        values = " x ".join(str(v) for _, v in given) + (f" = {product}" if len(given) > 1
+                                                          else "")
         if len(given) == len(DEGREES) and product != self.gpus:
-            raise ValueError(f"`layout` fixes {names} = {values} = {product}, not `gpus`"
-                             f" {self.gpus}: change the degrees or `gpus`")
+            raise ValueError(f"`layout` fixes {names} = {values}, not `gpus` {self.gpus}:"
+                             " change the degrees or `gpus`")
         if given and self.gpus % product:
-            raise ValueError(f"`layout` fixes {names} = {values} = {product}, which does not"
-                             f" divide `gpus` {self.gpus}")
+            raise ValueError(f"`layout` fixes {names} = {values}, which does not divide `gpus`"
+                             f" {self.gpus}")
 
     def degree_combos(self) -> list[tuple[int, int, int, int]]:
         """(tp, pp, cp, dp) with tp x pp x cp x dp = gpus."""
@@ -256,7 +259,8 @@ class _Search:
         base = next((b for b in bases if self.validate(b)), None)
         if base is None or not self.probe(base, choices):
             return None
-        zeros = [z for z in choices["zero"] if z >= 1] or choices["zero"]
+        zeros = [z for z in choices["zero"] if z >= 1 and self.runnable(replace(base, zero=z))]
+        zeros = zeros or choices["zero"]
         swept = self.sweep(base, zeros, choices)
         return min(swept) if swept else None
 
@@ -279,14 +283,17 @@ class _Search:
         """Whether the combination's most memory-saving valid layout fits."""
         for zero in sorted(choices["zero"], reverse=True):
             saving = replace(base, zero=zero, recompute=choices["recompute"][-1])
-            try:
-                saving.to_plan(precision=self.precision).validate(
-                    self.model, world_size=self.gpus, global_batch=self.global_batch,
-                    seq_len=self.seq_len)
-            except ValueError:
-                continue
-            return self.fits(saving)
+            if self.runnable(saving):
+                return self.fits(saving)
         return True  # no ZeRO stage is valid: `escalate` records why
+
+    def runnable(self, layout: Layout) -> bool:
+        """`validate`'s verdict, not recorded (a choice among alternatives)."""
+        try:
+            self.validate(layout, record=False)
+        except ValueError:
+            return False
+        return True
 
     def refine(self, combo) -> None:
         """Every schedule, sp and ZeRO stage; virtual stages upwards until the step time rises
@@ -340,10 +347,10 @@ _CATEGORIES = (
     ("number of heads", "heads not divisible by tp"),
     ("key/value heads", "kv heads and tp do not divide one another"),
     ("MLP width", "MLP width not divisible by tp"),
-    ("x `virtual_stages` =", "pp x virtual stages exceeds layers"),
     ("layers: every stage", "pp exceeds layers"),
     ("micro-batches per step", "interleaved: micro-batches not divisible by pp"),
     ("layers divisible by `pp` x", "interleaved: layers not divisible by pp x vp"),
+    ("x `virtual_stages` =", "pp x virtual stages exceeds layers"),
     ("must be divisible by `micro_batch` x dp", "global batch not divisible by micro-batch x dp"),
     ("does not combine with `pp`", "zero 2/3 with pp > 1"),
     ("divisible by 2 x cp", "seq_len not divisible by 2 x cp"),
