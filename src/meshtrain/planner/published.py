@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import textwrap
 from dataclasses import dataclass
 from importlib import resources
 
@@ -43,11 +44,11 @@ DIAGNOSES = (
      "Megatron-LM's 2020 data parallelism (its local DDP) all-reduced the gradients after the"
      " backward: the README's dp-128 rows lose 6-7% to their dp-1 twins, which the prediction"
      " hides behind the backward as meshtrain's buckets do; and the dp-1 rows already come out"
-     " 6-9% fast: the A100 of September 2020 reached less of its peak than the 2021-2022 runs"
-     " that dominate the profile's fit"),
+     " fast: the A100 of September 2020 reached less of its peak than the 2021-2022 runs that"
+     " dominate the profile's fit"),
     (("korthikanti2022-530b-full", "korthikanti2022-1t-full"),
      "without sequence parallelism meshtrain sends whole b x s x h activations between stages"
-     " (6-8% of the predicted step here), where Megatron sends 1/tp of them across nodes and"
+     " (about 7% of the predicted step here), where Megatron sends 1/tp of them across nodes and"
      " all-gathers the rest over NVLink (scatter/gather); the other ~9% their sequence-parallel"
      " twins share"),
     (("mcore-h100",),
@@ -55,7 +56,7 @@ DIAGNOSES = (
      " GEMMs (--tp-comm-overlap) and the distributed optimizer's parameter all-gather with the"
      " next forward (--overlap-param-gather); meshtrain does neither, so rows without a"
      " pipeline at tp >= 4 come out slow; the H100 fit absorbs part of it (communication at its"
-     " grids' bounds, matmul efficiency 0.725), so the deep-pipeline rows, mostly compute,"
+     " grids' bounds, a high matmul efficiency), so the deep-pipeline rows, mostly compute,"
      " come out fast"),
 )
 """Why rows are off, by id prefix (printed only for rows off by more than EXPLAIN_ABOVE)."""
@@ -202,10 +203,15 @@ def format_report(results: list[RowResult]) -> str:
               f"goal median <= {GOAL_MEDIAN:.0%}: {'met' if median <= GOAL_MEDIAN else 'NOT met'}",
               f"goal no row worse than {GOAL_WORST:.0%}:"
               f" {'met' if worst <= GOAL_WORST else 'NOT met'}"]
-    off = [r for r in results if abs(r.error) > EXPLAIN_ABOVE]
+    off: dict[str, list[RowResult]] = {}
+    for r in results:
+        if abs(r.error) > EXPLAIN_ABOVE:
+            off.setdefault(_diagnosis(r.row["id"]), []).append(r)
     if off:
-        lines += ["", f"Rows off by more than {EXPLAIN_ABOVE:.0%}:"]
-        lines += [f"  {r.row['id']} ({r.error:+.1%}): {_diagnosis(r.row['id'])}" for r in off]
+        lines += ["", f"Rows off by more than {EXPLAIN_ABOVE:.0%}, and why:"]
+    for reason, rows in off.items():
+        lines.append("  " + ", ".join(f"{r.row['id']} ({r.error:+.1%})" for r in rows) + ":")
+        lines += textwrap.wrap(reason, width=96, initial_indent="    ", subsequent_indent="    ")
     return "\n".join(lines)
 
 
