@@ -138,7 +138,7 @@ def test_gpipe_is_never_faster_than_1f1b_in_the_cost_model():
                    for s in ("gpipe", "1f1b")]
         gpipe, one_f_one_b = (predict(GPT, lay, hardware, seq_len=1024, global_batch=32)
                               for lay in layouts)
-        assert gpipe.step_time_s >= one_f_one_b.step_time_s
+        assert gpipe.step_time_s >= one_f_one_b.step_time_s * (1 - 1e-12)  # equal up to rounding
         assert gpipe.memory_gib >= one_f_one_b.memory_gib
 
 
