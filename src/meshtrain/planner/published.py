@@ -186,14 +186,14 @@ def _layout_text(row: dict, lay: Layout) -> str:
 
 
 def format_report(results: list[RowResult]) -> str:
-    head = (f"{'row':34} {'hardware':15} {'layout (* = searched)':46} {'published':>9}"
+    head = (f"{'row':34} {'hardware':15} {'layout (* = searched)':56} {'published':>9}"
             f" {'predicted':>9} {'error':>7}  compute/comm/bubble s")
     lines = [head, "-" * len(head)]
     for r in results:
         p = r.prediction
         split = f"{p.compute_s:.2f}/{p.exposed_comm_s:.2f}/{p.bubble_s:.2f}"
         lines.append(f"{r.row['id']:34} {r.row['hardware']:15}"
-                     f" {_layout_text(r.row, p.layout):46} {r.published:9.1f} {r.predicted:9.1f}"
+                     f" {_layout_text(r.row, p.layout):56} {r.published:9.1f} {r.predicted:9.1f}"
                      f" {r.error:+7.1%}  {split}")
     median, worst = summary(results)
     lines += ["", "TFLOP/s per GPU in each row's own convention (megatron96 or mfu72); error ="
