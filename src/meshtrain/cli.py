@@ -1,4 +1,4 @@
-"""`meshtrain train | export | sample | import-hf | prepare | tokenizer train`.
+"""`meshtrain train | export | sample | import-hf | prepare | tokenizer train | plan`.
 
 Every setting is validated in the launching process before any rank starts, so a bad flag costs
 one line and a non-zero exit, not a launcher traceback. With --nproc N (and not already under
@@ -24,6 +24,7 @@ from meshtrain.mesh import check_local_devices, resolve_degrees
 
 # Options of the data commands that library messages name in backticks, as `train` settings are.
 _DATA_OPTIONS = ("tokenizer", "text_field", "on_error", "workers", "val_docs", "eod_token")
+_PLAN_OPTIONS = ("gpus", "top", "ranks")
 
 
 def as_flags(message: str) -> str:
@@ -31,7 +32,7 @@ def as_flags(message: str) -> str:
     (--pp-schedule); backticked names that are no setting lose their backticks."""
     flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-"))
              for _, f in config_mod.flag_fields()} | {"config": "--config"}
-    flags |= {name: "--" + name.replace("_", "-") for name in _DATA_OPTIONS}
+    flags |= {name: "--" + name.replace("_", "-") for name in _DATA_OPTIONS + _PLAN_OPTIONS}
     return re.sub(r"`([a-z_0-9]+)`", lambda m: flags.get(m.group(1), m.group(1)), message)
 
 
@@ -59,6 +60,14 @@ def _train_config(args: argparse.Namespace) -> config_mod.RunConfig:
             overrides.setdefault(section, {})[name] = value
     file_values = config_mod.load_toml(args.config) if getattr(args, "config", None) else {}
     return config_mod.build_config(file_values, overrides)
+
+
+def _given_settings(args: argparse.Namespace) -> set[tuple[str, str]]:
+    """(section, setting) of every setting given as a flag or in the --config file."""
+    given = {tuple(key.split(".", 1)) for key in vars(args) if "." in key}
+    file_values = config_mod.load_toml(args.config) if getattr(args, "config", None) else {}
+    return given | {(section, name) for section, values in file_values.items()
+                    if isinstance(values, dict) for name in values}
 
 
 def check_train(cfg: config_mod.RunConfig, world_size: int):
@@ -176,6 +185,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _train_config(args)
     env_world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else None
     world = config_mod.world_size_of(cfg, env_world)
+    if cfg.parallel.layout:
+        from meshtrain.auto_layout import choose_layout
+
+        _notice(choose_layout(cfg, world, _given_settings(args)))
     try:
         plan = check_train(cfg, world)
     except resuming.RunComplete as done:
@@ -314,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_doctor(args)
         if args.command == "tokenizer":
             return cmd_tokenizer_train(args)
+        if args.command == "plan":
+            from meshtrain.plan_cli import cmd_plan
+
+            return cmd_plan(args)
         return cmd_sample(args, argv)
     except (ValueError, CheckpointError) as e:
         return _error(e)

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 
 from meshtrain import config as config_mod
+from meshtrain.planner.hardware import BUILT_IN
 
 
 def _debug_parent() -> argparse.ArgumentParser:
@@ -29,7 +30,13 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                                    " --config FILE.toml < flags.")
     p.add_argument("--config", metavar="FILE.toml",
                    help="TOML file with [model], [parallel], [train], [data], [checkpoint] tables")
-    for section, f in config_mod.flag_fields():
+    _add_setting_flags(p, config_mod.flag_fields())
+    return p
+
+
+def _add_setting_flags(p: argparse.ArgumentParser, fields) -> None:
+    """One flag per (section, field) setting, its help from the field (dest: section.name)."""
+    for section, f in fields:
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
         default = f.default if f.default is not dataclasses.MISSING else None
         text = f"{f.metadata['help']} (default: {default})"
@@ -41,7 +48,46 @@ def _train_parser(sub) -> argparse.ArgumentParser:
             convert = int if kind.startswith("int") else float if kind.startswith("float") else str
             p.add_argument(flag, dest=dest, type=convert, help=text,
                            metavar=f.name.upper())
-    return p
+
+
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", parents=DEBUG, argument_default=argparse.SUPPRESS,
+                       help="choose a layout: rank the layouts of a model on N devices by"
+                            " predicted step time, within their memory",
+                       description="Predict and rank the layouts (tp, pp, dp, cp, ep, virtual"
+                                   " stages, micro-batch, ZeRO, sp, recompute, schedule) of a"
+                                   " model on --gpus devices of --hardware, with the command"
+                                   " to train each. `plan calibrate` measures this machine;"
+                                   " `plan validate` checks predictions against published"
+                                   " runs.")
+    _add_setting_flags(p, [(s, f) for s, f in config_mod.flag_fields() if s == "model"])
+    train = {f.name: f for f in dataclasses.fields(config_mod.TrainSettings)}
+    for name in ("seq_len", "global_batch"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=train[name].default,
+                       help=f"{train[name].metadata['help']} (default: {train[name].default})")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="devices to plan for (required)")
+    p.add_argument("--hardware", default=None, metavar="NAME|FILE.toml",
+                   help=f"a built-in profile ({', '.join(BUILT_IN)}) or a TOML file from"
+                        " `plan calibrate` (default: this machine's)")
+    p.add_argument("--precision", default=None, help="fp32, bf16 or fp16 (default: the hardware's)")
+    p.add_argument("--layout", metavar="SPEC", default="",
+                   help="fix fields, e.g. tp=8,pp=8,vp=3,mb=1,zero=1,sp=1,recompute=selective,"
+                        "schedule=interleaved; the others are searched (2bw only when"
+                        " fixed); a spec leaving one layout is evaluated even over budget")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show (default 5)")
+    p.add_argument("--json", action="store_true", default=False,
+                   help="print one JSON object instead of the table")
+    p.add_argument("--explain", action="store_true", default=False,
+                   help="also list the rejected layouts by reason, with examples")
+    tools = p.add_subparsers(dest="plan_command", metavar="{calibrate,validate}")
+    c = tools.add_parser("calibrate", parents=DEBUG,
+                         help="measure this machine (matmuls, collectives) into a hardware file")
+    c.add_argument("--out", required=True, metavar="FILE.toml", help="the profile to write")
+    c.add_argument("--ranks", type=int, default=4,
+                   help="ranks whose collectives are measured (default 4)")
+    tools.add_parser("validate", parents=DEBUG,
+                     help="predicted vs published TFLOP/s of the published runs' layouts")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("run", metavar="RUN_DIR", help="the run's --out (its hang/ dumps)")
     _prepare_parser(sub)
     _tokenizer_parser(sub)
+    _plan_parser(sub)
     return parser
 
 

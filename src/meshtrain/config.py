@@ -100,6 +100,14 @@ class ParallelSettings:
                                           " run is declared hung: the ranks dump their last"
                                           " collectives to --out/hang and the run exits with"
                                           " code 4 naming what diverged (meshtrain doctor OUT)")
+    layout: str | None = _f(None, "let the planner choose the layout before the ranks start:"
+                                  " auto searches every layout field, a spec such as"
+                                  " tp=2,zero=1 (as for meshtrain plan) fixes the fields it"
+                                  " names; layout flags given (--tp, --micro-batch, ...) stay"
+                                  " fixed too; the choice and why are printed")
+    hardware: str | None = _f(None, "hardware profile for --layout: a built-in name or a TOML"
+                                    " file from meshtrain plan calibrate (default: this"
+                                    " machine's CUDA device's profile, else the CPU one)")
     trace: str | None = _f(None, "with --pp > 1, write the second step's pipeline timeline to"
                                  " this directory: pipeline.json (Perfetto), pipeline.png and"
                                  " pipeline_idle.json (measured vs simulated idle per stage)")

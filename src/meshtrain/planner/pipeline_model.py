@@ -66,13 +66,18 @@ def run_pipeline(chunks: list[ChunkCost], layout: Layout, micro_batches: int) ->
 @functools.lru_cache(maxsize=4096)
 def _simulate(schedule: str, p: int, v: int, m: int, forward: tuple[float, ...],
               backward: tuple[float, ...], steps: int = 1) -> schedules.Simulation:
+    return schedules.simulate(_schedule(schedule, p, v, m, steps), forward_cost=list(forward),
+                              backward_cost=list(backward), v=v)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(schedule: str, p: int, v: int, m: int, steps: int) -> list[list[schedules.Action]]:
+    """The action lists (costs aside): a search simulates the same shape with many costs, and
+    building the lists is a third of a simulation. `simulate` only reads them."""
     if schedule == "gpipe":
-        lists = schedules.gpipe(p, m)
-    elif schedule == "1f1b":
-        lists = schedules.one_f_one_b(p, m)
-    elif schedule == "interleaved":
-        lists = schedules.interleaved(p, m, v)
-    else:
-        lists = schedules.pipedream_2bw(p, m, steps)
-    return schedules.simulate(lists, forward_cost=list(forward), backward_cost=list(backward),
-                              v=v)
+        return schedules.gpipe(p, m)
+    if schedule == "1f1b":
+        return schedules.one_f_one_b(p, m)
+    if schedule == "interleaved":
+        return schedules.interleaved(p, m, v)
+    return schedules.pipedream_2bw(p, m, steps)

@@ -1,0 +1,108 @@
+"""The planner against published runs: the FLOP conventions reproduce the published columns, the
+family's FLOP count is the mfu72 convention, ZeRO's formula reproduces the paper's example, and
+the validation over all 46 rows stays within the goal it reaches."""
+
+import math
+
+import pytest
+
+from meshtrain.memory import zero_formula_bytes
+from meshtrain.planner import published
+from meshtrain.planner.hardware import BUILT_IN
+from meshtrain.planner.published import (
+    convention_flops,
+    fixed_fields,
+    format_report,
+    load_rows,
+    predict_row,
+    published_tflops,
+    row_model,
+    summary,
+    validate,
+)
+
+ROWS = {row["id"]: row for row in load_rows()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return validate()
+
+
+def test_megatron96_reproduces_the_readme_2020_tflops_column():
+    readme = [r for r in ROWS.values() if r["id"].startswith("readme2020")]
+    assert len(readme) == 9
+    for row in readme:
+        assert row["flops"] == "megatron96"
+        tflops = convention_flops(row) / (row["iter_s"] * row["gpus"]) / 1e12
+        assert tflops == pytest.approx(row["tflops_per_gpu"], rel=0.01), row["id"]
+
+
+def test_the_gpt_family_counts_exactly_the_mfu72_convention():
+    # 6 x (12 l h^2 + V h) weights FLOPs + 12 l s h attention per token is 72 B s l h^2 (1 + s/6h
+    # + V/12hl) term by term: biases, norms and positions are no matmuls in either count.
+    row = ROWS["megascale-megatron-175b-256"]
+    tokens = row["global_batch"] * row["seq"]
+    family = row_model(row).flops_per_token(row["seq"]) * tokens
+    assert family == pytest.approx(convention_flops(row), rel=1e-12)
+
+
+def test_megatron96_is_mfu72_with_the_recomputed_forward():
+    row = {**ROWS["korthikanti2022-22b-full"], "vocab": 0}  # the head is never recomputed
+    assert convention_flops({**row, "flops": "megatron96"}) == \
+        pytest.approx(convention_flops(row) * 4 / 3)
+
+
+def test_the_zero_paper_example():
+    # Rajbhandari et al.: Psi = 7.5B, N_d = 64, K = 12, fp16 parameters and gradients.
+    gb = [zero_formula_bytes(7_500_000_000, param_bytes=2, grad_bytes=2, state_bytes=12, dp=64,
+                             stage=stage) / 1e9 for stage in (0, 1, 2, 3)]
+    assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_published_values_and_rows_agree_with_the_profiles():
+    rows = load_rows()
+    assert len(rows) == 46
+    for row in rows:
+        hw = BUILT_IN[row["hardware"]]
+        assert row["tp"] * row["pp"] * row["dp"] == row["gpus"], row["id"]
+        if "mfu" in row and "tflops_per_gpu" not in row:
+            assert published_tflops(row, hw) == row["mfu"] * hw.peak_tflops
+    only_time = ROWS["korthikanti2022-22b-full"]  # neither TFLOP/s nor MFU: from iter_s
+    assert published_tflops(only_time, BUILT_IN["a100-80g-selene"]) == pytest.approx(
+        convention_flops(only_time) / 1.42 / 8 / 1e12)
+
+
+def test_stated_fields_are_fixed_and_the_rest_searched():
+    zero3 = fixed_fields(ROWS["narayanan2021-t2-zero3-530b-1120"])
+    assert zero3["zero"] == 3 and zero3["mb"] == 2 and "vp" not in zero3
+    t1 = fixed_fields(ROWS["narayanan2021-t1-310.1b"])
+    assert t1["schedule"] == "interleaved" and "mb" not in t1 and "vp" not in t1
+    assert fixed_fields(ROWS["mcore-h100-1.7b"])["sp"] is False  # tp 1: nothing to split
+
+
+def test_predict_row_is_the_convention_over_the_predicted_step():
+    row = ROWS["readme2020-v100-4b-mp4"]
+    hw = BUILT_IN[row["hardware"]]
+    tflops, layout = predict_row(row, hw)
+    step = published.predict_layout(row, layout, hw).step_time_s
+    assert layout.tp == 4 and layout.mb == 8 and layout.recompute == "full"
+    assert tflops == pytest.approx(convention_flops(row) / (step * 4) / 1e12)
+
+
+def test_every_row_is_predicted_and_the_median_meets_the_goal(results):
+    assert [r.row["id"] for r in results] == list(ROWS)
+    assert all(math.isfinite(r.predicted) and r.predicted > 0 for r in results)
+    assert all(r.prediction.memory_gib <= BUILT_IN[r.row["hardware"]].hbm_gib for r in results)
+    median, worst = summary(results)
+    assert median <= 0.07  # 6.0% with the fitted built-in profiles (docs/benchmarks.md)
+    assert worst <= 0.24  # 21.6%: mcore-h100-32b
+
+
+def test_the_report_lists_every_row_and_the_goals(results):
+    text = format_report(results)
+    assert all(row_id in text for row_id in ROWS)
+    assert "goal median <= 10%: met" in text and "goal no row worse than 25%: met" in text
+    explained = text.split("and why:")[-1]
+    assert all((f"{r.row['id']} (" in explained) == (abs(r.error) > 0.15) for r in results)
+    assert "no diagnosis" not in text

@@ -1,0 +1,348 @@
+"""The layout search and `meshtrain plan`: constraints with their reasons, ranking within the
+memory budget, fixed fields, the printed commands, JSON and bad input; `train --layout auto`."""
+
+import dataclasses
+import itertools
+import json
+import shlex
+import tomllib
+
+import pytest
+from harness import run_cli
+
+from meshtrain.auto_layout import LAYOUT_SETTINGS, fixed_fields
+from meshtrain.cli import _train_config, main
+from meshtrain.cli_parsers import build_parser
+from meshtrain.config import build_config
+from meshtrain.data import synthetic_corpus
+from meshtrain.models import preset
+from meshtrain.planner.costs import Prediction, predict
+from meshtrain.planner.hardware import BUILT_IN, Hardware
+from meshtrain.planner.layout import RECOMPUTE, Layout
+from meshtrain.planner.memory_model import MemoryBreakdown
+from meshtrain.planner.search import OVER_BUDGET, search
+
+GIB = 2**30
+GPT = dataclasses.replace(preset("gpt2"), num_layers=8, num_heads=16)
+NODE = Hardware(name="node", peak_tflops=100.0, hbm_gib=10, gpus_per_node=8,
+                intra_node_gbytes_per_s=100.0, inter_node_gbytes_per_s=10.0)
+
+
+def stand_in(model, layout, hardware, *, seq_len, global_batch, precision) -> Prediction:
+    """A cost with known answers: time falls with tp, rises with pipeline depth and recompute;
+    memory (GiB) is 24 / (tp x pp) plus the micro-batch, less under recompute and ZeRO."""
+    extra = {"none": 0.0, "selective": 0.1, "full": 0.3}[layout.recompute]
+    step = 1.0 / layout.tp + 0.05 * layout.pp + extra + 0.01 * layout.mb + 0.001 * layout.zero
+    gib = max(0.5, 24 / (layout.tp * layout.pp) + layout.mb
+              - 2 * RECOMPUTE.index(layout.recompute) - layout.zero)
+    memory = MemoryBreakdown(gib * GIB, 0.0, 0.0, 0.0, 0.0)
+    return Prediction(layout, step, step, 0.0, 0.0, 1.0, 0.5, memory)
+
+
+def _search(model=GPT, hardware=NODE, gpus=8, fixed=None, cost=stand_in, **kw):
+    kw = {"seq_len": 1024, "global_batch": 16, "precision": "bf16"} | kw
+    return search(model, hardware, gpus=gpus, fixed=fixed, cost=cost, **kw)
+
+
+def test_tp_not_dividing_the_heads_is_rejected_with_its_reason():
+    result = _search(model=dataclasses.replace(GPT, num_heads=6, hidden_size=768))
+    rejected = result.rejected["heads not divisible by tp"]
+    assert {r.layout.tp for r in rejected} == {4, 8}
+    assert "number of heads (6) must be divisible by tp" in rejected[0].detail
+    assert result.ranked and all(p.layout.tp in (1, 2) for p in result.ranked)
+
+
+def test_pp_beyond_the_layers_and_interleaving_are_checked():
+    shallow = dataclasses.replace(GPT, num_layers=4)
+    result = _search(model=shallow, gpus=16, fixed={"tp": 1})
+    assert {r.layout.pp for r in result.rejected["pp exceeds layers"]} == {8, 16}
+    # Interleaving needs the micro-batches divisible by pp and the layers by pp x vp.
+    odd = _search(gpus=2, fixed={"pp": 2, "schedule": "interleaved", "vp": 2},
+                  global_batch=3)
+    assert not odd.ranked
+    assert "interleaved: micro-batches not divisible by pp" in odd.rejected
+    uneven = _search(model=dataclasses.replace(GPT, num_layers=6), gpus=2,
+                     fixed={"pp": 2, "schedule": "interleaved", "vp": 2})
+    assert "interleaved: layers not divisible by pp x vp" in uneven.rejected
+    with pytest.raises(ValueError, match="no layout fits.*interleaved"):
+        uneven.best()
+
+
+def test_ranking_is_by_step_time_within_the_memory_budget():
+    result = _search()
+    times = [p.step_time_s for p in result.ranked]
+    assert times == sorted(times) and len(times) > 5
+    assert all(p.memory_gib <= NODE.hbm_gib for p in result.ranked)
+    best = result.ranked[0].layout
+    assert (best.tp, best.pp, best.mb, best.recompute) == (8, 1, 1, "none")
+    over = result.rejected[OVER_BUDGET]
+    assert all(r.over_gib > 0 and r.detail.startswith(f"by {r.over_gib:.1f} GiB") for r in over)
+    # tp=1 x pp=1 needs 24 GiB + mb: over budget even with full recompute and ZeRO 3.
+    assert not any((p.layout.tp, p.layout.pp) == (1, 1) for p in result.ranked)
+    assert any((r.layout.tp, r.layout.pp) == (1, 1) for r in over)
+
+
+def test_recompute_is_raised_only_while_memory_demands_it():
+    result = _search(fixed={"tp": 1, "pp": 2, "zero": 1, "mb": 1, "schedule": "1f1b"})
+    # The probe (full recompute: 8 GiB) fits; then none (12 GiB) is over the 10 and selective
+    # (10 GiB) fits, so the escalation stops there.
+    assert [p.layout.recompute for p in result.ranked] == ["selective", "full"]
+    assert [r.layout.recompute for r in result.rejected[OVER_BUDGET]] == ["none"]
+    assert result.evaluated == 3
+
+
+def test_fixed_fields_are_carried_by_every_result():
+    fixed = {"tp": 2, "zero": 1, "recompute": "selective"}
+    result = _search(fixed=fixed)
+    assert result.ranked
+    for p in result.ranked:
+        assert (p.layout.tp, p.layout.zero, p.layout.recompute) == (2, 1, "selective")
+
+
+def test_a_fully_fixed_layout_is_reported_even_over_budget():
+    tight = dataclasses.replace(NODE, hbm_gib=1)
+    spec = {"tp": 1, "pp": 1, "dp": 8, "cp": 1, "mb": 2, "zero": 0, "recompute": "none"}
+    result = _search(hardware=tight, fixed=spec)
+    assert len(result.ranked) == 1 and result.ranked[0].layout.dp == 8
+    assert "26.0 GiB per device, 25.0 GiB over the 1 GiB of node" in result.warnings[0]
+    # Left free to search with less memory than any layout needs: one reason, the closest miss.
+    with pytest.raises(ValueError, match=r"no layout fits.*memory over budget.*by 0\.2 GiB"):
+        _search(hardware=dataclasses.replace(NODE, hbm_gib=0.25)).best()
+
+
+def test_a_fixed_layout_that_cannot_run_is_an_error():
+    with pytest.raises(ValueError, match="number of heads"):
+        _search(fixed={"tp": 8, "pp": 1, "dp": 1, "mb": 1, "zero": 0, "recompute": "none",
+                       "sp": False}, model=dataclasses.replace(GPT, num_heads=6))
+
+
+def test_fixed_degrees_must_match_the_devices():
+    with pytest.raises(ValueError, match=r"tp x pp x dp x cp = 2 x 2 x 2 x 1 = 8, not `gpus` 16"):
+        _search(gpus=16, fixed={"tp": 2, "pp": 2, "dp": 2, "cp": 1})
+    with pytest.raises(ValueError, match="fixes tp = 3, which does not divide `gpus` 8"):
+        _search(fixed={"tp": 3})
+
+
+def test_2bw_only_when_asked_for():
+    pipelined = _search(fixed={"tp": 1}, precision="fp32")
+    assert {p.layout.schedule for p in pipelined.ranked} == {"1f1b", "interleaved"}
+    asked = _search(fixed={"tp": 1, "pp": 2, "schedule": "2bw"}, precision="fp32")
+    assert asked.ranked and {p.layout.schedule for p in asked.ranked} == {"2bw"}
+
+
+def test_gpipe_is_never_faster_than_1f1b_in_the_cost_model():
+    """Why the search leaves gpipe out unless fixed."""
+    hardware = BUILT_IN["a100-40g"]
+    for pp, mb, tp in ((2, 1, 1), (4, 2, 2), (8, 1, 1)):
+        layouts = [Layout(tp=tp, pp=pp, dp=8 // (tp * pp) or 1, mb=mb, schedule=s)
+                   for s in ("gpipe", "1f1b")]
+        gpipe, one_f_one_b = (predict(GPT, lay, hardware, seq_len=1024, global_batch=32)
+                              for lay in layouts)
+        assert gpipe.step_time_s >= one_f_one_b.step_time_s * (1 - 1e-12)  # equal up to rounding
+        assert gpipe.memory_gib >= one_f_one_b.memory_gib
+
+
+def _exhaustive_best(model, hardware, gpus, **kw) -> Prediction:
+    """The fastest valid layout within memory among every combination (gpipe included)."""
+    best = None
+    degrees = [(t, p, gpus // (t * p)) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8)
+               if gpus % (t * p) == 0 and t <= gpus]
+    for (tp, pp, dp), mb, zero, sp, recompute, (schedule, vp) in itertools.product(
+            degrees, (1, 2, 4, 8), (0, 1, 2, 3), (False, True), RECOMPUTE,
+            (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4))):
+        lay = Layout(tp=tp, pp=pp, dp=dp, mb=mb, zero=zero, sp=sp, recompute=recompute,
+                     schedule=schedule, vp=vp)
+        try:
+            lay.to_plan(precision=kw["precision"]).validate(
+                model, world_size=gpus, global_batch=kw["global_batch"], seq_len=kw["seq_len"])
+        except ValueError:
+            continue
+        p = predict(model, lay, hardware, **kw)
+        if p.memory_gib <= hardware.hbm_gib and (best is None or p.step_time_s < best.step_time_s):
+            best = p
+    return best
+
+
+@pytest.mark.parametrize("name,layers,hardware,hbm,gpus,seq_len,batch", [
+    ("gpt2", 4, "a100-40g", 1.2, 4, 1024, 16),      # memory binds: ZeRO, recompute
+    ("gpt2", 8, "v100-32g-dgx2h", 1.0, 8, 1024, 64),
+    ("llama-tiny", 4, "a100-40g", 0.01, 4, 256, 16)])  # only pipelines with recompute fit
+def test_the_pruned_search_finds_the_exhaustive_best(name, layers, hardware, hbm, gpus,
+                                                     seq_len, batch):
+    """Against every valid layout of a small space, predicted with the real cost model."""
+    model = dataclasses.replace(preset(name), num_layers=layers)
+    hw = dataclasses.replace(BUILT_IN[hardware], hbm_gib=hbm)
+    kw = {"seq_len": seq_len, "global_batch": batch, "precision": "bf16"}
+    best = _exhaustive_best(model, hw, gpus, **kw)
+    found = search(model, hw, gpus=gpus, **kw)
+    assert found.ranked[0].step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
+    assert found.evaluated < 80
+
+
+# --- meshtrain plan --------------------------------------------------------------------------
+
+PLAN = ["plan", "--model", "gpt2", "--num-layers", "8", "--seq-len", "1024", "--global-batch",
+        "64", "--hardware", "a100-40g"]
+
+
+def _run(capsys, *args):
+    code = main([*PLAN, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_json_is_one_object_best_first(capsys):
+    code, out, _ = _run(capsys, "--gpus", "8", "--json", "--top", "3")
+    assert code == 0
+    report = json.loads(out)
+    layouts = report["layouts"]
+    assert len(layouts) == 3
+    for entry in layouts:
+        assert {"step_time_s", "tflops_per_gpu", "mfu", "memory_gib", "layout", "command",
+                "compute_s", "exposed_comm_s", "bubble_s", "memory"} <= entry.keys()
+        assert entry["step_time_s"] == pytest.approx(
+            entry["compute_s"] + entry["exposed_comm_s"] + entry["bubble_s"])
+        assert entry["memory_gib"] == pytest.approx(sum(entry["memory"].values()))
+    assert [e["step_time_s"] for e in layouts] == sorted(e["step_time_s"] for e in layouts)
+    assert "rejected" not in report
+
+
+def _parsed(command: str):
+    """The layout and config a printed command trains with, and the words before `train`."""
+    words = shlex.split(command)
+    start = words.index("train")
+    cfg = _train_config(build_parser().parse_args(words[start:]))
+    values = {key: getattr(getattr(cfg, section), name)
+              for key, (section, name) in LAYOUT_SETTINGS.items()}
+    return Layout(**values), cfg, words[:start]
+
+
+@pytest.mark.parametrize("gpus,launcher,nproc", [
+    (8, ["meshtrain"], 8),
+    (32, ["torchrun", "--nnodes", "4", "--nproc-per-node", "8"], None)])
+def test_the_printed_command_trains_the_same_layout(capsys, gpus, launcher, nproc):
+    code, out, _ = _run(capsys, "--gpus", str(gpus), "--json")
+    assert code == 0
+    for entry in json.loads(out)["layouts"]:
+        layout, cfg, words = _parsed(entry["command"])
+        assert layout == Layout(**entry["layout"])
+        assert words[:len(launcher)] == launcher and cfg.parallel.nproc == nproc
+        assert (cfg.model.model, cfg.model.num_layers, cfg.train.seq_len,
+                cfg.train.global_batch, cfg.train.precision) == ("gpt2", 8, 1024, 64, "bf16")
+
+
+def test_plan_table_and_explain(capsys):
+    code, out, _ = _run(capsys, "--gpus", "16", "--num-heads", "6", "--explain")
+    assert code == 0
+    lines = out.splitlines()
+    assert "on 16 x a100-40g" in lines[1] and "layout(s) predicted" in lines[1]
+    rows = [line for line in lines if line.lstrip().startswith(("1 ", "2 "))]
+    assert len(rows) == 2 and "tp=" in rows[0]
+    assert "rejected layouts by reason:" in lines
+    heads = next(line for line in lines if "heads not divisible by tp:" in line)
+    assert int(heads.rsplit(":", 1)[1]) > 0
+    example = lines[lines.index(heads) + 1]
+    assert "tp=4" in example or "tp=8" in example
+    code, out, _ = _run(capsys, "--gpus", "16", "--num-heads", "6", "--explain", "--json")
+    rejected = json.loads(out)["rejected"]
+    assert rejected["heads not divisible by tp"]["count"] > 0
+    assert rejected["heads not divisible by tp"]["examples"][0]["layout"]["tp"] in (4, 8)
+
+
+def test_plan_layout_over_budget_warns(capsys):
+    code, out, err = _run(capsys, "--gpus", "1", "--global-batch", "128", "--layout",
+                          "tp=1,pp=1,dp=1,mb=128,zero=0,recompute=none", "--json")
+    assert code == 0
+    assert json.loads(out)["layouts"][0]["layout"]["mb"] == 128
+    assert err.startswith("meshtrain: warning: layout tp=1") and "over the 40 GiB" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "12", "--layout", "tp=8,pp=2,dp=1,cp=1"], "not --gpus 12"),
+    (["--gpus", "8", "--hardware", "tpu-v9"], "--hardware 'tpu-v9' is neither"),
+    (["--gpus", "8", "--layout", "tp=3"], "does not divide --gpus 8"),
+    (["--gpus", "8", "--layout", "wide=2"], "is not KEY=VALUE"),
+    (["--gpus", "8", "--hidden-size", "49152", "--num-layers", "200"], "no layout fits"),
+    (["--json"], "--gpus is required"),
+])
+def test_plan_bad_input_is_one_line(capsys, args, message):
+    code, out, err = _run(capsys, *args)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_plan_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch, capsys):
+    import sys
+    import types
+
+    fake = types.ModuleType("meshtrain.planner.calibrate")
+    fake.calibrate_machine = lambda ranks: dataclasses.replace(NODE, name=f"here-{ranks}")
+    monkeypatch.setitem(sys.modules, "meshtrain.planner.calibrate", fake)
+    out = tmp_path / "here.toml"
+    assert main(["plan", "calibrate", "--out", str(out), "--ranks", "2"]) == 0
+    assert tomllib.loads(out.read_text())["name"] == "here-2"
+    assert [p.name for p in tmp_path.iterdir()] == ["here.toml"]
+    assert f"--hardware {out}" in capsys.readouterr().out
+
+
+# --- train --layout auto ---------------------------------------------------------------------
+
+def test_layout_flags_given_are_fixed():
+    cfg = build_config({}, {"parallel": {"layout": "zero=1", "tp": 2},
+                            "train": {"micro_batch": 4}})
+    assert fixed_fields(cfg, {("parallel", "tp"), ("train", "micro_batch")}) == {
+        "zero": 1, "tp": 2, "mb": 4}
+    cfg = build_config({}, {"parallel": {"layout": "tp=1", "tp": 2}})
+    with pytest.raises(ValueError, match="`tp` 2 contradicts `layout` tp=1"):
+        fixed_fields(cfg, {("parallel", "tp")})
+
+
+def test_train_layout_auto_end_to_end(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(synthetic_corpus(20_000, seed=3).tobytes())
+    hardware = tmp_path / "cpu.toml"
+    hardware.write_text(Hardware(
+        name="test-cpu", peak_tflops=0.05, hbm_gib=4, gpus_per_node=2,
+        intra_node_gbytes_per_s=2.0, inter_node_gbytes_per_s=1.0, hbm_gbytes_per_s=10.0,
+        layer_overhead_s=1e-4, default_precision="fp32").to_toml())
+    out = tmp_path / "run"
+    done = run_cli("train", "--nproc", "2", "--layout", "auto", "--hardware", str(hardware),
+                   "--device", "cpu", "--data", str(corpus), "--seq-len", "32",
+                   "--global-batch", "4", "--steps", "3", "--eval-every", "0",
+                   "--out", str(out))
+    chose = next(line for line in done.stderr.splitlines() if "chose" in line)
+    assert chose.startswith("meshtrain: --layout auto chose tp=")
+    assert "for 2 rank(s) on test-cpu: predicted" in chose and "runner-up" in done.stderr
+    spec = chose.split(" chose ")[1].split(" ")[0]
+    saved = tomllib.loads((out / "config.toml").read_text())
+    chosen = dict(item.split("=") for item in spec.split(","))
+    assert str(saved["parallel"]["tp"]) == chosen["tp"]
+    assert str(saved["train"]["micro_batch"]) == chosen["mb"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name,profile", [("NVIDIA H100 80GB HBM3", "h100-80g"),
+                                          ("NVIDIA A100-SXM4-80GB", "a100-80g-selene"),
+                                          ("NVIDIA A100-SXM4-40GB", "a100-40g"),
+                                          ("Tesla V100-SXM3-32GB", "v100-32g-dgx2h"),
+                                          ("NVIDIA GeForce RTX 4090", None)])
+def test_default_hardware_follows_the_cuda_device(monkeypatch, name, profile):
+    import torch
+
+    from meshtrain.auto_layout import default_hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+    if profile is None:
+        with pytest.raises(ValueError, match="no built-in hardware profile matches"):
+            default_hardware("auto")
+    else:
+        assert default_hardware("auto").name == profile
+    # --device cpu plans for the CPU even with CUDA present.
+    cpu = BUILT_IN.get("cpu-gloo")
+    if cpu is None:
+        with pytest.raises(ValueError, match="plan calibrate"):
+            default_hardware("cpu")
+    else:
+        assert default_hardware("cpu") is cpu
