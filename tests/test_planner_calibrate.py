@@ -20,6 +20,7 @@ TRUE = Hardware(name="cpu-gloo", peak_tflops=0.1, hbm_gib=4.0, gpus_per_node=4,
                 fp32_peak_tflops=0.04, hbm_gbytes_per_s=10.0, matmul_efficiency=0.9,
                 matmul_half_gflop=0.002, memory_efficiency=1.0, network_efficiency=1.0,
                 collective_latency_s=5e-4, overlap_efficiency=0.25, layer_overhead_s=3e-4,
+                attention_backward_ratio=5.0, reduce_scatter_factor=2.0,
                 default_precision="fp32")
 """A machine whose every measurement the cost model predicts exactly."""
 OPS = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
@@ -39,6 +40,7 @@ def measurements_of(hw: Hardware) -> dict:
         "overlap": {"comm": 0.01, "compute": 0.005, "both": 0.005 + 0.01 - 0.25 * 0.005},
         "block": {"forward": layer / 3 + hw.layer_overhead_s,
                   "backward": 2 * layer / 3 + 2 * hw.layer_overhead_s},
+        "attention": {"forward": 1e-3, "backward": hw.attention_backward_ratio * 1e-3},
     }
 
 
@@ -54,7 +56,8 @@ def test_fits_recover_the_machine_the_formulas_describe():
             for n in (1 << 10, 1 << 30):
                 assert fn(fitted, n, g, g) == pytest.approx(fn(TRUE, n, g, g), rel=1e-3), op
     for field in ("hbm_gbytes_per_s", "collective_latency_s", "intra_node_gbytes_per_s",
-                  "inter_node_gbytes_per_s", "overlap_efficiency", "layer_overhead_s"):
+                  "inter_node_gbytes_per_s", "overlap_efficiency", "layer_overhead_s",
+                  "attention_backward_ratio", "reduce_scatter_factor"):
         assert getattr(fitted, field) == pytest.approx(getattr(TRUE, field), rel=2e-3), field
     assert fitted.hbm_gib == 4.0 and fitted.gpus_per_node == 4
     assert fitted.default_precision == "fp32" and fitted.name == "cpu-gloo"

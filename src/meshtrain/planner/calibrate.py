@@ -150,6 +150,7 @@ def _rank_main(rank: int, ranks: int, port: int, quick: bool, results) -> None:
             "collectives": _time_collectives(r, ranks, sizes),
             "overlap": _time_overlap(r, (1 if quick else 4) << 20),
             "block": _time_block(r),
+            "attention": _time_attention(r),
         }
         if rank == 0:
             results.put(measured)
@@ -254,6 +255,17 @@ def _time_block(r: _Rank) -> dict[str, float]:
         "both": lambda: block(x, model.rng, positions, AuxiliaryOutputs()).backward(grad)})
     return {"forward": t["forward"], "backward": t["both"] - t["forward"]}
 
+def _time_attention(r: _Rank) -> dict[str, float]:
+    """Forward and backward seconds of a causal SDPA core (the ratio the cost model needs)."""
+    q, k, v = (torch.randn(2, 4, 256, 32, device=r.device, requires_grad=True)
+               for _ in range(3))
+    core = torch.nn.functional.scaled_dot_product_attention
+    grad = torch.ones(2, 4, 256, 32, device=r.device)
+    t = r.timed_each({"forward": lambda: core(q, k, v, is_causal=True),
+                      "both": lambda: core(q, k, v, is_causal=True).backward(grad)})
+    return {"forward": t["forward"], "backward": t["both"] - t["forward"]}
+
+
 def fit_profile(measured: dict, *, ranks: int,
                 report: Callable[[str], None] | None = None) -> Hardware:
     """The profile whose cost formulas best reproduce what the ranks measured."""
@@ -262,7 +274,11 @@ def fit_profile(measured: dict, *, ranks: int,
              for d in DTYPES}  # GFLOP/s
     efficiency, half = _fit_matmul(measured["matmul"], peaks, say)
     moved, seconds = (sum(col) for col in zip(*measured["elementwise"], strict=True))
-    alpha, link = _fit_collectives(measured["collectives"], say)
+    alpha, link, scatter = _fit_collectives(measured["collectives"], say)
+    a = measured["attention"]
+    ratio = max(1.0, a["backward"] / a["forward"])
+    say(f"attention core: forward {a['forward'] * 1e6:.0f} us, backward"
+        f" {a['backward'] * 1e6:.0f} us -> attention_backward_ratio {ratio:.3g}")
     o = measured["overlap"]
     overlap = min(1.0, max(0.0, (o["comm"] - (o["both"] - o["compute"])) / o["compute"]))
     say(f"overlap: all-reduce {o['comm'] * 1e3:.2f} ms, matmuls {o['compute'] * 1e3:.2f} ms,"
@@ -275,6 +291,7 @@ def fit_profile(measured: dict, *, ranks: int,
         fp32_peak_tflops=peaks["fp32"] / 1e3, hbm_gbytes_per_s=moved / seconds / 1e9,
         matmul_efficiency=efficiency, matmul_half_gflop=half, memory_efficiency=1.0,
         network_efficiency=1.0, collective_latency_s=alpha, overlap_efficiency=overlap,
+        attention_backward_ratio=ratio, reduce_scatter_factor=scatter,
         default_precision="fp32" if cpu else "bf16")
     block = measured["block"]
     compute = _layer_compute(hardware)
@@ -317,17 +334,25 @@ MODEL = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
          "send": lambda hw, nbytes, group, span: coll.send(hw, nbytes, span)}
 
 
-def _fit_collectives(rows: list[tuple], say: Callable[[str], None]) -> tuple[float, float]:
-    """alpha and the bandwidth (bytes/s) of t = steps x alpha + moved / bandwidth."""
+def _fit_collectives(rows: list[tuple],
+                     say: Callable[[str], None]) -> tuple[float, float, float]:
+    """alpha and the bandwidth (bytes/s) of t = steps x alpha + moved / bandwidth, fitted on
+    every collective but reduce-scatter; then reduce_scatter_factor, the median ratio of a
+    reduce-scatter's bytes time to what that bandwidth predicts (gloo has no native ring)."""
     points = [(MODEL[op](UNIT_LATENCY, n, g, g), MODEL[op](UNIT_BYTES, n, g, g), t)
-              for op, g, n, t in rows]
+              for op, g, n, t in rows if op != "reduce_scatter"]
     alpha, per_byte = _relative_least_squares(points)
+    scatter = statistics.median(
+        max(0.1, (t - alpha * MODEL[op](UNIT_LATENCY, n, g, g))
+            / (per_byte * MODEL[op](UNIT_BYTES, n, g, g)))
+        for op, g, n, t in rows if op == "reduce_scatter")
     for op in COLLECTIVES:
         say(f"{op}: " + ", ".join(f"g{g} {n >> 10} KiB {t * 1e3:.3f} ms" for o, g, n, t in rows
                                   if o == op))
     say(f"collective fit: collective_latency_s {alpha:.3g}, bandwidth {1e-9 / per_byte:.3g}"
-        f" GB/s, worst time error {_worst_error(points, alpha, per_byte):.0%}")
-    return alpha, 1 / per_byte
+        f" GB/s, worst time error {_worst_error(points, alpha, per_byte):.0%};"
+        f" reduce_scatter_factor {scatter:.3g}")
+    return alpha, 1 / per_byte, scatter
 
 
 def _relative_least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float]:

@@ -39,7 +39,12 @@ def all_gather(hardware: Hardware, nbytes: float, group: int, span: int) -> floa
     return _ring(hardware, steps=group - 1, moved=(group - 1) / group * nbytes, span=span)
 
 
-reduce_scatter = all_gather
+def reduce_scatter(hardware: Hardware, nbytes: float, group: int, span: int) -> float:
+    if group == 1:
+        return 0.0
+    return _ring(hardware, steps=group - 1, span=span,
+                 moved=hardware.reduce_scatter_factor * (group - 1) / group * nbytes)
+
 all_to_all = all_gather
 
 

@@ -25,8 +25,9 @@ from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
 from meshtrain.planner.workload import GRAD_BYTES, Workload
 
 GIB = 2**30
-OPTIMIZER_BYTES_PER_PARAMETER = 36
-"""Adam's step reads and writes parameter, fp32 gradient, moments and master (~36 B)."""
+OPTIMIZER_BYTES_PER_PARAMETER = 80
+"""torch's foreach AdamW: ~10 unfused passes over parameter, gradient and moments (measured
+77 B/parameter in fp32 on the CPU host)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ def predict(model: TransformerConfig, layout: Layout, hardware: Hardware, *, seq
         optimizer = optimizer_time(work, hardware, sum(c.parameters for c in own))
         totals.append((pipe.makespan + sync + optimizer, rank, sync, optimizer))
     step, rank, sync, optimizer = max(totals)
+    scalars = _step_scalars(layout, hardware)
+    step, sync = step + scalars, sync + scalars
     own = [chunks[g] for g in pipe.chunks_of(rank)]
     in_path = pipe.micro_batches * sum(c.forward_comm + c.backward_comm for c in own)
     busy = pipe.busy[rank]
@@ -76,6 +79,16 @@ def predict(model: TransformerConfig, layout: Layout, hardware: Hardware, *, seq
                       exposed_comm_s=in_path + sync, bubble_s=pipe.makespan - busy,
                       tflops_per_gpu=tflops, mfu=tflops / hardware.peak_for(precision),
                       memory=peak_memory(work, chunks, pipe))
+
+
+def _step_scalars(lay: Layout, hw: Hardware) -> float:
+    """Once a step: the loss averaged over dp x cp, the stop/save request over the world, the
+    gradient norm over tp and pp (ZeRO: also dp x cp) - tiny, so all latency."""
+    dp_cp, world = lay.dp * lay.cp, lay.gpus
+    groups = [(dp_cp, lay.tp * dp_cp), (world, world), (lay.tp, lay.tp), (lay.pp, world)]
+    if lay.zero:
+        groups.append((dp_cp, lay.tp * dp_cp))
+    return sum(coll.all_reduce(hw, 4, g, span) for g, span in groups)
 
 
 def _matmul(hardware: Hardware, flops: float, precision: str) -> float:
@@ -118,7 +131,9 @@ def _layer_cost(work: Workload, hw: Hardware, index: int) -> ChunkCost:
     weights = [_matmul(hw, f, p) for f in w.weight_matmuls]
     core = 2 * _matmul(hw, w.core_matmuls / 2, p)
     forward = sum(weights) + core + _elementwise(hw, w.elementwise_bytes) + hw.layer_overhead_s
-    backward = 2 * (forward - hw.layer_overhead_s) + 2 * hw.layer_overhead_s
+    ratio = 2.0 if lay.cp > 1 else hw.attention_backward_ratio  # ring: hand-written autograd
+    backward = 2 * (forward - hw.layer_overhead_s - core) + ratio * core \
+        + 2 * hw.layer_overhead_s
     tp_forward, tp_backward = _tensor_parallel_comm(work, hw, weights)
     cp_forward, cp_backward = _context_parallel_comm(work, hw, core)
     forward_comm, backward_comm = tp_forward + cp_forward, tp_backward + cp_backward
@@ -138,8 +153,9 @@ def _tensor_parallel_comm(work: Workload, hw: Hardware,
     t = work.layout.tp
     n = work.activation_bytes
     if work.layout.sp:
-        both = 2 * (coll.all_gather(hw, n, t, t) + coll.reduce_scatter(hw, n, t, t))
-        return both, both
+        gather, scatter = coll.all_gather(hw, n, t, t), coll.reduce_scatter(hw, n, t, t)
+        # backward gathers the QKV and first MLP inputs again for their weight gradients
+        return 2 * (gather + scatter), 2 * (2 * gather + scatter)
     one = coll.all_reduce(hw, n, t, t)
     return 2 * one, _hidden(hw, one, weights[0]) + _hidden(hw, one, weights[2])
 
@@ -173,11 +189,12 @@ def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
     t = lay.tp
     matmul = _matmul(hw, work.head_matmul(), work.precision)
     stats = 3 * coll.all_reduce(hw, work.local_tokens * 4, t, t)
-    gather = coll.all_gather(hw, work.activation_bytes, t, t) if lay.sp else 0.0
+    gather = coll.all_gather(hw, work.activation_bytes, t, t) if lay.sp \
+        else coll.all_reduce(hw, work.activation_bytes, t, t)  # SP: gather; else f's backward
     forward = matmul + _elementwise(hw, 3 * work.logits_bytes() + 2 * work.activation_bytes)
     backward = 2 * matmul + _elementwise(hw, 2 * work.logits_bytes())
     held = 0.0 if m.tie_embeddings and lay.pp == 1 else work.embedding_parameters()
-    return ChunkCost(forward, stats + gather, backward, gather, held)
+    return ChunkCost(forward, stats + (gather if lay.sp else 0.0), backward, gather, held)
 
 
 def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
@@ -192,11 +209,12 @@ def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) ->
     forward = sum(c.forward for c in own)
     backward = sum(c.backward for c in own)
     last_bucket = min(1.0, 25 * 2**20 / max(grads, 1.0))
-    if lay.zero == 3:
-        gather = coll.all_gather(hw, weights, g, span)
-        scatter = coll.reduce_scatter(hw, grads, g, span)
-        per_micro = max(_hidden(hw, gather, forward), gather / max(len(own), 1)) \
-            + max(_hidden(hw, gather + scatter, backward), scatter * last_bucket)
+    if lay.zero == 3:  # one gather per unit (layer, or the rest) before forward and backward
+        units = work.model.num_layers // lay.pp + 1
+        gather = units * coll.all_gather(hw, weights / units, g, span)
+        scatter = units * coll.reduce_scatter(hw, grads / units, g, span)
+        per_micro = max(_hidden(hw, gather, forward), gather / units) \
+            + max(_hidden(hw, gather + scatter, backward), scatter / units)
         return work.micro_batches * per_micro
     reduce = coll.all_reduce(hw, grads, g, span) if lay.zero == 0 \
         else coll.reduce_scatter(hw, grads, g, span)

@@ -50,6 +50,10 @@ class Hardware:
     layer_overhead_s: float = 0.0
     """Host time per transformer layer per forward (kernel launches, Python); backward counts
     it twice."""
+    attention_backward_ratio: float = 2.0
+    """Attention core backward / forward time (CPU SDPA: ~6.5; FlashAttention-2 on GPUs: ~2.5)."""
+    reduce_scatter_factor: float = 1.0
+    """Reduce-scatter's bytes term relative to all-gather's (gloo: ~2, no native ring)."""
     default_precision: str = "bf16"
     """The precision `meshtrain plan` assumes for this hardware unless told otherwise."""
 
@@ -71,17 +75,17 @@ class Hardware:
 # Efficiencies fitted per profile against the published runs of `published_rows.json` by
 # `PYTHONPATH=src python benchmarks/plan_vs_published.py --fit` (docs/benchmarks.md, "Planner
 # validation against published runs"); the A100 40 GB takes the 80 GB's (same chip and links).
-# network_efficiency 1 and H100's 2 us latency sit at their grids' bounds: they absorb overlap
-# Megatron has and meshtrain lacks (the docs say which rows).
-_A100_FIT = {"matmul_efficiency": 0.65, "memory_efficiency": 0.6, "network_efficiency": 1.0,
+# H100's network_efficiency 1 and 2 us latency sit at their grids' bounds: they absorb overlap
+# Megatron-Core has and meshtrain lacks (the docs say which rows).
+_A100_FIT = {"matmul_efficiency": 0.675, "memory_efficiency": 0.6, "network_efficiency": 0.9,
              "collective_latency_s": 2e-5}
 
 BUILT_IN: dict[str, Hardware] = {
     "v100-32g-dgx2h": Hardware(
         name="v100-32g-dgx2h", peak_tflops=125.0, hbm_gib=32, gpus_per_node=16,
         intra_node_gbytes_per_s=150.0, inter_node_gbytes_per_s=6.25, fp32_peak_tflops=15.7,
-        hbm_gbytes_per_s=900.0, default_precision="fp16", matmul_efficiency=0.75,
-        memory_efficiency=0.7, network_efficiency=0.55, collective_latency_s=2e-5),
+        hbm_gbytes_per_s=900.0, default_precision="fp16", matmul_efficiency=0.825,
+        memory_efficiency=0.7, network_efficiency=0.6, collective_latency_s=2e-5),
     "a100-40g": Hardware(
         name="a100-40g", peak_tflops=312.0, hbm_gib=40, gpus_per_node=8,
         intra_node_gbytes_per_s=300.0, inter_node_gbytes_per_s=25.0, fp32_peak_tflops=156.0,
@@ -93,7 +97,7 @@ BUILT_IN: dict[str, Hardware] = {
     "h100-80g": Hardware(
         name="h100-80g", peak_tflops=989.0, hbm_gib=80, gpus_per_node=8,
         intra_node_gbytes_per_s=450.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=494.0,
-        hbm_gbytes_per_s=3350.0, matmul_efficiency=0.725, memory_efficiency=0.9,
+        hbm_gbytes_per_s=3350.0, matmul_efficiency=0.75, memory_efficiency=0.9,
         network_efficiency=1.0, collective_latency_s=2e-6),
     # This 2-core CI host with 4 gloo ranks sharing it (one thread each), per rank, as
     # `calibrate_machine(ranks=4)` measured it (`python benchmarks/plan_vs_measured.py` prints

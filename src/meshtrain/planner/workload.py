@@ -79,11 +79,12 @@ class Workload:
         weight = tuple(2 * tokens * w / t for w in (attention * 3 / 4, attention / 4,
                                                      mlp / 2, mlp / 2))
         width = m.num_heads * m.head_dim
-        core = 4 * tokens * self.seq_len * width / t * CAUSAL_FRACTION
+        ring = self.layout.cp > 1  # hand-written blocks: whole, eager softmax
+        core = 4 * tokens * self.seq_len * width / t * (1.0 if ring else CAUSAL_FRACTION)
         replicated = 10 * h / (t if self.layout.sp else 1)  # 2 norms in/out, 2 residual adds
         activation = (2 * matrices - 2) * f / t  # GELU: read + write; SwiGLU: 2 reads, 2 writes
         moved = tokens * (replicated + activation) * self.element_bytes
-        if m.attention == "eager":
+        if m.attention == "eager" or ring:
             moved += 4 * m.num_heads / t * tokens * self.seq_len * self.element_bytes
         return LayerWork(weight, core, moved, parameters / t)
 
