@@ -1,7 +1,7 @@
 """The planner's predicted step times against measured ones, on this machine at 4 ranks.
 
     python benchmarks/plan_vs_measured.py [--repeats 3] [--steps 8] [--hardware FILE.toml]
-                                          [--json OUT]
+                                          [--json OUT] [--measured PREVIOUS.json]
 
 Calibrates this machine (`calibrate_machine(ranks=4)`; `--hardware` skips that), predicts one
 small GPT's step time in 16 layouts covering tp, dp, pp under each schedule, ZeRO 1/2/3, cp, sp,
@@ -27,7 +27,7 @@ from pathlib import Path
 from meshtrain.models import preset
 from meshtrain.planner.calibrate import calibrate_machine
 from meshtrain.planner.costs import Prediction, predict
-from meshtrain.planner.hardware import load_hardware
+from meshtrain.planner.hardware import Hardware, load_hardware
 from meshtrain.planner.layout import Layout
 
 RANKS, SEQ_LEN, GLOBAL_BATCH, WARMUP_STEPS = 4, 128, 16, 2
@@ -151,22 +151,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per run (2 are warm-up)")
     parser.add_argument("--hardware", help="a profile name or TOML file instead of calibrating")
     parser.add_argument("--json", type=Path, help="also write everything to this file")
+    parser.add_argument("--measured", type=Path,
+                        help="a previous run's --json: predict its measured times again (with"
+                             " --hardware, or its own profile) instead of training")
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS or args.repeats < 1:
         parser.error(f"--steps must exceed {WARMUP_STEPS} and --repeats be positive")
     for layout in LAYOUTS:  # fail before the long part
         layout.to_plan(precision="fp32").validate(MODEL, world_size=RANKS,
                                                   global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
+    saved = json.loads(args.measured.read_text()) if args.measured else None
     if args.hardware:
         hardware = load_hardware(args.hardware)
+    elif saved:
+        hardware = Hardware(**saved["hardware"])
     else:
         print(f"calibrating this machine at {RANKS} ranks:")
         hardware = calibrate_machine(ranks=RANKS, report=lambda line: print("  " + line))
     print(hardware.to_toml())
     predicted = [predict(MODEL, lay, hardware, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
                          precision="fp32") for lay in LAYOUTS]
-    print(f"measuring {len(LAYOUTS)} layouts x {args.repeats} repeats x {args.steps} steps:")
-    measured = measure_all(args.repeats, args.steps)
+    if saved:
+        by_spec = {row["layout"]: row["measured_step_time_s"] for row in saved["rows"]}
+        measured = [by_spec[lay.spec()] for lay in LAYOUTS]
+    else:
+        print(f"measuring {len(LAYOUTS)} layouts x {args.repeats} repeats x {args.steps}"
+              " steps:")
+        measured = measure_all(args.repeats, args.steps)
     summary = summarize(predicted, measured)
     print_table(predicted, measured, summary)
     if args.json:

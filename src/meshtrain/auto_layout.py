@@ -42,10 +42,7 @@ def default_hardware(device: str) -> Hardware:
                 return BUILT_IN[profile]
         raise ValueError(f"no built-in hardware profile matches the CUDA device {name!r}: pass"
                          " `hardware` FILE.toml (meshtrain plan calibrate writes one)")
-    if CPU_PROFILE in BUILT_IN:
-        return BUILT_IN[CPU_PROFILE]
-    raise ValueError("no CPU hardware profile is built in: measure this machine with meshtrain"
-                     " plan calibrate --out cpu.toml and pass `hardware` cpu.toml")
+    return BUILT_IN[CPU_PROFILE]
 
 
 def fixed_fields(cfg: RunConfig, given: set[tuple[str, str]]) -> dict[str, object]:

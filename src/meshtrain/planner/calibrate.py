@@ -337,15 +337,16 @@ MODEL = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
 def _fit_collectives(rows: list[tuple],
                      say: Callable[[str], None]) -> tuple[float, float, float]:
     """alpha and the bandwidth (bytes/s) of t = steps x alpha + moved / bandwidth, fitted on
-    every collective but reduce-scatter; then reduce_scatter_factor, the median ratio of a
-    reduce-scatter's bytes time to what that bandwidth predicts (gloo has no native ring)."""
+    every collective but reduce-scatter; then reduce_scatter_factor, the reduce-scatters' time
+    beyond their steps' latency over what that bandwidth predicts for their bytes, summed over
+    sizes so the large ones decide (gloo has no native ring; small ones are all latency)."""
     points = [(MODEL[op](UNIT_LATENCY, n, g, g), MODEL[op](UNIT_BYTES, n, g, g), t)
               for op, g, n, t in rows if op != "reduce_scatter"]
     alpha, per_byte = _relative_least_squares(points)
-    scatter = statistics.median(
-        max(0.1, (t - alpha * MODEL[op](UNIT_LATENCY, n, g, g))
-            / (per_byte * MODEL[op](UNIT_BYTES, n, g, g)))
-        for op, g, n, t in rows if op == "reduce_scatter")
+    scattered = [(t - alpha * MODEL[op](UNIT_LATENCY, n, g, g),
+                  per_byte * MODEL[op](UNIT_BYTES, n, g, g))
+                 for op, g, n, t in rows if op == "reduce_scatter"]
+    scatter = max(1.0, sum(t for t, _ in scattered) / sum(b for _, b in scattered))
     for op in COLLECTIVES:
         say(f"{op}: " + ", ".join(f"g{g} {n >> 10} KiB {t * 1e3:.3f} ms" for o, g, n, t in rows
                                   if o == op))

@@ -100,15 +100,17 @@ BUILT_IN: dict[str, Hardware] = {
         hbm_gbytes_per_s=3350.0, matmul_efficiency=0.75, memory_efficiency=0.9,
         network_efficiency=1.0, collective_latency_s=2e-6),
     # This 2-core CI host with 4 gloo ranks sharing it (one thread each), per rank, as
-    # `calibrate_machine(ranks=4)` measured it (`python benchmarks/plan_vs_measured.py` prints
-    # the fit); another host, or this one under other load, calibrates its own.
+    # `calibrate_machine(ranks=4)` measured it on a quiet host (`python
+    # benchmarks/plan_vs_measured.py` prints the fit; reduce_scatter_factor from the same
+    # measurements through the fixed estimator); another host, or this one under other load,
+    # calibrates its own (under load this host measured fp32 matmuls at half this rate).
     "cpu-gloo": Hardware(
-        name="cpu-gloo", peak_tflops=0.06331, hbm_gib=5.885, gpus_per_node=4,
-        intra_node_gbytes_per_s=0.7817, inter_node_gbytes_per_s=0.7817,
-        fp32_peak_tflops=0.02282, hbm_gbytes_per_s=7.786, matmul_efficiency=0.8916,
-        matmul_half_gflop=0.0, memory_efficiency=1.0, network_efficiency=1.0,
-        collective_latency_s=0.001015, overlap_efficiency=0.0, layer_overhead_s=0.0004067,
-        default_precision="fp32"),
+        name="cpu-gloo", peak_tflops=0.1127, hbm_gib=5.885, gpus_per_node=4,
+        intra_node_gbytes_per_s=0.9493, inter_node_gbytes_per_s=0.9493,
+        fp32_peak_tflops=0.05066, hbm_gbytes_per_s=8.709, matmul_efficiency=0.884,
+        matmul_half_gflop=0.0002586, memory_efficiency=1.0, network_efficiency=1.0,
+        collective_latency_s=0.0008008, overlap_efficiency=0.1761, layer_overhead_s=0.0002854,
+        attention_backward_ratio=2.596, reduce_scatter_factor=3.616, default_precision="fp32"),
 }
 """GPU peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s
 hardware table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
