@@ -73,8 +73,9 @@ class Workload:
         matrices = mlp // (h * f)  # 2 (GELU MLP) or 3 (SwiGLU)
         parameters = m.attention_parameters() + m.mlp_parameters()
         if m.is_moe_layer(index):
-            parameters += m.moe_experts * h + (m.moe_experts - 1) * m.mlp_parameters() \
-                / self.layout.ep
+            # the router, and the experts this rank holds beyond the one MLP counted above
+            parameters += m.moe_experts * h + (m.moe_experts // self.layout.ep - 1) \
+                * m.mlp_parameters()
             mlp = m.moe_top_k * mlp + h * m.moe_experts
         weight = tuple(2 * tokens * w / t for w in (attention * 3 / 4, attention / 4,
                                                      mlp / 2, mlp / 2))
