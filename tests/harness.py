@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import queue
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -25,12 +24,6 @@ import traceback
 
 _pools: dict[int, RankPool] = {}
 _worker_meshes: dict = {}  # in worker processes only
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -55,9 +48,11 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 class RankPool:
     def __init__(self, world_size: int):
+        from meshtrain.mesh import free_port
+
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()

@@ -202,7 +202,8 @@ class ParallelMesh:
         )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (for a one-machine rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -257,7 +258,7 @@ def init_parallel(
         else:
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                init_method=f"tcp://127.0.0.1:{free_port()}",
                 rank=0,
                 world_size=1,
                 timeout=timeout,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshtrain.mesh import ParallelMesh
+from meshtrain.mesh import ParallelMesh, free_port
 from meshtrain.models.family import AuxiliaryOutputs
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.planner import collectives as coll
@@ -70,15 +69,9 @@ def calibrate_machine(*, ranks: int = 4, quick: bool = False,
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank_main, args=(ranks, _free_port(), quick, results), nprocs=ranks,
+    mp.start_processes(_rank_main, args=(ranks, free_port(), quick, results), nprocs=ranks,
                        start_method="spawn")
     return fit_profile(results.get(), ranks=ranks, report=report)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass(frozen=True)
