@@ -128,7 +128,7 @@ def _full_weights(trainer) -> dict[str, torch.Tensor]:
     values, _, _ = trainer.sync.export()
     shards = parameter_shards(trainer.model)
     mine = {name: value.detach().clone() if shards[name] is None else
-            unshard_tensor(value, shards[name], trainer.mesh.tp) for name, value in values.items()}
+            unshard_tensor(value, shards[name], trainer.mesh) for name, value in values.items()}
     weights = {}
     for part in all_gather_objects(mine, trainer.mesh.pp):
         weights.update(part)

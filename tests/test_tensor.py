@@ -174,7 +174,7 @@ def _check_column_group(tp, sequence_parallel):
     layers'; one input communication each way; the joined weight is not saved for backward."""
     from meshtrain.memory import saved_activation_bytes
     from meshtrain.parallel.comm import all_reduce
-    from meshtrain.parallel.sharding import is_primary, shard_pieces
+    from meshtrain.parallel.sharding import GridPosition, is_primary, shard_pieces
     from meshtrain.parallel.tensor import ColumnParallelGroup
 
     mesh = worker_mesh(tp=tp)
@@ -217,8 +217,9 @@ def _check_column_group(tp, sequence_parallel):
     assert_close(kv_grad, expect, **TOL)
     assert_close(group.kv.to_dense().weight, dense_kv.weight, rtol=0, atol=0)
     shard = group.kv.shards["weight"]
-    assert is_primary(shard, rank) == (rank % replicas == 0)
-    assert [start for _, start, _ in shard_pieces(shard, rank, tp)] == \
+    position = GridPosition.of(mesh)
+    assert is_primary(shard, position) == (rank % replicas == 0)
+    assert [start for _, start, _ in shard_pieces(shard, position)] == \
         [part * head_dim, heads * head_dim + part * head_dim]
 
 

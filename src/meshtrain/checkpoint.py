@@ -46,11 +46,14 @@ from meshtrain.checkpoint_verify import resolve_checkpoint as resolve_checkpoint
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel import comm
 from meshtrain.parallel.sharding import (
-    Shard,
+    GridPosition,
+    ShardSpec,
     is_primary,
     parameter_shards,
     shard_pieces,
     shard_tensor,
+    splits,
+    unshard_tensor,
 )
 
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
@@ -67,25 +70,35 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _owned_pieces(name: str, tensor: torch.Tensor, shard: Shard | None, replica_rank: int,
+def _owned_pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None, replica_rank: int,
                   mesh: ParallelMesh):
     """(key suffix, piece tensor, entry) for what this rank writes of a logical tensor: only
-    the first of its data-parallel replicas (`replica_rank` 0) and of its TP copies writes."""
-    if replica_rank != 0 or not is_primary(shard, mesh.tp.rank):
+    the first of its data-parallel replicas (`replica_rank` 0) and of its TP copies writes.
+    A tensor split along several dimensions (2D/3D schemes) is first gathered along all but
+    the first, so that every piece is a slab of one dimension (a collective over the TP block,
+    whose ranks share `replica_rank`)."""
+    if replica_rank != 0:
         return
-    if shard is None:
+    if len(splits(spec)) > 1:
+        first = splits(spec)[0]
+        tensor = shard_tensor(unshard_tensor(tensor, spec, mesh), first, mesh)
+        spec = first
+    position = GridPosition.of(mesh)
+    if not is_primary(spec, position):
+        return
+    if spec is None:
         length = tensor.shape[0] if tensor.dim() else 1
         yield name, tensor, {"dim": 0, "offset": 0, "length": length}
         return
-    for i, (local, start, length) in enumerate(shard_pieces(shard, mesh.tp.rank, mesh.tp.size)):
-        piece = tensor.narrow(shard.dim, local, length)
-        yield f"{name}#{i}", piece, {"dim": shard.dim, "offset": start, "length": length}
+    for i, (local, start, length) in enumerate(shard_pieces(spec, position)):
+        piece = tensor.narrow(spec.dim, local, length)
+        yield f"{name}#{i}", piece, {"dim": spec.dim, "offset": start, "length": length}
 
 
-def _logical_shape(tensor: torch.Tensor, shard: Shard | None) -> list[int]:
+def _logical_shape(tensor: torch.Tensor, spec: ShardSpec | None) -> list[int]:
     shape = list(tensor.shape)
-    if shard is not None:
-        shape[shard.dim] = shard.full_size
+    for split in splits(spec):
+        shape[split.dim] = split.full_size
     return shape
 
 
@@ -135,7 +148,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
     gathered = comm.all_gather_objects((file_name, digest[0], entries), mesh.world)
 
     def complete():
-        manifest = {"format": FORMAT, "step": step, "layout": mesh.degrees,
+        manifest = {"format": FORMAT, "step": step, "layout": mesh.layout,
                     "device": mesh.device.type, "family": model.family,
                     "model": dataclasses.asdict(model.cfg),
                     "files": {f: file_digest for f, file_digest, _ in gathered},
@@ -280,9 +293,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
     reader = Reader(path, manifest, mesh.device)
     shards = parameter_shards(model)
 
-    def local(name: str, shard: Shard | None) -> torch.Tensor:
+    def local(name: str, spec: ShardSpec | None) -> torch.Tensor:
         full = reader.full(name)
-        return full if shard is None else shard_tensor(full, shard, mesh.tp)
+        return full if spec is None else shard_tensor(full, spec, mesh)
 
     for name, param in model.named_parameters():  # every shape, before anything is copied
         entry = manifest["tensors"].get("model/" + name)
@@ -307,7 +320,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
         previous = {name: local("previous/" + name, shards[name]) for name in names} \
             if "previous/" + names[0] in manifest["tensors"] else None
         load_states(values, states, step, previous=previous)
-    if rng and manifest["layout"] == mesh.degrees and manifest.get("device") == mesh.device.type:
+    if rng and manifest["layout"] == mesh.layout and manifest.get("device") == mesh.device.type:
         states = {name: reader.raw(f"rng/{mesh.rank}/{name}") for name in model.rng.get_states()}
         if None not in states.values():
             model.rng.set_states(states)

@@ -67,6 +67,10 @@ class ParallelSettings:
                               " launcher; needs --auto-resume); under torchrun use its own"
                               " --max-restarts")
     tp: int = _f(1, "tensor-parallel degree")
+    tp_scheme: str = _f("1d", "tensor-parallel scheme: 1d (Megatron), 2d (SUMMA on a q x q grid,"
+                              " --tp q^2), 2.5d (q x q x --tp-depth) or 3d (q x q x q)")
+    tp_depth: int | None = _f(None, "--tp-scheme 2.5d's depth d (tp = q^2 d; default: the"
+                                    " largest d leaving q >= 2)")
     pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
                     " remainder)")
     pp_layers: str | None = _f(None, "layers per pipeline stage, comma-separated (e.g. 3,5);"

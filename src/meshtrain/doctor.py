@@ -20,7 +20,8 @@ from pathlib import Path
 from meshtrain.parallel.flight_recorder import P2P_OPS
 
 SESSION_WINDOW_S = 60.0  # dumps of one hang are written within seconds of each other
-_SHAPED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")  # equal on every rank
+# equal on every rank
+_SHAPED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
 
 def read_dumps(hang_dir: Path, *, since: float | None = None, run: str | None = None

@@ -9,6 +9,7 @@ whatever communicates and never stored in a module global.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -18,6 +19,11 @@ import torch.distributed as dist
 
 AXIS_ORDER = ("pp", "dp", "cp", "tp")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+TP_SCHEMES = ("1d", "2d", "2.5d", "3d")
+# The tensor-parallel block's grid axes per scheme, outer -> inner (tp rank = mixed radix).
+GRID_AXES = {"1d": ("tp",), "2d": ("tp_row", "tp_col"),
+             "2.5d": ("tp_depth", "tp_row", "tp_col"),
+             "3d": ("tp_input", "tp_weight", "tp_output")}
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,54 @@ def resolve_degrees(
     return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
 
 
+def _root(n: int, power: int) -> int | None:
+    """The integer `power`-th root of n, or None."""
+    r = round(n ** (1 / power))
+    return next((c for c in (r - 1, r, r + 1) if c >= 1 and c ** power == n), None)
+
+
+def resolve_tp_grid(tp: int, scheme: str = "1d", depth: int | None = None) -> dict[str, int]:
+    """The tensor-parallel block of `tp` ranks arranged for `scheme`: grid axis -> size, outer
+    first. 2d: q x q (tp = q^2); 2.5d: d x q x q (`depth` d, or the largest d leaving q >= 2);
+    3d: q x q x q. Raises ValueError naming the valid tp values."""
+    if scheme not in TP_SCHEMES:
+        raise ValueError(f"`tp_scheme` must be one of {', '.join(TP_SCHEMES)}, got {scheme!r}")
+    if depth is not None and scheme != "2.5d":
+        raise ValueError(f"`tp_depth` applies to `tp_scheme` 2.5d only (got {scheme}): drop it")
+    if scheme == "1d":
+        return {"tp": tp}
+    if scheme == "2.5d":
+        return _grid_2p5d(tp, depth)
+    power = 2 if scheme == "2d" else 3
+    q = _root(tp, power)
+    if q is None or q < 2:
+        valid = ", ".join(str(k ** power) for k in range(2, 5))
+        raise ValueError(f"`tp_scheme` {scheme} arranges tp as a q^{power} grid: `tp` {tp} is"
+                         f" not one (use {valid}, ...)")
+    return dict.fromkeys(GRID_AXES[scheme], q)
+
+
+def _grid_2p5d(tp: int, depth: int | None) -> dict[str, int]:
+    depths = [depth] if depth is not None else range(tp, 0, -1)
+    for d in depths:
+        if d >= 1 and tp % d == 0 and (q := _root(tp // d, 2)) is not None and q >= 2:
+            return {"tp_depth": d, "tp_row": q, "tp_col": q}
+    if depth is not None:
+        raise ValueError(f"`tp_depth` {depth} must divide `tp` {tp} into d x q x q with q >= 2:"
+                         f" choose a depth d with tp / d a square >= 4")
+    raise ValueError(f"`tp_scheme` 2.5d arranges tp as d x q x q with q >= 2: `tp` {tp} is not"
+                     " one (use 4, 8, 9, 12, 16, ...)")
+
+
+def grid_coords(tp_rank: int, grid: dict[str, int]) -> dict[str, int]:
+    """A TP rank's coordinate on every grid axis (the first axis outermost)."""
+    coords = {}
+    for name in reversed(grid):
+        coords[name] = tp_rank % grid[name]
+        tp_rank //= grid[name]
+    return dict(reversed(coords.items()))
+
+
 def _coords_to_rank(coords: dict[str, int], degrees: dict[str, int]) -> int:
     rank = 0
     for name in AXIS_ORDER:
@@ -109,11 +163,16 @@ class ParallelMesh:
     for the pipeline's backward traffic); dp_cp (dp x cp flattened:
     where replicated gradients are averaged);
     ep (expert parallel, consecutive blocks of dp_cp) and edp (the dp_cp ranks holding the same
-    experts); `tp_block(size)` for each size dividing tp. Build it with `init_parallel`.
+    experts); `tp_block(size)` for each size dividing tp; the grid axes of the tensor-parallel
+    scheme (`tp_grid`: tp_row and tp_col for 2d, ...; see `resolve_tp_grid`), each the ranks of
+    one TP block that differ only in that grid coordinate. Build it with `init_parallel`.
     """
 
-    def __init__(self, degrees: dict[str, int], *, rank: int, device: torch.device):
+    def __init__(self, degrees: dict[str, int], *, rank: int, device: torch.device,
+                 tp_grid: dict[str, int] | None = None):
         self.degrees = dict(degrees)
+        self.tp_grid = dict(tp_grid or {"tp": degrees["tp"]})
+        assert math.prod(self.tp_grid.values()) == degrees["tp"], self.tp_grid
         self.rank = rank
         self.world_size = degrees["pp"] * degrees["dp"] * degrees["cp"] * degrees["tp"]
         self.device = device
@@ -140,6 +199,8 @@ class ParallelMesh:
             if degrees["tp"] % size == 0:
                 self._add_axis(f"tp_block{size}", [g[i:i + size] for g in tp_groups
                                                    for i in range(0, len(g), size)])
+        if "tp" not in self.tp_grid:
+            self._add_grid_axes(tp_groups)
         world_ranks = tuple(range(self.world_size))
         self._axes["world"] = MeshAxis("world", self.world_size, rank, world_ranks,
                                        dist.group.WORLD if self.world_size > 1 else None)
@@ -158,6 +219,31 @@ class ParallelMesh:
                 mine = MeshAxis(name, len(ranks), ranks.index(self.rank), tuple(ranks), group)
         assert mine is not None, f"rank {self.rank} is in no {name} group"
         self._axes[name] = mine
+
+    def _add_grid_axes(self, tp_groups: list[list[int]]) -> None:
+        for name in self.tp_grid:
+            groups: dict[tuple, list[int]] = {}
+            for group in tp_groups:
+                for tp_rank, rank in enumerate(group):
+                    others = grid_coords(tp_rank, self.tp_grid) | {name: -1}
+                    groups.setdefault((group[0], *others.values()), []).append(rank)
+            self._add_axis(name, list(groups.values()))
+
+    @property
+    def tp_scheme(self) -> str:
+        return next(s for s, axes in GRID_AXES.items() if tuple(self.tp_grid) == axes)
+
+    def tp_coords(self, tp_rank: int | None = None) -> dict[str, int]:
+        """Grid coordinates of TP rank `tp_rank` (default: this rank's)."""
+        return grid_coords(self.tp.rank if tp_rank is None else tp_rank, self.tp_grid)
+
+    @property
+    def layout(self) -> dict:
+        """The degrees, and the tensor-parallel grid when it is not 1D (checkpoints record
+        it: RNG streams are restored only into the same layout)."""
+        if self.tp_scheme == "1d":
+            return dict(self.degrees)
+        return self.degrees | {"tp_scheme": self.tp_scheme, "tp_grid": dict(self.tp_grid)}
 
     def axis(self, name: str) -> MeshAxis:
         return self._axes[name]
@@ -198,7 +284,8 @@ class ParallelMesh:
         d = self.degrees
         return (
             f"ParallelMesh(world={self.world_size}, pp={d['pp']}, dp={d['dp']}, cp={d['cp']},"
-            f" tp={d['tp']}, ep={d['ep']}, rank={self.rank}, coords={self.coords})"
+            f" tp={d['tp']} ({self.tp_scheme}), ep={d['ep']}, rank={self.rank},"
+            f" coords={self.coords})"
         )
 
 
@@ -235,6 +322,8 @@ def init_parallel(
     cp: int = 1,
     ep: int = 1,
     *,
+    tp_scheme: str = "1d",
+    tp_depth: int | None = None,
     device: str = "auto",
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> ParallelMesh:
@@ -248,6 +337,7 @@ def init_parallel(
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     degrees = resolve_degrees(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    grid = resolve_tp_grid(tp, tp_scheme, tp_depth)
     device = resolve_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -263,7 +353,7 @@ def init_parallel(
                 world_size=1,
                 timeout=timeout,
             )
-    return ParallelMesh(degrees, rank=dist.get_rank(), device=device)
+    return ParallelMesh(degrees, rank=dist.get_rank(), device=device, tp_grid=grid)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:

@@ -55,7 +55,7 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
     different piece, so the squares are also summed over the data-parallel axes (dp x cp for
     dense parameters, edp for experts).
     """
-    counted = primary_parameters(model, mesh.tp.rank)
+    counted = primary_parameters(model, mesh)
     device = next(model.parameters()).device
     dense = torch.zeros((), dtype=torch.float32, device=device)
     expert = torch.zeros((), dtype=torch.float32, device=device)

@@ -249,7 +249,8 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
         plan = cfg.plan().resolved(int(torch.distributed.get_world_size()
                                        if torch.distributed.is_initialized() else 1))
     timeout = cfg.parallel.collective_timeout
-    mesh = init_parallel(**plan.degrees, device=cfg.parallel.device,
+    mesh = init_parallel(**plan.degrees, tp_scheme=plan.tp_scheme, tp_depth=plan.tp_depth,
+                         device=cfg.parallel.device,
                          timeout=process_group_timeout(timeout))
     if lock is not None:
         lock.acquire_agreed(mesh)

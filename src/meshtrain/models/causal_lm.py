@@ -51,7 +51,7 @@ class CausalLM(nn.Module, ABC):
             factory = layer_factory(plan or ParallelPlan(), mesh)
         mesh = factory.mesh
         cfg.validate()
-        cfg.validate_for_tp(mesh.tp.size)
+        cfg.validate_for_tp(factory.head_parts)
         cfg.validate_for_ep(mesh.ep.size)
         self.cfg, self.mesh, self.factory = cfg, mesh, factory
         self.stage = stage = stage or StageSpec((range(cfg.num_layers),))

@@ -107,7 +107,8 @@ class GPT(CausalLM):
         cfg, gen = self.cfg, generator(seed, 0)
         word = self.factory.vocab_embedding(
             init_embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std, gen))
-        position = init_embedding(cfg.max_seq_len, cfg.hidden_size, cfg.init_std, gen) \
+        position = self.factory.position_embedding(
+            init_embedding(cfg.max_seq_len, cfg.hidden_size, cfg.init_std, gen)) \
             if with_position else None
         return Embedding(word, position, dropout=cfg.dropout, factory=self.factory)
 

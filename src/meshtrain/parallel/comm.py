@@ -35,7 +35,8 @@ warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_sca
 class CommRecord:
     """One collective call. `payload_bytes` is numel x itemsize of the full tensor involved:
     the reduced tensor (all-reduce), the gathered output (all-gather), the scattered input
-    (reduce-scatter), the input (all-to-all) or the message (send/recv)."""
+    (reduce-scatter), the input (all-to-all), the broadcast or reduced tensor, or the message
+    (send/recv)."""
 
     op: str
     axis: str
@@ -44,16 +45,19 @@ class CommRecord:
     payload_bytes: int
     sent_bytes: int | None = None  # exact bytes leaving this rank, where the formula is not
 
+
     @property
     def ring_bytes(self) -> float:
-        """Bytes each rank sends in a ring (or pairwise) implementation of this call; for an
-        all-to-all with known splits, exactly the rows sent to other ranks."""
+        """Bytes each rank sends in a ring (or pairwise) implementation of this call, averaged
+        over the group: (n-1)/n of the payload for all-gather, reduce-scatter, all-to-all and
+        the pipelined broadcast and reduce (every rank but one forwards it once), twice that for
+        all-reduce; for an all-to-all with known splits, exactly the rows sent to others."""
         if self.sent_bytes is not None:
             return float(self.sent_bytes)
         n = self.group_size
         if self.op == "all_reduce":
             return 2 * (n - 1) / n * self.payload_bytes
-        if self.op in ("all_gather", "reduce_scatter", "all_to_all"):
+        if self.op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce"):
             return (n - 1) / n * self.payload_bytes
         return float(self.payload_bytes)
 
@@ -205,6 +209,16 @@ def broadcast(tensor: torch.Tensor, axis: MeshAxis, *, src_axis_rank: int = 0) -
         return
     entry = _record("broadcast", axis, tensor)
     _done(entry, dist.broadcast(tensor, src=axis.ranks[src_axis_rank], group=axis.group))
+
+
+def reduce(tensor: torch.Tensor, axis: MeshAxis, *, dst_axis_rank: int,
+           op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+    """Sum `tensor` over `axis` into axis rank `dst_axis_rank`'s copy (the others' copies are
+    left in an unspecified state)."""
+    if axis.size == 1:
+        return
+    entry = _record("reduce", axis, tensor)
+    _done(entry, dist.reduce(tensor, dst=axis.ranks[dst_axis_rank], op=op, group=axis.group))
 
 
 def all_to_all(tensor: torch.Tensor, axis: MeshAxis, *, send_splits: list[int],

@@ -58,6 +58,16 @@ class LayerFactory(ABC):
     def vocab_embedding(self, dense: nn.Embedding) -> nn.Module:
         """Token ids -> hidden states; its `logits(hidden)` serves as a tied output layer."""
 
+    def position_embedding(self, dense: nn.Embedding) -> nn.Module:
+        """A learned position table: positions -> their embeddings, in the layout of the hidden
+        states' last dimension (whole under 1D)."""
+        return dense
+
+    @property
+    def head_parts(self) -> int:
+        """How many ways attention heads are split (the model's head counts must divide)."""
+        return self.mesh.tp.size
+
     @abstractmethod
     def vocab_head(self, dense: nn.Linear) -> nn.Module:
         """An untied output layer: hidden states -> this rank's logits (`logits(hidden)`)."""
@@ -201,5 +211,14 @@ class Megatron1D(LayerFactory):
 
 
 def layer_factory(plan, mesh: ParallelMesh) -> LayerFactory:
-    """The factory of the plan's tensor-parallel scheme."""
-    return Megatron1D(plan, mesh)
+    """The factory of the plan's tensor-parallel scheme (the mesh's TP grid is that scheme's)."""
+    if mesh.tp_scheme != plan.tp_scheme and mesh.tp.size > 1:
+        raise ValueError(f"the mesh's TP block is arranged for `tp_scheme` {mesh.tp_scheme}, the"
+                         f" plan asks for {plan.tp_scheme}: build the mesh from the plan")
+    if mesh.tp.size == 1 or plan.tp_scheme == "1d":
+        return Megatron1D(plan, mesh)
+    if plan.tp_scheme == "3d":
+        from meshtrain.parallel.cube import Cube3D  # noqa: PLC0415 (schemes import this module)
+        return Cube3D(plan, mesh)
+    from meshtrain.parallel.summa import Summa2D  # noqa: PLC0415
+    return Summa2D(plan, mesh)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from meshtrain.data import check_batch_sizes
-from meshtrain.mesh import resolve_degrees
+from meshtrain.mesh import resolve_degrees, resolve_tp_grid
 from meshtrain.parallel.pipeline import stage_layers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,6 +41,11 @@ class ParallelPlan:
     """Context-parallel degree: each rank holds 1/cp of every sequence."""
     ep: int = 1
     """Expert-parallel degree, carved out of dp x cp."""
+    tp_scheme: str = "1d"
+    """Tensor-parallel scheme: 1d (Megatron), 2d (SUMMA on a q x q grid, tp = q^2), 2.5d
+    (q x q x depth) or 3d (q x q x q)."""
+    tp_depth: int | None = None
+    """2.5d's depth d (tp = q^2 d); None: the largest d leaving q >= 2."""
     sequence_parallel: bool = False
     """Megatron SP: norm/dropout/residual regions hold s/tp of the sequence."""
     cp_mode: str = "ring"
@@ -81,6 +86,26 @@ class ParallelPlan:
                                   ep=self.ep)
         return dataclasses.replace(self, dp=degrees["dp"])
 
+    @property
+    def tp_grid(self) -> dict[str, int]:
+        """The TP block's grid axes and sizes (`mesh.resolve_tp_grid`)."""
+        return resolve_tp_grid(self.tp, self.tp_scheme, self.tp_depth)
+
+    @property
+    def head_parts(self) -> int:
+        """How many ways attention heads are split: tp (1d) or the grid side q."""
+        grid = self.tp_grid
+        return self.tp if self.tp_scheme == "1d" else grid.get("tp_col", grid.get("tp_input"))
+
+    @property
+    def batch_parts(self) -> int:
+        """How many ways a micro-batch is split inside the TP block: 1 (1d), q (2d), d q
+        (2.5d) or q^2 (3d)."""
+        grid = self.tp_grid
+        if self.tp_scheme == "3d":
+            return grid["tp_weight"] * grid["tp_output"]
+        return grid.get("tp_depth", 1) * grid.get("tp_row", 1)
+
     def with_degrees(self, degrees: dict[str, int]) -> ParallelPlan:
         return dataclasses.replace(self, **{k: degrees[k] for k in ("tp", "pp", "dp", "cp", "ep")})
 
@@ -107,7 +132,8 @@ class ParallelPlan:
         plan = self.resolved(world_size)
         plan._validate_numbers(global_batch)
         model.validate()
-        model.validate_for_tp(plan.tp)
+        plan._validate_tp_scheme(model)
+        model.validate_for_tp(plan.head_parts)
         model.validate_for_ep(plan.ep)
         plan._validate_execution(model, seq_len)
         plan._validate_zero(model)
@@ -122,6 +148,36 @@ class ParallelPlan:
                              f" dtype ({self.precision})")
         if int(self.bucket_mb * 2**20) < 1:
             raise ValueError(f"`bucket_mb` must be positive, got {self.bucket_mb}")
+
+    def _validate_tp_scheme(self, model) -> None:
+        """2d/2.5d/3d: the grid, the shapes it splits, and the features it does not combine
+        with (sequence and context parallelism, experts: designed for 1D only)."""
+        grid, scheme = self.tp_grid, self.tp_scheme
+        if scheme == "1d":
+            return
+        for setting, on in (("sequence_parallel", self.sequence_parallel),
+                            ("cp", self.cp > 1), ("ep", self.ep > 1),
+                            ("moe_experts", bool(model.moe_experts))):
+            if on:
+                raise ValueError(f"`tp_scheme` {scheme} does not combine with `{setting}` (its"
+                                 " hidden states are already split over batch and hidden): use"
+                                 f" `tp_scheme` 1d for `{setting}`")
+        q = self.head_parts
+        # 3D splits a weight's input features q^2 ways; 2D/2.5D q ways
+        width = q * q if scheme == "3d" else q
+        for what, size in (("hidden size", model.hidden_size), ("MLP width", model.ffn_size),
+                           ("number of heads", model.num_heads),
+                           ("number of key/value heads", getattr(model, "kv_heads", q))):
+            need = q if what.startswith("number") else width
+            if size % need:
+                raise ValueError(f"the {what} ({size}) must be divisible by {need} for"
+                                 f" `tp_scheme` {scheme} with `tp` {self.tp}: change the model"
+                                 " or the tp")
+        if self.micro_batch % self.batch_parts:
+            raise ValueError(f"`micro_batch` {self.micro_batch} must be divisible by"
+                             f" {self.batch_parts}: `tp_scheme` {scheme} with grid"
+                             f" {'x'.join(map(str, grid.values()))} splits each micro-batch"
+                             f" {self.batch_parts} ways; raise `micro_batch`")
 
     def _validate_execution(self, model, seq_len: int) -> None:
         """Sequence and context parallelism, recomputation."""

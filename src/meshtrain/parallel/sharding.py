@@ -1,4 +1,4 @@
-"""How a parameter is split over the tensor-parallel axis, and moving between its full (logical)
+"""How a parameter is split over the tensor-parallel block, and moving between its full (logical)
 form and the slice a rank holds.
 
 Checkpoints, gradient-norm clipping and tests read this metadata; layers record it in their
@@ -12,20 +12,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtrain.mesh import MeshAxis
+from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel import comm
 
 
 @dataclass(frozen=True)
 class Shard:
-    """How a parameter is split over the TP axis.
+    """How a parameter is split along one dimension over the TP block.
 
     The full tensor's `dim` is made of `num_blocks` equal blocks (q, k and v of a fused QKV
-    weight), each split evenly into tp / `replicas` chunks; this rank holds its chunk of every
-    block, concatenated. `replicas` consecutive TP ranks hold the same chunk (the key/value heads
-    of grouped-query attention when tp exceeds their number). `full_size` is the logical
-    (unpadded) extent of `dim`; `padded_size` the extent held over all ranks (the vocabulary is
-    padded to a multiple of tp).
+    weight), each split evenly into chunks; this rank holds its chunk of every block,
+    concatenated. The chunk is numbered by this rank's coordinates on the TP grid `axes` (major
+    first; 1D: the `tp` axis). `replicas` (1D only) consecutive TP ranks hold the same chunk
+    (the key/value heads of grouped-query attention when tp exceeds their number).
+    `full_size` is the logical (unpadded) extent of `dim`; `padded_size` the extent held over
+    all ranks (the vocabulary is padded to a multiple of tp). A parameter split along several
+    dimensions (2D/3D schemes) has a tuple of Shards, one per dimension; on grid axes none of
+    them names, it is replicated.
     """
 
     dim: int
@@ -33,55 +36,131 @@ class Shard:
     padded_size: int
     num_blocks: int = 1
     replicas: int = 1
+    axes: tuple[str, ...] = ("tp",)
 
-    def parts(self, tp: int) -> int:
-        """Distinct chunks of each block over `tp` ranks."""
-        return tp // self.replicas
+    def chunk(self, where: GridPosition) -> tuple[int, int]:
+        """(this rank's chunk index, number of chunks) of each block."""
+        index, parts = 0, 1
+        for name in self.axes:
+            index, parts = index * where.sizes[name] + where.coords[name], parts * where.sizes[name]
+        return index // self.replicas, parts // self.replicas
+
+    def parts(self, where: GridPosition) -> int:
+        return self.chunk(where)[1]
 
 
-def is_primary(shard: Shard | None, tp_rank: int) -> bool:
+ShardSpec = Shard | tuple[Shard, ...]
+
+
+def splits(spec: ShardSpec | None) -> tuple[Shard, ...]:
+    """The per-dimension splits of a parameter (none: replicated)."""
+    if spec is None:
+        return ()
+    return spec if isinstance(spec, tuple) else (spec,)
+
+
+@dataclass(frozen=True)
+class GridPosition:
+    """Where a rank sits in its TP block: the grid's axis sizes and this rank's coordinates."""
+
+    sizes: dict[str, int]
+    coords: dict[str, int]
+
+    @classmethod
+    def of(cls, where: ParallelMesh | MeshAxis, tp_rank: int | None = None) -> GridPosition:
+        """From a mesh (any scheme) or, for 1D layers, the TP axis itself."""
+        if isinstance(where, MeshAxis):
+            return cls({"tp": where.size}, {"tp": where.rank if tp_rank is None else tp_rank})
+        return cls(where.tp_grid, where.tp_coords(tp_rank))
+
+
+def is_primary(spec: ShardSpec | None, where: GridPosition) -> bool:
     """Whether this TP rank holds the copy that counts: checkpoints write it and the gradient
-    norm counts it (a replicated tensor on TP rank 0, a shard on the first of its replicas)."""
-    if shard is None:
-        return tp_rank == 0
-    return tp_rank % shard.replicas == 0
+    norm counts it (on every grid axis no split names: coordinate 0; a 1D shard: the first of
+    its replicas)."""
+    named = {name for split in splits(spec) for name in split.axes}
+    replicas = max((split.replicas for split in splits(spec)), default=1)
+    for name, coord in where.coords.items():
+        if coord % replicas if name in named else coord:
+            return False
+    return True
 
 
-def shard_tensor(full: torch.Tensor, shard: Shard, axis: MeshAxis) -> torch.Tensor:
+def dim_pieces(split: Shard, where: GridPosition) -> list[tuple[int, int, int]]:
+    """(local offset, padded global offset, length) along `split.dim` of each block's chunk."""
+    index, parts = split.chunk(where)
+    block = split.padded_size // split.num_blocks
+    chunk = block // parts
+    return [(b * chunk, b * block + index * chunk, chunk) for b in range(split.num_blocks)]
+
+
+def _padded(full: torch.Tensor, split: Shard) -> torch.Tensor:
+    if split.padded_size == split.full_size:
+        return full
+    pad_shape = list(full.shape)
+    pad_shape[split.dim] = split.padded_size - split.full_size
+    return torch.cat([full, full.new_zeros(pad_shape)], dim=split.dim)
+
+
+def shard_tensor(full: torch.Tensor, spec: ShardSpec,
+                 where: ParallelMesh | MeshAxis) -> torch.Tensor:
     """This rank's slice of the logical tensor `full` (zero-padding it first when needed)."""
-    if shard.padded_size > shard.full_size:
-        pad_shape = list(full.shape)
-        pad_shape[shard.dim] = shard.padded_size - shard.full_size
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=shard.dim)
-    blocks = full.chunk(shard.num_blocks, dim=shard.dim)
-    parts, index = shard.parts(axis.size), axis.rank // shard.replicas
-    return torch.cat([b.chunk(parts, dim=shard.dim)[index] for b in blocks],
-                     dim=shard.dim).contiguous()
+    position = GridPosition.of(where)
+    for split in splits(spec):
+        full = torch.cat([_padded(full, split).narrow(split.dim, start, length)
+                          for _, start, length in dim_pieces(split, position)], dim=split.dim)
+    return full.contiguous()
 
 
-def unshard_tensor(local: torch.Tensor, shard: Shard, axis: MeshAxis) -> torch.Tensor:
-    """Gather every rank's slice back into the logical tensor (a collective over `axis`)."""
+def unshard_tensor(local: torch.Tensor, spec: ShardSpec,
+                   where: ParallelMesh | MeshAxis) -> torch.Tensor:
+    """Gather every rank's slice back into the logical tensor (a collective over the TP block:
+    `where` is the mesh, or the TP axis of a 1D layer)."""
+    axis = where if isinstance(where, MeshAxis) else where.tp
     with torch.no_grad():
-        gathered = comm.all_gather(local.detach().movedim(shard.dim, 0), axis, dim=0)
-    per_rank = gathered.chunk(axis.size, dim=0)[::shard.replicas]
-    blocks = [torch.cat([r.chunk(shard.num_blocks, dim=0)[b] for r in per_rank], dim=0)
-              for b in range(shard.num_blocks)]
-    full = torch.cat(blocks, dim=0).movedim(0, shard.dim)
-    return full.narrow(shard.dim, 0, shard.full_size).contiguous()
+        gathered = comm.all_gather(local.detach().unsqueeze(0), axis, dim=0)
+    shape = list(local.shape)
+    for split in splits(spec):
+        shape[split.dim] = split.padded_size
+    full = local.new_zeros(shape)
+    for tp_rank, piece in enumerate(gathered):
+        position = GridPosition.of(where, tp_rank)
+        if is_primary(spec, position):
+            _place(full, piece, spec, position)
+    for split in splits(spec):
+        full = full.narrow(split.dim, 0, split.full_size)
+    return full.contiguous()
 
 
-def shard_pieces(shard: Shard, tp_rank: int, tp_size: int) -> list[tuple[int, int, int]]:
-    """(local offset, global offset, length) along `shard.dim` of each contiguous piece this
+def _place(full: torch.Tensor, local: torch.Tensor, spec: ShardSpec,
+           position: GridPosition) -> None:
+    """Copy `local`'s pieces into their places in the padded `full` (every split dimension)."""
+    boxes = [((), ())]
+    for split in splits(spec):
+        boxes = [(src + ((split.dim, lo, n),), dst + ((split.dim, go, n),))
+                 for src, dst in boxes for lo, go, n in dim_pieces(split, position)]
+    for src, dst in boxes:
+        target, source = full, local
+        for (dim, go, n), (_, lo, _) in zip(dst, src, strict=True):
+            target, source = target.narrow(dim, go, n), source.narrow(dim, lo, n)
+        target.copy_(source)
+
+
+def shard_pieces(split: Shard, where: GridPosition) -> list[tuple[int, int, int]]:
+    """(local offset, global offset, length) along `split.dim` of each contiguous piece this
     rank holds of the logical tensor; padding beyond `full_size` is left out."""
-    block = shard.padded_size // shard.num_blocks
-    chunk = block // shard.parts(tp_size)
     pieces = []
-    for b in range(shard.num_blocks):
-        start = b * block + (tp_rank // shard.replicas) * chunk
-        length = min(chunk, shard.full_size - start)
+    for local, start, length in dim_pieces(split, where):
+        length = min(length, split.full_size - start)
         if length > 0:
-            pieces.append((b * chunk, start, length))
+            pieces.append((local, start, length))
     return pieces
+
+
+def tensor_parallel_home(module: nn.Module) -> ParallelMesh | MeshAxis:
+    """What a sharded module's `shards` are relative to: its mesh (grid schemes) or its TP
+    axis (1D layers, which may be built from an axis alone)."""
+    return getattr(module, "tp_axis", None) or module.mesh
 
 
 def _sharded_modules(model: nn.Module):
@@ -92,7 +171,7 @@ def _sharded_modules(model: nn.Module):
             yield name, module, shards
 
 
-def parameter_shards(model: nn.Module) -> dict[str, Shard | None]:
+def parameter_shards(model: nn.Module) -> dict[str, ShardSpec | None]:
     """Every parameter's name and how it is split over TP (None: replicated)."""
     split = {f"{module_name}.{name}" if module_name else name: shard
              for module_name, _, shards in _sharded_modules(model)
@@ -106,10 +185,10 @@ def tensor_parallel_parameters(model: nn.Module) -> set[int]:
             for name in shards}
 
 
-def primary_parameters(model: nn.Module, tp_rank: int) -> set[int]:
+def primary_parameters(model: nn.Module, mesh: ParallelMesh) -> set[int]:
     """ids of the parameters whose copy on this TP rank counts (see `is_primary`)."""
-    shards = parameter_shards(model)
-    return {id(p) for name, p in model.named_parameters() if is_primary(shards[name], tp_rank)}
+    shards, position = parameter_shards(model), GridPosition.of(mesh)
+    return {id(p) for name, p in model.named_parameters() if is_primary(shards[name], position)}
 
 
 def named_full_tensors(model: nn.Module, *, grads: bool = False):
@@ -125,5 +204,5 @@ def named_full_tensors(model: nn.Module, *, grads: bool = False):
                 continue
             full_name = f"{module_name}.{name}" if module_name else name
             if name in shards:
-                tensor = unshard_tensor(tensor, shards[name], module.tp_axis)
+                tensor = unshard_tensor(tensor, shards[name], tensor_parallel_home(module))
             yield full_name, tensor.detach()

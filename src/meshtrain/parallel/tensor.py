@@ -17,7 +17,7 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel import comm
-from meshtrain.parallel.sharding import Shard, shard_tensor, unshard_tensor
+from meshtrain.parallel.sharding import GridPosition, Shard, shard_tensor, unshard_tensor
 
 
 def _check_divisible(what: str, size: int, tp: int, blocks: int = 1) -> None:
@@ -184,7 +184,7 @@ class ColumnParallelLinear(_TensorParallelModule):
             raise ValueError(f"ColumnParallelLinear replicas ({replicas}) must divide tp"
                              f" ({self.tp_axis.size})")
         shard = Shard(0, out_features, out_features, output_blocks, replicas)
-        parts = shard.parts(self.tp_axis.size)
+        parts = shard.parts(GridPosition.of(self.tp_axis))
         _check_divisible("ColumnParallelLinear out_features", out_features, parts, output_blocks)
         if gather_output and replicas > 1:
             raise ValueError("ColumnParallelLinear cannot gather the output of replicated parts")
