@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 
 from meshtrain import config as config_mod
+from meshtrain import settings
 from meshtrain.planner.hardware import BUILT_IN
 
 
@@ -61,7 +62,7 @@ def _plan_parser(sub) -> None:
                                    " `plan validate` checks predictions against published"
                                    " runs.")
     _add_setting_flags(p, [(s, f) for s, f in config_mod.flag_fields() if s == "model"])
-    train = {f.name: f for f in dataclasses.fields(config_mod.TrainSettings)}
+    train = {f.name: f for f in dataclasses.fields(settings.TrainSettings)}
     for name in ("seq_len", "global_batch"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=train[name].default,
                        help=f"{train[name].metadata['help']} (default: {train[name].default})")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from meshtrain import config as config_mod
+from meshtrain import settings
 from meshtrain.auto_layout import LAYOUT_SETTINGS, default_hardware, short_spec
 from meshtrain.cli import as_flags
 from meshtrain.data import write_atomic
@@ -80,7 +81,7 @@ def _request(args: argparse.Namespace) -> Request:
         raise ValueError(f"`top` must be positive, got {args.top}")
     given = {key.split(".", 1)[1]: value for key, value in vars(args).items()
              if key.startswith("model.")}
-    cfg = config_mod.RunConfig(model=config_mod.ModelSettings(**given))
+    cfg = config_mod.RunConfig(model=settings.ModelSettings(**given))
     cfg.train.seq_len, cfg.train.global_batch = args.seq_len, args.global_batch
     base = preset(cfg.model.model or config_mod.DEFAULT_PRESET)
     model = cfg.model_config(cfg.model.vocab_size or base.vocab_size)
@@ -99,7 +100,7 @@ def _request(args: argparse.Namespace) -> Request:
 
 def _model_flags(given: dict[str, object], model: TransformerConfig) -> list[str]:
     """The model flags as given, plus the planned vocabulary (train's default is the data's)."""
-    fields = {f.name: f for f in dataclasses.fields(config_mod.ModelSettings)}
+    fields = {f.name: f for f in dataclasses.fields(settings.ModelSettings)}
     flags = []
     for name, value in {**given, "vocab_size": model.vocab_size}.items():
         flag = fields[name].metadata.get("flag", "--" + name.replace("_", "-"))

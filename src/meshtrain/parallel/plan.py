@@ -152,7 +152,7 @@ class ParallelPlan:
     def _validate_tp_scheme(self, model) -> None:
         """2d/2.5d/3d: the grid, the shapes it splits, and the features it does not combine
         with (sequence and context parallelism, experts: designed for 1D only)."""
-        grid, scheme = self.tp_grid, self.tp_scheme
+        grid, scheme = self.tp_grid, self.tp_scheme  # the grid's own errors first
         if scheme == "1d":
             return
         for setting, on in (("sequence_parallel", self.sequence_parallel),

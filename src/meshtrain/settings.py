@@ -1,0 +1,156 @@
+"""The run's settings, section by section (TOML tables of the same names): every field is a
+CLI flag of `meshtrain train` (underscores become dashes) whose help text is its `help`.
+`config.py` combines them into a `RunConfig`, reads TOML files and checks everything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshtrain.models import PRESETS
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelSettings:
+    model: str | None = _f(None, f"model preset: {', '.join(PRESETS)} (default: tiny, or with"
+                                 " --init-from the checkpoint's model)", flag="--model")
+    num_layers: int | None = _f(None, "override the preset's number of transformer layers")
+    hidden_size: int | None = _f(None, "override the preset's hidden size")
+    num_heads: int | None = _f(None, "override the preset's number of attention heads")
+    num_kv_heads: int | None = _f(None, "override the preset's key/value heads (grouped-query"
+                                        " attention; Llama presets only)")
+    tie_word_embeddings: bool | None = _f(None, "tie the output layer to the embedding (Llama"
+                                                " presets; the Llama 3.2 ones are tied, GPT"
+                                                " always is)")
+    vocab_size: int | None = _f(None, "override the vocabulary (default: the data's, 256 for"
+                                      " text)")
+    max_seq_len: int | None = _f(None, "positions the model can embed (default: the larger of"
+                                       " the preset's and --seq-len)")
+    dropout: float = _f(0.0, "dropout on embeddings, attention and residuals (0 keeps runs"
+                             " comparable across layouts)")
+    attention: str = _f("sdpa", "attention kernel: sdpa (fused) or eager (explicit softmax)")
+    moe_experts: int = _f(0, "experts per MoE layer (0: dense MLPs only)")
+    moe_top_k: int = _f(1, "experts per token: 1 (Switch) or 2 (GShard)")
+    moe_every: int = _f(1, "every n-th MLP is an MoE layer")
+    moe_capacity_factor: float = _f(1.25, "expert capacity = ceil(factor x tokens x k / experts)"
+                                          " per micro-batch and rank; excess choices are dropped")
+    moe_aux_loss_coef: float = _f(0.01, "weight of the Switch load-balancing loss")
+    moe_z_loss_coef: float = _f(0.0, "weight of the router z-loss")
+
+
+@dataclass
+class ParallelSettings:
+    nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp, degrees not"
+                                 " given being 1); omit under torchrun")
+    max_restarts: int = _f(0, "restart every rank up to N times after one fails (meshtrain's"
+                              " launcher; needs --auto-resume); under torchrun use its own"
+                              " --max-restarts")
+    tp: int = _f(1, "tensor-parallel degree")
+    tp_scheme: str = _f("1d", "tensor-parallel scheme: 1d (Megatron), 2d (SUMMA on a q x q grid,"
+                              " --tp q^2), 2.5d (q x q x --tp-depth) or 3d (q x q x q)")
+    tp_depth: int | None = _f(None, "--tp-scheme 2.5d's depth d (tp = q^2 d; default: the"
+                                    " largest d leaving q >= 2)")
+    pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
+                    " remainder)")
+    pp_layers: str | None = _f(None, "layers per pipeline stage, comma-separated (e.g. 3,5);"
+                                     " with --virtual-stages one count per model chunk"
+                                     " (pp x v of them); default: an even split")
+    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over"
+                                  " --virtual-stages model chunks per rank) or 2bw"
+                                  " (PipeDream-2BW: no flush, weights updated one step late)")
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (--pp-schedule interleaved)")
+    dp: int | None = _f(None, "data-parallel degree (default: the ranks left, world / (tp x pp x"
+                              " cp))")
+    ep: int = _f(1, "expert-parallel degree: experts spread over this many of the dp ranks")
+    cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence")
+    cp_mode: str = _f("ring", "context-parallel attention: ring (K/V around a ring) or all2all"
+                              " (Ulysses: heads/tp divisible by cp)")
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism over the TP ranks"
+                                        " (needs --tp > 1)")
+    recompute: str = _f("none", "activation recomputation: none, selective (attention core) or"
+                                " full (whole layers)")
+    recompute_layers: int | None = _f(None, "with --recompute full, only the first k layers")
+    bucket_mb: float = _f(25.0, "gradient all-reduce (ZeRO 1/2: reduce-scatter) bucket size in"
+                                " MiB")
+    zero: int = _f(0, "ZeRO stage over the data-parallel ranks: 0 replicates everything, 1 shards"
+                      " optimizer states, 2 also gradients, 3 also parameters (gathered per"
+                      " layer); 2 and 3 not with --pp > 1")
+    offload_optimizer: str = _f("none", "none, or cpu: keep ZeRO's fp32 master shard, its"
+                                        " gradient and the Adam moments in host memory and step"
+                                        " there (needs --zero >= 1)")
+    device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
+    collective_timeout: float = _f(600.0, "seconds a rank may wait in one collective before the"
+                                          " run is declared hung: the ranks dump their last"
+                                          " collectives to --out/hang and the run exits with"
+                                          " code 4 naming what diverged (meshtrain doctor OUT)")
+    layout: str | None = _f(None, "let the planner choose the layout before the ranks start:"
+                                  " auto searches every layout field, a spec such as"
+                                  " tp=2,zero=1 (as for meshtrain plan) fixes the fields it"
+                                  " names; layout flags given (--tp, --micro-batch, ...) stay"
+                                  " fixed too; the choice and why are printed")
+    hardware: str | None = _f(None, "hardware profile for --layout: a built-in name or a TOML"
+                                    " file from meshtrain plan calibrate (default: this"
+                                    " machine's CUDA device's profile, else the CPU one)")
+    trace: str | None = _f(None, "with --pp > 1, write the second step's pipeline timeline to"
+                                 " this directory: pipeline.json (Perfetto), pipeline.png and"
+                                 " pipeline_idle.json (measured vs simulated idle per stage)")
+
+
+@dataclass
+class TrainSettings:
+    steps: int = _f(300, "total optimizer steps (defines the learning-rate schedule)")
+    stop_at: int | None = _f(None, "end after this step with a checkpoint, as an interrupted run"
+                                   " would")
+    global_batch: int = _f(16, "sequences per optimizer step, over all data-parallel ranks")
+    micro_batch: int = _f(8, "sequences per forward/backward on one rank")
+    seq_len: int = _f(128, "tokens per sequence")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases and LayerNorms)")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
+    max_nonfinite_steps: int = _f(1, "stop (exit code 5, nothing saved) after this many"
+                                     " consecutive steps whose loss or gradient norm is inf or"
+                                     " NaN; above 1, such steps skip their update (fp16 also"
+                                     " skips and rescales on gradient overflow, as always)")
+    seed: int = _f(0, "seed for weights, data order and dropout")
+    eval_every: int = _f(100, "evaluate the held-out loss every N steps (0 disables)")
+    eval_batches: int = _f(4, "global batches per evaluation")
+    log_every: int = _f(10, "write the buffered metrics.jsonl rows every N steps (and at each"
+                            " checkpoint and the end); without a terminal, also a progress line")
+    precision: str = _f("fp32", "parameter/activation dtype: fp32, bf16 or fp16 (16-bit keeps fp32"
+                                " master weights; fp16 adds dynamic loss scaling)")
+    grad_dtype: str = _f("fp32", "dtype gradients are accumulated and reduced in: fp32, or the"
+                                 " 16-bit --precision dtype")
+    loss_scale_window: int = _f(1000, "fp16: double the loss scale after this many clean steps")
+
+
+@dataclass
+class DataSettings:
+    data: str | None = _f(None, "text file (byte tokens) or .bin of uint16/uint32 tokens with a"
+                                " .bin.json sidecar (as meshtrain prepare writes); default:"
+                                " the Python standard library source")
+    val_fraction: float = _f(0.05, "fraction of the tokens held out for evaluation (unused when"
+                                   " the data has a prepared held-out file)")
+
+
+@dataclass
+class CheckpointSettings:
+    out: str | None = _f(None, "output directory (default runs/<date-time>)")
+    resume: bool = _f(False, "continue from the latest checkpoint in --out")
+    init_from: str | None = _f(None, "start a new run (step 0, fresh optimizer) from the model"
+                                     " weights of this run or checkpoint directory (any layout,"
+                                     " or the output of meshtrain import-hf); the model's family"
+                                     " and shape are the checkpoint's")
+    save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
+    save_every_minutes: float = _f(0.0, "also save when this many minutes have passed since the"
+                                        " run's start or last save (rank 0's clock decides, at a"
+                                        " step's end; 0: off)")
+    auto_resume: bool = _f(False, "continue from the newest complete checkpoint in --out when"
+                                  " there is one, else start fresh (for restarts)")
+    keep_last: int = _f(0, "after each save keep only the newest N checkpoints, deleting older"
+                           " ones (0: keep all); the one the latest pointer names is never"
+                           " deleted")

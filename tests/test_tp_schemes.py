@@ -1,0 +1,151 @@
+"""2D, 2.5D and 3D tensor parallelism in whole training runs: loss trajectories equal the 1D
+run's, with data and pipeline parallelism and ZeRO; checkpoints move between schemes; model
+states and activations per rank are the schemes' fractions of one process's; bad grids are
+refused with the fix. Layer- and model-level fp64 parity and byte counts are in
+test_tp_summa.py (2d, 2.5d) and test_tp_cube.py (3d).
+
+Eight-rank runs are the slow part: this file keeps them to one trajectory call per model and
+one checkpoint round trip."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from harness import LLAMA, raises_as_flags, run_cli, run_on_ranks, worker_mesh
+
+from meshtrain.config import build_config
+from meshtrain.data import synthetic_corpus
+from meshtrain.memory import saved_activation_bytes
+from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.train import Trainer
+
+STEPS = 4
+GRIDS = {"2d": dict(tp=4, tp_scheme="2d"), "2.5d": dict(tp=8, tp_scheme="2.5d", tp_depth=2),
+         "3d": dict(tp=8, tp_scheme="3d")}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(synthetic_corpus(30_000, seed=5).tobytes())
+    return str(path)
+
+
+def _config(corpus, out, model=None, **parallel):
+    return build_config({}, {
+        "model": {"num_layers": 2} | (model or {}),
+        "train": {"steps": 20, "global_batch": 8, "micro_batch": 4, "seq_len": 16, "seed": 1,
+                  "lr": 3e-3, "warmup_steps": 1, "eval_every": 0},
+        "parallel": {"device": "cpu"} | parallel, "data": {"data": corpus},
+        "checkpoint": {"out": out}})
+
+
+def _trainer(corpus, out, model, layout):
+    mesh_degrees = {k: v for k, v in layout.items() if k not in ("zero", "pp_schedule")}
+    settings = {k: v for k, v in layout.items() if k not in ("dp",)}
+    return Trainer.build(_config(corpus, out, model, **settings), worker_mesh(**mesh_degrees))
+
+
+def _losses(corpus, out, model, layouts):
+    """Each layout's first STEPS losses, run one after another on the same ranks."""
+    result = []
+    for layout in layouts:
+        trainer = _trainer(corpus, out, model, layout)
+        result.append([trainer.train_step(step)["loss"] for step in range(STEPS)])
+    return result
+
+
+@pytest.mark.parametrize("model", [None, LLAMA | {"num_kv_heads": 2}], ids=["gpt", "llama"])
+def test_trajectories_equal_the_1d_run(corpus, tmp_path, model):
+    """fp32 losses of 2d (alone, with dp 2, with pp 2 and ZeRO-1), 2.5d and 3d equal 1D tp 2's
+    at every step."""
+    reference = run_on_ranks(2, _losses, corpus, str(tmp_path), model, [{"tp": 2}])[0][0]
+    layouts = [GRIDS["2d"] | {"dp": 2}, GRIDS["2d"] | {"pp": 2, "zero": 1}, GRIDS["2.5d"],
+               GRIDS["3d"]]
+    runs = run_on_ranks(8, _losses, corpus, str(tmp_path), model, layouts)[0]
+    four = run_on_ranks(4, _losses, corpus, str(tmp_path), model, [GRIDS["2d"]])[0]
+    for layout, losses in zip(layouts + [GRIDS["2d"]], runs + four, strict=True):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+        assert rel < 1e-4, (layout, losses, reference)
+
+
+def _save_and_go_on(corpus, out, layout):
+    """Three steps' losses at `layout`, with a checkpoint after the second."""
+    trainer = _trainer(corpus, out, None, layout)
+    losses = [trainer.train_step(step)["loss"] for step in range(2)]
+    trainer.save(Path(out), 2)
+    losses.append(trainer.train_step(2)["loss"])
+    return losses
+
+
+def _resume(corpus, out, layout):
+    trainer = _trainer(corpus, out, None, layout)
+    assert trainer.resume(Path(out)) == 2
+    return trainer.train_step(2)["loss"]
+
+
+@pytest.mark.parametrize("saved,resumed", [("3d", "1d"), ("2.5d", "1d"), ("2d", "3d")])
+def test_checkpoints_move_between_schemes(corpus, tmp_path, saved, resumed):
+    layout = GRIDS[saved]
+    """A checkpoint saved at one scheme resumes at another and continues the trajectory."""
+    whole = run_on_ranks(layout["tp"], _save_and_go_on, corpus, str(tmp_path), layout)[0]
+    target = GRIDS.get(resumed, {"tp": 2})
+    loss = run_on_ranks(target["tp"], _resume, corpus, str(tmp_path), target)[0]
+    assert abs(loss - whole[2]) / whole[2] < 1e-4
+
+
+def _memory(corpus, out, layout):
+    trainer = _trainer(corpus, out, None, layout)
+    model = trainer.model
+    inputs, targets = trainer.train_data.micro_batches(0, dp_rank=0, dp_size=1)[0]
+    saved, _ = saved_activation_bytes(lambda: model.loss(model(inputs), targets),
+                                      model.parameters())
+    trainer.train_step(0)
+    return trainer.sync.memory_report(), saved
+
+
+@pytest.mark.parametrize("scheme", ["2d", "3d"])
+def test_model_states_and_activations_per_rank(corpus, tmp_path, scheme):
+    """Parameters, gradients and Adam states per rank are 1/q^2 (2d) or 1/q^3 (3d) of one
+    process's, and so are the activations saved for backward, within 10%."""
+    layout = GRIDS[scheme]
+    dense_states, dense_saved = run_on_ranks(1, _memory, corpus, str(tmp_path), {})[0]
+    states, saved = run_on_ranks(layout["tp"], _memory, corpus, str(tmp_path), layout)[0]
+    fraction = 1 / layout["tp"]
+    for kind, value in states.items():
+        assert value == pytest.approx(dense_states[kind] * fraction, rel=0.1), kind
+    assert saved == pytest.approx(dense_saved * fraction, rel=0.1)
+
+
+def test_grids_that_do_not_fit_are_refused_with_the_fix():
+    model = _config("unused", "unused").model_config(256)
+    with raises_as_flags(r"--tp-scheme 2d arranges tp as a q\^2 grid: --tp 8 is not one"):
+        ParallelPlan(tp=8, tp_scheme="2d").validate(model, world_size=8, global_batch=8,
+                                                    seq_len=16)
+    with raises_as_flags(r"--micro-batch 2 must be divisible by 4: --tp-scheme 3d"):
+        ParallelPlan(tp=8, tp_scheme="3d", micro_batch=2).validate(
+            model, world_size=8, global_batch=8, seq_len=16)
+    with raises_as_flags("--tp-scheme 2d does not combine with --sequence-parallel"):
+        ParallelPlan(tp=4, tp_scheme="2d", sequence_parallel=True, micro_batch=2).validate(
+            model, world_size=4, global_batch=8, seq_len=16)
+    with raises_as_flags("--tp-depth applies to --tp-scheme 2.5d only"):
+        ParallelPlan(tp=4, tp_scheme="2d", tp_depth=1).validate(model, world_size=4,
+                                                                global_batch=8, seq_len=16)
+
+
+def test_command_line_trains_at_3d_and_exports(corpus, tmp_path):
+    out = tmp_path / "run"
+    run = run_cli("train", "--nproc", "8", "--tp", "8", "--tp-scheme", "3d", "--model",
+                  "llama-tiny", "--num-layers", "1", "--device", "cpu", "--data", corpus,
+                  "--seq-len", "16", "--global-batch", "4", "--micro-batch", "4", "--steps",
+                  "2", "--eval-every", "0", "--out", str(out))
+    assert run.returncode == 0
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    assert sum('"loss"' in row for row in rows) == 2
+    export = run_cli("export", str(out), "--out", str(tmp_path / "model.safetensors"))
+    assert export.returncode == 0 and (tmp_path / "model.safetensors").stat().st_size > 0
+    bad = run_cli("train", "--nproc", "8", "--tp", "8", "--tp-scheme", "2d", "--device", "cpu",
+                  "--data", corpus, "--out", str(tmp_path / "bad"), check=False)
+    assert bad.returncode == 2 and "--tp-scheme 2d arranges tp as a q^2 grid" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
