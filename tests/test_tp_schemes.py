@@ -10,7 +10,6 @@ one checkpoint round trip."""
 from pathlib import Path
 
 import pytest
-import torch
 from harness import LLAMA, raises_as_flags, run_cli, run_on_ranks, worker_mesh
 
 from meshtrain.config import build_config

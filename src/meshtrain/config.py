@@ -2,9 +2,10 @@
 
 Sections (TOML tables of the same names, defined in `settings.py`): model, parallel, train,
 data, checkpoint. Every field is a CLI flag of `meshtrain train` (underscores become dashes)
-whose help text is the field's `help`. Precedence: defaults < --config FILE.toml < flags. A run's settings become a model config
-(`model_config`, of the preset's family) and a `ParallelPlan` (`plan`); `validate` checks them
-all before any rank starts. Errors name settings in backticks; the CLI shows them as flags.
+whose help text is the field's `help`. Precedence: defaults < --config FILE.toml < flags. A
+run's settings become a model config (`model_config`, of the preset's family) and a
+`ParallelPlan` (`plan`); `validate` checks them all before any rank starts. Errors name
+settings in backticks; the CLI shows them as flags.
 """
 
 from __future__ import annotations

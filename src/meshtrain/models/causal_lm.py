@@ -147,6 +147,8 @@ class CausalLM(nn.Module, ABC):
             problem = "a pipeline stage holds part of the model"
         elif self.factory.splits_sequence:
             problem = "sequence and context parallelism split the sequence over ranks"
+        elif self.mesh.tp_scheme != "1d":
+            problem = f"`tp_scheme` {self.mesh.tp_scheme} splits each batch over ranks"
         elif cfg.moe_experts:
             problem = "`moe_experts`: expert capacity depends on the tokens routed together"
         elif not 1 <= capacity <= cfg.max_seq_len:
@@ -154,7 +156,7 @@ class CausalLM(nn.Module, ABC):
         else:
             return KVCache(stage.layers, capacity)
         raise ValueError(f"no key/value cache here: {problem} (generation caches whole models"
-                         " at any tp)")
+                         " at any 1D tp)")
 
     @property
     def output_layer(self) -> nn.Module:
