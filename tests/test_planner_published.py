@@ -79,6 +79,7 @@ def test_stated_fields_are_fixed_and_the_rest_searched():
     t1 = fixed_fields(ROWS["narayanan2021-t1-310.1b"])
     assert t1["schedule"] == "interleaved" and "mb" not in t1 and "vp" not in t1
     assert fixed_fields(ROWS["mcore-h100-1.7b"])["sp"] is False  # tp 1: nothing to split
+    assert {fixed_fields(row)["scheme"] for row in ROWS.values()} == {"1d"}  # Megatron's 1D
 
 
 def test_predict_row_is_the_convention_over_the_predicted_step():

@@ -20,8 +20,9 @@ LAYOUT_SETTINGS: dict[str, tuple[str, str]] = {
     "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "vp": ("parallel", "virtual_stages"),
     "mb": ("train", "micro_batch"), "zero": ("parallel", "zero"),
     "sp": ("parallel", "sequence_parallel"), "recompute": ("parallel", "recompute"),
-    "schedule": ("parallel", "pp_schedule")}
-"""Each `Layout` field's (section, setting) in a run's config (scheme: only 1d, no setting)."""
+    "schedule": ("parallel", "pp_schedule"), "scheme": ("parallel", "tp_scheme"),
+    "depth": ("parallel", "tp_depth")}
+"""Each `Layout` field's (section, setting) in a run's config."""
 
 CUDA_PROFILES = (("H100", "h100-80g"), ("A100-SXM4-80GB", "a100-80g-selene"),
                  ("A100 80GB", "a100-80g-selene"), ("A100", "a100-40g"),
@@ -104,7 +105,6 @@ def describe(prediction: Prediction) -> str:
 def short_spec(layout: Layout) -> str:
     """The degrees and micro-batch, then only the fields off their defaults: a `--layout`
     spec that fixes what matters of this layout."""
-    keep = ("tp=", "pp=", "dp=", "mb=")
-    return ",".join(item for item, default in zip(layout.spec().split(","),
-                                                  Layout().spec().split(","), strict=True)
-                    if item != default or item.startswith(keep))
+    default = dict(Layout().spec_items())
+    return ",".join(f"{key}={value}" for key, value in layout.spec_items()
+                    if key in ("tp", "pp", "dp", "mb") or default.get(key) != value)

@@ -119,7 +119,7 @@ def train_command(request: Request, prediction: Prediction) -> str:
         flag, value = "--" + name.replace("_", "-"), getattr(lay, key)
         if isinstance(value, bool):
             flags += [flag] if value else []
-        else:
+        elif value is not None:  # tp_depth: 2.5d only
             flags += [flag, str(value)]
     args = " ".join(shlex.quote(f) for f in flags)
     if request.gpus <= hw.gpus_per_node:

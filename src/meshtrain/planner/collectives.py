@@ -48,5 +48,11 @@ def reduce_scatter(hardware: Hardware, nbytes: float, group: int, span: int) -> 
 all_to_all = all_gather
 
 
+def sequence(hardware: Hardware, *, steps: int, moved: float, span: int) -> float:
+    """Ring collectives given by their total steps and bytes per rank (a tensor-parallel grid's
+    per-layer totals, `tp_traffic.py`)."""
+    return _ring(hardware, steps=steps, moved=moved, span=span)
+
+
 def send(hardware: Hardware, nbytes: float, span: int) -> float:
     return _ring(hardware, steps=1, moved=nbytes, span=span)

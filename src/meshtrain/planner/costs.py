@@ -8,8 +8,11 @@ a fixed host overhead (x2 in backward), each TP/CP collective its alpha-beta tim
 charged where meshtrain achieves it: a column-parallel layer's input-gradient all-reduce runs
 behind its weight-gradient matmul; data-parallel buckets (ZeRO 1/2: reduce-scatters) behind the
 last micro-batch's backward (ZeRO 2: every micro-batch's); ZeRO-3's prefetched gathers behind the
-forward and backward they feed. The pipeline runs meshtrain's own schedule through the
-simulator (`schedules.simulate`) on those per-chunk costs. Memory is `memory_model.py`'s.
+forward and backward they feed. A 2d/2.5d/3d grid's layer and output-layer traffic
+(`tp_traffic.py`) is charged whole, none of it hidden, on links as wide as the TP block; 2.5d's
+depth all-reduce of weight gradients once a step, exposed. The pipeline runs meshtrain's own
+schedule through the simulator (`schedules.simulate`) on those per-chunk costs. Memory is
+`memory_model.py`'s.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.layout import Layout
 from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
+from meshtrain.planner.tp_traffic import Traffic, depth_gradient_bytes
 from meshtrain.planner.workload import GRAD_BYTES, Workload
 
 GIB = 2**30
@@ -64,7 +68,8 @@ def predict(model: TransformerConfig, layout: Layout, hardware: Hardware, *, seq
     totals = []
     for rank in range(layout.pp):
         own = [chunks[g] for g in pipe.chunks_of(rank)]
-        sync = data_parallel_exposed(work, hardware, own)
+        sync = data_parallel_exposed(work, hardware, own) + depth_gradient_sync(work, hardware,
+                                                                                 own)
         optimizer = optimizer_time(work, hardware, sum(c.parameters for c in own))
         totals.append((pipe.makespan + sync + optimizer, rank, sync, optimizer))
     step, rank, sync, optimizer = max(totals)
@@ -134,7 +139,8 @@ def _layer_cost(work: Workload, hw: Hardware, index: int) -> ChunkCost:
     ratio = 2.0 if lay.cp > 1 else hw.attention_backward_ratio  # ring: hand-written autograd
     backward = 2 * (forward - hw.layer_overhead_s - core) + ratio * core \
         + 2 * hw.layer_overhead_s
-    tp_forward, tp_backward = _tensor_parallel_comm(work, hw, weights)
+    tp_forward, tp_backward = _tensor_parallel_comm(work, hw, weights) \
+        if lay.scheme == "1d" else _grid_comm(hw, work.layer_traffic(), lay.tp)
     cp_forward, cp_backward = _context_parallel_comm(work, hw, core)
     forward_comm, backward_comm = tp_forward + cp_forward, tp_backward + cp_backward
     if lay.recompute == "selective":
@@ -160,6 +166,13 @@ def _tensor_parallel_comm(work: Workload, hw: Hardware,
     return 2 * one, _hidden(hw, one, weights[0]) + _hidden(hw, one, weights[2])
 
 
+def _grid_comm(hw: Hardware, traffic: Traffic, tp: int) -> tuple[float, float]:
+    """2d/2.5d/3d: the traffic's forward and backward time, none of it overlapped."""
+    return (coll.sequence(hw, steps=traffic.forward_steps, moved=traffic.forward_bytes, span=tp),
+            coll.sequence(hw, steps=traffic.backward_steps, moved=traffic.backward_bytes,
+                          span=tp))
+
+
 def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[float, float]:
     """Ring attention (the layouts' context-parallel mode): cp - 1 K/V blocks pass each way
     behind the attention blocks; backward sends their gradients too, and returns them home."""
@@ -175,25 +188,35 @@ def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[f
 
 
 def _embedding_cost(work: Workload, hw: Hardware) -> ChunkCost:
+    """1d: the vocab-parallel lookup's partial sums reduced (SP: scattered); a 2d/2.5d/3d grid
+    writes its rank's block (its lookup's small communication is left out)."""
     lay, n = work.layout, work.activation_bytes
     t = lay.tp
+    if lay.scheme != "1d":
+        moved = _elementwise(hw, n / t)
+        return ChunkCost(moved, 0.0, moved, 0.0, work.embedding_parameters())
     comm = coll.reduce_scatter(hw, n, t, t) if lay.sp else coll.all_reduce(hw, n, t, t)
     moved = _elementwise(hw, n)
     return ChunkCost(moved, comm, moved, 0.0, work.embedding_parameters())
 
 
 def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
-    """Final norm, the vocab-parallel output matmul and cross-entropy (three small all-reduces
-    of per-token statistics); an untied (or, in a pipeline, tied copy of the) embedding."""
+    """Final norm, the vocab-parallel output matmul and cross-entropy (1d: three small
+    all-reduces of per-token statistics; a grid: the output layer's linear traffic, statistics
+    left out); an untied (or, in a pipeline, tied copy of the) embedding."""
     lay, m = work.layout, work.model
     t = lay.tp
     matmul = _matmul(hw, work.head_matmul(), work.precision)
+    hidden = work.activation_bytes / (t if lay.scheme != "1d" else 1)
+    forward = matmul + _elementwise(hw, 3 * work.logits_bytes() + 2 * hidden)
+    backward = 2 * matmul + _elementwise(hw, 2 * work.logits_bytes())
+    held = 0.0 if m.tie_embeddings and lay.pp == 1 else work.embedding_parameters()
+    if lay.scheme != "1d":
+        forward_comm, backward_comm = _grid_comm(hw, work.head_traffic(), t)
+        return ChunkCost(forward, forward_comm, backward, backward_comm, held)
     stats = 3 * coll.all_reduce(hw, work.local_tokens * 4, t, t)
     gather = coll.all_gather(hw, work.activation_bytes, t, t) if lay.sp \
         else coll.all_reduce(hw, work.activation_bytes, t, t)  # SP: gather; else f's backward
-    forward = matmul + _elementwise(hw, 3 * work.logits_bytes() + 2 * work.activation_bytes)
-    backward = 2 * matmul + _elementwise(hw, 2 * work.logits_bytes())
-    held = 0.0 if m.tie_embeddings and lay.pp == 1 else work.embedding_parameters()
     return ChunkCost(forward, stats + (gather if lay.sp else 0.0), backward, gather, held)
 
 
@@ -222,6 +245,18 @@ def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) ->
     if lay.zero == 2:
         exposed *= work.micro_batches
     return exposed + (coll.all_gather(hw, weights, g, span) if lay.zero else 0.0)
+
+
+def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
+    """2.5d: the weight gradients all-reduced over depth once a step, after the data-parallel
+    reduction (ZeRO: this rank's shard of them), exposed."""
+    lay = work.layout
+    d = lay.tp_grid.get("tp_depth", 1)
+    if d == 1:
+        return 0.0
+    weights = sum(c.parameters for c in own) / (lay.dp * lay.cp if lay.zero else 1)
+    moved = depth_gradient_bytes(weights, d, GRAD_BYTES)
+    return coll.sequence(hw, steps=2 * (d - 1), moved=moved, span=lay.tp)
 
 
 def optimizer_time(work: Workload, hw: Hardware, params: float) -> float:

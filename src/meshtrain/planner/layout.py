@@ -2,9 +2,10 @@
 
 Fields (and their spec keys): tp, pp, dp, cp, ep (degrees), vp (virtual stages per pipeline
 rank), mb (micro-batch), zero (stage), sp (Megatron sequence parallelism), recompute
-(none/selective/full), schedule (gpipe/1f1b/interleaved/2bw) and scheme (the tensor-parallel
-scheme: 1d). A spec such as `tp=8,pp=8,vp=3,mb=1,zero=1,sp=1,recompute=selective` fixes
-the fields it names; the planner searches the others.
+(none/selective/full), schedule (gpipe/1f1b/interleaved/2bw), scheme (the tensor-parallel
+scheme: 1d, 2d, 2.5d or 3d) and depth (2.5d's depth; unset: `mesh.resolve_tp_grid`'s default).
+A spec such as `tp=8,pp=8,vp=3,mb=1,zero=1,sp=1,recompute=selective` fixes the fields it names;
+the planner searches the others.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from meshtrain.mesh import resolve_tp_grid
 from meshtrain.parallel.plan import ParallelPlan
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
-SCHEMES = ("1d",)
+SCHEMES = ("1d", "2d", "2.5d", "3d")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class Layout:
     recompute: str = "none"
     schedule: str = "1f1b"
     scheme: str = "1d"
+    depth: int | None = None
+    """2.5d's depth d (tp = d q^2); None for the other schemes."""
 
     @property
     def gpus(self) -> int:
@@ -43,14 +47,24 @@ class Layout:
     def to_plan(self, *, precision: str = "bf16", grad_dtype: str = "fp32") -> ParallelPlan:
         """The `ParallelPlan` meshtrain trains this layout with."""
         return ParallelPlan(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep,
+                            tp_scheme=self.scheme, tp_depth=self.depth,
                             sequence_parallel=self.sp, pp_schedule=self.schedule,
                             virtual_stages=self.vp, zero=self.zero, recompute=self.recompute,
                             precision=precision, grad_dtype=grad_dtype, micro_batch=self.mb)
 
+    @property
+    def tp_grid(self) -> dict[str, int]:
+        """The TP block's grid axes and sizes (raises for a tp the scheme cannot arrange)."""
+        return resolve_tp_grid(self.tp, self.scheme, self.depth)
+
+    def spec_items(self) -> list[tuple[str, str]]:
+        """(key, value) of every field that is set, as a `--layout` spec writes them."""
+        return [(f.name, _spec_value(getattr(self, f.name))) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None]
+
     def spec(self) -> str:
-        """This layout as a `--layout` spec (every field)."""
-        return ",".join(f"{f.name}={_spec_value(getattr(self, f.name))}"
-                        for f in dataclasses.fields(self))
+        """This layout as a `--layout` spec (every field that is set)."""
+        return ",".join(f"{key}={value}" for key, value in self.spec_items())
 
 
 def _spec_value(value) -> str:

@@ -3,11 +3,13 @@
 Per pipeline rank (the busiest is reported): parameters p, gradients g = 4 (fp32 accumulation)
 and optimizer states K = 8 (Adam moments) + 4 (fp32 master weights, 16-bit runs only) bytes per
 parameter, divided over dp x cp by ZeRO (stage 1: K; 2: g + K; 3: everything:
-`memory.zero_formula_bytes`); activations = the family's per-layer bytes x the layers of each
-(micro-batch, chunk) the schedule keeps in flight (the simulator's peak); buffers = fp32 logits
-and their gradient on the last stage, the gradient bucket being reduced, ZeRO-3's two gathered
-layers, pipeline send/receive buffers and, under full recomputation, one layer's recomputed
-activations.
+`memory.zero_formula_bytes`), of the parameters a rank holds (1/tp of a layer's, 1/q^2 under
+2.5d's replication over depth: `Workload.weight_parts`); activations = the family's per-layer
+bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp, `Workload.layer_activation_bytes`) x the
+layers of each (micro-batch, chunk) the schedule keeps in flight (the simulator's peak);
+buffers = fp32 logits and their gradient on the last stage, the gradient bucket being reduced,
+ZeRO-3's two gathered layers, pipeline send/receive buffers and, under full recomputation, one
+layer's recomputed activations.
 """
 
 from __future__ import annotations

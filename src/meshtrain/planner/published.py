@@ -109,10 +109,11 @@ def fixed_fields(row: dict) -> dict[str, object]:
     """The layout fields the row's source states (a parsed `--layout`); the search does the
     rest. Narayanan's table-1 rows without a schedule have no pipeline (pp 1); its pipelined
     ones state the interleaved schedule and leave the virtual stages to the search. Sequence
-    parallelism at tp 1 (Megatron-Core's 1.7B row) splits nothing: off."""
+    parallelism at tp 1 (Megatron-Core's 1.7B row) splits nothing: off. Every row ran
+    Megatron's 1D tensor parallelism."""
     sp = row["sequence_parallel"] and row["tp"] > 1
     fixed: dict[str, object] = {"tp": row["tp"], "pp": row["pp"], "dp": row["dp"], "cp": 1,
-                                "sp": sp, "recompute": row["recompute"]}
+                                "sp": sp, "recompute": row["recompute"], "scheme": "1d"}
     fixed.update({field: row[key] for key, field in SEARCHED.items() if key in row})
     return fixed
 

@@ -8,8 +8,10 @@ divisors of the per-dp batch up to MAX_MICRO_BATCH; schedules 1f1b and interleav
 stages the divisors of layers / pp from 2 to MAX_VIRTUAL_STAGES (gpipe only when fixed: it does
 1F1B's work holding every micro-batch's activations, and the simulator never finds it faster;
 2bw only when fixed: its delayed update changes what is trained); sp with tp > 1; ZeRO 0-3;
-recompute none, selective, full; the 1d tensor-parallel scheme. `ParallelPlan.validate` rejects
-what meshtrain cannot run, with its reason.
+recompute none, selective, full; the tensor-parallel schemes tp forms a grid for
+(`scheme_space.py`: 1d, 2d, 2.5d at each depth, 3d; a grid's micro-batches split evenly over
+its batch split, up to MAX_MICRO_BATCH sequences per rank), each scheme its own degree
+combination. `ParallelPlan.validate` rejects what meshtrain cannot run, with its reason.
 
 Pruned so thousands of devices take seconds (a prediction takes milliseconds, a deep pipeline's
 more). Exactly, since saving memory never makes the cost model faster: recompute, ZeRO 2 and 3
@@ -36,6 +38,7 @@ from meshtrain.planner import costs
 from meshtrain.planner.costs import Prediction
 from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.layout import RECOMPUTE, Layout
+from meshtrain.planner.scheme_space import grid_choices, micro_batches
 
 MAX_PP = 32
 CP_MIN_TOKENS = 1024
@@ -47,6 +50,17 @@ OVER_BUDGET = "memory over budget"
 DEGREES = ("tp", "pp", "dp", "cp")
 
 Cost = Callable[..., Prediction]
+
+
+class Combo(NamedTuple):
+    """The structural choices screened together: degrees and the tensor-parallel grid."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    scheme: str = "1d"
+    depth: int | None = None
 
 
 class Rejection(NamedTuple):
@@ -136,9 +150,9 @@ class _Search:
             raise ValueError(f"`layout` fixes {names} = {values}, which does not divide `gpus`"
                              f" {self.gpus}")
 
-    def degree_combos(self) -> list[tuple[int, int, int, int]]:
-        """(tp, pp, cp, dp) with tp x pp x cp x dp = gpus."""
-        n, f = self.gpus, self.fixed
+    def degree_combos(self) -> list[Combo]:
+        """(tp, pp, cp, dp) with tp x pp x cp x dp = gpus, each with every grid tp forms."""
+        n, f, moe = self.gpus, self.fixed, bool(self.model.moe_experts)
         tps = self.choices("tp", [t for t in _divisors(n) if t & (t - 1) == 0
                                   and t <= self.hardware.gpus_per_node])
         combos = []
@@ -151,12 +165,13 @@ class _Search:
                        if c == 1 or "dp" in f or self.seq_len // c >= CP_MIN_TOKENS]
                 for cp in self.choices("cp", cps):
                     if rest % cp == 0 and f.get("dp", rest // cp) == rest // cp:
-                        combos.append((tp, pp, cp, rest // cp))
+                        combos += [Combo(tp, pp, cp, rest // cp, *grid)
+                                   for grid in grid_choices(tp, f, cp=cp, moe=moe)]
         return combos
 
-    def execution_choices(self, combo) -> dict[str, list]:
-        """Every non-degree field's candidates for one degree combination."""
-        tp, pp, cp, dp = combo
+    def execution_choices(self, combo: Combo) -> dict[str, list]:
+        """Every non-structural field's candidates for one combination."""
+        tp, pp, cp, dp, scheme, depth = combo
         per_dp = self.global_batch // dp if self.global_batch % dp == 0 else 1
         interleaved = self.model.num_layers // pp if pp > 1 else 0
         vps = [v for v in _divisors(interleaved) if 2 <= v <= MAX_VIRTUAL_STAGES]
@@ -165,15 +180,15 @@ class _Search:
             ["interleaved"] if fixed_vp > 1 else ["1f1b", "interleaved"]
         experts = self.model.moe_experts
         return {
-            "mb": self.choices("mb", [m for m in _divisors(per_dp) if m <= MAX_MICRO_BATCH]),
+            "mb": self.choices("mb", micro_batches(_divisors(per_dp), tp, scheme, depth,
+                                                   MAX_MICRO_BATCH)),
             "schedule": self.choices("schedule", schedules),
             "vp": self.choices("vp", vps or [1]),
-            "sp": self.choices("sp", [True, False] if tp > 1 else [False]),
+            "sp": self.choices("sp", [True, False] if tp > 1 and scheme == "1d" else [False]),
             "zero": self.choices("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]),
             "recompute": self.choices("recompute", RECOMPUTE),
             "ep": self.choices("ep", [e for e in _divisors(dp * cp) if experts % e == 0]
                                if experts else [1]),
-            "scheme": self.choices("scheme", ["1d"]),
         }
 
     def vp_for(self, schedule: str, choices: dict[str, list]) -> list[int]:
@@ -188,8 +203,7 @@ class _Search:
         choices["vp"] = self.vp_for(choices["schedule"][0], choices)
         if any(len(values) != 1 for values in choices.values()):
             return None
-        tp, pp, cp, dp = combos[0]
-        return Layout(tp=tp, pp=pp, cp=cp, dp=dp, **{k: v[0] for k, v in choices.items()})
+        return Layout(**combos[0]._asdict(), **{k: v[0] for k, v in choices.items()})
 
     def evaluate_fixed(self, layout: Layout) -> SearchResult:
         """A fully fixed layout: invalid is an error; over budget is a warning."""
@@ -245,16 +259,15 @@ class _Search:
         self.result.ranked.append(prediction)
         return True
 
-    def screen(self, combo) -> float | None:
-        """Validate a degree combination, probe its memory, and time it with the preferred
-        schedule, sp on and ZeRO from stage 1; the best screened step time, or None."""
-        tp, pp, cp, dp = combo
+    def screen(self, combo: Combo) -> float | None:
+        """Validate a combination, probe its memory, and time it with the preferred schedule,
+        sp on and ZeRO from stage 1; the best screened step time, or None."""
         choices = self.execution_choices(combo)
-        bases = [Layout(tp=tp, pp=pp, cp=cp, dp=dp, mb=choices["mb"][0],
+        bases = [Layout(**combo._asdict(), mb=choices["mb"][0],
                         schedule=choices["schedule"][0], sp=sp,
                         vp=self.vp_for(choices["schedule"][0], choices)[0],
-                        ep=choices["ep"][-1], scheme=choices["scheme"][0],
-                        zero=choices["zero"][0], recompute=choices["recompute"][0])
+                        ep=choices["ep"][-1], zero=choices["zero"][0],
+                        recompute=choices["recompute"][0])
                  for sp in choices["sp"]]
         base = next((b for b in bases if self.validate(b)), None)
         if base is None or not self.probe(base, choices):
@@ -295,18 +308,16 @@ class _Search:
             return False
         return True
 
-    def refine(self, combo) -> None:
+    def refine(self, combo: Combo) -> None:
         """Every schedule, sp and ZeRO stage; virtual stages upwards until the step time rises
         (the bubble shrinks with them, point-to-point traffic grows)."""
-        tp, pp, cp, dp = combo
         choices = self.execution_choices(combo)
         for schedule in choices["schedule"]:
             for sp in choices["sp"]:
                 last = None
                 for vp in self.vp_for(schedule, choices):
-                    base = Layout(tp=tp, pp=pp, cp=cp, dp=dp, mb=choices["mb"][0],
-                                  schedule=schedule, vp=vp, sp=sp, ep=choices["ep"][-1],
-                                  scheme=choices["scheme"][0])
+                    base = Layout(**combo._asdict(), mb=choices["mb"][0], schedule=schedule,
+                                  vp=vp, sp=sp, ep=choices["ep"][-1])
                     fastest = min(self.sweep(base, choices["zero"], choices), default=None)
                     if fastest is None or last is not None and fastest > last:
                         break
@@ -343,7 +354,12 @@ class _Search:
         return None
 
 
-_CATEGORIES = (
+_CATEGORIES = (  # the grid schemes' first: their messages name heads and widths too
+    ("splits each micro-batch", "micro-batch not divisible by the grid's batch split"),
+    ("for `tp_scheme`", "heads or widths not divisible by the grid"),
+    ("arranges tp as", "tp does not form the scheme's grid"),
+    ("`tp_depth`", "tp_depth does not fit the scheme or tp"),
+    ("already split over batch", "grid scheme with sp, cp or MoE"),
     ("number of heads", "heads not divisible by tp"),
     ("key/value heads", "kv heads and tp do not divide one another"),
     ("MLP width", "MLP width not divisible by tp"),

@@ -1,6 +1,11 @@
 """What one rank computes and stores for one micro-batch: the work of a transformer layer, the
 embedding and the output layer, split over the layout's tensor- and context-parallel ranks.
 
+Every scheme divides a layer's FLOPs by tp. 1d replicates the norms, residuals and the hidden
+states between layers over tp unless sequence parallelism splits them; 2d, 2.5d and 3d split
+everything tp ways (hidden and batch); weights split q^2 ways under 2d and 2.5d (replicated
+over 2.5d's depth) and q^3 under 3d. Their traffic is `tp_traffic.py`'s.
+
 Counts, not times: FLOPs of each matmul (so small ones can be charged their lower efficiency),
 bytes elementwise kernels move, bytes each collective carries, parameters each rank holds. The
 cost model (`costs.py`) turns them into seconds on a `Hardware`.
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
 from meshtrain.planner.layout import Layout
+from meshtrain.planner.tp_traffic import Traffic, layer_traffic, linear_traffic
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_BYTES = 4
@@ -61,9 +67,32 @@ class Workload:
         return self.local_tokens * self.model.hidden_size * self.element_bytes
 
     @property
+    def splits_hidden(self) -> bool:
+        """Whether each TP rank holds 1/tp of the hidden states between layers (SP, or a
+        2d/2.5d/3d grid), rather than all of them."""
+        return self.layout.sp or self.layout.scheme != "1d"
+
+    @property
+    def weight_parts(self) -> int:
+        """How many ways each weight matrix is split: tp, except over 2.5d's depth."""
+        return self.layout.tp // self.layout.tp_grid.get("tp_depth", 1)
+
+    @property
     def boundary_bytes(self) -> float:
-        """What a pipeline stage sends its neighbour per micro-batch (split by SP)."""
-        return self.activation_bytes / (self.layout.tp if self.layout.sp else 1)
+        """What a pipeline stage sends its neighbour per micro-batch (split by SP or a grid)."""
+        return self.activation_bytes / (self.layout.tp if self.splits_hidden else 1)
+
+    def layer_traffic(self) -> Traffic:
+        """One layer's tensor-parallel bytes and steps (2d/2.5d/3d; 1d's are `costs.py`'s)."""
+        lay = self.layout
+        return layer_traffic(self.model, tp=lay.tp, scheme=lay.scheme, depth=lay.depth,
+                             tokens=self.local_tokens, e=self.element_bytes)
+
+    def head_traffic(self) -> Traffic:
+        """2d/2.5d/3d: the output layer as one more linear h -> vocab of the grid."""
+        lay, m = self.layout, self.model
+        return linear_traffic(lay.scheme, lay.tp_grid, self.local_tokens, m.hidden_size,
+                              m.vocab_size, self.element_bytes)
 
     def layer(self, index: int) -> LayerWork:
         m, t, tokens = self.model, self.layout.tp, self.local_tokens
@@ -82,12 +111,12 @@ class Workload:
         width = m.num_heads * m.head_dim
         ring = self.layout.cp > 1  # hand-written blocks: whole, eager softmax
         core = 4 * tokens * self.seq_len * width / t * (1.0 if ring else CAUSAL_FRACTION)
-        replicated = 10 * h / (t if self.layout.sp else 1)  # 2 norms in/out, 2 residual adds
+        replicated = 10 * h / (t if self.splits_hidden else 1)  # 2 norms in/out, 2 residual adds
         activation = (2 * matrices - 2) * f / t  # GELU: read + write; SwiGLU: 2 reads, 2 writes
         moved = tokens * (replicated + activation) * self.element_bytes
         if m.attention == "eager" or ring:
             moved += 4 * m.num_heads / t * tokens * self.seq_len * self.element_bytes
-        return LayerWork(weight, core, moved, parameters / t)
+        return LayerWork(weight, core, moved, parameters / self.weight_parts)
 
     def head_matmul(self) -> float:
         return 2 * self.local_tokens * self.model.hidden_size * self.model.vocab_size \
@@ -98,14 +127,18 @@ class Workload:
         return self.local_tokens * self.model.vocab_size / self.layout.tp * 4
 
     def embedding_parameters(self) -> float:
-        return self.model.vocab_size * self.model.hidden_size / self.layout.tp
+        return self.model.vocab_size * self.model.hidden_size / self.weight_parts
 
     def layer_activation_bytes(self) -> float:
         """Bytes one layer saves for backward per micro-batch (the family's tested formula;
-        sdpa saves no s x s probabilities, which the eager form without them equals)."""
+        sdpa saves no s x s probabilities, which the eager form without them equals); a
+        2d/2.5d/3d grid: the dense layer's / tp, nothing replicated."""
         lay, m = self.layout, self.model
         recompute = "selective" if lay.recompute == "none" and m.attention == "sdpa" \
             else lay.recompute
-        return m.activation_bytes(seq_len=self.seq_len // lay.cp, micro_batch=lay.mb, tp=lay.tp,
-                                  sequence_parallel=lay.sp, recompute=recompute,
-                                  element_size=self.element_bytes, dropout=m.dropout > 0)
+        grid = lay.scheme != "1d"
+        saved = m.activation_bytes(seq_len=self.seq_len // lay.cp, micro_batch=lay.mb,
+                                   tp=1 if grid else lay.tp, sequence_parallel=lay.sp,
+                                   recompute=recompute, element_size=self.element_bytes,
+                                   dropout=m.dropout > 0)
+        return saved / lay.tp if grid else saved
