@@ -6,8 +6,10 @@ layer names and the shards gathered, the dense gradient. Each linear's bytes equ
 
 Eight-rank calls are the slow part: all layers share one call, both models another."""
 
+import dataclasses
 from fractions import Fraction
 
+import pytest
 import torch
 import torch.nn.functional as F
 from harness import run_on_ranks, worker_mesh
@@ -194,6 +196,17 @@ def _check_output_layer(mesh, factory, c, tied: bool):
     assert_close(factory.gather_logits(logits.detach())[..., :37], ref.detach(), **TOL)
 
 
+def _check_refusals(factory):
+    with pytest.raises(ValueError, match="splits attention heads q = 2 ways: 3 heads"):
+        factory.column(nn.Linear(H, 24), heads=3)
+    with pytest.raises(ValueError, match="splits the input features 4 ways: 6 is not"):
+        factory.column(nn.Linear(6, 8))
+    with pytest.raises(ValueError, match="splits LayerNorm and RMSNorm, not GroupNorm"):
+        factory.norm(nn.GroupNorm(2, H))
+    with pytest.raises(ValueError, match="output layers have no bias"):
+        factory.vocab_head(nn.Linear(H, 37))
+
+
 def _check_layers():
     mesh, factory, c = _setup()
     assert isinstance(factory, Cube3D) and factory.head_parts == 2
@@ -202,20 +215,22 @@ def _check_layers():
         check(mesh, factory, c)
     _check_output_layer(mesh, factory, c, tied=True)
     _check_output_layer(mesh, factory, c, tied=False)
+    _check_refusals(factory)
 
 
 def test_layers_match_dense():
     run_on_ranks(8, _check_layers)
 
 
-MODELS = {"gpt": GPTConfig(num_layers=2, hidden_size=16, num_heads=4, vocab_size=37,
-                           max_seq_len=16),
-          "llama": LlamaConfig(num_layers=2, hidden_size=16, num_heads=4, num_kv_heads=2,
-                               ffn_hidden_size=24, vocab_size=37, max_seq_len=16)}
+GPT_CFG = GPTConfig(num_layers=2, hidden_size=16, num_heads=4, vocab_size=37, max_seq_len=16)
+LLAMA_CFG = LlamaConfig(num_layers=2, hidden_size=16, num_heads=4, num_kv_heads=2,
+                        ffn_hidden_size=24, vocab_size=37, max_seq_len=16)
 
 
-def _check_model(cfg):
-    mesh, factory, _ = _setup()
+def _check_model(cfg, recompute):
+    """The model at 3D (with `recompute`) against the dense one: weights, loss, gradients."""
+    mesh = worker_mesh(tp=8, tp_scheme="3d")
+    factory = layer_factory(dataclasses.replace(PLAN, recompute=recompute), mesh)
     family = family_of(cfg)
     dense = family.model(cfg, mesh=ParallelMesh.local(), seed=3).double()
     model = family.model(cfg, factory=factory, seed=3).double()
@@ -224,6 +239,7 @@ def _check_model(cfg):
         assert torch.equal(full, dense_params.pop(name)), name
     assert not dense_params
 
+    torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (B, 9))
     ref_loss = dense.loss(dense(ids[:, :-1]), ids[:, 1:])
     ref_loss.backward()
@@ -240,9 +256,15 @@ def _check_model(cfg):
 
 
 def _check_models():
-    for cfg in MODELS.values():
-        _check_model(cfg)
+    for cfg, recompute in ((GPT_CFG, "none"), (LLAMA_CFG, "none"), (GPT_CFG, "full"),
+                           (LLAMA_CFG, "selective")):
+        _check_model(cfg, recompute)
 
 
 def test_gpt_and_llama_match_dense():
     run_on_ranks(8, _check_models)
+
+
+def test_needs_a_3d_mesh():
+    with pytest.raises(ValueError, match="`tp_scheme` 3d needs a mesh with a q x q x q TP grid"):
+        Cube3D(PLAN, ParallelMesh.local())

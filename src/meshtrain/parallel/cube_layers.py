@@ -148,7 +148,6 @@ class CubeLinear(nn.Module):
         _check("output features (per block)", out_f, blocks * q)
         _check("input features", in_f, q * q)
         self.mesh, self.roles = mesh, Roles.of(mesh, input_axis, output_axis)
-        self.in_features, self.out_features = in_f, out_f
         rows = Shard(0, out_f, out_f, blocks, axes=(input_axis,))
         self.shards = {"weight": (rows, Shard(1, in_f, in_f, axes=(output_axis, WEIGHT)))}
         self.partial_axes = {}
@@ -207,7 +206,6 @@ class CubeVocabEmbedding(nn.Module):
         _adopt(self, dense)
         self.num_local = padded // (q * q)
         self.vocab_start = rows.chunk(GridPosition.of(mesh))[0] * self.num_local
-        self.padded_num_embeddings = padded
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids `[b, s]` (the whole micro-batch) -> `[b/q^2 (w, a), s, h/q (o)]`."""
