@@ -29,7 +29,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, axis: MeshAxis, ignore_index: int):
         ctx.logits_dtype = logits.dtype
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         vocab_start = axis.rank * logits.shape[-1]
         ignored = targets == ignore_index
         targets = targets.masked_fill(ignored, 0)
@@ -64,7 +64,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     """Per-token cross-entropy (shape of `targets`, 0 where ignored) of vocab-split logits.
 
     Communicates over the TP axis only: exact and stable for logits of any magnitude.
-    The computation runs in fp32 whatever the logits' dtype; the gradient has the logits' dtype.
+    The computation runs in fp32, or the logits' dtype when wider (fp64 parity tests); the
+    gradient has the logits' dtype.
     """
     axis = mesh if isinstance(mesh, MeshAxis) else mesh.tp
     return _VocabParallelCrossEntropy.apply(local_logits, targets, axis, ignore_index)
