@@ -23,6 +23,7 @@ from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.models.blocks import RMSNorm
 from meshtrain.parallel import comm
 from meshtrain.parallel.attention import AttentionCore
+from meshtrain.parallel.batch_split import gather_batch, partial_gradients_by_axis
 from meshtrain.parallel.cube_layers import (
     INPUT,
     OUTPUT,
@@ -32,7 +33,6 @@ from meshtrain.parallel.cube_layers import (
     CubePositionEmbedding,
     CubeVocabEmbedding,
     CubeVocabHead,
-    gather_batch,
 )
 from meshtrain.parallel.factory import LayerFactory
 from meshtrain.parallel.loss import vocab_parallel_cross_entropy
@@ -131,11 +131,4 @@ class Cube3D(LayerFactory):
                           exclude: set[int]) -> list[tuple[MeshAxis, list[nn.Parameter]]]:
         """What the layers name in `partial_axes`: the linears' biases (over tp_weight and
         their output axis), the norms and the position table (over tp_input and tp_weight)."""
-        groups: dict[str, list[nn.Parameter]] = {INPUT: [], WEIGHT: [], OUTPUT: []}
-        for module in model.modules():
-            for name, axes in getattr(module, "partial_axes", {}).items():
-                param = getattr(module, name)
-                if id(param) not in exclude:
-                    for axis in axes:
-                        groups[axis].append(param)
-        return [(self.mesh.axis(axis), params) for axis, params in groups.items() if params]
+        return partial_gradients_by_axis(model, self.mesh, exclude)

@@ -25,7 +25,8 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel import comm
-from meshtrain.parallel.sharding import GridPosition, Shard, shard_tensor
+from meshtrain.parallel.batch_split import adopt_slices, reduce_scatter_batch
+from meshtrain.parallel.sharding import GridPosition, Shard
 
 INPUT, WEIGHT, OUTPUT = "tp_input", "tp_weight", "tp_output"
 
@@ -87,50 +88,10 @@ def cube_matmul(x: torch.Tensor, roles: Roles, weights: list[torch.Tensor], *,
     return _CubeMatmul.apply(x, roles, weight_dim, *weights)
 
 
-class _ReduceScatterBatch(torch.autograd.Function):
-    """Sum partial results over an axis, keeping this rank's chunk of the batch; backward
-    all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, axis: MeshAxis):
-        ctx.axis = axis
-        return comm.reduce_scatter(x, axis, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.axis, dim=0), None
-
-
-class _GatherBatch(torch.autograd.Function):
-    """Concatenate every rank's batch chunk of a value every rank then uses alike (the
-    per-token loss); backward keeps this rank's chunk of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, axis: MeshAxis):
-        ctx.axis = axis
-        return comm.all_gather(x, axis, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(ctx.axis.size)[ctx.axis.rank], None
-
-
-def gather_batch(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    """`x`'s batch chunks over `axis` joined (differentiable, see `_GatherBatch`)."""
-    return x if axis.size == 1 else _GatherBatch.apply(x, axis)
-
-
 def _check(what: str, size: int, parts: int) -> None:
     if size % parts:
         raise ValueError(f"`tp_scheme` 3d splits the {what} {parts} ways: {size} is not"
                          " divisible; change the model size or `tp`")
-
-
-def _adopt(module: nn.Module, dense: nn.Module) -> None:
-    """Give `module` this rank's slice of each of `dense`'s parameters it has a split for."""
-    for name, spec in module.shards.items():
-        full = getattr(dense, name).detach()
-        module.register_parameter(name, nn.Parameter(shard_tensor(full, spec, module.mesh)))
 
 
 class CubeLinear(nn.Module):
@@ -156,7 +117,7 @@ class CubeLinear(nn.Module):
         else:
             self.shards["bias"] = rows
             self.partial_axes["bias"] = (WEIGHT, output_axis)
-        _adopt(self, dense)
+        adopt_slices(self, dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[b/q^2 (w, I), s, in/q (O)]` -> `[b/q^2 (w, O), s, out/q (I)]`."""
@@ -203,7 +164,7 @@ class CubeVocabEmbedding(nn.Module):
         rows = Shard(0, self.num_embeddings, padded, axes=(INPUT, WEIGHT))
         self.shards = {"weight": (rows, Shard(1, self.embedding_dim, self.embedding_dim,
                                               axes=(OUTPUT,)))}
-        _adopt(self, dense)
+        adopt_slices(self, dense)
         self.num_local = padded // (q * q)
         self.vocab_start = rows.chunk(GridPosition.of(mesh))[0] * self.num_local
 
@@ -214,7 +175,7 @@ class CubeVocabEmbedding(nn.Module):
         out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h/q], partial over (a, w)
         for axis in (self.roles.weight, self.roles.input):
-            out = _ReduceScatterBatch.apply(out, axis)
+            out = reduce_scatter_batch(out, axis)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -254,7 +215,7 @@ class CubePositionEmbedding(nn.Module):
         self.mesh = mesh
         self.shards = {"weight": Shard(1, hidden, hidden, axes=(OUTPUT,))}
         self.partial_axes = {"weight": (INPUT, WEIGHT)}
-        _adopt(self, dense)
+        adopt_slices(self, dense)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return F.embedding(positions, self.weight)
