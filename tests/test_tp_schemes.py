@@ -135,9 +135,11 @@ def test_grids_that_do_not_fit_are_refused_with_the_fix():
                                                                 global_batch=8, seq_len=16)
 
 
-def test_command_line_trains_at_3d_and_exports(corpus, tmp_path):
+def test_command_line_trains_at_2d_and_exports(corpus, tmp_path):
+    """The flags end to end (four ranks: eight-rank runs of the CLI cost a minute here; the
+    3d and 2.5d runs above go through the same Trainer)."""
     out = tmp_path / "run"
-    run = run_cli("train", "--nproc", "8", "--tp", "8", "--tp-scheme", "3d", "--model",
+    run = run_cli("train", "--nproc", "4", "--tp", "4", "--tp-scheme", "2d", "--model",
                   "llama-tiny", "--num-layers", "1", "--device", "cpu", "--data", corpus,
                   "--seq-len", "16", "--global-batch", "4", "--micro-batch", "4", "--steps",
                   "2", "--eval-every", "0", "--out", str(out))
@@ -150,4 +152,3 @@ def test_command_line_trains_at_3d_and_exports(corpus, tmp_path):
                   "--data", corpus, "--out", str(tmp_path / "bad"), check=False)
     assert bad.returncode == 2 and "--tp-scheme 2d arranges tp as a q^2 grid" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
-

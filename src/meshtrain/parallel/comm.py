@@ -1,12 +1,9 @@
 """Every collective meshtrain sends, in one file.
 
-Two layers:
-- plain helpers (`all_reduce`, `all_gather`, `reduce_scatter`, ...) that take the mesh axis
-  explicitly and report each call to the active `CommRecorder`s, so tests and benchmarks count
-  communication exactly;
-- the differentiable region operators of the Megatron paper: f = `copy_to_tensor_parallel_region`
-  (identity forward, all-reduce backward) and its conjugate g = `reduce_from_tensor_parallel_region`
-  (all-reduce forward, identity backward), plus scatter/gather along the last dimension.
+Plain helpers (`all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `reduce`, ...) that
+take the mesh axis explicitly and report each call to the active `CommRecorder`s, so tests and
+benchmarks count communication exactly. The differentiable operators built on them (Megatron's
+f and g, sequence-parallel regions, the all-to-all of MoE and Ulysses) are in `regions.py`.
 
 A collective over an axis of size 1 is skipped and not recorded: nothing is sent. Every call is
 also reported to the armed `FlightRecorder` (the ring the hang watchdog dumps), which tracks when
@@ -237,28 +234,6 @@ def all_to_all(tensor: torch.Tensor, axis: MeshAxis, *, send_splits: list[int],
     return out
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all forward; the reverse all_to_all (splits swapped) of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, axis, send_splits, recv_splits):
-        ctx.axis, ctx.send_splits, ctx.recv_splits = axis, send_splits, recv_splits
-        return all_to_all(x, axis, send_splits=send_splits, recv_splits=recv_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_to_all(grad, ctx.axis, send_splits=ctx.recv_splits,
-                          recv_splits=ctx.send_splits), None, None, None
-
-
-def all_to_all_differentiable(x: torch.Tensor, axis: MeshAxis, *, send_splits: list[int],
-                              recv_splits: list[int]) -> torch.Tensor:
-    """`all_to_all` that autograd can pass gradients back through (MoE token dispatch)."""
-    if axis.size == 1:
-        return x
-    return _AllToAll.apply(x, axis, list(send_splits), list(recv_splits))
-
-
 def send(tensor: torch.Tensor, axis: MeshAxis, to: int, *, tag: int = 0) -> dist.Work:
     """Start sending `tensor` to axis rank `to`; wait on the returned work before reusing it."""
     entry = _record("send", axis, tensor, blocking=False, peer=axis.ranks[to])
@@ -304,137 +279,3 @@ def all_gather_objects(obj, axis: MeshAxis) -> list:
     dist.all_gather_object(out, obj, group=axis.group)
     _done(entry)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Differentiable region operators (tensor-parallel axis)
-# ---------------------------------------------------------------------------------------------
-
-class _CopyToRegion(torch.autograd.Function):
-    """f: identity forward, all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        all_reduce(grad, ctx.axis)
-        return grad, None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        out = x.clone(memory_format=torch.contiguous_format)
-        all_reduce(out, axis)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """Keep this rank's chunk of the last dimension; backward gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return split_along(x, axis, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.axis, dim=-1), None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """Concatenate every rank's chunk of the last dimension; backward keeps this rank's chunk."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return all_gather(x, axis, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_along(grad, ctx.axis, dim=-1), None
-
-
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    """Keep this rank's chunk of the sequence (dim 1); backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return split_along(x, axis, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.axis, dim=1), None
-
-
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    """All-gather the sequence (dim 1); backward reduce-scatters the gradient (the conjugate)."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return all_gather(x, axis, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.axis, dim=1), None
-
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """Sum partial results over TP, keeping this rank's chunk of the sequence; backward
-    all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return reduce_scatter(x, axis, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.axis, dim=1), None
-
-
-def scatter_to_sequence_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    """Split `[b, s, h]` into this rank's `[b, s/t, h]`."""
-    return x if axis.size == 1 else _ScatterToSequenceRegion.apply(x, axis)
-
-
-def gather_from_sequence_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    """`[b, s/t, h]` -> `[b, s, h]` (all-gather); the gradient is reduce-scattered."""
-    return x if axis.size == 1 else _GatherFromSequenceRegion.apply(x, axis)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    """Partial `[b, s, h]` -> summed `[b, s/t, h]` (reduce-scatter); the gradient all-gathered."""
-    return x if axis.size == 1 else _ReduceScatterToSequenceRegion.apply(x, axis)
-
-
-def copy_to_tensor_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    """f: enter a TP region with a replicated input; the gradient is summed over `axis`."""
-    return x if axis.size == 1 else _CopyToRegion.apply(x, axis)
-
-
-def reduce_from_tensor_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    """g: leave a TP region by summing partial results over `axis`."""
-    return x if axis.size == 1 else _ReduceFromRegion.apply(x, axis)
-
-
-def scatter_to_tensor_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    """Split the last dimension over `axis`, keeping this rank's chunk."""
-    return x if axis.size == 1 else _ScatterToRegion.apply(x, axis)
-
-
-def gather_from_tensor_parallel_region(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
-    """Concatenate the last dimension over `axis`."""
-    return x if axis.size == 1 else _GatherFromRegion.apply(x, axis)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from meshtrain.mesh import MeshAxis
-from meshtrain.parallel import comm
+from meshtrain.parallel import comm, regions
 
 
 def context_parallel_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -114,7 +114,7 @@ def _heads_to_sequence(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
     b, a, n, d = x.shape
     blocks = x.view(b, axis.size, a // axis.size, n, d).transpose(0, 1).contiguous()
     splits = [1] * axis.size
-    received = comm.all_to_all_differentiable(blocks.view(axis.size, -1), axis,
+    received = regions.all_to_all_differentiable(blocks.view(axis.size, -1), axis,
                                               send_splits=splits, recv_splits=splits)
     received = received.view(axis.size, b, a // axis.size, n, d)  # [source, b, a/cp, n, d]
     return received.permute(1, 2, 0, 3, 4).reshape(b, a // axis.size, axis.size * n, d)
@@ -126,7 +126,7 @@ def _sequence_to_heads(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
     n = total // axis.size
     blocks = x.view(b, a_part, axis.size, n, d).permute(2, 0, 1, 3, 4).contiguous()
     splits = [1] * axis.size
-    received = comm.all_to_all_differentiable(blocks.view(axis.size, -1), axis,
+    received = regions.all_to_all_differentiable(blocks.view(axis.size, -1), axis,
                                               send_splits=splits, recv_splits=splits)
     received = received.view(axis.size, b, a_part, n, d)  # [head group, b, a/cp, n, d]
     return received.transpose(0, 1).reshape(b, axis.size * a_part, n, d)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.mesh import ParallelMesh
-from meshtrain.parallel import comm
+from meshtrain.parallel import comm, regions
 
 
 @dataclass
@@ -155,7 +155,7 @@ class MoE(nn.Module):
         """Rows sorted by expert -> expert outputs in the same order (through EP when ep > 1)."""
         ep = self.ep_axis
         if ep.size > 1:
-            rows = comm.all_to_all_differentiable(rows, ep, send_splits=dispatch.send_splits,
+            rows = regions.all_to_all_differentiable(rows, ep, send_splits=dispatch.send_splits,
                                                   recv_splits=dispatch.recv_splits)
         # Received rows are grouped by source, then by local expert: a stable sort on each
         # row's local expert regroups them by expert, sources in order.
@@ -168,7 +168,7 @@ class MoE(nn.Module):
                 for local, chunk in enumerate(rows[perm].split(dispatch.sizes))]
         out = torch.cat(outs)[torch.argsort(perm)]  # back to the received order
         if ep.size > 1:
-            out = comm.all_to_all_differentiable(out, ep, send_splits=dispatch.recv_splits,
+            out = regions.all_to_all_differentiable(out, ep, send_splits=dispatch.recv_splits,
                                                  recv_splits=dispatch.send_splits)
         return out
 

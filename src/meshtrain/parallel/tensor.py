@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
-from meshtrain.parallel import comm
+from meshtrain.parallel import comm, regions
 from meshtrain.parallel.sharding import GridPosition, Shard, shard_tensor, unshard_tensor
 
 
@@ -220,7 +220,7 @@ class ColumnParallelLinear(_TensorParallelModule):
         y = _column_parallel(x, self.tp_axis, self.sequence_parallel, [self])  # [..., out/tp]
         if not self.gather_output or self.tp_axis.size == 1:
             return y
-        y = comm.gather_from_tensor_parallel_region(y, self.tp_axis)  # [..., tp * out/tp]
+        y = regions.gather_from_tensor_parallel_region(y, self.tp_axis)  # [..., tp * out/tp]
         if self.output_blocks == 1:
             return y
         # Gathered order is (rank, block, chunk); the dense layer's is (block, rank, chunk).
@@ -289,9 +289,9 @@ class RowParallelLinear(_TensorParallelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = comm.scatter_to_tensor_parallel_region(x, self.tp_axis)
+            x = regions.scatter_to_tensor_parallel_region(x, self.tp_axis)
         if self.sequence_parallel:  # summed and split along the sequence: [b, s/tp, out]
-            y = comm.reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight),
+            y = regions.reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight),
                                                                 self.tp_axis)
         elif self.tp_axis.size > 1:
             y = _RowParallelLinearFn.apply(x, self.weight, self.tp_axis)  # summed partials
@@ -347,8 +347,8 @@ class VocabParallelEmbedding(_TensorParallelModule):
         out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)  # [b, s, h] partial
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return comm.reduce_scatter_to_sequence_parallel_region(out, self.tp_axis)
-        return comm.reduce_from_tensor_parallel_region(out, self.tp_axis)
+            return regions.reduce_scatter_to_sequence_parallel_region(out, self.tp_axis)
+        return regions.reduce_from_tensor_parallel_region(out, self.tp_axis)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Use the (tied) embedding as the output layer: local logits `[b, s, V_padded/tp]`.
@@ -358,7 +358,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
         take no probability and no gradient.
         """
         if self.sequence_parallel:
-            hidden = comm.gather_from_sequence_parallel_region(hidden, self.tp_axis)
+            hidden = regions.gather_from_sequence_parallel_region(hidden, self.tp_axis)
             logits = F.linear(hidden, self.weight)
         elif self.tp_axis.size > 1:  # f fused: the all-reduce overlaps the weight gradient
             logits = _ColumnParallelLinearFn.apply(hidden, self.tp_axis, 1, self.weight)
