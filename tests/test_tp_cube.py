@@ -227,8 +227,28 @@ LLAMA_CFG = LlamaConfig(num_layers=2, hidden_size=16, num_heads=4, num_kv_heads=
                         ffn_hidden_size=24, vocab_size=37, max_seq_len=16)
 
 
+def _gpt_step_bytes(s: int, q: int = 2) -> Fraction:
+    """GPT_CFG's forward + backward bytes per rank at 3d, from the formula table of
+    docs/design.md: embedding, per layer four linears and two LayerNorms, the final norm, the
+    tied logits and the loss."""
+    ring, tokens, k = Fraction(q - 1, q), B * s, Fraction(q - 1, q ** 3) * E
+    per_rank = Fraction(tokens, q * q)
+    h, f, vocab = 16, 64, 40  # the vocabulary padded to a multiple of q^2
+
+    def linear(h_in, h_out):
+        return k * (3 * tokens * h_in + 2 * tokens * h_out + 3 * h_in * h_out)
+
+    norm = 8 * ring * per_rank * E  # two all-reduces of [T, 1] forward, one of [T, 2] backward
+    layer = linear(h, 3 * h) + linear(h, h) + linear(h, f) + linear(f, h) + 2 * norm
+    embedding = 2 * ring * (tokens * h / q + tokens * h / q ** 2) * E
+    loss = 2 * ring * 3 * per_rank * E  # the max, then the stacked sums, over tp_input
+    loss += (q - 1) * per_rank * E + ring * tokens * E  # gathered over tp_output, tp_weight
+    return embedding + GPT_CFG.num_layers * layer + norm + linear(h, vocab) + loss
+
+
 def _check_model(cfg, recompute):
-    """The model at 3D (with `recompute`) against the dense one: weights, loss, gradients."""
+    """The model at 3D (with `recompute`) against the dense one: weights, loss, gradients;
+    GPT's bytes per step against the formulas."""
     mesh = worker_mesh(tp=8, tp_scheme="3d")
     factory = layer_factory(dataclasses.replace(PLAN, recompute=recompute), mesh)
     family = family_of(cfg)
@@ -243,9 +263,12 @@ def _check_model(cfg, recompute):
     ids = torch.randint(0, cfg.vocab_size, (B, 9))
     ref_loss = dense.loss(dense(ids[:, :-1]), ids[:, 1:])
     ref_loss.backward()
-    loss = model.loss(model(ids[:, :-1]), ids[:, 1:])
-    loss.backward()
+    with CommRecorder() as rec:
+        loss = model.loss(model(ids[:, :-1]), ids[:, 1:])
+        loss.backward()
     assert_close(loss, ref_loss, **TOL)
+    if cfg is GPT_CFG and recompute == "none":
+        assert rec.ring_bytes() == float(_gpt_step_bytes(8))
     for axis, params in factory.partial_gradients(model, exclude=set()):
         for p in params:
             comm.all_reduce(p.grad, axis)

@@ -192,8 +192,29 @@ LLAMA_CFG = LlamaConfig(num_layers=2, hidden_size=16, num_heads=4, num_kv_heads=
                         ffn_hidden_size=24, vocab_size=37, max_seq_len=16)
 
 
+def _gpt_step_bytes(d: int, s: int) -> Fraction:
+    """GPT_CFG's forward + backward bytes per rank at 2d/2.5d (q = 2), from the formula table
+    of docs/design.md: embedding, per layer four linears and two LayerNorms, the final norm,
+    the tied logits and the loss."""
+    ring, tokens = Fraction(Q - 1, Q), Fraction(B * s, d)
+    per_rank, k = tokens / Q, Fraction(Q - 1, Q * Q) * E
+    h, f, vocab = 16, 64, 38  # the vocabulary padded to a multiple of q
+
+    def linear(h_in, h_out):
+        return 3 * k * (tokens * h_in + h_in * h_out)
+
+    norm = 8 * ring * per_rank * E  # two all-reduces of [T, 1] forward, one of [T, 2] backward
+    layer = linear(h, 3 * h) + linear(h, h) + linear(h, f) + linear(f, h) + 2 * norm
+    embedding = 2 * ring * tokens * h / Q * E  # reduce-scatter over tp_row, then all-gather
+    logits = k * (2 * tokens * vocab + 3 * vocab * h)
+    loss = 2 * ring * 3 * per_rank * E  # the max, then the stacked sums, over tp_col
+    loss += (Q - 1) * per_rank * E + Fraction(d - 1, d) * B * s * E  # gathered over row, depth
+    return embedding + GPT_CFG.num_layers * layer + norm + logits + loss
+
+
 def _check_model(scheme, cfg, recompute):
-    """The model (with `recompute`) against the dense one: weights, loss, gradients."""
+    """The model (with `recompute`) against the dense one: weights, loss, gradients; GPT's
+    bytes per step against the formulas."""
     d = DEPTHS[scheme]
     mesh = worker_mesh(tp=Q * Q * d, tp_scheme=scheme)
     factory = layer_factory(ParallelPlan(tp=Q * Q * d, tp_scheme=scheme, micro_batch=B,
@@ -210,9 +231,12 @@ def _check_model(scheme, cfg, recompute):
     ids = torch.randint(0, cfg.vocab_size, (B, 9))
     ref_loss = dense.loss(dense(ids[:, :-1]), ids[:, 1:])
     ref_loss.backward()
-    loss = model.loss(model(ids[:, :-1]), ids[:, 1:])
-    loss.backward()
+    with CommRecorder() as rec:
+        loss = model.loss(model(ids[:, :-1]), ids[:, 1:])
+        loss.backward()
     assert_close(loss, ref_loss, **TOL)
+    if cfg is GPT_CFG and recompute == "none":
+        assert rec.ring_bytes() == float(_gpt_step_bytes(d, 8))
     for axis, params in factory.partial_gradients(model, exclude=set()):
         for p in params:
             comm.all_reduce(p.grad, axis)
