@@ -45,7 +45,8 @@ def _cfg(corpus, schedule, steps=3, model=None):
 
 def _check(corpus, tp, pp, schedule, cp=1, parallel=None, model=None):
     world = torch.distributed.get_world_size()
-    mesh = worker_mesh(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp))
+    grid = {k: v for k, v in (parallel or {}).items() if k == "tp_scheme"}
+    mesh = worker_mesh(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), **grid)
     cfg = _cfg(corpus, schedule, model=model)
     for key, value in (parallel or {}).items():
         setattr(cfg.parallel, key, value)
@@ -98,6 +99,14 @@ def test_pipeline_matches_single_process(corpus, tp, pp, world, schedule):
 def test_llama_pipeline_matches_single_process(corpus, tp, pp, world, schedule, model):
     parallel = {"virtual_stages": 2} if schedule == "interleaved" else None
     run_on_ranks(world, _check, corpus, tp, pp, schedule, 1, parallel, model)
+
+
+@pytest.mark.parametrize("model", [None, LLAMA], ids=["gpt", "llama"])
+def test_pipeline_with_2d_tensor_parallelism(corpus, model):
+    """Interleaved 1F1B over pp 2 of 2d q = 2 blocks: gradients, trajectory and evaluation
+    follow the single process (hidden states `[b/q, s, h/q]` between stages)."""
+    parallel = {"tp_scheme": "2d", "virtual_stages": 2}
+    run_on_ranks(8, _check, corpus, 4, 2, "interleaved", 1, parallel, model)
 
 
 @pytest.mark.parametrize("tp,cp,parallel", [(2, 1, {"sequence_parallel": True}),

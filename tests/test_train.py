@@ -48,9 +48,11 @@ def _dense_step_grads(cfg, trainer_data: BatchSampler, step: int):
         model, ParallelMesh.local())
 
 
-def _check_dp_parity(corpus, out, tp, dp, model=None):
-    mesh = worker_mesh(tp=tp, dp=dp)
+def _check_dp_parity(corpus, out, tp, dp, model=None, scheme="1d"):
+    grid = {"tp_scheme": scheme} if scheme != "1d" else {}
+    mesh = worker_mesh(tp=tp, dp=dp, **grid)
     cfg = _config(corpus, out, model, clip_grad=0.0)
+    cfg.parallel.tp_scheme = scheme
     trainer = Trainer.build(cfg, mesh)
     ref_loss, ref_grads, ref_norm = _dense_step_grads(cfg, trainer.train_data, step=0)
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -77,6 +79,13 @@ def _check_dp_parity(corpus, out, tp, dp, model=None):
                                          (2, 2, LLAMA | {"num_kv_heads": 1})], ids=str)
 def test_data_parallel_step_matches_single_process(corpus, tmp_path, tp, dp, model):
     run_on_ranks(tp * dp, _check_dp_parity, corpus, str(tmp_path), tp, dp, model)
+
+
+@pytest.mark.parametrize("model", [None, LLAMA], ids=["gpt", "llama"])
+def test_data_parallel_step_at_2d_matches_single_process(corpus, tmp_path, model):
+    """dp 2 of 2d q = 2 blocks: loss, gradient norm and every gradient as one process's; the
+    data-parallel all-reduce carries each rank's quarter of the parameters once."""
+    run_on_ranks(8, _check_dp_parity, corpus, str(tmp_path), 4, 2, model, "2d")
 
 
 def _trajectory(corpus, out, tp, dp, extra=None, model=None):
