@@ -26,6 +26,7 @@ from meshtrain.parallel.cube import Cube3D
 from meshtrain.parallel.factory import layer_factory
 from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.parallel.sharding import unshard_tensor
+from meshtrain.planner.tp_traffic import cube_linear
 
 TOL = dict(rtol=1e-10, atol=1e-13)
 B, S, H, E = 4, 4, 16, 8  # micro-batch, tokens, hidden; fp64 bytes per element
@@ -81,6 +82,8 @@ def _linear_bytes(rec, *, h_in, h_out, in_axis, out_axis, q=2):
     assert got == {key: float(v) for key, v in expect.items()}, got
     total = k * (3 * B * S * h_in + 2 * B * S * h_out + 3 * h_in * h_out)
     assert rec.ring_bytes() == float(total)
+    assert rec.ring_bytes() == pytest.approx(cube_linear(B * S, h_in, h_out, q, E).total_bytes,
+                                             rel=1e-12)  # the planner charges the same
 
 
 def _check_column(mesh, factory, c):

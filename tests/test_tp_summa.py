@@ -26,6 +26,7 @@ from meshtrain.parallel.factory import layer_factory
 from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.parallel.sharding import unshard_tensor
 from meshtrain.parallel.summa import Summa2D
+from meshtrain.planner.tp_traffic import summa_linear, summa_logits
 
 TOL = dict(rtol=1e-10, atol=1e-13)
 B, S, H, E, Q = 4, 4, 16, 8, 2  # micro-batch, tokens, hidden; fp64 bytes; grid side
@@ -78,6 +79,9 @@ def _linear_bytes(rec, d, *, h_in, h_out):
     got = {key: rec.ring_bytes(*key) for key in expect}
     assert got == {key: float(v) for key, v in expect.items()}, got
     assert rec.ring_bytes() == float(3 * k * (tokens * h_in + h_in * h_out))
+    # the planner charges the same
+    assert rec.ring_bytes() == pytest.approx(summa_linear(B * S, h_in, h_out, Q, d, E)
+                                             .total_bytes, rel=1e-12)
 
 
 def _check_linear(mesh, factory, c, d):
@@ -165,6 +169,8 @@ def _check_output_layer(mesh, factory, c, d, tied: bool):
     _check_grads(layer, dense, mesh)
     k, tokens = Fraction(Q - 1, Q * Q) * E, Fraction(B * S, d)
     assert rec.ring_bytes() == float(k * (2 * tokens * 38 + 3 * 38 * H))
+    assert rec.ring_bytes() == pytest.approx(summa_logits(B * S, H, 38, Q, d, E).total_bytes,
+                                             rel=1e-12)  # the planner's
     assert_close(factory.gather_logits(logits.detach())[..., :37], ref.detach(), **TOL)
 
 

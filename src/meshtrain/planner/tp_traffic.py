@@ -96,6 +96,24 @@ def linear_traffic(scheme: str, grid: dict[str, int], tokens: int, h_in: int, h_
     return summa_linear(tokens, h_in, h_out, grid["tp_col"], grid.get("tp_depth", 1), e)
 
 
+def summa_logits(tokens: int, hidden: int, vocab: int, q: int, d: int, e: int) -> Traffic:
+    """2d/2.5d output layer (`summa_layers._SummaLogits`): q broadcasts of table blocks and q
+    reduces of logit blocks forward; backward broadcasts the logits' gradient and the table
+    blocks and reduces the table gradient: (q-1)/q^2 (2 B V/d + 3 V h) e in all."""
+    share = (q - 1) / q**2 * e
+    forward = share * (vocab * hidden + tokens * vocab / d)
+    backward = share * (tokens * vocab / d + 2 * vocab * hidden)
+    return Traffic(forward, backward, 2 * q * (q - 1), 3 * q * (q - 1))
+
+
+def output_traffic(scheme: str, grid: dict[str, int], tokens: int, hidden: int, vocab: int,
+                   e: int) -> Traffic:
+    """The output layer of a 2d, 2.5d or 3d grid (3d: a linear h -> vocab)."""
+    if scheme == "3d":
+        return cube_linear(tokens, hidden, vocab, grid["tp_input"], e)
+    return summa_logits(tokens, hidden, vocab, grid["tp_col"], grid.get("tp_depth", 1), e)
+
+
 def layer_traffic(model: TransformerConfig, *, tp: int, scheme: str, depth: int | None,
                   tokens: int, e: int) -> Traffic:
     """One transformer layer's TP traffic per micro-batch (1d without sequence parallelism)."""

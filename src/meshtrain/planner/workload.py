@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
 from meshtrain.planner.layout import Layout
-from meshtrain.planner.tp_traffic import Traffic, layer_traffic, linear_traffic
+from meshtrain.planner.tp_traffic import Traffic, layer_traffic, output_traffic
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_BYTES = 4
@@ -89,9 +89,9 @@ class Workload:
                              tokens=self.local_tokens, e=self.element_bytes)
 
     def head_traffic(self) -> Traffic:
-        """2d/2.5d/3d: the output layer as one more linear h -> vocab of the grid."""
+        """2d/2.5d/3d: the output layer's traffic (`tp_traffic.output_traffic`)."""
         lay, m = self.layout, self.model
-        return linear_traffic(lay.scheme, lay.tp_grid, self.local_tokens, m.hidden_size,
+        return output_traffic(lay.scheme, lay.tp_grid, self.local_tokens, m.hidden_size,
                               m.vocab_size, self.element_bytes)
 
     def layer(self, index: int) -> LayerWork:
