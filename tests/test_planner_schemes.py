@@ -163,6 +163,17 @@ def test_the_search_tries_every_grid_tp_forms_and_a_fixed_scheme_alone():
     assert {(p.layout.scheme, p.layout.tp) for p in deep.ranked} == {("2.5d", 8)}
 
 
+def test_a_searched_scheme_respects_a_fixed_micro_batch_and_sp():
+    """Grids are searched only where the fixed fields allow one, so a spec fixing everything
+    but the scheme still leaves one (1d) layout, reported even over budget."""
+    spec = {"tp": 4, "pp": 1, "dp": 2, "mb": 1, "zero": 0, "sp": False, "recompute": "none",
+            "schedule": "1f1b"}
+    assert [p.layout.scheme for p in _search(fixed=spec).ranked] == ["1d"]
+    wider = _search(fixed=spec | {"mb": 4})
+    assert {p.layout.scheme for p in wider.ranked} == {"1d", "2d"}
+    assert {p.layout.scheme for p in _search(fixed={"sp": True}).ranked} == {"1d"}
+
+
 @pytest.mark.parametrize("fixed,model,reason,message", [
     ({"scheme": "3d", "sp": True}, GPT, "grid scheme with sp, cp or MoE",
      "does not combine with `sequence_parallel`"),

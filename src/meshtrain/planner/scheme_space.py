@@ -35,8 +35,18 @@ def grid_choices(tp: int, fixed: dict[str, object], *, cp: int, moe: bool) -> li
         if scheme == "2.5d" and depth is None:
             depths = [d for d in range(1 if given else 2, tp + 1) if forms(tp, scheme, d)] \
                 or ([None] if given else [])
-        pairs += [(scheme, d) for d in depths if given or forms(tp, scheme, d)]
+        pairs += [(scheme, d) for d in depths
+                  if given or forms(tp, scheme, d) and _fits_fixed(tp, scheme, d, fixed)]
     return pairs or [("1d", depth)]
+
+
+def _fits_fixed(tp: int, scheme: str, depth: int | None, fixed: dict[str, object]) -> bool:
+    """A searched (not fixed) grid is tried only where the fixed fields allow one: no
+    sequence parallelism, and a fixed micro-batch its batch split divides."""
+    if scheme == "1d":
+        return True
+    parts = ParallelPlan(tp=tp, tp_scheme=scheme, tp_depth=depth).batch_parts
+    return not fixed.get("sp") and fixed.get("mb", parts) % parts == 0
 
 
 def micro_batches(candidates: list[int], tp: int, scheme: str, depth: int | None,
