@@ -34,9 +34,13 @@ from meshtrain.random import REPLICATED, TENSOR_PARALLEL
 
 
 class LayerFactory(ABC):
-    """What a model asks of a tensor-parallel scheme. `mesh` is the mesh the layers use."""
+    """What a model asks of a tensor-parallel scheme. `mesh` is the mesh the layers use; the
+    plan gives every scheme its attention core's options and what is recomputed."""
 
-    mesh: ParallelMesh
+    def __init__(self, plan, mesh: ParallelMesh):
+        self.mesh = mesh
+        self.cp_mode = plan.cp_mode
+        self.recompute, self.recompute_layers = plan.recompute, plan.recompute_layers
 
     @abstractmethod
     def column(self, dense: nn.Linear, *, blocks: int = 1, heads: int | None = None) -> nn.Module:
@@ -76,14 +80,16 @@ class LayerFactory(ABC):
     def norm(self, dense: nn.Module) -> nn.Module:
         """A LayerNorm or RMSNorm over the hidden size."""
 
-    @abstractmethod
     def attention_core(self, *, dropout: float, eager: bool) -> nn.Module:
         """softmax(q k^T / sqrt(d)) v, causal, over this rank's heads: `core(q, k, v, rng)`
-        with q `[b, heads, s, d]` and k, v `[b, kv heads, s, d]`."""
+        with q `[b, heads, s, d]` and k, v `[b, kv heads, s, d]` (context-parallel over cp)."""
+        return AttentionCore(dropout=dropout, eager=eager, cp_axis=self.mesh.cp,
+                             cp_mode=self.cp_mode, recompute=self.recompute == "selective")
 
-    @abstractmethod
     def recompute_layer(self, index: int) -> bool:
         """Whether transformer layer `index` is recomputed in backward."""
+        limit = self.recompute_layers
+        return self.recompute == "full" and (limit is None or index < limit)
 
     @abstractmethod
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, *,
@@ -130,10 +136,8 @@ class Megatron1D(LayerFactory):
     """
 
     def __init__(self, plan, mesh: ParallelMesh):
-        self.mesh = mesh
+        super().__init__(plan, mesh)
         self.sequence_parallel = plan.sequence_parallel and mesh.tp.size > 1
-        self.cp_mode = plan.cp_mode
-        self.recompute, self.recompute_layers = plan.recompute, plan.recompute_layers
 
     def column(self, dense: nn.Linear, *, blocks: int = 1, heads: int | None = None) -> nn.Module:
         # heads fewer than the TP ranks: each is held whole by tp / heads consecutive ranks
@@ -159,14 +163,6 @@ class Megatron1D(LayerFactory):
 
     def norm(self, dense: nn.Module) -> nn.Module:
         return dense
-
-    def attention_core(self, *, dropout: float, eager: bool) -> nn.Module:
-        return AttentionCore(dropout=dropout, eager=eager, cp_axis=self.mesh.cp,
-                             cp_mode=self.cp_mode, recompute=self.recompute == "selective")
-
-    def recompute_layer(self, index: int) -> bool:
-        limit = self.recompute_layers
-        return self.recompute == "full" and (limit is None or index < limit)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, *,
              ignore_index: int) -> torch.Tensor:
