@@ -12,16 +12,16 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn.functional as F
+from grid_models import GPT_SHAPE, LLAMA_SHAPE, check_against_dense
 from harness import run_on_ranks, worker_mesh
 from torch import nn
 from torch.testing import assert_close
 
 from meshtrain import ParallelMesh
-from meshtrain.models import family_of
 from meshtrain.models.blocks import RMSNorm
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.models.llama import LlamaConfig
-from meshtrain.parallel import CommRecorder, comm, named_full_tensors
+from meshtrain.parallel import CommRecorder, comm
 from meshtrain.parallel.factory import layer_factory
 from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.parallel.sharding import unshard_tensor
@@ -193,9 +193,8 @@ def test_layers_match_dense(scheme):
     run_on_ranks(Q * Q * DEPTHS[scheme], _check_layers, scheme)
 
 
-GPT_CFG = GPTConfig(num_layers=2, hidden_size=16, num_heads=4, vocab_size=37, max_seq_len=16)
-LLAMA_CFG = LlamaConfig(num_layers=2, hidden_size=16, num_heads=4, num_kv_heads=2,
-                        ffn_hidden_size=24, vocab_size=37, max_seq_len=16)
+GPT_CFG = GPTConfig(**GPT_SHAPE)
+LLAMA_CFG = LlamaConfig(**LLAMA_SHAPE)
 
 
 def _gpt_step_bytes(d: int, s: int) -> Fraction:
@@ -225,31 +224,9 @@ def _check_model(scheme, cfg, recompute):
     mesh = worker_mesh(tp=Q * Q * d, tp_scheme=scheme)
     factory = layer_factory(ParallelPlan(tp=Q * Q * d, tp_scheme=scheme, micro_batch=B,
                                          recompute=recompute), mesh)
-    family = family_of(cfg)
-    dense = family.model(cfg, mesh=ParallelMesh.local(), seed=3).double()
-    model = family.model(cfg, factory=factory, seed=3).double()
-    dense_params = dict(named_full_tensors(dense))
-    for name, full in named_full_tensors(model):
-        assert torch.equal(full, dense_params.pop(name)), name
-    assert not dense_params
-
-    torch.manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (B, 9))
-    ref_loss = dense.loss(dense(ids[:, :-1]), ids[:, 1:])
-    ref_loss.backward()
-    with CommRecorder() as rec:
-        loss = model.loss(model(ids[:, :-1]), ids[:, 1:])
-        loss.backward()
-    assert_close(loss, ref_loss, **TOL)
+    rec = check_against_dense(cfg, factory, B)
     if cfg is GPT_CFG and recompute == "none":
         assert rec.ring_bytes() == float(_gpt_step_bytes(d, 8))
-    for axis, params in factory.partial_gradients(model, exclude=set()):
-        for p in params:
-            comm.all_reduce(p.grad, axis)
-    dense_grads = dict(named_full_tensors(dense, grads=True))
-    for name, grad in named_full_tensors(model, grads=True):
-        assert_close(grad, dense_grads.pop(name), **TOL, msg=name)
-    assert not dense_grads
 
 
 def _check_models(scheme):
