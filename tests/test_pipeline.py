@@ -101,7 +101,8 @@ def test_llama_pipeline_matches_single_process(corpus, tp, pp, world, schedule, 
     run_on_ranks(world, _check, corpus, tp, pp, schedule, 1, parallel, model)
 
 
-@pytest.mark.parametrize("model", [None, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("model", [None, pytest.param(LLAMA, marks=pytest.mark.extended)],
+                         ids=["gpt", "llama"])
 def test_pipeline_with_2d_tensor_parallelism(corpus, model):
     """Interleaved 1F1B over pp 2 of 2d q = 2 blocks: gradients, trajectory and evaluation
     follow the single process (hidden states `[b/q, s, h/q]` between stages)."""

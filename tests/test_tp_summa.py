@@ -235,7 +235,7 @@ def _check_models(scheme):
         _check_model(scheme, cfg, recompute)
 
 
-@pytest.mark.parametrize("scheme", DEPTHS)
+@pytest.mark.parametrize("scheme", ["2d", pytest.param("2.5d", marks=pytest.mark.extended)])
 def test_gpt_and_llama_match_dense(scheme):
     run_on_ranks(Q * Q * DEPTHS[scheme], _check_models, scheme)
 

@@ -48,12 +48,12 @@ from meshtrain.parallel import comm
 from meshtrain.parallel.sharding import (
     GridPosition,
     ShardSpec,
+    gather_split,
     is_primary,
     parameter_shards,
     shard_pieces,
     shard_tensor,
     splits,
-    unshard_tensor,
 )
 
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
@@ -75,13 +75,14 @@ def _owned_pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None, repli
     """(key suffix, piece tensor, entry) for what this rank writes of a logical tensor: only
     the first of its data-parallel replicas (`replica_rank` 0) and of its TP copies writes.
     A tensor split along several dimensions (2D/3D schemes) is first gathered along all but
-    the first, so that every piece is a slab of one dimension (a collective over the TP block,
-    whose ranks share `replica_rank`)."""
+    the first, so that every piece is a slab of one dimension (collectives over those splits'
+    grid axes, inside the TP block, whose ranks share `replica_rank`)."""
     if replica_rank != 0:
         return
     if len(splits(spec)) > 1:
-        first = splits(spec)[0]
-        tensor = shard_tensor(unshard_tensor(tensor, spec, mesh), first, mesh)
+        first, *others = splits(spec)
+        for split in others:
+            tensor = gather_split(tensor, split, mesh)
         spec = first
     position = GridPosition.of(mesh)
     if not is_primary(spec, position):

@@ -132,6 +132,18 @@ def unshard_tensor(local: torch.Tensor, spec: ShardSpec,
     return full.contiguous()
 
 
+def gather_split(local: torch.Tensor, split: Shard, mesh: ParallelMesh) -> torch.Tensor:
+    """Undo one split of a tensor (one block, no replicas): all-gather along its dimension over
+    its grid axes, the minor axis first, so the chunks come back in order. A collective over
+    those axes only: what remains is split by the tensor's other splits alone."""
+    if split.num_blocks != 1 or split.replicas != 1:
+        raise ValueError("gather_split undoes a split of one block without replicas")
+    with torch.no_grad():
+        for name in reversed(split.axes):
+            local = comm.all_gather(local.detach(), mesh.axis(name), dim=split.dim)
+    return local.narrow(split.dim, 0, split.full_size)
+
+
 def _place(full: torch.Tensor, local: torch.Tensor, spec: ShardSpec,
            position: GridPosition) -> None:
     """Copy `local`'s pieces into their places in the padded `full` (every split dimension)."""
