@@ -8,6 +8,7 @@ import pytest
 import torch
 from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
 
+from meshtrain.auto_layout import choose_layout
 from meshtrain.config import build_config, validate
 from meshtrain.data import synthetic_corpus
 from meshtrain.memory import zero_formula_bytes
@@ -117,16 +118,25 @@ def test_resume_in_16_bit_is_bitwise(corpus, tmp_path, precision):
         assert scales[5] != scales[0]  # the resumed step needs the saved scale, not a fresh one
 
 
-@pytest.mark.parametrize("train,match", [
-    ({"precision": "fp8"}, "--precision must be one of fp32, bf16, fp16"),
-    ({"precision": "fp16", "grad_dtype": "bf16"}, "--grad-dtype bf16 must be fp32 or the"),
-    ({"loss_scale_window": 0}, "--loss-scale-window must be positive"),
+@pytest.mark.parametrize("train,parallel,match", [
+    ({"precision": "fp8"}, {}, "--precision must be one of fp32, bf16, fp16, fp64"),
+    ({"precision": "fp16", "grad_dtype": "bf16"}, {}, "--grad-dtype bf16 must be fp32 or the"),
+    ({"loss_scale_window": 0}, {}, "--loss-scale-window must be positive"),
+    ({"precision": "fp64"}, {"zero": 1}, "--zero 1 keeps fp32 master shards, which would round"),
 ])
-def test_bad_precision_settings(corpus, train, match):
+def test_bad_precision_settings(corpus, train, parallel, match):
     cfg = _cfg(corpus, **train)
     cfg.parallel.tp = 1
+    for name, value in parallel.items():
+        setattr(cfg.parallel, name, value)
     with raises_as_flags(match):
         validate(cfg, 1)
+
+
+def test_auto_layout_plans_no_fp64_run(corpus):
+    cfg = _cfg(corpus, precision="fp64")
+    with raises_as_flags("--layout auto plans fp32, bf16, fp16 runs, not --precision fp64"):
+        choose_layout(cfg, 2, set())
 
 
 def _memory(corpus, **train):
@@ -137,7 +147,8 @@ def _memory(corpus, **train):
 
 @pytest.mark.parametrize("train,p,g,k", [({}, 4, 4, 8),
                                          ({"precision": "bf16"}, 2, 4, 12),
-                                         ({"precision": "bf16", "grad_dtype": "bf16"}, 2, 2, 12)])
+                                         ({"precision": "bf16", "grad_dtype": "bf16"}, 2, 2, 12),
+                                         ({"precision": "fp64"}, 8, 8, 16)])
 def test_model_state_bytes_match_the_zero_paper_baseline(corpus, train, p, g, k):
     report = run_on_ranks(2, _memory, corpus, **train)[0]
     psi = report["num_parameters"]

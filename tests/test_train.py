@@ -17,6 +17,7 @@ from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.train import Trainer, run_training
 
 TOL = dict(rtol=1e-5, atol=1e-6)
+FP64_TOL = dict(rtol=1e-10, atol=1e-13)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +36,9 @@ def _config(corpus: str, out: str, model=None, **train):
                              "data": {"data": corpus}, "checkpoint": {"out": out}})
 
 
-def _dense_step_grads(cfg, trainer_data: BatchSampler, step: int):
+def _dense_step_grads(cfg, trainer_data: BatchSampler, step: int, dtype=torch.float32):
     """Loss and full gradients of one step on one process over the whole global batch."""
-    model = dense_reference(cfg)
+    model = dense_reference(cfg).to(dtype)
     batches = trainer_data.micro_batches(step, dp_rank=0, dp_size=1)
     total = 0.0
     for inputs, targets in batches:
@@ -48,28 +49,31 @@ def _dense_step_grads(cfg, trainer_data: BatchSampler, step: int):
         model, ParallelMesh.local())
 
 
-def _check_dp_parity(corpus, out, tp, dp, model=None, scheme="1d"):
+def _check_dp_parity(corpus, out, tp, dp, model=None, scheme="1d", precision="fp32"):
     grid = {"tp_scheme": scheme} if scheme != "1d" else {}
     mesh = worker_mesh(tp=tp, dp=dp, **grid)
-    cfg = _config(corpus, out, model, clip_grad=0.0)
+    cfg = _config(corpus, out, model, clip_grad=0.0, precision=precision)
     cfg.parallel.tp_scheme = scheme
     trainer = Trainer.build(cfg, mesh)
-    ref_loss, ref_grads, ref_norm = _dense_step_grads(cfg, trainer.train_data, step=0)
+    dtype = trainer.plan.dtype
+    tol, rel = (FP64_TOL, 1e-10) if dtype == torch.float64 else (TOL, 1e-5)
+    ref_loss, ref_grads, ref_norm = _dense_step_grads(cfg, trainer.train_data, 0, dtype)
     params = sum(p.numel() for p in trainer.model.parameters())
     with CommRecorder() as rec:
         row = trainer.train_step(0)
-    assert row["loss"] == pytest.approx(ref_loss, rel=1e-5)
-    assert row["grad_norm"] == pytest.approx(ref_norm.item(), rel=1e-5)
+    assert row["loss"] == pytest.approx(ref_loss, rel=rel)
+    assert row["grad_norm"] == pytest.approx(ref_norm.item(), rel=rel)
     # train_step has stepped the optimizer; the gradients it used are still in .grad
     grads = dict(named_full_tensors(trainer.model, grads=True))
     for name, grad in grads.items():
-        assert_close(grad, ref_grads[name], **TOL, msg=name)
+        assert_close(grad, ref_grads[name], **tol, msg=name)
     dp_records = rec.select("all_reduce", "dp_cp")
     if dp > 1:
         # Gradient accumulation over 4/dp micro-batches still sends every gradient once:
         # the buckets hold all local parameters, plus one scalar for the logged loss.
-        assert sum(r.payload_bytes for r in dp_records) == params * 4 + 4
-        assert sorted(r.payload_bytes for r in dp_records)[0] == 4
+        size = dtype.itemsize
+        assert sum(r.payload_bytes for r in dp_records) == params * size + size
+        assert sorted(r.payload_bytes for r in dp_records)[0] == size
     else:
         assert not dp_records
 
@@ -83,9 +87,9 @@ def test_data_parallel_step_matches_single_process(corpus, tmp_path, tp, dp, mod
 
 @pytest.mark.parametrize("model", [None, LLAMA], ids=["gpt", "llama"])
 def test_data_parallel_step_at_2d_matches_single_process(corpus, tmp_path, model):
-    """dp 2 of 2d q = 2 blocks: loss, gradient norm and every gradient as one process's; the
-    data-parallel all-reduce carries each rank's quarter of the parameters once."""
-    run_on_ranks(8, _check_dp_parity, corpus, str(tmp_path), 4, 2, model, "2d")
+    """dp 2 of 2d q = 2 blocks in fp64: loss, gradient norm and every gradient as one process's
+    to 1e-10; the data-parallel all-reduce carries each rank's quarter of the parameters once."""
+    run_on_ranks(8, _check_dp_parity, corpus, str(tmp_path), 4, 2, model, "2d", "fp64")
 
 
 def _trajectory(corpus, out, tp, dp, extra=None, model=None):

@@ -14,6 +14,7 @@ from meshtrain.planner.costs import Prediction
 from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
 from meshtrain.planner.layout import Layout, parse_layout
 from meshtrain.planner.search import search
+from meshtrain.planner.workload import ELEMENT_BYTES
 
 LAYOUT_SETTINGS: dict[str, tuple[str, str]] = {
     "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"),
@@ -66,6 +67,9 @@ def choose_layout(cfg: RunConfig, world_size: int, given: set[tuple[str, str]]) 
     """Search the run's layout on `world_size` devices, set its settings from the fastest that
     fits, and say what was chosen and why."""
     p, t = cfg.parallel, cfg.train
+    if t.precision not in ELEMENT_BYTES:
+        raise ValueError(f"`layout` auto plans {', '.join(ELEMENT_BYTES)} runs, not `precision`"
+                         f" {t.precision}: give the layout settings yourself")
     for name in ("pp_layers", "recompute_layers"):
         if getattr(p, name) is not None:
             raise ValueError(f"`{name}` belongs to one layout: drop it with `layout` (the"

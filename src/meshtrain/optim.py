@@ -12,6 +12,7 @@ from torch import nn
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel import comm
 from meshtrain.parallel.sharding import primary_parameters
+from meshtrain.precision import wide_dtype
 
 
 def build_adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float,
@@ -56,14 +57,15 @@ def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
     dense parameters, edp for experts).
     """
     counted = primary_parameters(model, mesh)
-    device = next(model.parameters()).device
-    dense = torch.zeros((), dtype=torch.float32, device=device)
-    expert = torch.zeros((), dtype=torch.float32, device=device)
+    first = next(model.parameters())
+    dtype = wide_dtype(first.dtype)
+    dense = torch.zeros((), dtype=dtype, device=first.device)
+    expert = torch.zeros((), dtype=dtype, device=first.device)
     for p in model.parameters():
         grad = p.grad if grads is None else grads.get(id(p))
         if grad is None or id(p) in counted_elsewhere or id(p) not in counted:
             continue
-        square = grad.detach().float().pow(2).sum()
+        square = grad.detach().to(dtype).pow(2).sum()
         if id(p) in experts:
             expert += square
         else:

@@ -73,7 +73,7 @@ def gradient_sync(model: nn.Module, roles: ParameterRoles, factory: LayerFactory
     two_weights = plan.pp_schedule == "2bw" and mesh.pp.size > 1
     # 16-bit parameters: the optimizer steps fp32 copies; 2BW: the model holds the versions
     # in-flight micro-batches need, the optimizer steps separate copies
-    return ReplicatedSync(model, roles, mesh, masters=plan.precision != "fp32" or two_weights,
+    return ReplicatedSync(model, roles, mesh, masters=plan.master_weights or two_weights,
                           write_back=not two_weights, **common)
 
 

@@ -15,6 +15,12 @@ import torch
 from torch import nn
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and statistics of `dtype` values run in: fp32, or the dtype itself when
+    wider (fp64 runs stay fp64 throughout)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class MasterWeights:
     """fp32 copies of 16-bit parameters; `params` are what the optimizer steps."""
 

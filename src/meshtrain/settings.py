@@ -122,9 +122,10 @@ class TrainSettings:
     log_every: int = _f(10, "write the buffered metrics.jsonl rows every N steps (and at each"
                             " checkpoint and the end); without a terminal, also a progress line")
     precision: str = _f("fp32", "parameter/activation dtype: fp32, bf16 or fp16 (16-bit keeps fp32"
-                                " master weights; fp16 adds dynamic loss scaling)")
+                                " master weights; fp16 adds dynamic loss scaling), or fp64 to"
+                                " check a layout against one process (no ZeRO)")
     grad_dtype: str = _f("fp32", "dtype gradients are accumulated and reduced in: fp32, or the"
-                                 " 16-bit --precision dtype")
+                                 " 16-bit --precision dtype (fp64 runs always reduce in fp64)")
     loss_scale_window: int = _f(1000, "fp16: double the loss scale after this many clean steps")
 
 

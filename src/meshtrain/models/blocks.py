@@ -17,6 +17,7 @@ from torch import nn
 
 from meshtrain.models.kv_cache import LayerCache
 from meshtrain.parallel.expert import MoE
+from meshtrain.precision import wide_dtype
 from meshtrain.random import RNGTracker
 
 
@@ -70,18 +71,13 @@ class Embedding(nn.Module):
         return dropout(x, self.dropout, self.training, rng, self.stream)
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """fp32, or the dtype itself when wider (fp64 runs stay fp64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 class _RMSNormFunction(torch.autograd.Function):
     """x / rms(x) * weight computed in fp32 (or wider), rounded to x's dtype before the weight
     multiplies it (as Llama's reference code); saves only the input and 1/rms."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        wide = x.to(_wide(x.dtype))
+        wide = x.to(wide_dtype(x.dtype))
         rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
         ctx.save_for_backward(x, weight, rstd)
         return weight * (wide * rstd).to(x.dtype)
@@ -89,7 +85,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        wide = _wide(x.dtype)
+        wide = wide_dtype(x.dtype)
         normed = x.to(wide) * rstd
         grad_weight = (grad.to(wide) * normed.to(x.dtype).to(wide)).flatten(0, -2).sum(0)
         g = (grad * weight).to(wide)

@@ -21,6 +21,7 @@ import torch
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel import comm, regions
+from meshtrain.precision import wide_dtype
 
 
 def context_parallel_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -45,7 +46,8 @@ class _RingAttention(torch.autograd.Function):
         # q, k, v: [b, a, n, d] for this rank's n tokens. The running output and log-sum-exp
         # are kept in fp32 whatever the input dtype (16-bit would lose digits at every step).
         ctx.dtype = q.dtype
-        q, k, v = q.float(), k.float(), v.float()
+        wide = wide_dtype(q.dtype)
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
         scale = 1.0 / math.sqrt(q.shape[-1])
         positions = [context_parallel_positions(seq_len, axis.size, r).to(q.device)
                      for r in range(axis.size)]
@@ -75,7 +77,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        grad_out = grad_out.float()
+        grad_out = grad_out.to(q.dtype)
         axis = ctx.axis
         scale = 1.0 / math.sqrt(q.shape[-1])
         positions = [context_parallel_positions(ctx.seq_len, axis.size, r).to(q.device)

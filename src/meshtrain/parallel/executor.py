@@ -31,6 +31,7 @@ from meshtrain.parallel.schedules import (
     interleaved,
     one_f_one_b,
 )
+from meshtrain.precision import wide_dtype
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -46,6 +47,7 @@ class LocalExecutor:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int):
         self.model, self.mesh = model, mesh
+        self.loss_dtype = wide_dtype(next(model.parameters()).dtype)  # the logged loss's
         self.positions = context_parallel_positions(seq_len, mesh.cp.size, mesh.cp.rank)
         self.device_positions = self.positions.to(mesh.device)
 
@@ -58,14 +60,14 @@ class LocalExecutor:
                          loss_scale: float, timeline: list | None = None) -> StepResult:
         micro_batches = self.local_slices(batches(step))
         m = len(micro_batches)
-        loss_sum = torch.zeros((), device=self.mesh.device)
+        loss_sum = torch.zeros((), dtype=self.loss_dtype, device=self.mesh.device)
         routing = RoutingStats(self.mesh.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             sync.before_backward(i == m - 1)
             aux = AuxiliaryOutputs()
             cross_entropy = self.cross_entropy(inputs, targets, aux)
             ((cross_entropy + aux.loss) / m * loss_scale).backward()
-            loss_sum += cross_entropy.detach().float() / m
+            loss_sum += cross_entropy.detach().to(self.loss_dtype) / m
             routing.add(aux.routing)
         return StepResult(loss_sum, routing)
 
@@ -78,7 +80,7 @@ class LocalExecutor:
 
     @torch.no_grad()
     def evaluate(self, batches: Batches) -> torch.Tensor:
-        total = torch.zeros((), device=self.mesh.device)
+        total = torch.zeros((), dtype=self.loss_dtype, device=self.mesh.device)
         for inputs, targets in self.local_slices(batches):
             total += self.cross_entropy(inputs, targets)
         return total / len(batches)
@@ -138,9 +140,9 @@ class PipelineExecutor(LocalExecutor):
     def _summed(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The last stage's per-micro-batch losses (each already / m), summed and shared with
         every stage."""
-        total = torch.zeros((), device=self.mesh.device)
+        total = torch.zeros((), dtype=self.loss_dtype, device=self.mesh.device)
         for loss in losses:
-            total += loss.float()
+            total += loss.to(self.loss_dtype)
         comm.all_reduce(total, self.mesh.pp)
         return total
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel import comm, regions
+from meshtrain.precision import wide_dtype
 
 
 @dataclass
@@ -54,7 +55,7 @@ def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: 
 def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routing:
     """Top-k routing with deterministic capacity dropping; `logits` `[T, E]`."""
     num_tokens, num_experts = logits.shape
-    logits = logits.float()
+    logits = logits.to(wide_dtype(logits.dtype))
     probs = logits.softmax(dim=-1)
     top_probs, experts = probs.topk(top_k, dim=-1)  # [T, k]
     weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if top_k > 1 else top_probs

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel import comm
+from meshtrain.precision import wide_dtype
 
 
 def _local_target_logits(shifted: torch.Tensor, targets: torch.Tensor, vocab_start: int):
@@ -29,7 +30,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, axis: MeshAxis, ignore_index: int):
         ctx.logits_dtype = logits.dtype
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits = logits.to(wide_dtype(logits.dtype))
         vocab_start = axis.rank * logits.shape[-1]
         ignored = targets == ignore_index
         targets = targets.masked_fill(ignored, 0)

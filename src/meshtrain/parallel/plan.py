@@ -17,7 +17,8 @@ from meshtrain.data import check_batch_sizes
 from meshtrain.mesh import resolve_degrees, resolve_tp_grid
 from meshtrain.parallel.pipeline import stage_layers
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
 
 
@@ -66,9 +67,11 @@ class ParallelPlan:
     recompute_layers: int | None = None
     """With full recompute, only the first k layers (None: all)."""
     precision: str = "fp32"
-    """Parameter and activation dtype: fp32, bf16 or fp16 (16-bit keeps fp32 master weights)."""
+    """Parameter and activation dtype: fp32, bf16 or fp16 (16-bit keeps fp32 master weights),
+    or fp64 to check a layout against one process to float64 precision."""
     grad_dtype: str = "fp32"
-    """Dtype gradients are accumulated and reduced in: fp32 or the 16-bit precision."""
+    """Dtype gradients are accumulated and reduced in: fp32 or the 16-bit precision (fp64
+    parameters always reduce in fp64)."""
     micro_batch: int = 1
     """Sequences per forward/backward on one rank."""
     bucket_mb: float = 25.0
@@ -115,7 +118,13 @@ class ParallelPlan:
 
     @property
     def gradient_dtype(self) -> torch.dtype:
-        return parse_dtype(self.grad_dtype, "grad_dtype")
+        """Never narrower than the parameters: fp64 runs reduce in fp64 whatever `grad_dtype`."""
+        return torch.promote_types(parse_dtype(self.grad_dtype, "grad_dtype"), self.dtype)
+
+    @property
+    def master_weights(self) -> bool:
+        """Whether the optimizer steps fp32 copies (16-bit parameters)."""
+        return self.dtype.itemsize < 4
 
     def micro_batches_per_step(self, global_batch: int) -> int:
         return global_batch // (self.micro_batch * self.degrees["dp"])
@@ -143,7 +152,7 @@ class ParallelPlan:
     def _validate_numbers(self, global_batch: int) -> None:
         check_batch_sizes(global_batch=global_batch, micro_batch=self.micro_batch, dp=self.dp)
         precision = self.dtype
-        if self.gradient_dtype not in (torch.float32, precision):
+        if parse_dtype(self.grad_dtype, "grad_dtype") not in (torch.float32, precision):
             raise ValueError(f"`grad_dtype` {self.grad_dtype} must be fp32 or the `precision`"
                              f" dtype ({self.precision})")
         if int(self.bucket_mb * 2**20) < 1:
@@ -218,6 +227,9 @@ class ParallelPlan:
         if self.offload_optimizer not in ("none", "cpu"):
             raise ValueError(f"`offload_optimizer` must be none or cpu, got"
                              f" {self.offload_optimizer!r}")
+        if self.zero and self.precision == "fp64":
+            raise ValueError(f"`zero` {self.zero} keeps fp32 master shards, which would round"
+                             " `precision` fp64's parameters: use `zero` 0 with fp64")
         if self.offload_optimizer == "cpu" and self.zero == 0:
             raise ValueError("`offload_optimizer` cpu offloads ZeRO's optimizer shard: add `zero`"
                              " 1 (or 2, 3)")

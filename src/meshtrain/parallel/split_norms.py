@@ -17,11 +17,7 @@ from torch import nn
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel import comm
 from meshtrain.parallel.sharding import Shard, shard_tensor
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """fp32, or the dtype itself when wider."""
-    return torch.promote_types(dtype, torch.float32)
+from meshtrain.precision import wide_dtype
 
 
 def _row_sum(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
@@ -42,7 +38,7 @@ class _LayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, axis: MeshAxis, size: int, eps: float):
-        wide = x.to(_wide(x.dtype))
+        wide = x.to(wide_dtype(x.dtype))
         mean = _row_sum(wide, axis) / size
         centred = wide - mean
         rstd = torch.rsqrt(_row_sum(centred * centred, axis) / size + eps)
@@ -54,7 +50,7 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, mean, rstd = ctx.saved_tensors
-        wide_grad = grad.to(_wide(x.dtype))
+        wide_grad = grad.to(wide_dtype(x.dtype))
         normed = (x.to(wide_grad.dtype) - mean) * rstd
         g = wide_grad * weight
         sums = torch.cat([g.sum(-1, keepdim=True), (g * normed).sum(-1, keepdim=True)], dim=-1)
@@ -72,7 +68,7 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, axis: MeshAxis, size: int, eps: float):
-        wide = x.to(_wide(x.dtype))
+        wide = x.to(wide_dtype(x.dtype))
         rstd = torch.rsqrt(_row_sum(wide.pow(2), axis) / size + eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.axis, ctx.size = axis, size
@@ -81,7 +77,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        wide = _wide(x.dtype)
+        wide = wide_dtype(x.dtype)
         normed = x.to(wide) * rstd
         grad_weight = _token_sum(grad.to(wide) * normed.to(x.dtype).to(wide), weight.dtype)
         g = (grad * weight).to(wide)
