@@ -1,8 +1,9 @@
 """2D, 2.5D and 3D tensor parallelism in whole training runs: loss trajectories equal the 1D
 run's, with data and pipeline parallelism and ZeRO; checkpoints move between schemes; model
 states and activations per rank are the schemes' fractions of one process's; bad grids are
-refused with the fix. Layer- and model-level fp64 parity and byte counts are in
-test_tp_summa.py (2d, 2.5d) and test_tp_cube.py (3d).
+refused with the fix; `export` writes the same tensors from every scheme. Layer- and
+model-level fp64 parity and byte counts are in test_tp_summa.py (2d, 2.5d) and
+test_tp_cube.py (3d).
 
 Eight-rank runs are the slow part: this file keeps them to one trajectory call per model; the
 2.5d checkpoint and memory cases are marked `extended` (run with `pytest -m extended`)."""
@@ -10,11 +11,15 @@ Eight-rank runs are the slow part: this file keeps them to one trajectory call p
 from pathlib import Path
 
 import pytest
+import torch
 from harness import LLAMA, raises_as_flags, run_cli, run_on_ranks, worker_mesh
+from safetensors.torch import load_file
 
+from meshtrain.checkpoint_verify import resolve_checkpoint
 from meshtrain.config import build_config
 from meshtrain.data import synthetic_corpus
 from meshtrain.memory import saved_activation_bytes
+from meshtrain.model_files import export_safetensors
 from meshtrain.parallel.plan import ParallelPlan
 from meshtrain.train import Trainer
 
@@ -76,21 +81,33 @@ def _save_and_go_on(corpus, out, layout):
     return losses
 
 
-def _resume(corpus, out, layout):
+def _resume(corpus, out, layout, again):
+    """Resume `out` at `layout`, save the loaded weights again into `again`, take one step."""
     trainer = _trainer(corpus, out, None, layout)
     assert trainer.resume(Path(out)) == 2
+    trainer.save(Path(again), 2)
     return trainer.train_step(2)["loss"]
+
+
+def _exported(run: Path, out: Path) -> dict:
+    export_safetensors(resolve_checkpoint(run), out)
+    return load_file(out)
 
 
 @pytest.mark.parametrize("saved,resumed", [
     ("3d", "1d"), pytest.param("2.5d", "1d", marks=pytest.mark.extended), ("2d", "3d")])
 def test_checkpoints_move_between_schemes(corpus, tmp_path, saved, resumed):
-    layout = GRIDS[saved]
-    """A checkpoint saved at one scheme resumes at another and continues the trajectory."""
+    """A checkpoint saved at one scheme resumes at another and continues the trajectory, and
+    `export` of it writes the same tensors as an export of those weights saved at the other."""
+    layout, again = GRIDS[saved], tmp_path / "again"
     whole = run_on_ranks(layout["tp"], _save_and_go_on, corpus, str(tmp_path), layout)[0]
     target = GRIDS.get(resumed, {"tp": 2})
-    loss = run_on_ranks(target["tp"], _resume, corpus, str(tmp_path), target)[0]
+    loss = run_on_ranks(target["tp"], _resume, corpus, str(tmp_path), target, str(again))[0]
     assert abs(loss - whole[2]) / whole[2] < 1e-4
+    exported = _exported(tmp_path, tmp_path / "saved.safetensors")
+    reference = _exported(again, tmp_path / "again.safetensors")
+    assert exported.keys() == reference.keys()
+    assert all(torch.equal(exported[name], reference[name]) for name in reference)
 
 
 def _memory(corpus, out, layout):
