@@ -3,6 +3,11 @@ import sys
 
 # Single-process tests share two cores with rank pools: keep torch to one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The golden runs compare floats bitwise, and ATen, MKL and oneDNN pick kernels by the CPU's
+# instruction set (an AVX-512 host rounds matmuls differently from an AVX2 one). Pin all three
+# to AVX2, before torch loads, so every x86 machine of this kind computes the same bits; the rank
+# processes and CLI runs the tests start inherit it.
+os.environ.update(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="AVX2", ONEDNN_MAX_CPU_ISA="AVX2")
 sys.path.insert(0, os.path.dirname(__file__))
 # This tree's own sources first, also for the CLI subprocesses the tests start, so a git worktree
 # tests its code even where the environment's editable install points at another checkout.

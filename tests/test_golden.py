@@ -4,7 +4,10 @@ Each case trains the tiny GPT for a few steps at one layout and compares, exactl
 row (loss, gradient norm, evaluation, MoE statistics, loss scale) and a digest of the final
 checkpoint's weights with the values recorded in `golden/gpt_runs.json` before the model/strategy
 seam was built. Floats are compared bitwise, so the recording is tied to the torch version it
-was made with (CI pins it) and to one thread per rank (the harness sets it).
+was made with (CI pins it), to one thread per rank (the harness sets it) and to the kernels'
+instruction set (conftest pins ATen, MKL and oneDNN to AVX2; a CPU without AVX2 skips).
+The recording was made again on 2026-11-25 from the pre-seam commit 8e10981 with AVX2 pinned,
+after an AMD AVX2 host disagreed in the last bits with the one it was first made on.
 
 Record again (only when a change is meant to move the numbers, and say why in the commit):
     MESHTRAIN_RECORD_GOLDEN=1 python -m pytest tests/test_golden.py
@@ -86,6 +89,8 @@ def _recorded() -> dict:
     return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2",
+                    reason="the recording is AVX2 arithmetic; this CPU cannot run those kernels")
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpt_run_is_bitwise_the_recorded_one(corpus, tmp_path, name):
     world, parallel, train, model = CASES[name]
