@@ -12,7 +12,7 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn.functional as F
-from grid_models import GPT_SHAPE, LLAMA_SHAPE, check_against_dense
+from grid_models import GPT_SHAPE, LLAMA_SHAPE, check_against_dense, dense_output_layer
 from harness import run_on_ranks, worker_mesh
 from torch import nn
 from torch.testing import assert_close
@@ -145,25 +145,19 @@ def _check_embeddings(mesh, factory, c, d):
 def _check_output_layer(mesh, factory, c, d, tied: bool):
     """Logits (padded vocabulary -inf), the loss of the whole micro-batch on every rank, and
     the gradients; the logits' bytes (q-1)/q^2 (2 B V/d + 3 V h) e, V padded."""
-    dense = nn.Embedding(37, H).double() if tied else nn.Linear(H, 37, bias=False).double()
+    reference = dense_output_layer(B, S, H, 37, tied)
+    dense, hidden, targets = reference.dense, reference.hidden, reference.targets
     layer = factory.vocab_embedding(dense) if tied else factory.vocab_head(dense)
-    hidden = torch.randn(B, S, H, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 37, (B, S))
-    targets[0, 1] = -100
-    weights = torch.randn(B, S, dtype=torch.float64)
-    ref = hidden @ dense.weight.T
-    ref_loss = F.cross_entropy(ref.flatten(0, 1), targets.flatten(), reduction="none")
-    (ref_loss.view(B, S) * weights).sum().backward()
 
     local = _leaf(_hidden(hidden, c, d))
     with CommRecorder() as rec:
         logits = layer.logits(local) if tied else layer(local)
     loss = factory.loss(logits, targets, ignore_index=-100)
     with CommRecorder() as bwd:
-        (loss * weights).sum().backward()
+        (loss * reference.weights).sum().backward()
     rec.records += bwd.records
-    assert_close(loss, ref_loss.view(B, S), **TOL)
-    padded = F.pad(ref.detach(), (0, 1), value=float("-inf"))  # V_padded = 38
+    assert_close(loss, reference.losses, **TOL)
+    padded = F.pad(reference.logits, (0, 1), value=float("-inf"))  # V_padded = 38
     assert_close(logits, _hidden(padded, c, d), **TOL)
     assert_close(local.grad, _hidden(hidden.grad, c, d), **TOL)
     _check_grads(layer, dense, mesh)
@@ -171,7 +165,7 @@ def _check_output_layer(mesh, factory, c, d, tied: bool):
     assert rec.ring_bytes() == float(k * (2 * tokens * 38 + 3 * 38 * H))
     assert rec.ring_bytes() == pytest.approx(summa_logits(B * S, H, 38, Q, d, E).total_bytes,
                                              rel=1e-12)  # the planner's
-    assert_close(factory.gather_logits(logits.detach())[..., :37], ref.detach(), **TOL)
+    assert_close(factory.gather_logits(logits.detach())[..., :37], reference.logits, **TOL)
 
 
 def _check_layers(scheme):
