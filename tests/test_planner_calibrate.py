@@ -84,7 +84,10 @@ def test_quick_calibration_is_finite_and_describes_two_ranks(calibrated):
 
 
 def test_profile_predicts_a_matmul_timed_here(calibrated):
-    """Two ranks on this 2-core host have a core each, as this test process does."""
+    """Two ranks on this 2-core host have a core each, as this test process does. The band is
+    3x: the quick calibration and this timing run at different moments of a shared host, and
+    one fresh-clone run saw the calibration 2.07x slower than the matmul timed here; a wrong
+    unit or precision in the fit is off by far more."""
     a, b = torch.randn(1024, 512), torch.randn(512, 1024)
     a @ b
     times = []
@@ -93,7 +96,7 @@ def test_profile_predicts_a_matmul_timed_here(calibrated):
         a @ b
         times.append(time.perf_counter() - start)
     predicted = _matmul(calibrated, 2 * 1024 * 512 * 1024, "fp32")
-    assert 0.5 < predicted / statistics.median(times) < 2
+    assert 1 / 3 < predicted / statistics.median(times) < 3
 
 
 def test_profiles_round_trip_through_toml(calibrated, tmp_path):
