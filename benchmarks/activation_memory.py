@@ -11,8 +11,8 @@ import meshtrain
 from meshtrain import GPT, preset
 from meshtrain.memory import layer_activation_formula, saved_activation_bytes
 from meshtrain.models import AuxiliaryOutputs
-from meshtrain.parallel.plan import ParallelPlan
-from meshtrain.recompute import recomputed
+from meshtrain.parallel.layers.recompute import recomputed
+from meshtrain.parallel.runtime.plan import ParallelPlan
 
 B, H, A = 2, 64, 4
 

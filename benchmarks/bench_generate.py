@@ -38,8 +38,8 @@ import transformers
 from rank_messages import collect, stop_workers
 
 import meshtrain
-from meshtrain.checkpoint import resolve_checkpoint
-from meshtrain.generate import checkpoint_model, generate
+from meshtrain.checkpoints.checkpoint import resolve_checkpoint
+from meshtrain.inference.generate import checkpoint_model, generate
 from meshtrain.interop.hf_io import import_hf
 
 WORLD = 2

@@ -43,11 +43,12 @@ import torch.distributed as dist
 from rank_messages import collect, stop_workers
 
 from meshtrain import ParallelMesh, init_parallel
-from meshtrain.config import RunConfig, build_config, validate
-from meshtrain.data import synthetic_corpus
-from meshtrain.parallel import CommRecorder, comm
-from meshtrain.parallel.expert import MoE
-from meshtrain.train import Trainer
+from meshtrain.config.run_config import RunConfig, build_config, validate
+from meshtrain.data.corpus import synthetic_corpus
+from meshtrain.parallel import CommRecorder
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.expert import MoE
+from meshtrain.training.trainer import Trainer
 
 WORLD = 2
 WARMUP = 2  # untimed steps per contender, in one round before the measured ones

@@ -46,9 +46,9 @@ from torch import nn
 
 import meshtrain
 from meshtrain.models import StageSpec
-from meshtrain.parallel import comm
-from meshtrain.parallel.pipeline import run_schedule, stage_layers
-from meshtrain.parallel.schedules import gpipe, interleaved, model_chunk, one_f_one_b
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.runtime.pipeline import run_schedule, stage_layers
+from meshtrain.parallel.runtime.schedules import gpipe, interleaved, model_chunk, one_f_one_b
 
 MICRO_BATCHES = 8
 FULL = Shape(layers=5, hidden=512, heads=8, seq=256, vocab=8192, batch=8)

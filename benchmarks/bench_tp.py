@@ -42,7 +42,7 @@ from torch import nn
 
 import meshtrain
 from meshtrain.models import family_of
-from meshtrain.parallel.data import GradientReducer
+from meshtrain.parallel.runtime.data_parallel import GradientReducer
 
 WORLD = 2
 LR = 1e-4

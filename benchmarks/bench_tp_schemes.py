@@ -37,7 +37,7 @@ LOSS_RTOL = 1e-4
 
 def _config(args, corpus: str, out: str, *, tp: int = 1, scheme: str = "1d",
             depth: int | None = None):
-    from meshtrain.config import build_config
+    from meshtrain.config.run_config import build_config
 
     return build_config({}, {
         "model": {"model": "tiny", "num_layers": args.layers, "hidden_size": args.hidden,
@@ -51,7 +51,7 @@ def _config(args, corpus: str, out: str, *, tp: int = 1, scheme: str = "1d",
 def _measure(trainer, step: int) -> dict:
     """One timed training step, then the bytes it sent and the memory it holds."""
     from meshtrain.memory import saved_activation_bytes
-    from meshtrain.parallel.comm import CommRecorder
+    from meshtrain.parallel.communication.comm import CommRecorder
 
     start = time.perf_counter()
     with CommRecorder() as recorder:
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, port: int, args, corpus: str, commands, resul
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from meshtrain.mesh import init_parallel
-    from meshtrain.train import Trainer
+    from meshtrain.training.trainer import Trainer
 
     trainers = {}
     try:
@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, port: int, args, corpus: str, commands, resul
 
 def _single(args, corpus: str):
     from meshtrain.mesh import ParallelMesh
-    from meshtrain.train import Trainer
+    from meshtrain.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
         return Trainer.build(_config(args, corpus, out), ParallelMesh.local())
@@ -124,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.layers, args.hidden, args.heads, args.seq, args.repeats = 1, 32, 4, 16, 2
-    from meshtrain.data import synthetic_corpus
+    from meshtrain.data.corpus import synthetic_corpus
     from meshtrain.mesh import free_port
 
     with tempfile.TemporaryDirectory() as data_dir:

@@ -45,7 +45,7 @@ from bench_tp import (  # noqa: E402
 )
 
 import meshtrain  # noqa: E402
-from meshtrain.parallel.zero import ZeroDataParallel  # noqa: E402
+from meshtrain.parallel.runtime.zero import ZeroDataParallel  # noqa: E402
 
 
 def _status(field: str) -> int:

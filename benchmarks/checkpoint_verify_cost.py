@@ -9,9 +9,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshtrain.checkpoint import latest_checkpoint
-from meshtrain.checkpoint_verify import read_manifest, sha256
-from meshtrain.cli import main
+from meshtrain.checkpoints.checkpoint import latest_checkpoint
+from meshtrain.checkpoints.verify import read_manifest, sha256
+from meshtrain.cli.main import main
 
 
 def _best_of(fn, repeats: int = 5) -> list[float]:

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshtrain.config import RunConfig
+from meshtrain.config.run_config import RunConfig
 from meshtrain.mesh import MeshAxis, init_parallel
-from meshtrain.parallel.flight_recorder import FlightRecorder
-from meshtrain.train import Trainer
-from meshtrain.watchdog import HangWatchdog
+from meshtrain.operations.watchdog import HangWatchdog
+from meshtrain.parallel.communication.flight_recorder import FlightRecorder
+from meshtrain.training.trainer import Trainer
 
 SETTINGS = ("off", "ring", "watchdog")  # nothing armed; the ring alone; ring and watchdog
 

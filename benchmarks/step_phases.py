@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import meshtrain
-from meshtrain.parallel.data import GradientReducer
+from meshtrain.parallel.runtime.data_parallel import GradientReducer
 
 PHASES = ("forward", "backward", "wait", "adamw", "step")
 LAYOUTS = ("single", "dp2", "tp2")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import meshtrain
 from meshtrain.parallel import CommRecorder, vocab_parallel_cross_entropy
-from meshtrain.parallel.comm import split_along
+from meshtrain.parallel.communication.comm import split_along
 
 mesh = meshtrain.init_parallel(tp=2, device="cpu")
 torch.manual_seed(0)

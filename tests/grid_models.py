@@ -11,7 +11,8 @@ from torch.testing import assert_close
 
 from meshtrain import ParallelMesh
 from meshtrain.models import family_of
-from meshtrain.parallel import CommRecorder, comm, named_full_tensors
+from meshtrain.parallel import CommRecorder, named_full_tensors
+from meshtrain.parallel.communication import comm
 
 TOL = dict(rtol=1e-10, atol=1e-13)
 GPT_SHAPE = dict(num_layers=2, hidden_size=16, num_heads=4, vocab_size=37, max_seq_len=16)

@@ -130,7 +130,7 @@ def raises_as_flags(match: str):
     library errors name settings (`pp_schedule`), the CLI shows flags (--pp-schedule)."""
     import pytest
 
-    from meshtrain.cli import as_flags
+    from meshtrain.cli.main import as_flags
 
     with pytest.raises(ValueError) as error:
         yield error

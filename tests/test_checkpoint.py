@@ -8,13 +8,13 @@ from harness import run_on_ranks, worker_mesh
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from meshtrain import checkpoint as ckpt
-from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
-from meshtrain.model_files import export_safetensors
+from meshtrain.checkpoints import checkpoint as ckpt
+from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.checkpoints.model_files import export_safetensors
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallel import named_full_tensors
-from meshtrain.train import Trainer
+from meshtrain.training.trainer import Trainer
 
 
 def _cfg(corpus, out):

@@ -14,15 +14,15 @@ from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors import SafetensorError
 
 from meshtrain import ParallelMesh, preset
-from meshtrain import checkpoint as ckpt
-from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from meshtrain.checkpoint_retention import keep_newest
-from meshtrain.cli import main
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
-from meshtrain.model_files import write_model_checkpoint
+from meshtrain.checkpoints import checkpoint as ckpt
+from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.checkpoints.model_files import write_model_checkpoint
+from meshtrain.checkpoints.retention import keep_newest
+from meshtrain.cli.main import main
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.models import family_of
-from meshtrain.train import Trainer
+from meshtrain.training.trainer import Trainer
 
 TRAIN = ["--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--micro-batch", "2",
          "--steps", "4", "--save-every", "1", "--eval-every", "0"]
@@ -339,7 +339,7 @@ def test_export_out_is_checked(made_run, tmp_path, capsys, monkeypatch):
         yield from list(real(path, manifest))[:3]
         raise OSError(28, "No space left on device")
 
-    from meshtrain import model_files
+    from meshtrain.checkpoints import model_files
     from meshtrain.interop import hf_io
 
     real = model_files.model_tensors

@@ -6,11 +6,11 @@ import tomllib
 import pytest
 from harness import run_cli
 
-from meshtrain import config
-from meshtrain.cli import _train_config, as_flags, main
-from meshtrain.cli_parsers import build_parser
-from meshtrain.config import build_config, flag_fields
-from meshtrain.data import synthetic_corpus
+from meshtrain.cli.main import _train_config, as_flags, main
+from meshtrain.cli.parsers import build_parser
+from meshtrain.config import run_config as config
+from meshtrain.config.run_config import build_config, flag_fields
+from meshtrain.data.corpus import synthetic_corpus
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_config_file_then_flags(tmp_path):
 
 
 def test_degrees_not_given_are_one_and_dp_fills_the_world(corpus):
-    from meshtrain.cli import check_train
+    from meshtrain.cli.main import check_train
 
     def plan(*flags, world=None):
         cfg = _train_config(build_parser().parse_args(

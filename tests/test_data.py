@@ -9,7 +9,7 @@ import pytest
 import torch
 from harness import raises_as_flags
 
-from meshtrain.data import (
+from meshtrain.data.corpus import (
     BatchSampler,
     TokenDataset,
     decode,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain import config
-from meshtrain.cli import _train_config
-from meshtrain.cli_parsers import build_parser
+from meshtrain.cli.main import _train_config
+from meshtrain.cli.parsers import build_parser
+from meshtrain.config import run_config as config
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -9,7 +9,7 @@ import torch
 from harness import run_on_ranks, worker_mesh
 
 from meshtrain import ParallelMesh, ParallelPlan, preset
-from meshtrain.generate import generate
+from meshtrain.inference.generate import generate
 from meshtrain.models import StageSpec, family_of
 
 MAX_SEQ_LEN = 16

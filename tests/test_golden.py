@@ -23,11 +23,11 @@ import torch
 from harness import run_on_ranks
 from safetensors.torch import load_file
 
-from meshtrain.checkpoint import latest_checkpoint
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
-from meshtrain.model_files import export_safetensors
-from meshtrain.train import run_training
+from meshtrain.checkpoints.checkpoint import latest_checkpoint
+from meshtrain.checkpoints.model_files import export_safetensors
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
+from meshtrain.training.trainer import run_training
 
 GOLDEN = Path(__file__).parent / "golden" / "gpt_runs.json"
 RECORD = os.environ.get("MESHTRAIN_RECORD_GOLDEN") == "1"

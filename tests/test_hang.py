@@ -13,11 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshtrain import cli, cli_parsers, endings
-from meshtrain.doctor import read_dumps, verdict
-from meshtrain.failures import EXIT_FAILED, EXIT_HANG, EXIT_PEER_FAILED, RunFailure
+from meshtrain.cli import main as cli
+from meshtrain.cli import parsers as cli_parsers
 from meshtrain.mesh import MeshAxis
-from meshtrain.parallel.flight_recorder import FlightRecorder
+from meshtrain.operations import endings
+from meshtrain.operations.doctor import read_dumps, verdict
+from meshtrain.operations.failures import EXIT_FAILED, EXIT_HANG, EXIT_PEER_FAILED, RunFailure
+from meshtrain.parallel.communication.flight_recorder import FlightRecorder
 
 TIMEOUT = 3  # --collective-timeout of the multi-rank cases (seconds)
 
@@ -71,8 +73,7 @@ def test_async_work_blocks_where_it_is_waited():
 def test_comm_feeds_the_armed_recorder_only():
     import torch
 
-    from meshtrain.parallel import comm
-
+    from meshtrain.parallel.communication import comm
     solo = _axis("dp", ranks=(0,))
     with FlightRecorder() as recorder:
         comm.all_reduce(torch.ones(2), solo)  # size 1: nothing sent, nothing recorded
@@ -234,8 +235,8 @@ def _worker(mode: str, out: str) -> None:
     import torch
 
     from meshtrain.mesh import init_parallel
-    from meshtrain.parallel import comm
-    from meshtrain.watchdog import HangWatchdog, process_group_timeout
+    from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
+    from meshtrain.parallel.communication import comm
 
     mesh = init_parallel(dp=2, device="cpu", timeout=process_group_timeout(TIMEOUT))
     with HangWatchdog(rank=mesh.rank, world_size=2, timeout=TIMEOUT, out=out):
@@ -328,7 +329,7 @@ def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[in
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-    from meshtrain.data import synthetic_corpus
+    from meshtrain.data.corpus import synthetic_corpus
 
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_bytes(synthetic_corpus(30_000, seed=2).tobytes())

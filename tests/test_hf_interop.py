@@ -14,18 +14,18 @@ from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors.torch import load_file, save_file
 
 import meshtrain
-from meshtrain import data
-from meshtrain.checkpoint import checkpoint_config, load_checkpoint, resolve_checkpoint
-from meshtrain.cli import _train_config, check_train, main
-from meshtrain.cli_parsers import build_parser
-from meshtrain.config import build_config
+from meshtrain.checkpoints.checkpoint import checkpoint_config, load_checkpoint, resolve_checkpoint
+from meshtrain.cli.main import _train_config, check_train, main
+from meshtrain.cli.parsers import build_parser
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import BatchSampler, load_tokens, split_tokens, synthetic_corpus
+from meshtrain.data.tokenization import train_bpe
 from meshtrain.interop.hf_io import HFModelDirectory, import_hf
-from meshtrain.interop.tokenization import train_bpe
 from meshtrain.models import family_of
-from meshtrain.parallel import comm
-from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallelize import pipeline_stage
-from meshtrain.train import Trainer
+from meshtrain.training.trainer import Trainer
 
 IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
 LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -93,7 +93,7 @@ def imported(hf, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(data.synthetic_corpus(20_000, seed=3).tobytes())
+    path.write_bytes(synthetic_corpus(20_000, seed=3).tobytes())
     return str(path)
 
 
@@ -200,9 +200,9 @@ def test_greedy_generation_equals_transformers(hf, variant):
 
 def _first_batch_loss(model, corpus: str, **sampler) -> float:
     """The dense model's mean loss on step 1's global batch (what the run logs first)."""
-    tokens, _ = data.load_tokens(corpus)
-    train_tokens, _ = data.split_tokens(tokens, 0.05)
-    batches = data.BatchSampler(train_tokens, **sampler).micro_batches(0, dp_rank=0, dp_size=1)
+    tokens, _ = load_tokens(corpus)
+    train_tokens, _ = split_tokens(tokens, 0.05)
+    batches = BatchSampler(train_tokens, **sampler).micro_batches(0, dp_rank=0, dp_size=1)
     with torch.no_grad():
         losses = [torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
                   for x, y in batches]
@@ -245,7 +245,7 @@ def test_fine_tune_with_the_models_own_tokenizer(tmp_path):
     with that tokenizer; training at pp 2; an export that transformers loads, tokenizer and all,
     with the tokenizer's end-of-document and begin-of-text ids in config.json."""
     hf_dir, run, out, exported = (tmp_path / name for name in ("hf", "run", "tuned", "export"))
-    text = data.synthetic_corpus(6_000, seed=5).tobytes().decode()
+    text = synthetic_corpus(6_000, seed=5).tobytes().decode()
     (tmp_path / "a.txt").write_text(text[:3000])
     (tmp_path / "b.txt").write_text(text[3000:])
     hf_dir.mkdir()

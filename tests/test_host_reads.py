@@ -11,10 +11,10 @@ import torch
 from harness import run_on_ranks, worker_mesh
 
 import meshtrain
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus, to_device
-from meshtrain.parallel.expert import MoE
-from meshtrain.train import Trainer
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus, to_device
+from meshtrain.parallel.layers.expert import MoE
+from meshtrain.training.trainer import Trainer
 
 PACKAGE = str(Path(meshtrain.__file__).parent)
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy",

@@ -11,15 +11,15 @@ import torch
 from harness import LLAMA, raises_as_flags, run_cli, run_on_ranks, worker_mesh
 
 from meshtrain import Llama, ParallelMesh, preset
-from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from meshtrain.cli import main
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
+from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.cli.main import main
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.interop.hf_io import hf_state_dict
 from meshtrain.models.blocks import RMSNorm, Rotary, rope_frequencies
-from meshtrain.parallel.comm import all_gather_objects
-from meshtrain.parallel.sharding import parameter_shards, unshard_tensor
-from meshtrain.train import Trainer
+from meshtrain.parallel.communication.comm import all_gather_objects
+from meshtrain.parallel.layers.sharding import parameter_shards, unshard_tensor
+from meshtrain.training.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from harness import run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain.parallel import CommRecorder, vocab_parallel_cross_entropy
-from meshtrain.parallel.comm import split_along
+from meshtrain.parallel.communication.comm import split_along
 
 
 def _check_loss(tp, vocab, scale, dtype):

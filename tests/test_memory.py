@@ -9,8 +9,8 @@ from harness import run_on_ranks, worker_mesh
 from meshtrain import ParallelMesh, preset
 from meshtrain.memory import layer_activation_formula, saved_activation_bytes
 from meshtrain.models import AuxiliaryOutputs, family_of
-from meshtrain.parallel.plan import ParallelPlan
-from meshtrain.recompute import recomputed
+from meshtrain.parallel.layers.recompute import recomputed
+from meshtrain.parallel.runtime.plan import ParallelPlan
 
 B, S, H, A = 2, 64, 64, 4
 

@@ -5,7 +5,7 @@ import torch
 from harness import raises_as_flags, run_on_ranks, worker_mesh
 
 from meshtrain.mesh import _axis_groups, resolve_degrees
-from meshtrain.parallel.comm import all_gather
+from meshtrain.parallel.communication.comm import all_gather
 
 
 def test_resolve_degrees_derives_dp():

@@ -7,7 +7,7 @@ from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh, preset
 from meshtrain.parallel import CommRecorder, named_full_tensors
-from meshtrain.parallel.comm import all_gather
+from meshtrain.parallel.communication.comm import all_gather
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -89,7 +89,7 @@ def _check_dropout_consistent():
     model = GPT(preset("tiny", vocab_size=64, dropout=0.3), mesh=mesh, seed=1)
     inputs, targets = _batch(64)
     from meshtrain.models import AuxiliaryOutputs
-    from meshtrain.random import REPLICATED
+    from meshtrain.parallel.layers.rng import REPLICATED
 
     assert model.factory.hidden_stream == REPLICATED
     positions = torch.arange(inputs.shape[1])
@@ -99,7 +99,7 @@ def _check_dropout_consistent():
     gathered = all_gather(hidden.detach().unsqueeze(0), mesh.tp, dim=0)
     assert_close(gathered[0], gathered[1], rtol=0, atol=0)
     # and the per-rank (attention) stream really differs between TP ranks
-    from meshtrain.random import TENSOR_PARALLEL
+    from meshtrain.parallel.layers.rng import TENSOR_PARALLEL
     with model.rng.fork(TENSOR_PARALLEL):
         draw = torch.rand(4)
     draws = all_gather(draw.unsqueeze(0), mesh.tp, dim=0)

@@ -6,14 +6,14 @@ from harness import LLAMA, dense_reference, raises_as_flags, run_on_ranks, worke
 from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh, preset
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.models import AuxiliaryOutputs
-from meshtrain.optim import global_grad_norm
 from meshtrain.parallel import CommRecorder, named_full_tensors
-from meshtrain.parallel.comm import all_gather_objects
-from meshtrain.parallel.expert import MoE, capacity, route
-from meshtrain.train import Trainer
+from meshtrain.parallel.communication.comm import all_gather_objects
+from meshtrain.parallel.layers.expert import MoE, capacity, route
+from meshtrain.parallel.runtime.optim import global_grad_norm
+from meshtrain.training.trainer import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -212,7 +212,7 @@ def test_moe_checkpoint_moves_between_ep_degrees(corpus, tmp_path):
 
 
 def test_checkpoint_of_another_moe_shape_is_refused(corpus, tmp_path):
-    from meshtrain.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+    from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 
     run_on_ranks(2, _save_moe, corpus, tmp_path, 1, 2)
     path = latest_checkpoint(tmp_path / "checkpoints")

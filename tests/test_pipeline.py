@@ -9,20 +9,20 @@ from harness import LLAMA, dense_reference, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import ParallelMesh
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
-from meshtrain.optim import global_grad_norm
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallel import named_full_tensors
-from meshtrain.parallel.comm import all_gather_objects
-from meshtrain.parallel.pipeline import stage_layers
-from meshtrain.parallel.schedules import (
+from meshtrain.parallel.communication.comm import all_gather_objects
+from meshtrain.parallel.runtime.optim import global_grad_norm
+from meshtrain.parallel.runtime.pipeline import stage_layers
+from meshtrain.parallel.runtime.schedules import (
     gpipe,
     interleaved,
     one_f_one_b,
     pipedream_2bw,
     simulate,
 )
-from meshtrain.train import Trainer, run_training
+from meshtrain.training.trainer import Trainer, run_training
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 FP64_TOL = {"rtol": 1e-10, "atol": 1e-13}

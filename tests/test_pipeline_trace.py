@@ -8,10 +8,10 @@ import pytest
 from harness import run_on_ranks, worker_mesh
 from test_pipeline import _cfg
 
-from meshtrain.data import synthetic_corpus
-from meshtrain.parallel.pipeline_trace import idle_report, write_trace
-from meshtrain.parallel.schedules import BACKWARD, FORWARD, gpipe, one_f_one_b, simulate
-from meshtrain.train import Trainer
+from meshtrain.data.corpus import synthetic_corpus
+from meshtrain.parallel.runtime.schedules import BACKWARD, FORWARD, gpipe, one_f_one_b, simulate
+from meshtrain.training.pipeline_trace import idle_report, write_trace
+from meshtrain.training.trainer import Trainer
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 

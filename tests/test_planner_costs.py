@@ -7,7 +7,7 @@ import pytest
 
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.models import preset
-from meshtrain.parallel import schedules
+from meshtrain.parallel.runtime import schedules
 from meshtrain.planner.costs import predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.layout import Layout

@@ -10,9 +10,9 @@ import shlex
 
 import pytest
 
-from meshtrain.auto_layout import LAYOUT_SETTINGS, short_spec
-from meshtrain.cli import _train_config, main
-from meshtrain.cli_parsers import build_parser
+from meshtrain.cli.auto_layout import LAYOUT_SETTINGS, short_spec
+from meshtrain.cli.main import _train_config, main
+from meshtrain.cli.parsers import build_parser
 from meshtrain.models import preset
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.models.llama import LlamaConfig

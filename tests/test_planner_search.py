@@ -10,11 +10,11 @@ import tomllib
 import pytest
 from harness import run_cli
 
-from meshtrain.auto_layout import LAYOUT_SETTINGS, fixed_fields
-from meshtrain.cli import _train_config, main
-from meshtrain.cli_parsers import build_parser
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
+from meshtrain.cli.auto_layout import LAYOUT_SETTINGS, fixed_fields
+from meshtrain.cli.main import _train_config, main
+from meshtrain.cli.parsers import build_parser
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.models import preset
 from meshtrain.planner.costs import Prediction, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
@@ -345,7 +345,7 @@ def test_train_layout_auto_end_to_end(tmp_path):
 def test_default_hardware_follows_the_cuda_device(monkeypatch, name, profile):
     import torch
 
-    from meshtrain.auto_layout import default_hardware
+    from meshtrain.cli.auto_layout import default_hardware
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)

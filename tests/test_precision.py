@@ -8,11 +8,11 @@ import pytest
 import torch
 from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
 
-from meshtrain.auto_layout import choose_layout
-from meshtrain.config import build_config, validate
-from meshtrain.data import synthetic_corpus
+from meshtrain.cli.auto_layout import choose_layout
+from meshtrain.config.run_config import build_config, validate
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.memory import zero_formula_bytes
-from meshtrain.train import Trainer, run_training
+from meshtrain.training.trainer import Trainer, run_training
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ import pytest
 from harness import raises_as_flags, run_cli, word_level_tokenizer
 
 from meshtrain import ParallelMesh
-from meshtrain.cli import as_flags, main
-from meshtrain.config import build_config
-from meshtrain.data import encode, load_corpus, synthetic_corpus
-from meshtrain.interop.prepare import prepare
-from meshtrain.interop.tokenization import EOD_TOKEN, HFTokenizer, train_bpe
-from meshtrain.train import Trainer
+from meshtrain.cli.main import as_flags, main
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import encode, load_corpus, synthetic_corpus
+from meshtrain.data.prepare import prepare
+from meshtrain.data.tokenization import EOD_TOKEN, HFTokenizer, train_bpe
+from meshtrain.training.trainer import Trainer
 
 BYTE_EOD = 256
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from meshtrain import ParallelMesh
-from meshtrain.random import REPLICATED, TENSOR_PARALLEL, RNGTracker
+from meshtrain.parallel.layers.rng import REPLICATED, TENSOR_PARALLEL, RNGTracker
 
 
 def test_fork_leaves_the_outer_stream_alone():

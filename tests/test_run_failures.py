@@ -10,12 +10,12 @@ import torch
 from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors.torch import load_file
 
-from meshtrain.checkpoint import latest_checkpoint
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
-from meshtrain.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, RunFailure
-from meshtrain.metrics import MetricsLog, read_metrics
-from meshtrain.train import Trainer
+from meshtrain.checkpoints.checkpoint import latest_checkpoint
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
+from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, RunFailure
+from meshtrain.training.metrics import MetricsLog, read_metrics
+from meshtrain.training.trainer import Trainer
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--seq-len", "16",
         "--global-batch", "4", "--micro-batch", "4", "--eval-every", "0", "--log-every", "1"]

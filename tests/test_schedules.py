@@ -3,7 +3,7 @@
 import pytest
 from harness import raises_as_flags
 
-from meshtrain.parallel.schedules import (
+from meshtrain.parallel.runtime.schedules import (
     BACKWARD,
     FORWARD,
     RECV_ACTIVATION,

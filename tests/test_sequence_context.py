@@ -10,14 +10,14 @@ from harness import LLAMA, dense_reference, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh, preset
-from meshtrain.cli import as_flags
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
-from meshtrain.optim import global_grad_norm
+from meshtrain.cli.main import as_flags
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallel import CommRecorder, named_full_tensors
-from meshtrain.parallel.context import context_parallel_positions
-from meshtrain.parallel.plan import ParallelPlan
-from meshtrain.train import Trainer
+from meshtrain.parallel.layers.context_parallel import context_parallel_positions
+from meshtrain.parallel.runtime.optim import global_grad_norm
+from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.training.trainer import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -170,7 +170,7 @@ def test_bad_plans(kwargs, match):
 
 def _ring_bf16():
     """Ring attention in bf16 keeps its running max/sum in fp32: as accurate as SDPA in bf16."""
-    from meshtrain.parallel.context import ring_attention
+    from meshtrain.parallel.layers.context_parallel import ring_attention
 
     mesh = worker_mesh(cp=2)
     torch.manual_seed(0)

@@ -20,10 +20,10 @@ import torch
 from harness import run_cli
 from safetensors.torch import load_file
 
-from meshtrain.cli import _train_config, check_train, main
-from meshtrain.cli_parsers import build_parser
-from meshtrain.data import synthetic_corpus
-from meshtrain.run_lock import LOCK_FILE, RunLock, check_free
+from meshtrain.cli.main import _train_config, check_train, main
+from meshtrain.cli.parsers import build_parser
+from meshtrain.data.corpus import synthetic_corpus
+from meshtrain.operations.run_lock import LOCK_FILE, RunLock, check_free
 
 STEPS = 100
 TINY = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "32", "--num-heads", "2",
@@ -227,7 +227,7 @@ def test_a_live_run_holds_its_out(capsys, corpus, reference, monkeypatch):
 
 _SIGNALS_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
-    from meshtrain import stopping
+    from meshtrain.operations import stopping
     stopping.DUPLICATE_WINDOW_S, stopping.AGREE_DEADLINE_S = 0.5, float(sys.argv[1])
     stop = stopping.StopSignals(rank=0)
     stop.arm()

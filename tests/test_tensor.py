@@ -12,7 +12,7 @@ from meshtrain.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from meshtrain.parallel.comm import all_gather, split_along
+from meshtrain.parallel.communication.comm import all_gather, split_along
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -67,7 +67,7 @@ def _check_column(tp, output_blocks, gather_output):
 
 
 def _unshard_grad(layer, name):
-    from meshtrain.parallel.tensor import unshard_tensor
+    from meshtrain.parallel.layers.tensor import unshard_tensor
     return unshard_tensor(getattr(layer, name).grad, layer.shards[name], layer.tp_axis)
 
 
@@ -173,9 +173,9 @@ def _check_column_group(tp, sequence_parallel):
     gradient and weight gradients (replicas summed over their tp_block) equal the dense
     layers'; one input communication each way; the joined weight is not saved for backward."""
     from meshtrain.memory import saved_activation_bytes
-    from meshtrain.parallel.comm import all_reduce
-    from meshtrain.parallel.sharding import GridPosition, is_primary, shard_pieces
-    from meshtrain.parallel.tensor import ColumnParallelGroup
+    from meshtrain.parallel.communication.comm import all_reduce
+    from meshtrain.parallel.layers.sharding import GridPosition, is_primary, shard_pieces
+    from meshtrain.parallel.layers.tensor import ColumnParallelGroup
 
     mesh = worker_mesh(tp=tp)
     rank, heads, head_dim = mesh.tp.rank, 2, 2

@@ -9,9 +9,8 @@ import pytest
 import torch
 from harness import raises_as_flags, run_cli, word_level_tokenizer
 
-from meshtrain.data import synthetic_corpus
-from meshtrain.generate import prompt_ids
-from meshtrain.interop.tokenization import (
+from meshtrain.data.corpus import synthetic_corpus
+from meshtrain.data.tokenization import (
     EOD_TOKEN,
     ByteTokenizer,
     HFTokenizer,
@@ -20,6 +19,7 @@ from meshtrain.interop.tokenization import (
     train_bpe,
     train_tokenizer_file,
 )
+from meshtrain.inference.generate import prompt_ids
 
 TEXT = "def f(x):\n    return x  # é, 漢字, 🙂"
 

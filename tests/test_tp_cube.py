@@ -21,11 +21,12 @@ from meshtrain import ParallelMesh
 from meshtrain.models.blocks import RMSNorm
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.models.llama import LlamaConfig
-from meshtrain.parallel import CommRecorder, comm
-from meshtrain.parallel.cube import Cube3D
-from meshtrain.parallel.factory import layer_factory
-from meshtrain.parallel.plan import ParallelPlan
-from meshtrain.parallel.sharding import unshard_tensor
+from meshtrain.parallel import CommRecorder
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.sharding import unshard_tensor
+from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.schemes.cube import Cube3D
+from meshtrain.parallel.schemes.factory import layer_factory
 from meshtrain.planner.tp_traffic import cube_linear
 
 TOL = dict(rtol=1e-10, atol=1e-13)

@@ -15,13 +15,13 @@ import torch
 from harness import LLAMA, raises_as_flags, run_cli, run_on_ranks, worker_mesh
 from safetensors.torch import load_file
 
-from meshtrain.checkpoint_verify import resolve_checkpoint
-from meshtrain.config import build_config
-from meshtrain.data import synthetic_corpus
+from meshtrain.checkpoints.model_files import export_safetensors
+from meshtrain.checkpoints.verify import resolve_checkpoint
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.memory import saved_activation_bytes
-from meshtrain.model_files import export_safetensors
-from meshtrain.parallel.plan import ParallelPlan
-from meshtrain.train import Trainer
+from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.training.trainer import Trainer
 
 STEPS = 4
 GRIDS = {"2d": dict(tp=4, tp_scheme="2d"), "2.5d": dict(tp=8, tp_scheme="2.5d", tp_depth=2),

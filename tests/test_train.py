@@ -9,12 +9,12 @@ from harness import LLAMA, dense_reference, run_cli, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import GPT, ParallelMesh
-from meshtrain.config import build_config
-from meshtrain.data import BatchSampler, synthetic_corpus
-from meshtrain.metrics import MetricsLog, read_metrics
-from meshtrain.optim import global_grad_norm, lr_at
+from meshtrain.config.run_config import build_config
+from meshtrain.data.corpus import BatchSampler, synthetic_corpus
 from meshtrain.parallel import CommRecorder, named_full_tensors
-from meshtrain.train import Trainer, run_training
+from meshtrain.parallel.runtime.optim import global_grad_norm, lr_at
+from meshtrain.training.metrics import MetricsLog, read_metrics
+from meshtrain.training.trainer import Trainer, run_training
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 FP64_TOL = dict(rtol=1e-10, atol=1e-13)
@@ -177,7 +177,7 @@ def test_global_grad_norm_counts_each_parameter_once():
 
 def test_gradient_buckets_close_before_overflowing_and_guard_their_views():
     from meshtrain import preset
-    from meshtrain.parallel.data import GradientReducer
+    from meshtrain.parallel.runtime.data_parallel import GradientReducer
 
     model = GPT(preset("tiny"), mesh=ParallelMesh.local(), seed=0)
     layer_bytes = sum(p.numel() for p in model.layers["0"].parameters()) * 4

@@ -8,11 +8,11 @@ import pytest
 import torch
 from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
 
-from meshtrain.config import build_config, validate
-from meshtrain.data import synthetic_corpus
+from meshtrain.config.run_config import build_config, validate
+from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.parallel import CommRecorder
-from meshtrain.train import Trainer, run_training
+from meshtrain.training.trainer import Trainer, run_training
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,7 @@ def test_bad_zero_settings(corpus, parallel, model, match):
 
 def test_zero1_refuses_gradients_that_left_their_bucket():
     from meshtrain import GPT, ParallelMesh, preset
-    from meshtrain.parallel.zero import ZeroDataParallel
+    from meshtrain.parallel.runtime.zero import ZeroDataParallel
 
     model = GPT(preset("tiny"), mesh=ParallelMesh.local(), seed=0)
     zero = ZeroDataParallel([params for _, params in model.roles().units],

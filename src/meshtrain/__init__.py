@@ -1,13 +1,13 @@
 """meshtrain: train transformer language models with Megatron-style parallelism on one mesh."""
 
-from meshtrain.dense import DenseModel, load_model
+from meshtrain.inference.dense import DenseModel, load_model
 from meshtrain.mesh import MeshAxis, ParallelMesh, destroy_parallel, init_parallel
 from meshtrain.models import FAMILIES, PRESETS, CausalLM, get_family, preset
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.models.llama import Llama, LlamaConfig
-from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.parallel.layers.rng import RNGTracker
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallelize import parallelize
-from meshtrain.random import RNGTracker
 
 __all__ = [
     "FAMILIES",

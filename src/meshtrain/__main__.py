@@ -1,5 +1,5 @@
 import sys
 
-from meshtrain.cli import main
+from meshtrain.cli.main import main
 
 sys.exit(main())

@@ -15,11 +15,11 @@ from torch import nn
 
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import CausalLM, ParameterRoles, StageSpec, TransformerConfig, family_of
-from meshtrain.parallel.executor import LocalExecutor, PipeDreamExecutor, PipelineExecutor
-from meshtrain.parallel.factory import LayerFactory, layer_factory
-from meshtrain.parallel.plan import ParallelPlan
-from meshtrain.parallel.schedules import model_chunk
-from meshtrain.parallel.sync import GradientSync, ReplicatedSync, ZeroSync
+from meshtrain.parallel.runtime.executor import LocalExecutor, PipeDreamExecutor, PipelineExecutor
+from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.runtime.schedules import model_chunk
+from meshtrain.parallel.runtime.sync import GradientSync, ReplicatedSync, ZeroSync
+from meshtrain.parallel.schemes.factory import LayerFactory, layer_factory
 
 
 @dataclass

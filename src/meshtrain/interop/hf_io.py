@@ -22,17 +22,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from meshtrain.checkpoint import CheckpointError, read_manifest
-from meshtrain.interop.hf_mapping import HFMapping
-from meshtrain.interop.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
-from meshtrain.model_files import (
+from meshtrain.checkpoints.checkpoint import CheckpointError, read_manifest
+from meshtrain.checkpoints.model_files import (
     model_entries,
     model_tensors,
     unwritable,
     write_model_checkpoint,
 )
+from meshtrain.checkpoints.safetensors_stream import DTYPES, Planned, write_safetensors
+from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
+from meshtrain.interop.hf_mapping import HFMapping
 from meshtrain.models import FAMILIES, CausalLM, config_from_dict, family_of, get_family
-from meshtrain.safetensors_stream import DTYPES, Planned, write_safetensors
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.models.kv_cache import LayerCache
-from meshtrain.parallel.expert import MoE
+from meshtrain.parallel.layers.expert import MoE
+from meshtrain.parallel.layers.rng import RNGTracker
 from meshtrain.precision import wide_dtype
-from meshtrain.random import RNGTracker
 
 
 def generator(seed: int, stream: int) -> torch.Generator:

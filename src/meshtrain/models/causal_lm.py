@@ -26,11 +26,11 @@ from meshtrain.models.family import (
     TransformerConfig,
 )
 from meshtrain.models.kv_cache import KVCache
-from meshtrain.parallel.expert import MoE
-from meshtrain.parallel.factory import LayerFactory, layer_factory
-from meshtrain.parallel.plan import ParallelPlan
-from meshtrain.random import RNGTracker
-from meshtrain.recompute import recomputed
+from meshtrain.parallel.layers.expert import MoE
+from meshtrain.parallel.layers.recompute import recomputed
+from meshtrain.parallel.layers.rng import RNGTracker
+from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.schemes.factory import LayerFactory, layer_factory
 
 
 class CausalLM(nn.Module, ABC):

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshtrain.mesh import resolve_tp_grid
-from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.parallel.runtime.plan import ParallelPlan
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")

@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from meshtrain.parallel import schedules
+from meshtrain.parallel.runtime import schedules
 from meshtrain.planner.layout import Layout
 
 

@@ -10,7 +10,7 @@ layers, and sequence parallelism off. A fixed scheme or depth is tried as given,
 from __future__ import annotations
 
 from meshtrain.mesh import resolve_tp_grid
-from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.layout import SCHEMES
 
 Grid = tuple[str, "int | None"]

@@ -1,0 +1,3 @@
+"""Checkpoints: layout-independent save and load, verification before use, retention, resume rules,
+and whole-model files.
+"""

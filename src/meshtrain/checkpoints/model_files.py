@@ -1,0 +1,101 @@
+"""A checkpoint's model as whole tensors, from one process and one tensor at a time: streamed
+out (the consolidated export, the source of a Hugging Face export) and streamed in (a model-only
+checkpoint, what an import writes). The peak is one logical tensor, never the model twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from meshtrain.checkpoints.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    Reader,
+    free_step_dir,
+    publish,
+    read_manifest,
+    step_dir,
+)
+from meshtrain.checkpoints.retention import remove_leftovers
+from meshtrain.checkpoints.safetensors_stream import Planned, write_safetensors
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models import TransformerConfig
+
+
+def model_entries(manifest: dict) -> list[Planned]:
+    """(name, dtype, shape) of each model tensor of a checkpoint, in manifest order."""
+    return [(name.removeprefix("model/"), getattr(torch, entry["dtype"]), tuple(entry["shape"]))
+            for name, entry in manifest["tensors"].items() if name.startswith("model/")]
+
+
+def model_tensors(path: str | Path, manifest: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of each model tensor of a verified checkpoint, assembled one at a
+    time in `model_entries` order."""
+    reader = Reader(Path(path), manifest, torch.device("cpu"))
+    for name, _, _ in model_entries(manifest):
+        yield name, reader.full("model/" + name)
+
+
+def unwritable(out: Path, error: OSError) -> ValueError:
+    """The one-line error of an export whose output cannot be written."""
+    return ValueError(f"`out` {out}: cannot write there ({error}); choose a writable location")
+
+
+def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> int:
+    """Write the model of a checkpoint of any layout as one consolidated safetensors file.
+
+    Runs in one process with no process group. The checkpoint is verified before anything is
+    written; the file appears whole or not at all. Returns the number of tensors written.
+    """
+    checkpoint, out_file = Path(checkpoint), Path(out_file)
+    if out_file.is_dir():
+        raise ValueError(f"`out` {out_file} is a directory: name the .safetensors file to write")
+    manifest = read_manifest(checkpoint)
+    planned = model_entries(manifest)
+    metadata = {"format": "meshtrain-model", "step": str(manifest["step"]),
+                "family": manifest["family"], "model": json.dumps(manifest["model"])}
+    try:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        write_safetensors(out_file, planned, model_tensors(checkpoint, manifest),
+                          metadata=metadata)
+    except OSError as e:
+        raise unwritable(out_file, e) from None
+    return len(planned)
+
+
+def write_model_checkpoint(root: str | Path, *, family: str, cfg: TransformerConfig,
+                           planned: list[Planned], tensors: Iterable[tuple[str, torch.Tensor]],
+                           config_toml: str) -> Path:
+    """Write a step-0 checkpoint of model weights alone into `root` (a run's checkpoints/):
+    (name, tensor) pairs in the order of `planned`, each written as it arrives into the file
+    one rank would have written, then published as `save_checkpoint` publishes. It holds no
+    optimizer state (a run started from it has a fresh one) and no RNG streams (runs keep their
+    own), and loads at any layout."""
+    root = Path(root)
+    final, tmp = free_step_dir(root, 0), root / f".tmp_{step_dir(root, 0).name}"
+    file_name = "rank_00000.safetensors"
+    entries = {"model/" + name: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
+                                 "pieces": [{"file": file_name, "key": "model/" + name, "dim": 0,
+                                             "offset": 0, "length": shape[0] if shape else 1}]}
+               for name, dtype, shape in planned}
+    try:
+        remove_leftovers(root)
+        tmp.mkdir(parents=True)
+        digest = write_safetensors(tmp / file_name,
+                                   [("model/" + n, dtype, shape) for n, dtype, shape in planned],
+                                   (("model/" + name, tensor) for name, tensor in tensors))
+        manifest = {"format": FORMAT, "step": 0, "layout": ParallelMesh.local().degrees,
+                    "device": "cpu", "family": family, "model": dataclasses.asdict(cfg),
+                    "files": {file_name: digest}, "tensors": entries}
+        publish(tmp, final, manifest=manifest, train_state={"step": 0}, config_toml=config_toml)
+    except OSError as e:
+        raise CheckpointError(f"writing the checkpoint into {root} failed ({e})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (gone after a publish)
+    return final

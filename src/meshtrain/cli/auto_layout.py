@@ -1,0 +1,114 @@
+"""`meshtrain train --layout auto|SPEC`: the planner chooses the run's layout before any rank
+starts.
+
+Every rank (and the launching process) searches with the same inputs, so all reach the same
+choice without communicating. Layout settings given as flags or in the TOML file are fixed in the
+search, as the fields a spec names are.
+"""
+
+from __future__ import annotations
+
+from meshtrain.config.run_config import RunConfig
+from meshtrain.data.corpus import BYTE_VOCAB_SIZE, load_corpus
+from meshtrain.planner.costs import Prediction
+from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
+from meshtrain.planner.layout import Layout, parse_layout
+from meshtrain.planner.search import search
+from meshtrain.planner.workload import ELEMENT_BYTES
+
+LAYOUT_SETTINGS: dict[str, tuple[str, str]] = {
+    "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"),
+    "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "vp": ("parallel", "virtual_stages"),
+    "mb": ("train", "micro_batch"), "zero": ("parallel", "zero"),
+    "sp": ("parallel", "sequence_parallel"), "recompute": ("parallel", "recompute"),
+    "schedule": ("parallel", "pp_schedule"), "scheme": ("parallel", "tp_scheme"),
+    "depth": ("parallel", "tp_depth")}
+"""Each `Layout` field's (section, setting) in a run's config."""
+
+CUDA_PROFILES = (("H100", "h100-80g"), ("A100-SXM4-80GB", "a100-80g-selene"),
+                 ("A100 80GB", "a100-80g-selene"), ("A100", "a100-40g"),
+                 ("V100-SXM3-32GB", "v100-32g-dgx2h"))
+"""Substrings of `torch.cuda.get_device_name` and the built-in profile each device matches."""
+CPU_PROFILE = "cpu-gloo"
+
+
+def default_hardware(device: str) -> Hardware:
+    """The built-in profile of this machine: its CUDA device's (unless `device` is cpu), else
+    the CPU one."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        for needle, profile in CUDA_PROFILES:
+            if needle in name:
+                return BUILT_IN[profile]
+        raise ValueError(f"no built-in hardware profile matches the CUDA device {name!r}: pass"
+                         " `hardware` FILE.toml (meshtrain plan calibrate writes one)")
+    return BUILT_IN[CPU_PROFILE]
+
+
+def fixed_fields(cfg: RunConfig, given: set[tuple[str, str]]) -> dict[str, object]:
+    """The `layout` spec's fields and the layout settings given (flags or TOML), which must
+    agree."""
+    spec = cfg.parallel.layout or "auto"
+    fixed = {} if spec == "auto" else parse_layout(spec)
+    for key, (section, name) in LAYOUT_SETTINGS.items():
+        value = getattr(getattr(cfg, section), name)
+        if (section, name) not in given or value is None:
+            continue
+        if key in fixed and fixed[key] != value:
+            raise ValueError(f"`{name}` {value} contradicts `layout` {key}={fixed[key]}: give"
+                             " it once")
+        fixed[key] = value
+    return fixed
+
+
+def choose_layout(cfg: RunConfig, world_size: int, given: set[tuple[str, str]]) -> str:
+    """Search the run's layout on `world_size` devices, set its settings from the fastest that
+    fits, and say what was chosen and why."""
+    p, t = cfg.parallel, cfg.train
+    if t.precision not in ELEMENT_BYTES:
+        raise ValueError(f"`layout` auto plans {', '.join(ELEMENT_BYTES)} runs, not `precision`"
+                         f" {t.precision}: give the layout settings yourself")
+    for name in ("pp_layers", "recompute_layers"):
+        if getattr(p, name) is not None:
+            raise ValueError(f"`{name}` belongs to one layout: drop it with `layout` (the"
+                             " planner splits layers evenly and recomputes all or none)")
+    hardware = load_hardware(p.hardware) if p.hardware else default_hardware(p.device)
+    vocab = cfg.model.vocab_size or (BYTE_VOCAB_SIZE if cfg.data.data is None
+                                     else load_corpus(cfg.data.data).vocab_size)
+    model = cfg.model_config(vocab)
+    model.validate()
+    result = search(model, hardware, gpus=world_size, seq_len=t.seq_len,
+                    global_batch=t.global_batch, precision=t.precision,
+                    fixed=fixed_fields(cfg, given))
+    best = result.best()
+    apply_layout(cfg, best.layout)
+    lines = [f"`layout` {p.layout} chose {short_spec(best.layout)} for {world_size} rank(s) on"
+             f" {hardware.name}: {describe(best)}"]
+    if len(result.ranked) > 1:
+        second = result.ranked[1]
+        slower = second.step_time_s / best.step_time_s - 1
+        lines.append(f"runner-up {short_spec(second.layout)}: {second.step_time_s:.4g} s a step"
+                     f" ({slower:+.2%}), {second.memory_gib:.2f} GiB per rank")
+    return "\n".join([lines[0], *(f"  {line}" for line in lines[1:] + result.warnings)])
+
+
+def apply_layout(cfg: RunConfig, layout: Layout) -> None:
+    for key, (section, name) in LAYOUT_SETTINGS.items():
+        setattr(getattr(cfg, section), name, getattr(layout, key))
+
+
+def describe(prediction: Prediction) -> str:
+    p = prediction
+    return (f"predicted {p.step_time_s:.4g} s a step (compute {p.compute_s:.4g}, exposed"
+            f" communication {p.exposed_comm_s:.4g}, bubble {p.bubble_s:.4g}), {p.mfu:.1%} MFU,"
+            f" {p.memory_gib:.2f} GiB per rank")
+
+
+def short_spec(layout: Layout) -> str:
+    """The degrees and micro-batch, then only the fields off their defaults: a `--layout`
+    spec that fixes what matters of this layout."""
+    default = dict(Layout().spec_items())
+    return ",".join(f"{key}={value}" for key, value in layout.spec_items()
+                    if key in ("tp", "pp", "dp", "mb") or default.get(key) != value)

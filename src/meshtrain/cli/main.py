@@ -1,0 +1,343 @@
+"""`meshtrain train | export | sample | import-hf | prepare | tokenizer train | plan`.
+
+Every setting is validated in the launching process before any rank starts, so a bad flag costs
+one line and a non-zero exit, not a launcher traceback. With --nproc N (and not already under
+torchrun) the command re-runs itself as N local ranks through torch's elastic launcher; across
+machines, run the same command under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+from meshtrain.checkpoints import resuming
+from meshtrain.checkpoints.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
+from meshtrain.cli.parsers import build_parser
+from meshtrain.config import run_config as config_mod
+from meshtrain.mesh import check_local_devices, resolve_degrees
+from meshtrain.operations import endings, run_lock, stopping
+from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_PEER_FAILED, RunFailure
+
+# Options of the data commands that library messages name in backticks, as `train` settings are.
+_DATA_OPTIONS = ("tokenizer", "text_field", "on_error", "workers", "val_docs", "eod_token")
+_PLAN_OPTIONS = ("gpus", "top", "ranks")
+
+
+def as_flags(message: str) -> str:
+    """A library message with settings named in backticks (`pp_schedule`), in flags
+    (--pp-schedule); backticked names that are no setting lose their backticks."""
+    flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+             for _, f in config_mod.flag_fields()} | {"config": "--config"}
+    flags |= {name: "--" + name.replace("_", "-") for name in _DATA_OPTIONS + _PLAN_OPTIONS}
+    return re.sub(r"`([a-z_0-9]+)`", lambda m: flags.get(m.group(1), m.group(1)), message)
+
+
+def _error(e: Exception) -> int:
+    print(f"meshtrain: error: {as_flags(str(e))}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _notice(message: str) -> None:
+    """A line from the process that speaks for the run: the launching one, or global rank 0
+    under torchrun (not again in the ranks meshtrain's launcher starts)."""
+    if os.environ.get("RANK", "0") == "0" and not stopping.under_meshtrain_launcher():
+        print(f"meshtrain: {as_flags(message)}", file=sys.stderr)
+
+
+def _train_config(args: argparse.Namespace) -> config_mod.RunConfig:
+    overrides: dict[str, dict] = {}
+    for key, value in vars(args).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            overrides.setdefault(section, {})[name] = value
+    file_values = config_mod.load_toml(args.config) if getattr(args, "config", None) else {}
+    return config_mod.build_config(file_values, overrides)
+
+
+def _given_settings(args: argparse.Namespace) -> set[tuple[str, str]]:
+    """(section, setting) of every setting given as a flag or in the --config file."""
+    given = {tuple(key.split(".", 1)) for key in vars(args) if "." in key}
+    file_values = config_mod.load_toml(args.config) if getattr(args, "config", None) else {}
+    return given | {(section, name) for section, values in file_values.items()
+                    if isinstance(values, dict) for name in values}
+
+
+def check_train(cfg: config_mod.RunConfig, world_size: int):
+    """Everything that can be checked before a rank starts: settings, data, output, resume;
+    returns the validated `ParallelPlan`."""
+    from meshtrain.data.corpus import TokenDataset
+    from meshtrain.training.trainer import corpus_of
+
+    plan = config_mod.validate(cfg, world_size)
+    corpus = corpus_of(cfg)
+    vocab = corpus.vocab_size
+    model = cfg.model_config(vocab)
+    model.validate()
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
+        raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's"
+                         f" vocabulary {vocab}: raise it or omit it")
+    if model.vocab_size < vocab:
+        raise ValueError(f"--init-from: the model's vocabulary {model.vocab_size} is smaller"
+                         f" than the data's {vocab}: use data of its tokenizer")
+    for split in corpus.splits(cfg.data.val_fraction):
+        TokenDataset(split, seq_len=cfg.train.seq_len)  # raises if a split is too short
+    out = _writable_out(Path(cfg.checkpoint.out))
+    run_lock.check_free(out, run_lock.own_run_id())
+    has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
+    resumed = resuming.checkpoint_to_resume(cfg)  # raises RunComplete when nothing is left
+    # Hash the files where a damaged checkpoint is one line before spawning; ranks that
+    # meshtrain's launcher spawned after doing so check metadata only (their load hashes again).
+    hashed = not stopping.under_meshtrain_launcher()
+    if resumed is not None:
+        path, step = resumed
+        read_manifest(path, model, verify_files=hashed)
+        if note := resuming.schedule_changes(cfg, path, step):
+            _notice(note)
+    elif has_run and not cfg.checkpoint.auto_resume:
+        raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"
+                         " choose another --out")
+    elif cfg.checkpoint.init_from:
+        read_manifest(resolve_checkpoint(cfg.checkpoint.init_from), model, verify_files=hashed)
+    return plan
+
+
+def _writable_out(out: Path) -> Path:
+    """`out`, refused now (rather than at the first metrics row or checkpoint) when it is a
+    file or cannot be created or written; nothing is created here, so a refusal leaves no
+    trace."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"`out` {out} is a file, not a directory: choose another `out`")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"`out` {out} cannot be created ({existing} is a file): choose another"
+                         " `out`")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"`out` {out} is not writable by this user ({existing}): choose"
+                         " another `out`")
+    return out
+
+
+def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
+            run_id: str | None = None) -> int:
+    """Run `python -m meshtrain <argv>` as `nproc` local ranks with torch's elastic launcher
+    (standalone rendezvous under `run_id`, which the ranks see as TORCHELASTIC_RUN_ID). Stop
+    signals are meshtrain's (`stopping.LauncherSignals`); torch's agent keeps SIGHUP/SIGQUIT."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if "--debug" not in argv:  # the user sees meshtrain's one line, not the agent's records
+        for name in list(logging.root.manager.loggerDict):  # each module's logger has its level
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    launch_args = get_args_parser().parse_args(
+        ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+         f"--rdzv-id={run_id or uuid.uuid4().hex}", f"--nproc-per-node={nproc}",
+         f"--max-restarts={max_restarts}", f"--shutdown-timeout={stopping.shutdown_timeout()}",
+         "--signals-to-handle=SIGHUP,SIGQUIT", "-m", "meshtrain"])
+    launch_args.training_script_args = argv  # kept from the launcher's own option parsing
+    with stopping.LauncherSignals(nproc) as signals:
+        try:
+            run(launch_args)
+        except SignalException:
+            return signals.outcome()
+        except ChildFailedError as failure:
+            return signals.explain(endings.launch_failure(failure.failures))
+    return 0
+
+
+def _in_rank(fn, debug: bool = False) -> int:
+    """Run `fn` on this rank and turn how it ends into one line (at most) and an exit code: a
+    bad input 2; a `RunFailure` its code, printed once; a peer's death `EXIT_PEER_FAILED` in
+    silence (the launcher names the dead rank); anything else one line naming this rank."""
+    from meshtrain.mesh import destroy_parallel
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        fn()
+    except ValueError as e:
+        return _error(e)
+    except RunFailure as e:
+        if rank == 0 or not e.agreed:
+            print(f"meshtrain: {as_flags(str(e))}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:
+        if endings.peer_failed(e) and not debug:
+            return EXIT_PEER_FAILED
+        return endings.unexpected(e, debug, f"rank {rank}: ")
+    finally:
+        destroy_parallel()
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = _train_config(args)
+    env_world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else None
+    world = config_mod.world_size_of(cfg, env_world)
+    if cfg.parallel.layout:
+        from meshtrain.cli.auto_layout import choose_layout
+
+        _notice(choose_layout(cfg, world, _given_settings(args)))
+    try:
+        plan = check_train(cfg, world)
+    except resuming.RunComplete as done:
+        _notice(str(done))
+        return 0
+    if cfg.parallel.trace and plan.pp == 1 and int(os.environ.get("RANK", "0")) == 0:
+        print("meshtrain: --trace records pipeline timelines; with --pp 1 it writes nothing",
+              file=sys.stderr)
+    if env_world is not None:  # a rank: under torchrun rank 0 takes the lock for the world
+        mine = None if stopping.under_meshtrain_launcher() else run_lock.RunLock(
+            cfg.checkpoint.out, run_lock.own_run_id())
+        return _train_in_rank(cfg, plan, mine, args.debug)
+    with run_lock.RunLock(cfg.checkpoint.out) as held:  # this process launches: it holds it
+        if world > 1 or cfg.parallel.max_restarts:
+            layout = ", ".join(f"{k}={v}" for k, v in plan.degrees.items() if v > 1) or "dp=1"
+            print(f"meshtrain: {world} ranks ({layout}), writing to {cfg.checkpoint.out}",
+                  file=sys.stderr)
+            return _launch(world, [*argv, "--out", cfg.checkpoint.out],
+                           max_restarts=cfg.parallel.max_restarts, run_id=held.run_id)
+        return _train_in_rank(cfg, plan, None, args.debug)
+
+
+def _train_in_rank(cfg: config_mod.RunConfig, plan, lock: run_lock.RunLock | None,
+                   debug: bool) -> int:
+    """This rank's training with stop signals armed; its exit code goes to meshtrain's
+    launcher too (when that started it)."""
+    from meshtrain.training.trainer import run_training
+
+    signals = stopping.StopSignals(rank=int(os.environ.get("RANK", "0")))
+    signals.arm()
+    try:
+        code = _in_rank(lambda: run_training(cfg, plan, stop=signals, lock=lock), debug)
+    finally:
+        signals.disarm()
+    stopping.report_exit(code)
+    return code
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from meshtrain.checkpoints.model_files import export_safetensors
+    from meshtrain.interop.hf_io import export_hf
+
+    path = resolve_checkpoint(args.run)
+    export = export_hf if args.format == "hf" else export_safetensors
+    count = export(path, args.out)
+    print(f"meshtrain: wrote {count} tensors of {path} to {args.out}")
+    return 0
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    from meshtrain.interop.hf_io import import_hf
+
+    path = import_hf(args.hf_dir, args.out)
+    print(f"meshtrain: wrote {path}; train from it with --init-from {args.out}")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature <= 0:
+        raise ValueError("--max-new-tokens must be positive, --top-k >= 0, --temperature > 0")
+    if args.tp < 1 or args.nproc < 1:
+        raise ValueError("--tp and --nproc must be positive")
+    resolve_degrees(int(os.environ.get("WORLD_SIZE", args.nproc)), tp=args.tp)
+    path = resolve_checkpoint(args.run)
+    manifest = read_manifest(path)
+    from meshtrain.models import config_from_dict
+
+    model = config_from_dict(manifest["family"], manifest["model"])
+    model.validate_for_tp(args.tp)
+    from meshtrain.data.tokenization import checkpoint_tokenizer
+
+    tokenizer = checkpoint_tokenizer(path, model.vocab_size)
+    check_local_devices(args.device, args.nproc)
+    if not _under_torchrun() and args.nproc > 1:
+        return _launch(args.nproc, argv)
+    from meshtrain.inference.generate import sample_from_checkpoint
+
+    def go():
+        text = sample_from_checkpoint(path, tokenizer, prompt=args.prompt, tp=args.tp,
+                                      max_new_tokens=args.max_new_tokens, top_k=args.top_k,
+                                      temperature=args.temperature, seed=args.seed,
+                                      device=args.device)
+        if text is not None:
+            print(text)
+
+    return _in_rank(go, args.debug)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from meshtrain.operations.doctor import doctor
+
+    code, lines = doctor(args.run)
+    print("\n".join(lines), file=sys.stderr if code else sys.stdout)
+    return code
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from meshtrain.data.prepare import prepare
+
+    report = prepare(args.inputs, out=args.out, tokenizer=args.tokenizer,
+                     text_field=args.text_field, workers=args.workers,
+                     val_fraction=args.val_fraction, val_docs=args.val_docs,
+                     on_error=args.on_error, eod_token=args.eod_token)
+    for written in filter(None, (report.train, report.held_out)):
+        print(f"meshtrain: wrote {written.tokens} tokens of {written.documents} document(s) to"
+              f" {written.path}")
+    if report.skipped:
+        print(f"meshtrain: {as_flags(report.skipped)}", file=sys.stderr)
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from meshtrain.data.tokenization import train_tokenizer_file
+
+    size, skipped = train_tokenizer_file(args.inputs, vocab_size=args.vocab_size, out=args.out,
+                                         text_field=args.text_field, on_error=args.on_error)
+    print(f"meshtrain: wrote a tokenizer of {size} tokens to {args.out}")
+    if skipped:
+        print(f"meshtrain: {as_flags(skipped)}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, argv)
+        if args.command == "export":
+            return cmd_export(args)
+        if args.command == "import-hf":
+            return cmd_import_hf(args)
+        if args.command == "prepare":
+            return cmd_prepare(args)
+        if args.command == "doctor":
+            return cmd_doctor(args)
+        if args.command == "tokenizer":
+            return cmd_tokenizer_train(args)
+        if args.command == "plan":
+            from meshtrain.cli.plan_command import cmd_plan
+
+            return cmd_plan(args)
+        return cmd_sample(args, argv)
+    except (ValueError, CheckpointError) as e:
+        return _error(e)
+    except Exception as e:
+        return endings.unexpected(e, args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

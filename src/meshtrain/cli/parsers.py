@@ -1,0 +1,179 @@
+"""The argument parsers of the `meshtrain` subcommands: every `train` flag comes from a setting in
+`config.py` (its help text included), so `--help` explains every flag and a new setting needs no
+parser code."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from meshtrain.config import run_config as config_mod
+from meshtrain.config import settings
+from meshtrain.planner.hardware import BUILT_IN
+
+
+def _debug_parent() -> argparse.ArgumentParser:
+    """`--debug` for every subcommand (ranks re-run the same argv, so they get it too)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--debug", action="store_true", default=False,
+                        help="show the traceback of an unexpected error instead of one line")
+    return parent
+
+
+DEBUG = [_debug_parent()]
+
+
+def _train_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS,
+                       parents=DEBUG,
+                       description="Train a language model on a device mesh. Degrees not given"
+                                   " are 1 and dp fills the world. Precedence: defaults <"
+                                   " --config FILE.toml < flags.")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file with [model], [parallel], [train], [data], [checkpoint] tables")
+    _add_setting_flags(p, config_mod.flag_fields())
+    return p
+
+
+def _add_setting_flags(p: argparse.ArgumentParser, fields) -> None:
+    """One flag per (section, field) setting, its help from the field (dest: section.name)."""
+    for section, f in fields:
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = f"{f.metadata['help']} (default: {default})"
+        dest = f"{section}.{f.name}"
+        kind = f.type if isinstance(f.type, str) else str(f.type)
+        if kind.startswith("bool"):
+            p.add_argument(flag, dest=dest, action="store_true", help=text)
+        else:
+            convert = int if kind.startswith("int") else float if kind.startswith("float") else str
+            p.add_argument(flag, dest=dest, type=convert, help=text,
+                           metavar=f.name.upper())
+
+
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", parents=DEBUG, argument_default=argparse.SUPPRESS,
+                       help="choose a layout: rank the layouts of a model on N devices by"
+                            " predicted step time, within their memory",
+                       description="Predict and rank the layouts (tp, pp, dp, cp, ep, virtual"
+                                   " stages, micro-batch, ZeRO, sp, recompute, schedule) of a"
+                                   " model on --gpus devices of --hardware, with the command"
+                                   " to train each. `plan calibrate` measures this machine;"
+                                   " `plan validate` checks predictions against published"
+                                   " runs.")
+    _add_setting_flags(p, [(s, f) for s, f in config_mod.flag_fields() if s == "model"])
+    train = {f.name: f for f in dataclasses.fields(settings.TrainSettings)}
+    for name in ("seq_len", "global_batch"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=train[name].default,
+                       help=f"{train[name].metadata['help']} (default: {train[name].default})")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="devices to plan for (required)")
+    p.add_argument("--hardware", default=None, metavar="NAME|FILE.toml",
+                   help=f"a built-in profile ({', '.join(BUILT_IN)}) or a TOML file from"
+                        " `plan calibrate` (default: this machine's)")
+    p.add_argument("--precision", default=None, help="fp32, bf16 or fp16 (default: the hardware's)")
+    p.add_argument("--layout", metavar="SPEC", default="",
+                   help="fix fields, e.g. tp=8,pp=8,vp=3,mb=1,zero=1,sp=1,recompute=selective,"
+                        "schedule=interleaved; the others are searched (2bw only when"
+                        " fixed); a spec leaving one layout is evaluated even over budget")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show (default 5)")
+    p.add_argument("--json", action="store_true", default=False,
+                   help="print one JSON object instead of the table")
+    p.add_argument("--explain", action="store_true", default=False,
+                   help="also list the rejected layouts by reason, with examples")
+    tools = p.add_subparsers(dest="plan_command", metavar="{calibrate,validate}")
+    c = tools.add_parser("calibrate", parents=DEBUG,
+                         help="measure this machine (matmuls, collectives) into a hardware file")
+    c.add_argument("--out", required=True, metavar="FILE.toml", help="the profile to write")
+    c.add_argument("--ranks", type=int, default=4,
+                   help="ranks whose collectives are measured (default 4)")
+    tools.add_parser("validate", parents=DEBUG,
+                     help="predicted vs published TFLOP/s of the published runs' layouts")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshtrain", description="Train transformer language models on a device mesh; see"
+                                      " `meshtrain COMMAND --help` for each command.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    e = sub.add_parser("export", parents=DEBUG,
+                       help="write a checkpoint's model as one consolidated"
+                            " safetensors file or a Hugging Face model directory")
+    e.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
+    e.add_argument("--out", required=True, help="output .safetensors file (--format meshtrain)"
+                                                " or new directory (--format hf)")
+    e.add_argument("--format", choices=("meshtrain", "hf"), default="meshtrain",
+                   help="meshtrain: one safetensors file under meshtrain's names (default); hf:"
+                        " config.json + model.safetensors (+ the run's tokenizer) for"
+                        " transformers' from_pretrained")
+    i = sub.add_parser("import-hf", parents=DEBUG,
+                       help="turn a Hugging Face GPT-2 or Llama directory into a"
+                            " meshtrain run directory (train --init-from it)")
+    i.add_argument("hf_dir", metavar="HF_DIR", help="config.json + model.safetensors (or shards"
+                                                     " with model.safetensors.index.json)")
+    i.add_argument("--out", required=True, help="new run directory to write")
+    s = sub.add_parser("sample", parents=DEBUG, help="generate text from a checkpoint (any layout)")
+    s.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
+    s.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    s.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens;"
+                                                       " 0 means greedy (default)")
+    s.add_argument("--temperature", type=float, default=1.0, help="softmax temperature for top-k")
+    s.add_argument("--seed", type=int, default=0, help="seed for top-k sampling")
+    s.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (default 1)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    s.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    d = sub.add_parser("doctor", parents=DEBUG,
+                       help="say what diverged in a hung run, from its dumps")
+    d.add_argument("run", metavar="RUN_DIR", help="the run's --out (its hang/ dumps)")
+    _prepare_parser(sub)
+    _tokenizer_parser(sub)
+    _plan_parser(sub)
+    return parser
+
+
+
+def _add_input_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text files (one document each), folders (their files, recursively, in"
+                        " sorted order) and .jsonl files (one document per line)")
+    p.add_argument("--text-field", default="text",
+                   help="the JSONL field holding a document's text (default: text)")
+    p.add_argument("--on-error", default="fail",
+                   help="bad input (unreadable file, invalid JSON line, missing field, non-UTF-8"
+                        " bytes): fail stops with one line, skip counts it and goes on"
+                        " (default: fail)")
+
+
+def _prepare_parser(sub) -> None:
+    p = sub.add_parser("prepare", parents=DEBUG,
+                       help="tokenize text, folders and JSONL into a token file",
+                       description="Tokenize documents into FILE.bin + FILE.bin.json for `train"
+                                   " --data`, an end-of-document token after each document.")
+    _add_input_arguments(p)
+    p.add_argument("--out", required=True, metavar="FILE.bin", help="the token file to write")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="bytes (ids 0..255, 256 ends a document) or a tokenizer.json"
+                        " (default: bytes)")
+    p.add_argument("--eod-token", help="the tokenizer.json's end-of-document token (default:"
+                                       " its <|endoftext|>, <|end_of_text|>, </s> or <eos>)")
+    p.add_argument("--workers", type=int, help="tokenizing processes (default: the CPU count,"
+                                               " at most 16)")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="hold out this fraction of the documents (evenly spaced) in FILE.val.bin"
+                        " for evaluation (default: 0, none)")
+    p.add_argument("--val-docs", type=int, help="hold out this many documents instead")
+
+
+def _tokenizer_parser(sub) -> None:
+    t = sub.add_parser("tokenizer", parents=DEBUG, help="tokenizer tools: train")
+    train = t.add_subparsers(dest="tokenizer_command", required=True).add_parser(
+        "train", parents=DEBUG, help="learn a byte-level BPE tokenizer.json from text",
+        description="Learn a byte-level BPE tokenizer (the 256 bytes, <|endoftext|>, merges) from"
+                    " documents; the same inputs give the same file, byte for byte.")
+    _add_input_arguments(train)
+    train.add_argument("--vocab-size", type=int, required=True,
+                       help="token ids to learn, at least 257")
+    train.add_argument("--out", required=True, metavar="tokenizer.json",
+                       help="the tokenizer file to write")

@@ -1,0 +1,213 @@
+"""`meshtrain plan`: rank a model's layouts on N devices and give the command that trains each;
+`plan calibrate` measures this machine into a hardware file; `plan validate` compares the cost
+model with published runs.
+
+Library messages name settings in backticks; this module prints them through `cli.as_flags`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from meshtrain.cli.auto_layout import LAYOUT_SETTINGS, default_hardware, short_spec
+from meshtrain.cli.main import as_flags
+from meshtrain.config import run_config as config_mod
+from meshtrain.config import settings
+from meshtrain.data.corpus import write_atomic
+from meshtrain.models import TransformerConfig, preset
+from meshtrain.planner.costs import Prediction
+from meshtrain.planner.hardware import Hardware, load_hardware
+from meshtrain.planner.layout import parse_layout
+from meshtrain.planner.search import OVER_BUDGET, SearchResult, search
+from meshtrain.planner.workload import ELEMENT_BYTES
+
+EXAMPLES = 3
+"""Rejected layouts shown per reason with --explain."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to plan: the model (and the flags that made it), devices, batch, precision."""
+
+    model: TransformerConfig
+    model_flags: list[str]
+    hardware: Hardware
+    gpus: int
+    seq_len: int
+    global_batch: int
+    precision: str
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.plan_command == "calibrate":
+        return _calibrate(args)
+    if args.plan_command == "validate":
+        from meshtrain.planner.published import validation_report
+
+        print(validation_report())
+        return 0
+    request = _request(args)
+    started = time.perf_counter()
+    result = search(request.model, request.hardware, gpus=request.gpus,
+                    seq_len=request.seq_len, global_batch=request.global_batch,
+                    precision=request.precision, fixed=parse_layout(args.layout))
+    seconds = time.perf_counter() - started
+    if not result.ranked:
+        if args.explain and not args.json:
+            print("\n".join(explain(result)))
+        result.best()  # raises: why nothing fits
+    shown = result.ranked[:args.top]
+    if args.json:
+        print(json.dumps(to_json(request, result, shown, explain=args.explain)))
+    else:
+        print("\n".join(table(request, result, shown, seconds)))
+        if args.explain:
+            print("\n".join(["", *explain(result)]))
+    for warning in result.warnings:
+        print(f"meshtrain: warning: {as_flags(warning)}", file=sys.stderr)
+    return 0
+
+
+def _request(args: argparse.Namespace) -> Request:
+    if args.gpus is None:
+        raise ValueError("`gpus` is required: the number of devices to plan for")
+    if args.top < 1:
+        raise ValueError(f"`top` must be positive, got {args.top}")
+    given = {key.split(".", 1)[1]: value for key, value in vars(args).items()
+             if key.startswith("model.")}
+    cfg = config_mod.RunConfig(model=settings.ModelSettings(**given))
+    cfg.train.seq_len, cfg.train.global_batch = args.seq_len, args.global_batch
+    base = preset(cfg.model.model or config_mod.DEFAULT_PRESET)
+    model = cfg.model_config(cfg.model.vocab_size or base.vocab_size)
+    model.validate()
+    if args.seq_len > model.max_seq_len:
+        raise ValueError(f"`seq_len` {args.seq_len} exceeds `max_seq_len` {model.max_seq_len}:"
+                         " raise `max_seq_len` or shorten `seq_len`")
+    hardware = load_hardware(args.hardware) if args.hardware else default_hardware("auto")
+    precision = args.precision or hardware.default_precision
+    if precision not in ELEMENT_BYTES:
+        raise ValueError(f"`precision` must be one of {', '.join(ELEMENT_BYTES)}, got"
+                         f" {precision!r}")
+    return Request(model, _model_flags(given, model), hardware, args.gpus, args.seq_len,
+                   args.global_batch, precision)
+
+
+def _model_flags(given: dict[str, object], model: TransformerConfig) -> list[str]:
+    """The model flags as given, plus the planned vocabulary (train's default is the data's)."""
+    fields = {f.name: f for f in dataclasses.fields(settings.ModelSettings)}
+    flags = []
+    for name, value in {**given, "vocab_size": model.vocab_size}.items():
+        flag = fields[name].metadata.get("flag", "--" + name.replace("_", "-"))
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+def train_command(request: Request, prediction: Prediction) -> str:
+    """The command that trains this layout: `meshtrain train --nproc N` within one node, else
+    torchrun on every node (the ranks a node holds: the largest divisor of the devices that
+    fits in one)."""
+    lay, hw = prediction.layout, request.hardware
+    flags = [*request.model_flags, "--seq-len", str(request.seq_len), "--global-batch",
+             str(request.global_batch), "--precision", request.precision]
+    for key, (_, name) in LAYOUT_SETTINGS.items():
+        flag, value = "--" + name.replace("_", "-"), getattr(lay, key)
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        elif value is not None:  # tp_depth: 2.5d only
+            flags += [flag, str(value)]
+    args = " ".join(shlex.quote(f) for f in flags)
+    if request.gpus <= hw.gpus_per_node:
+        return f"meshtrain train --nproc {request.gpus} {args}"
+    per_node = max(d for d in range(1, hw.gpus_per_node + 1) if request.gpus % d == 0)
+    return (f"torchrun --nnodes {request.gpus // per_node} --nproc-per-node {per_node}"
+            f" --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m meshtrain train {args}")
+
+
+COLUMNS = ("#", "step s", "compute", "comm", "bubble", "TFLOP/s", "MFU", "GiB", "params",
+           "grads", "optim", "activ", "buffers")
+
+
+def table(request: Request, result: SearchResult, shown: list[Prediction],
+          seconds: float) -> list[str]:
+    """The header, then per layout one row of numbers and its command."""
+    hw, m = request.hardware, request.model
+    fit = sum(p.memory_gib <= hw.hbm_gib for p in result.ranked)
+    lines = [f"{' '.join(request.model_flags)}: {m.num_parameters() / 1e9:.4g}B parameters,"
+             f" seq {request.seq_len}, global batch {request.global_batch}, {request.precision}",
+             f"on {request.gpus} x {hw.name} ({hw.hbm_gib:g} GiB,"
+             f" {hw.peak_for(request.precision):g} TFLOP/s peak, {hw.gpus_per_node} per node):"
+             f" {result.evaluated} layout(s) predicted in {seconds:.1f} s, {fit} fit,"
+             f" {sum(map(len, result.rejected.values()))} rejected (--explain: why)", ""]
+    widths = [3, 9, 9, 8, 8, 9, 7, 7, 8, 7, 7, 7, 8]
+    lines.append("".join(c.rjust(w) for c, w in zip(COLUMNS, widths, strict=True))
+                 + "  layout (step s = compute + comm + bubble; GiB = params + ... + buffers)")
+    for rank, p in enumerate(shown, 1):
+        gib = p.memory.gib()
+        cells = [str(rank), f"{p.step_time_s:.4g}", f"{p.compute_s:.4g}",
+                 f"{p.exposed_comm_s:.3g}", f"{p.bubble_s:.3g}", f"{p.tflops_per_gpu:.1f}",
+                 f"{p.mfu:.1%}", f"{p.memory_gib:.1f}",
+                 *(f"{gib[k]:.1f}" for k in ("parameters", "gradients", "optimizer_states",
+                                             "activations", "buffers"))]
+        lines.append("".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+                     + f"  {short_spec(p.layout)}")
+        lines.append(f"     {train_command(request, p)}")
+    return lines
+
+
+def explain(result: SearchResult) -> list[str]:
+    """Rejected layouts by reason, most frequent first, each with a few examples."""
+    lines = ["rejected layouts by reason:"]
+    for reason, items in sorted(result.rejected.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"  {reason}: {len(items)}")
+        for r in _examples(reason, items):
+            lines.append(f"    {short_spec(r.layout)}: {as_flags(r.detail)}")
+    return lines
+
+
+def _examples(reason: str, items: list) -> list:
+    """The closest misses for memory, else the first few."""
+    return sorted(items, key=lambda r: r.over_gib)[:EXAMPLES] if reason == OVER_BUDGET \
+        else items[:EXAMPLES]
+
+
+def to_json(request: Request, result: SearchResult, shown: list[Prediction], *,
+            explain: bool) -> dict:
+    out = {"model": {"parameters": request.model.num_parameters(),
+                     "flags": request.model_flags},
+           "gpus": request.gpus, "hardware": request.hardware.name,
+           "precision": request.precision, "seq_len": request.seq_len,
+           "global_batch": request.global_batch, "evaluated": result.evaluated,
+           "layouts": [_json_layout(request, p) for p in shown],
+           "warnings": result.warnings}
+    if explain:
+        out["rejected"] = {reason: {"count": len(items), "examples": [
+            {"layout": dataclasses.asdict(r.layout), "detail": r.detail}
+            for r in _examples(reason, items)]} for reason, items in result.rejected.items()}
+    return out
+
+
+def _json_layout(request: Request, p: Prediction) -> dict:
+    memory = p.memory.gib()
+    return {"layout": dataclasses.asdict(p.layout), "spec": p.layout.spec(),
+            "step_time_s": p.step_time_s, "compute_s": p.compute_s,
+            "exposed_comm_s": p.exposed_comm_s, "bubble_s": p.bubble_s,
+            "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "memory_gib": memory.pop("total"),
+            "memory": memory, "command": train_command(request, p)}
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from meshtrain.planner.calibrate import calibrate_machine
+
+    out = Path(args.out)
+    if out.suffix != ".toml":
+        raise ValueError(f"`out` {out} must be a .toml file (`hardware` reads it)")
+    hardware = calibrate_machine(ranks=args.ranks)
+    write_atomic(out, hardware.to_toml().encode())
+    print(f"meshtrain: wrote {out}; plan with it: meshtrain plan --hardware {out} --gpus N")
+    return 0

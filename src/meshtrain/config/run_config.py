@@ -1,0 +1,291 @@
+"""Run configuration: typed sections, TOML files, CLI overrides.
+
+Sections (TOML tables of the same names, defined in `settings.py`): model, parallel, train,
+data, checkpoint. Every field is a CLI flag of `meshtrain train` (underscores become dashes)
+whose help text is the field's `help`. Precedence: defaults < --config FILE.toml < flags. A
+run's settings become a model config (`model_config`, of the preset's family) and a
+`ParallelPlan` (`plan`); `validate` checks them all before any rank starts. Errors name
+settings in backticks; the CLI shows them as flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshtrain.checkpoints.checkpoint import CheckpointError, checkpoint_config
+from meshtrain.config.settings import (
+    CheckpointSettings,
+    DataSettings,
+    ModelSettings,
+    ParallelSettings,
+    TrainSettings,
+)
+from meshtrain.data.corpus import BYTE_VOCAB_SIZE
+from meshtrain.mesh import check_local_devices
+from meshtrain.models import TransformerConfig, preset
+from meshtrain.parallel.runtime.plan import ParallelPlan
+
+DEFAULT_PRESET = "tiny"
+
+
+@dataclass
+class RunConfig:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+
+    def sections(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(sec) for name, sec in self.sections().items()}
+
+    def to_toml(self) -> str:
+        lines = []
+        for name, values in self.to_dict().items():
+            lines.append(f"[{name}]")
+            for key, value in values.items():
+                if value is not None:
+                    lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def plan(self) -> ParallelPlan:
+        """The layout these settings ask for (dp unresolved when not given)."""
+        p, t = self.parallel, self.train
+        layout = {f.name: getattr(p, f.name) for f in dataclasses.fields(ParallelPlan)
+                  if hasattr(p, f.name)}
+        return ParallelPlan(**layout | {"pp_layers": _layer_counts(p.pp_layers),
+                                        "micro_batch": t.micro_batch, "precision": t.precision,
+                                        "grad_dtype": t.grad_dtype})
+
+    def model_config(self, vocab_size: int) -> TransformerConfig:
+        """The `init_from` checkpoint's model (`_init_from_model`), or the preset's with the
+        model settings given (vocabulary: the setting, else the data's; positions: at least
+        --seq-len)."""
+        if self.checkpoint.init_from:
+            return self._init_from_model()
+        m = self.model
+        base = preset(m.model or DEFAULT_PRESET)
+        given = self._given_model_settings(base, f"`model` {m.model or DEFAULT_PRESET!r}")
+        given |= {"vocab_size": m.vocab_size or vocab_size,
+                  "max_seq_len": m.max_seq_len or max(self.train.seq_len, base.max_seq_len)}
+        return dataclasses.replace(base, **given)
+
+    def _given_model_settings(self, base: TransformerConfig, label: str) -> dict[str, Any]:
+        """The model settings that are set, each a field of `base`'s family."""
+        m = self.model
+        given = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
+                 if f.name != "model" and getattr(m, f.name) is not None}
+        fields = {f.name for f in dataclasses.fields(base)}
+        foreign = sorted(name for name in given if name not in fields)
+        if foreign:
+            raise ValueError(f"`{foreign[0]}` is not a setting of the {label}")
+        return given
+
+    def _init_from_model(self) -> TransformerConfig:
+        """The `init_from` checkpoint's model: its family and tensor shapes, which a `model`
+        preset or shape setting must not change (one left at its default yields); the others
+        (dropout, attention kernel, MoE routing) are this run's. Positions without a table
+        (rotary) grow to --seq-len."""
+        path = self.checkpoint.init_from
+        try:
+            saved = checkpoint_config(path)
+        except CheckpointError as e:
+            raise ValueError(f"`init_from` {e}") from None
+        label = f"{type(saved).__name__.removesuffix('Config')} model in `init_from` {path}"
+        chosen = preset(self.model.model) if self.model.model else saved
+        if type(chosen) is not type(saved) or any(
+                getattr(chosen, key) != getattr(saved, key) for key in saved.SHAPE_FIELDS
+                if key not in ("vocab_size", "max_seq_len")):
+            raise ValueError(f"`model` {self.model.model} is not the shape of the {label}: omit"
+                             " `model`")
+        given, defaults = self._given_model_settings(saved, label), ModelSettings()
+        for name, value in list(given.items()):
+            trial = dataclasses.replace(saved, **{name: value})
+            changed = [key for key in saved.SHAPE_FIELDS
+                       if getattr(trial, key) != getattr(saved, key)]
+            if changed and value == getattr(defaults, name):
+                del given[name]  # a default, not a choice
+            elif changed:
+                raise ValueError(f"`{name}` {value} would change the {changed[0]}"
+                                 f" ({getattr(saved, changed[0])}) of the {label}: omit"
+                                 f" `{name}`")
+        if "max_seq_len" not in given and "max_seq_len" not in saved.SHAPE_FIELDS:
+            given["max_seq_len"] = max(self.train.seq_len, saved.max_seq_len)
+        return dataclasses.replace(saved, **given)
+
+
+def _layer_counts(text: str | None) -> tuple[int, ...] | None:
+    """`pp_layers` "3,5" as layer counts."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ValueError(f"`pp_layers` must be comma-separated layer counts such as 3,5, got"
+                         f" {text!r}") from None
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def flag_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(section, field) for every setting, in a stable order (used to build the CLI)."""
+    return [(name, f) for name, cls in (("model", ModelSettings), ("parallel", ParallelSettings),
+                                         ("train", TrainSettings), ("data", DataSettings),
+                                         ("checkpoint", CheckpointSettings))
+            for f in dataclasses.fields(cls)]
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"`config` {path}: no such file; pass an existing TOML file")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"`config` {path} is not valid TOML ({e}); fix the file") from None
+
+
+def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, dict[str, Any]]
+                 ) -> RunConfig:
+    """Defaults, then the TOML file's tables, then CLI overrides; unknown keys are errors."""
+    cfg = RunConfig()
+    for source, values in (("config file", file_values), ("flags", overrides)):
+        for section, entries in values.items():
+            if section not in cfg.sections() or not isinstance(entries, dict):
+                raise ValueError(f"{source}: unknown section [{section}]; known:"
+                                 f" {', '.join(cfg.sections())}")
+            sec = getattr(cfg, section)
+            known = {f.name: f for f in dataclasses.fields(sec)}
+            for key, value in entries.items():
+                if key not in known:
+                    raise ValueError(f"{source}: unknown setting {section}.{key}; known:"
+                                     f" {', '.join(known)}")
+                setattr(sec, key, _coerce(f"{section}.{key}", known[key], value))
+    if cfg.checkpoint.out is None:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if "RANK" in os.environ and not run_id:
+            raise ValueError("`out` is required under this launcher: ranks cannot agree on a"
+                             " default directory; pass `out` DIR")
+        # Under torchrun every rank must name the same directory: use the shared run id.
+        stamp = run_id if run_id and "RANK" in os.environ else \
+            datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg.checkpoint.out = "runs/" + stamp
+    return cfg
+
+
+def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
+    kind = f.type if isinstance(f.type, str) else str(f.type)
+    if value is None:
+        return None
+    if kind.startswith("bool"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return value
+    if kind.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def world_size_of(cfg: RunConfig, env_world: int | None) -> int:
+    """Ranks this run uses: torchrun's world, else --nproc, else the product of the degrees."""
+    p = cfg.parallel
+    if env_world is not None:
+        return env_world
+    if p.nproc is not None:
+        return p.nproc
+    return p.tp * p.pp * p.cp * (p.dp or 1)
+
+
+def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
+    """Check every setting before any rank starts; returns the resolved plan."""
+    t, p = cfg.train, cfg.parallel
+    if p.nproc is not None and p.nproc < 1:
+        raise ValueError(f"`nproc` must be positive, got {p.nproc}")
+    plan = cfg.plan().resolved(world_size)
+    check_local_devices(p.device, int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size)))
+    _validate_train(t)
+    if cfg.checkpoint.keep_last < 0:
+        raise ValueError(f"`keep_last` must be >= 0 (0 keeps every checkpoint), got"
+                         f" {cfg.checkpoint.keep_last}")
+    if not 0 < p.collective_timeout < 1e7:
+        raise ValueError(f"`collective_timeout` must be a positive number of seconds, got"
+                         f" {p.collective_timeout}")
+    _validate_restarts(cfg)
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ValueError(f"`val_fraction` must be in (0, 1), got {cfg.data.val_fraction}")
+    model = cfg.model_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
+    model.validate()
+    if t.seq_len > model.max_seq_len:
+        raise ValueError(f"`seq_len` {t.seq_len} exceeds `max_seq_len` {model.max_seq_len}: raise"
+                         " `max_seq_len` or shorten `seq_len`")
+    if p.trace and p.pp_schedule == "2bw":
+        raise ValueError("`trace` draws one flush step; a 2bw step overlaps its neighbours (no"
+                         " flush): trace `pp_schedule` 1f1b instead")
+    return plan.validate(model, world_size=world_size, global_batch=t.global_batch,
+                         seq_len=t.seq_len)
+
+
+def _validate_restarts(cfg: RunConfig) -> None:
+    c = cfg.checkpoint
+    if c.save_every < 0:
+        raise ValueError(f"`save_every` must be >= 0, got {c.save_every}")
+    if not 0.0 <= c.save_every_minutes < float("inf"):
+        raise ValueError(f"`save_every_minutes` must be >= 0, got {c.save_every_minutes}")
+    if c.resume and c.auto_resume:
+        raise ValueError("`resume` and `auto_resume` exclude each other: `auto_resume` resumes"
+                         " when there is a checkpoint; pass one of them")
+    if cfg.parallel.max_restarts < 0:
+        raise ValueError(f"`max_restarts` must be >= 0, got {cfg.parallel.max_restarts}")
+    if cfg.parallel.max_restarts and not c.auto_resume:
+        raise ValueError("`max_restarts` restarts the ranks with the same flags: add"
+                         " `auto_resume` so they continue from the newest checkpoint")
+
+
+def _validate_train(t: TrainSettings) -> None:
+    for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches", "log_every",
+                 "max_nonfinite_steps"):
+        if getattr(t, name) < 1:
+            raise ValueError(f"`{name}` must be positive, got {getattr(t, name)}")
+    for name in ("warmup_steps", "eval_every"):
+        if getattr(t, name) < 0:
+            raise ValueError(f"`{name}` must be >= 0, got {getattr(t, name)}")
+    if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
+        raise ValueError(f"`stop_at` must be between 1 and `steps` ({t.steps}), got {t.stop_at}")
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
+        if not math.isfinite(getattr(t, name)):
+            raise ValueError(f"`{name}` must be a finite number, got {getattr(t, name)}")
+    if t.lr < 0 or t.min_lr < 0:
+        raise ValueError(f"`lr` and `min_lr` must be >= 0, got {t.lr} and {t.min_lr}")
+    if t.min_lr > t.lr:
+        raise ValueError(f"`min_lr` ({t.min_lr}) must not exceed `lr` ({t.lr})")
+    if t.weight_decay < 0 or t.clip_grad < 0:
+        raise ValueError("`weight_decay` and `clip_grad` must be >= 0")
+    if t.loss_scale_window < 1:
+        raise ValueError(f"`loss_scale_window` must be positive, got {t.loss_scale_window}")
+    if t.seed < 0:
+        raise ValueError(f"`seed` must be non-negative, got {t.seed}")

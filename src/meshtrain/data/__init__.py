@@ -1,0 +1,3 @@
+"""Text to tokens and tokens to batches: documents, tokenizers, `meshtrain prepare`, token files,
+built-in corpora and sampling.
+"""

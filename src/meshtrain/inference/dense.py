@@ -1,0 +1,62 @@
+"""The dense reference API: a whole model in one process, with no launcher or process group.
+
+    model = meshtrain.load_model("runs/a")          # a run, a checkpoint or a Hugging Face dir
+    logits = model(ids)                             # ids [b, s] -> [b, s, V], the real vocabulary
+    out = model.generate(ids, max_new_tokens=20)    # greedy; temperature > 0 samples
+
+It is the family's `CausalLM` on `ParallelMesh.local()` (the same code every layout runs) behind
+a thin wrapper; generation is `generate.generate` (with its key/value cache).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from meshtrain.checkpoints.checkpoint import resolve_checkpoint
+from meshtrain.inference.generate import checkpoint_model, generate
+from meshtrain.interop.hf_io import HFModelDirectory, is_hf_directory
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models import CausalLM, TransformerConfig, get_family
+
+
+class DenseModel(nn.Module):
+    """A one-process model in eval mode: token ids -> logits over the real vocabulary."""
+
+    def __init__(self, lm: CausalLM):
+        super().__init__()
+        self.lm = lm
+        self.eval()
+
+    @property
+    def cfg(self) -> TransformerConfig:
+        return self.lm.cfg
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm.full_logits(self.lm(ids))  # [b, s, V]
+
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, seed: int = 0) -> torch.Tensor:
+        """`ids` [b, s] extended by `max_new_tokens` tokens: greedy at temperature 0, else drawn
+        from softmax(logits / temperature) over the `top_k` most likely tokens (None: all)."""
+        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError("max_new_tokens and temperature must be >= 0, top_k positive")
+        if temperature == 0:
+            return generate(self.lm, ids, max_new_tokens=max_new_tokens)
+        return generate(self.lm, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k or self.cfg.vocab_size, seed=seed)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> DenseModel:
+    """The model of a meshtrain run or checkpoint directory (any layout) or of a Hugging Face
+    model directory (config.json + safetensors), whole on `device`, in eval mode."""
+    mesh = ParallelMesh.local(device)
+    if is_hf_directory(path):
+        source = HFModelDirectory(path)
+        lm = get_family(source.mapping.family).model(source.cfg, mesh=mesh)
+        source.load_into(lm)
+    else:
+        lm = checkpoint_model(resolve_checkpoint(path), mesh)
+    return DenseModel(lm)

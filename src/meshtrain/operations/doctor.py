@@ -1,0 +1,166 @@
+"""What diverged in a hung run, from the ranks' flight-recorder dumps (`OUT/hang/rank_N.json`).
+
+The verdict rules, most specific first:
+1. two ranks of an axis issued different collectives (op, or shape/dtype where every rank's must
+   agree) under the same sequence number: a mismatch, named with both ranks, ops and the axis;
+2. a rank waits in a collective that a peer of its axis never reached (the peer's last sequence
+   number on that axis is lower, or the peer left no dump: stopped, dead or holding the
+   interpreter); a peer that is itself waiting elsewhere is a consequence, not the cause;
+3. point-to-point calls (pipeline sends, ring attention) are matched by peer, not by number.
+Ranks are named by global rank (`rank N`). `meshtrain doctor RUN_DIR` prints the same verdict as
+the run did, with a short table of each rank's last collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+from meshtrain.parallel.communication.flight_recorder import P2P_OPS
+
+SESSION_WINDOW_S = 60.0  # dumps of one hang are written within seconds of each other
+# equal on every rank
+_SHAPED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
+def read_dumps(hang_dir: Path, *, since: float | None = None, run: str | None = None
+               ) -> dict[int, dict]:
+    """The dumps of one hang by global rank: those written at or after `since` (and of `run`),
+    else those of the newest dump's run written within `SESSION_WINDOW_S` of it."""
+    dumps = []
+    for path in sorted(Path(hang_dir).glob("rank_*.json")):
+        try:
+            dumps.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # being written, or damaged: the verdict does without it
+    if since is None and dumps:
+        newest = max(dumps, key=lambda d: d["time"])
+        since, run = newest["time"] - SESSION_WINDOW_S, newest["run"]
+    return {d["rank"]: d for d in dumps
+            if d["time"] >= (since or 0) and (run is None or d["run"] == run)}
+
+
+def _what(entry: dict) -> str:
+    return f"{entry['op']} #{entry['seq']}"
+
+
+def _call(entry: dict) -> str:
+    """The op with its shape and dtype (what must agree across ranks)."""
+    if entry["dtype"] == "object":
+        return entry["op"]
+    return f"{entry['op']} {entry['shape']} {entry['dtype']}"
+
+
+def _ago(dump: dict, t: float | None) -> str:
+    return "" if t is None else f" {dump['time'] - t:.1f} s before its dump"
+
+
+def _state(rank: int, dump: dict) -> str:
+    """Where `rank` is: waiting in a call, or past its last completed one."""
+    waiting = dump.get("waiting")
+    if waiting:
+        return (f"rank {rank} is waiting in {_what(waiting)} on axis {waiting['axis']}"
+                f" ({waiting['waited_s']:.1f} s)")
+    done = [e for e in dump["entries"] if e["ended"] is not None]
+    if not done:
+        return f"rank {rank} completed no collective"
+    last = done[-1]
+    return (f"it last completed {_what(last)} on axis {last['axis']}"
+            f"{_ago(dump, last['ended'])}")
+
+
+def _compare(rank: int, dump: dict, peer: int, dumps: dict[int, dict]) -> tuple | None:
+    """A finding (priority, culprit, text) about `peer` for the call `rank` waits in, or
+    None when the two agree."""
+    w, other = dump["waiting"], dumps.get(peer)
+    where = f"on axis {w['axis']}"
+    if other is None:
+        return (1, peer, f"rank {peer} never completed {_what(w)} {where} and left no dump"
+                         f" (stopped, dead or holding the interpreter); rank {rank} waited"
+                         f" {w['waited_s']:.1f} s for it")
+    blocked = 3 if other.get("waiting") else 1  # a waiting peer is a consequence
+    if w["op"] in P2P_OPS:
+        theirs = other.get("waiting")
+        if theirs and theirs["op"] in P2P_OPS and theirs["peer"] == rank:
+            return (0, min(rank, peer), f"rank {rank} waits in {_what(w)} {where} for rank"
+                                        f" {peer}, which waits in {_what(theirs)} on axis"
+                                        f" {theirs['axis']} for rank {rank}")
+        return (blocked, peer, f"rank {peer} never answered {_what(w)} {where} of rank {rank};"
+                               f" {_state(peer, other)}")
+    theirs = next((e for e in other["entries"]
+                   if e["axis"] == w["axis"] and e["seq"] == w["seq"]), None)
+    if theirs is None:
+        if other["seq"].get(w["axis"], 0) >= w["seq"]:
+            return None  # it went past; the ring no longer holds it
+        return (blocked, peer, f"rank {peer} never reached {_what(w)} {where}; "
+                               f"{_state(peer, other)}")
+    shaped = w["op"] in _SHAPED_OPS
+    if theirs["op"] != w["op"] or theirs["dtype"] != w["dtype"] or (
+            shaped and theirs["shape"] != w["shape"]):
+        first, second = sorted([(rank, w), (peer, theirs)], key=lambda pair: pair[0])
+        return (0, first[0], f"rank {first[0]} issued {_call(first[1])} and rank {second[0]}"
+                             f" issued {_call(second[1])} as collective #{w['seq']} {where}")
+    return None
+
+
+def verdict(dumps: dict[int, dict]) -> str:
+    """One sentence naming what diverged (see the module docstring for the rules)."""
+    findings = []
+    for rank, dump in sorted(dumps.items()):
+        w = dump.get("waiting")
+        if not w:
+            continue
+        peers = [w["peer"]] if w["op"] in P2P_OPS else dump["axes"][w["axis"]]
+        for peer in peers:
+            found = _compare(rank, dump, peer, dumps) if peer != rank else None
+            if found:
+                priority, culprit, text = found
+                findings.append((priority, culprit, w["blocked"], text))
+    if findings:  # the most specific; the same culprit: the wait that began first
+        return min(findings)[3]
+    waiting = {rank: d["waiting"] for rank, d in sorted(dumps.items()) if d.get("waiting")}
+    if waiting:
+        rank, w = next(iter(waiting.items()))
+        return (f"rank {rank} waits in {_what(w)} on axis {w['axis']} and every rank of the axis"
+                " that dumped reached it with the same call: the wait is inside the backend"
+                " (network or device)")
+    return "no rank was waiting in a collective when the dumps were written"
+
+
+def hang_line(dumps: dict[int, dict], out: Path) -> str:
+    """The one line a hung run ends with."""
+    return (f"meshtrain: hang: {verdict(dumps)}; dumps of ranks {_ranks(dumps)} in {out / 'hang'}"
+            f" (meshtrain doctor {out})")
+
+
+def _ranks(dumps: dict[int, dict]) -> str:
+    return ", ".join(str(rank) for rank in sorted(dumps))
+
+
+def table(dumps: dict[int, dict], last: int = 4) -> list[str]:
+    """Each rank's last collectives, one line each: axis, number, op, shape, state."""
+    lines = [f"{'rank':>4}  {'axis':<8} {'#':>5}  {'op':<17} {'shape':<16} {'dtype':<9} state"]
+    for rank, dump in sorted(dumps.items()):
+        for e in dump["entries"][-last:]:
+            state = "done" if e["ended"] is not None else (
+                f"waiting {dump['time'] - e['blocked']:.1f} s" if e["blocked"] else "in flight")
+            lines.append(f"{rank:>4}  {e['axis']:<8} {e['seq']:>5}  {e['op']:<17}"
+                         f" {str(e['shape']):<16} {e['dtype']:<9} {state}")
+    return lines
+
+
+def doctor(run_dir: str | Path) -> tuple[int, list[str]]:
+    """(exit code, lines) of `meshtrain doctor RUN_DIR`: 0 with the verdict, 2 without dumps."""
+    run_dir = Path(run_dir)
+    dumps = read_dumps(run_dir / "hang")
+    if not dumps:
+        return 2, [f"meshtrain: no hang dumps in {run_dir / 'hang'}: the run did not hang (or"
+                   " ran without a watchdog); nothing to diagnose"]
+    when = datetime.datetime.fromtimestamp(max(d["time"] for d in dumps.values()))
+    world = max(d["world_size"] for d in dumps.values())
+    missing = sorted(set(range(world)) - set(dumps))
+    head = [hang_line(dumps, run_dir),
+            f"dumped at {when:%Y-%m-%d %H:%M:%S} by {len(dumps)} of {world} ranks"
+            + (f"; no dump from rank {', '.join(map(str, missing))}" if missing else "")]
+    return 0, head + table(dumps)

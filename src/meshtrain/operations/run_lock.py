@@ -1,0 +1,126 @@
+"""`OUT/.lock`: one live run per output directory.
+
+The lock names its owner: host, process id and run id (torchrun's TORCHELASTIC_RUN_ID, which
+every rank and every restarted worker of one elastic run shares; meshtrain's launcher passes its
+own id to its ranks as that). A lock is the caller's own when its run id matches; stale when its
+owner process is gone from this host, and then taken over. Who takes it: the launching process
+(`train --nproc`, or a single-process run) before any rank starts; under torchrun, global rank
+0 once the process group exists, telling every rank the outcome so none waits on a refused peer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import torch
+
+from meshtrain.operations.failures import EXIT_BAD_INPUT, RunFailure
+
+LOCK_FILE = ".lock"
+
+
+def own_run_id() -> str | None:
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable or half-written: treated as a live owner we cannot name
+
+
+def _alive(owner: dict) -> bool:
+    """False only when the owner is known to be gone: a process of this host that has exited."""
+    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return True
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    return True
+
+
+def _refusal(out: Path, owner: dict) -> str:
+    who = (f"host {owner.get('host')}, pid {owner.get('pid')}, run id {owner.get('run_id')}"
+           if owner else "its lock file is unreadable")
+    return (f"`out` {out} is in use by another run ({who}): wait for it to end or choose another"
+            f" `out`; if that run is gone, delete {out / LOCK_FILE}")
+
+
+def check_free(out: str | Path, run_id: str | None = None) -> None:
+    """Raise (one line, naming the owner) when a live run other than `run_id` holds `out`."""
+    out = Path(out)
+    owner = _read(out / LOCK_FILE)
+    if owner is None or (run_id is not None and owner.get("run_id") == run_id):
+        return
+    if _alive(owner):
+        raise ValueError(_refusal(out, owner))
+
+
+class RunLock:
+    """The lock of `out` for run `run_id` (default: a new random id)."""
+
+    def __init__(self, out: str | Path, run_id: str | None = None):
+        self.out, self.run_id = Path(out), run_id or uuid.uuid4().hex
+        self.held = False
+
+    @property
+    def path(self) -> Path:
+        return self.out / LOCK_FILE
+
+    def acquire(self) -> None:
+        """Take the lock (creating `out`), over a stale one or one of the same run; raises
+        ValueError naming the owner when another live run holds it."""
+        check_free(self.out, self.run_id)
+        mine = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id}
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            tmp = self.out / f".lock.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(mine))
+            try:
+                os.link(tmp, self.path)  # atomic: fails when a lock exists
+            except FileExistsError:
+                os.replace(tmp, self.path)  # stale or ours (checked above)
+            else:
+                tmp.unlink()
+        except OSError as e:
+            raise ValueError(f"`out` {self.out}: cannot write its lock file ({e}); choose a"
+                             " writable `out`") from None
+        if _read(self.path) != mine:  # another run took it over at the same moment
+            raise ValueError(_refusal(self.out, _read(self.path) or {}))
+        self.held = True
+
+    def release(self) -> None:
+        if self.held and (_read(self.path) or {}).get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire_agreed(self, mesh) -> None:
+        """Global rank 0 takes the lock; every rank learns a refusal (RunFailure, agreed)."""
+        from meshtrain.parallel.communication import comm
+        reason = ""
+        if mesh.rank == 0:
+            try:
+                self.acquire()
+            except ValueError as e:
+                reason = str(e)
+        refused = torch.tensor(1.0 if reason else 0.0, device=mesh.device)
+        comm.all_reduce(refused, mesh.world, op=torch.distributed.ReduceOp.MAX)
+        if refused.item():
+            raise RunFailure(reason, EXIT_BAD_INPUT, agreed=True)

@@ -1,0 +1,228 @@
+"""Graceful stop: SIGTERM, SIGINT or SIGUSR1 ends a run after the current step with a checkpoint,
+the same step on every rank, and exit code EXIT_STOPPED.
+
+On a rank a signal only records a request (`StopSignals.request`). `Trainer.train_step`
+all-reduces the requests (MAX over the world) with the step's other scalars, so every rank reads
+the same decision after the same step, saves and exits. A watcher thread learns of each signal
+through Python's wakeup fd, so it acts even while the main thread waits inside a collective: a
+repeat within DUPLICATE_WINDOW_S counts once (schedulers signal the launcher and every rank), a
+later one aborts at once, and a stop the ranks cannot agree on (a peer is gone) gives up after a
+deadline instead of hanging.
+
+meshtrain's own launcher (`train --nproc`) takes these signals itself (`LauncherSignals`): the
+first is passed to torch's elastic agent, which forwards it to the ranks, waits up to the
+shutdown timeout and ends without restarting; the ranks report their exit codes through files,
+so the launcher exits with their code and at most one line of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from meshtrain.operations.failures import EXIT_OK, EXIT_PEER_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+DUPLICATE_WINDOW_S = 3.0  # a repeat of a stop signal within this counts once
+AGREE_DEADLINE_S = 30.0  # plus two of the longest step: time for every rank to reach the decision
+SHUTDOWN_TIMEOUT_S = 600  # the launcher's wait for the ranks' save before it kills them
+SAVE_NOW = 1.0  # request values, all-reduced with MAX: 1 a timed save, 100 + signal number a stop
+STOP_BASE = 100.0
+# What meshtrain's launcher tells its ranks (environment variables).
+LAUNCHER_PID = "MESHTRAIN_LAUNCHER_PID"
+EXIT_DIR = "MESHTRAIN_EXIT_DIR"
+
+
+def stop_signal(request: float) -> signal.Signals | None:
+    """The signal an all-reduced request asks to stop for (None: no stop)."""
+    return signal.Signals(round(request - STOP_BASE)) if request >= STOP_BASE else None
+
+
+def under_meshtrain_launcher() -> bool:
+    return LAUNCHER_PID in os.environ
+
+
+def report_exit(code: int) -> None:
+    """Tell meshtrain's launcher (if it started this rank) how this rank ends."""
+    folder = os.environ.get(EXIT_DIR)
+    if folder:
+        Path(folder, f"rank_{os.environ.get('RANK', '0')}.exit").write_text(str(code))
+
+
+def _noop(signum, frame) -> None:
+    """The Python-level handler: the watcher thread does the work (see `StopSignals`)."""
+
+
+class StopSignals:
+    """This rank's stop requests. `arm` in the main thread before training, `disarm` after."""
+
+    def __init__(self, *, rank: int):
+        self.rank = rank
+        self.longest_step = 0.0  # seconds; the loop updates it, the deadline grows with it
+        self._first: tuple[int, float] | None = None
+        self._request = 0.0
+        self._echo = False  # a SIGUSR1 passed to the launcher comes back once
+        self._deadline: threading.Timer | None = None
+        self._pipe: tuple[int, int] | None = None
+        self._previous: dict = {}
+
+    def request(self) -> float:
+        """This rank's contribution to the step's request: 100 + signal number once asked."""
+        return self._request
+
+    def arm(self) -> None:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._pipe = (read_fd, write_fd)
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, _noop)
+            signal.siginterrupt(sig, False)  # restart system calls a signal interrupts
+        self._previous["wakeup"] = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_fd,), name="meshtrain-stop",
+                         daemon=True).start()
+        folder = os.environ.get(EXIT_DIR)
+        if folder:  # meshtrain's launcher forwards a late signal to this process id
+            Path(folder, f"rank_{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+
+    def disarm(self) -> None:
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._previous.pop("wakeup"))
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        os.close(self._pipe[1])  # the watcher reads end-of-file and closes its end
+        self._pipe = None
+        self.agreed()
+
+    def agreed(self) -> None:
+        """Every rank has read the stop decision: no peer is missing, the save may take long."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+
+    def _watch(self, read_fd: int) -> None:
+        while byte := os.read(read_fd, 1):
+            if byte[0] in STOP_SIGNALS:
+                self._on_signal(signal.Signals(byte[0]), time.monotonic())
+        os.close(read_fd)
+
+    def _on_signal(self, sig: signal.Signals, now: float) -> None:
+        if self._first is None:
+            self._first = (sig, now)
+            self._request = STOP_BASE + sig
+            if sig == signal.SIGUSR1 and under_meshtrain_launcher():
+                self._echo = True  # the launcher stops every rank (and sends it back here)
+                os.kill(int(os.environ[LAUNCHER_PID]), sig)
+            seconds = AGREE_DEADLINE_S + 2 * self.longest_step
+            self._deadline = threading.Timer(seconds, self._give_up, args=(sig, seconds))
+            self._deadline.daemon = True
+            self._deadline.start()
+        elif sig == signal.SIGUSR1 and self._echo:
+            self._echo = False
+        elif now - self._first[1] > DUPLICATE_WINDOW_S:
+            first = signal.Signals(self._first[0]).name
+            self._exit(EXIT_SIGNAL_BASE + sig,
+                       f"{sig.name} again {now - self._first[1]:.0f} s after {first}: aborted at"
+                       " once without saving; the last complete checkpoint is kept",
+                       speak=not under_meshtrain_launcher())
+
+    def _give_up(self, sig: signal.Signals, seconds: float) -> None:
+        self._exit(EXIT_PEER_FAILED, f"{sig.name}: the ranks did not all reach the end of the"
+                                     f" step within {seconds:.0f} s (a peer is gone or stalled):"
+                                     " exiting without saving; the last complete checkpoint is"
+                                     " kept", speak=True)
+
+    def _exit(self, code: int, line: str, *, speak: bool) -> None:
+        """End this process now, from the watcher thread (the main thread may be stuck)."""
+        if speak:
+            print(f"meshtrain: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+        report_exit(code)
+        os._exit(code)
+
+
+def shutdown_timeout() -> int:
+    """Seconds the launcher waits for stopping ranks (torch's own variable overrides it)."""
+    return int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S))
+
+
+class LauncherSignals:
+    """Stop signals in meshtrain's launcher (a context around torch's elastic `run`).
+
+    The first raises torch's `SignalException`: its agent forwards the signal to every rank,
+    waits `shutdown_timeout` for them and ends without a restart. A repeat within
+    DUPLICATE_WINDOW_S is dropped; a later one is sent on to the ranks, which abort."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._first: tuple[int, float] | None = None
+        self._folder = tempfile.TemporaryDirectory(prefix="meshtrain-ranks-")
+        self._previous: dict = {}
+
+    def __enter__(self) -> LauncherSignals:
+        os.environ[LAUNCHER_PID] = str(os.getpid())
+        os.environ[EXIT_DIR] = self._folder.name
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        for name in (LAUNCHER_PID, EXIT_DIR):
+            os.environ.pop(name, None)
+        self._folder.cleanup()
+
+    def _handle(self, signum: int, frame) -> None:
+        from torch.distributed.elastic.multiprocessing import SignalException
+
+        sig, now = signal.Signals(signum), time.monotonic()
+        if self._first is None:
+            self._first = (sig, now)
+            raise SignalException(f"meshtrain's launcher got {sig.name}", sigval=sig)
+        if now - self._first[1] > DUPLICATE_WINDOW_S:
+            for pid in self._rank_pids():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def _rank_pids(self) -> list[int]:
+        return [int(p.read_text()) for p in Path(self._folder.name).glob("rank_*.pid")]
+
+    def codes(self) -> dict[int, int]:
+        """Exit codes the ranks reported, by global rank."""
+        return {int(p.stem.removeprefix("rank_")): int(p.read_text())
+                for p in Path(self._folder.name).glob("rank_*.exit")}
+
+    def outcome(self) -> int:
+        """The launcher's exit code after a stop signal, and its one line where the ranks
+        could not say it (a rank killed, or all aborted)."""
+        codes, sig = self.codes(), signal.Signals(self._first[0])
+        missing = [rank for rank in range(self.world) if rank not in codes]
+        if missing:
+            ranks = ", ".join(f"rank {r}" for r in missing)
+            print(f"meshtrain: {sig.name}: {ranks} ended without reporting (killed by the"
+                  f" signal, or after the launcher's {shutdown_timeout()} s shutdown timeout);"
+                  " the last complete checkpoint is kept", file=sys.stderr)
+            return EXIT_SIGNAL_BASE + sig
+        aborted = sorted(code for code in codes.values() if code > EXIT_SIGNAL_BASE)
+        if aborted:
+            return self.explain(aborted[-1])
+        other = [codes[r] for r in sorted(codes) if codes[r] not in (EXIT_OK, EXIT_STOPPED)]
+        if other:
+            return other[0]  # that rank printed its line
+        return EXIT_STOPPED if EXIT_STOPPED in codes.values() else EXIT_OK
+
+    def explain(self, code: int) -> int:
+        """`code` (a failed rank's), with the line for the ranks that aborted on a repeated
+        signal: they leave the line to this launcher."""
+        if code > EXIT_SIGNAL_BASE and code in self.codes().values():
+            name = signal.Signals(code - EXIT_SIGNAL_BASE).name
+            print(f"meshtrain: {name} again while stopping: aborted without saving; the last"
+                  " complete checkpoint is kept", file=sys.stderr)
+        return code
+

@@ -1,0 +1,3 @@
+"""Communication: every collective in `comm`, the differentiable region operators, the flight
+recorder.
+"""

@@ -1,0 +1,93 @@
+"""The attention core: softmax(QK^T / sqrt(d))V over this rank's heads, causal.
+
+It runs one of: torch's SDPA, an explicit eager path (whose saved tensors match the
+activation-memory formulas), ring attention or Ulysses all-to-all over the context-parallel axis.
+Dropout on the probabilities draws from the per-TP-rank stream (heads differ per TP rank, so must
+their masks). Selective recomputation recomputes only this core in backward. Grouped-query
+attention (fewer key/value heads than query heads) runs natively in SDPA; the other paths repeat
+each key/value head for its query heads first.
+
+With a key/value cache (generation) the queries are the last of the keys' tokens: each query sees
+the keys up to its own position (the causal mask aligned to the bottom right).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.mesh import MeshAxis
+from meshtrain.parallel.layers.context_parallel import ring_attention, ulysses_attention
+from meshtrain.parallel.layers.recompute import recomputed
+from meshtrain.parallel.layers.rng import TENSOR_PARALLEL, RNGTracker
+
+
+def eager_attention(q, k, v, p: float) -> torch.Tensor:
+    """Explicit causal attention `[b, a, s, d]`: saves the s x s probabilities (and mask). Keys
+    may be more than the queries (cached ones before them)."""
+    s, t = q.shape[-2], k.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a/tp, s, t]
+    causal = torch.ones(s, t, dtype=torch.bool, device=q.device).triu_(1 + t - s)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+    if p > 0.0:
+        probs = F.dropout(probs, p, training=True)
+    return probs @ v
+
+
+class AttentionCore(nn.Module):
+    """`core(q, k, v, rng)`: q `[b, a, s, d]`, k and v `[b, kv, t, d]` (kv divides a) for this
+    rank's heads and tokens -> `[b, a, s, d]`; t = s, or t > s with a key/value cache (whose
+    tokens come first). No parameters."""
+
+    def __init__(self, *, dropout: float, eager: bool, cp_axis: MeshAxis, cp_mode: str,
+                 recompute: bool):
+        super().__init__()
+        self.dropout, self.eager = dropout, eager
+        self.cp_axis, self.cp_mode = cp_axis, cp_mode
+        self.recompute = recompute
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rng: RNGTracker) -> torch.Tensor:
+        def core(q, k, v):
+            if not (self.dropout and self.training):  # nothing random: skip the RNG swap
+                return self._core(q, k, v)
+            with rng.fork(TENSOR_PARALLEL):
+                return self._core(q, k, v)
+
+        if self.recompute and self.training:
+            return recomputed(core, rng, q, k, v)
+        return core(q, k, v)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        if self.cp_axis.size > 1:
+            k, v = _repeat_heads(k, q), _repeat_heads(v, q)
+            seq_len = q.shape[-2] * self.cp_axis.size
+            if self.cp_mode == "ring":
+                return ring_attention(q, k, v, self.cp_axis, seq_len)
+            return ulysses_attention(q, k, v, self.cp_axis, seq_len, self._local)
+        return self._local(q, k, v, p)
+
+    def _local(self, q, k, v, p: float = 0.0) -> torch.Tensor:
+        if self.eager:
+            return eager_attention(q, _repeat_heads(k, q), _repeat_heads(v, q), p)
+        gqa = k.shape[1] != q.shape[1]
+        s, t = q.shape[-2], k.shape[-2]
+        if s == t:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=gqa)
+        # cached keys: SDPA's is_causal aligns the mask to the top left, so pass it (one query
+        # sees every key and needs none)
+        mask = None if s == 1 else \
+            torch.ones(s, t, dtype=torch.bool, device=q.device).tril_(t - s)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                              enable_gqa=gqa)
+
+
+def _repeat_heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Key/value heads `[b, kv, s, d]` repeated for their query heads: `[b, a, s, d]`."""
+    groups = q.shape[1] // kv.shape[1]
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)

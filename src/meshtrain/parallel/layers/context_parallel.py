@@ -1,0 +1,146 @@
+"""Context parallelism: every rank holds a slice of every sequence.
+
+Load balance for causal attention: the sequence is cut into 2 x cp chunks and rank r holds chunks
+r and 2cp-1-r, so every rank has as many early (cheap) as late (expensive) queries.
+
+Two attention schemes over the cp axis:
+- ring: K/V blocks travel around the ring; each rank attends its queries to every block and merges
+  the partial results with an online softmax (log-sum-exp). Backward runs the ring again, the
+  K/V gradients travelling with their blocks and a last step returning them to their owners.
+  Written by hand because no public SDPA returns the log-sum-exp.
+- all2all (Ulysses): an all-to-all turns "my tokens, all my heads" into "all tokens, 1/cp of my
+  heads", attention runs on whole sequences, and the reverse all-to-all turns it back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from meshtrain.mesh import MeshAxis
+from meshtrain.parallel.communication import comm, regions
+from meshtrain.precision import wide_dtype
+
+
+def context_parallel_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions (into the full sequence) of the tokens rank `rank` holds, in its order."""
+    if cp == 1:
+        return torch.arange(seq_len)
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.cat([first, second])
+
+
+def _block_scores(q, k, q_pos, k_pos, scale):
+    """Scaled scores `[b, a, n, n]` with future keys masked to -inf."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    return scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, axis: MeshAxis, seq_len: int):
+        # q, k, v: [b, a, n, d] for this rank's n tokens. The running output and log-sum-exp
+        # are kept in fp32 whatever the input dtype (16-bit would lose digits at every step).
+        ctx.dtype = q.dtype
+        wide = wide_dtype(q.dtype)
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        positions = [context_parallel_positions(seq_len, axis.size, r).to(q.device)
+                     for r in range(axis.size)]
+        q_pos = positions[axis.rank]
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.cat([k, v])
+        for step in range(axis.size):
+            source = (axis.rank - step) % axis.size
+            k_blk, v_blk = kv.chunk(2)
+            scores = _block_scores(q, k_blk, q_pos, positions[source], scale)
+            block_max = scores.amax(dim=-1)
+            block_max = torch.where(torch.isinf(block_max), 0.0, block_max)
+            probs = torch.exp(scores - block_max.unsqueeze(-1))  # unnormalised
+            block_lse = block_max + torch.log(probs.sum(dim=-1))
+            new_lse = torch.logaddexp(lse, block_lse)
+            safe = torch.where(torch.isinf(new_lse), 0.0, new_lse)
+            out = out * torch.exp(lse - safe).unsqueeze(-1) \
+                + (probs @ v_blk) * torch.exp(block_max - safe).unsqueeze(-1)
+            lse = new_lse
+            if step < axis.size - 1:
+                kv = comm.ring_shift(kv, axis)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.axis, ctx.seq_len = axis, seq_len
+        return out.to(ctx.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype)
+        axis = ctx.axis
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        positions = [context_parallel_positions(ctx.seq_len, axis.size, r).to(q.device)
+                     for r in range(axis.size)]
+        q_pos = positions[axis.rank]
+        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # [b, a, n, 1]
+        grad_q = torch.zeros_like(q)
+        kv = torch.cat([k, v])
+        grad_kv = torch.zeros_like(kv)
+        for step in range(axis.size):
+            source = (axis.rank - step) % axis.size
+            k_blk, v_blk = kv.chunk(2)
+            probs = torch.exp(_block_scores(q, k_blk, q_pos, positions[source], scale)
+                              - lse.unsqueeze(-1))
+            grad_v = probs.transpose(-2, -1) @ grad_out
+            grad_scores = probs * (grad_out @ v_blk.transpose(-2, -1) - delta)
+            grad_q += (grad_scores @ k_blk) * scale
+            grad_k = (grad_scores.transpose(-2, -1) @ q) * scale
+            grad_kv += torch.cat([grad_k, grad_v])
+            if step < axis.size - 1:
+                kv = comm.ring_shift(kv, axis)
+            # the gradient travels with its block; the last shift brings it home
+            grad_kv = comm.ring_shift(grad_kv, axis)
+        grad_k, grad_v = (g.to(ctx.dtype) for g in grad_kv.chunk(2))
+        return grad_q.to(ctx.dtype), grad_k, grad_v, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,
+                   seq_len: int) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole (cp-split) sequence."""
+    return _RingAttention.apply(q, k, v, axis, seq_len)
+
+
+def _heads_to_sequence(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """`[b, a, n, d]` (my tokens, all heads) -> `[b, a/cp, cp*n, d]` (all ranks' tokens)."""
+    b, a, n, d = x.shape
+    blocks = x.view(b, axis.size, a // axis.size, n, d).transpose(0, 1).contiguous()
+    splits = [1] * axis.size
+    received = regions.all_to_all_differentiable(blocks.view(axis.size, -1), axis,
+                                              send_splits=splits, recv_splits=splits)
+    received = received.view(axis.size, b, a // axis.size, n, d)  # [source, b, a/cp, n, d]
+    return received.permute(1, 2, 0, 3, 4).reshape(b, a // axis.size, axis.size * n, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
+    """The inverse of `_heads_to_sequence`."""
+    b, a_part, total, d = x.shape
+    n = total // axis.size
+    blocks = x.view(b, a_part, axis.size, n, d).permute(2, 0, 1, 3, 4).contiguous()
+    splits = [1] * axis.size
+    received = regions.all_to_all_differentiable(blocks.view(axis.size, -1), axis,
+                                              send_splits=splits, recv_splits=splits)
+    received = received.view(axis.size, b, a_part, n, d)  # [head group, b, a/cp, n, d]
+    return received.transpose(0, 1).reshape(b, axis.size * a_part, n, d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,
+                      seq_len: int, attend: Callable) -> torch.Tensor:
+    """Causal attention by all-to-all: `attend(q, k, v)` sees whole sequences in position order
+    for 1/cp of this rank's heads."""
+    order = torch.cat([context_parallel_positions(seq_len, axis.size, r)
+                       for r in range(axis.size)]).to(q.device)  # gathered -> position
+    to_natural = torch.argsort(order)
+    q, k, v = (_heads_to_sequence(t, axis)[:, :, to_natural] for t in (q, k, v))
+    out = attend(q, k, v)[:, :, order]
+    return _sequence_to_heads(out, axis)

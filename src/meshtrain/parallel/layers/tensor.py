@@ -1,0 +1,391 @@
+"""Megatron 1D tensor parallelism: column- and row-parallel linear layers, the vocab-parallel
+embedding and output layer (`factory.Megatron1D` builds models from them).
+
+Each layer is built from the dense layer it replaces: a layer created under seed S holds exactly
+this rank's slice of the dense layer created under seed S, so a model starts from the same
+weights at every tp. `from_dense` shards an existing module; `to_dense` gathers it back.
+Each layer describes how its parameters are split in `shards` (see `sharding.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.mesh import MeshAxis, ParallelMesh
+from meshtrain.parallel.communication import comm, regions
+from meshtrain.parallel.layers.sharding import GridPosition, Shard, shard_tensor, unshard_tensor
+
+
+def _check_divisible(what: str, size: int, tp: int, blocks: int = 1) -> None:
+    if size % (tp * blocks):
+        by = f"tp ({tp})" if blocks == 1 else f"{blocks} blocks x tp ({tp})"
+        raise ValueError(f"{what} ({size}) must be divisible by {by}: choose a tp that"
+                         f" divides it or change the model size")
+
+
+def _tp_axis(mesh: ParallelMesh | MeshAxis) -> MeshAxis:
+    return mesh if isinstance(mesh, MeshAxis) else mesh.tp
+
+
+def _sharded_copy(cls, dense: nn.Module, mesh, **options) -> nn.Module:
+    """Build `cls` on the meta device (no init, no RNG drawn) and fill it from `dense`."""
+    with torch.device("meta"):
+        layer = cls._like(dense, mesh=mesh, **options)
+    layer = layer.to_empty(device=dense.weight.device).to(dense.weight.dtype)
+    layer.load_dense_(dense)
+    return layer
+
+
+def _joined(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Several layers' weights (or biases) stacked along the output; one is itself."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _split_params(num_weights: int, params: tuple) -> tuple[tuple, tuple]:
+    """(weights, biases) of `params` = weights followed by biases (none, or one each)."""
+    return params[:num_weights], params[num_weights:]
+
+
+def _column_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weights) -> tuple:
+    """Weight and bias gradients of the joined layers, split back per layer."""
+    flat_grad = grad.reshape(-1, grad.shape[-1])
+    sizes = [w.shape[0] for w in weights]
+    grad_weights = (flat_grad.T @ x.reshape(-1, x.shape[-1])).split(sizes)
+    grad_biases = flat_grad.sum(dim=0).split(sizes) if ctx.has_bias else ()
+    return (*grad_weights, *grad_biases)
+
+
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    """f fused with the matmul: identity forward; backward launches the input gradient's
+    all-reduce over TP and computes the weight gradient while it is in flight. `params` are
+    the weights, then the biases (if any), of one or more layers applied to the same input
+    (`ColumnParallelGroup`): joined inside, so the joined weight is never saved."""
+
+    @staticmethod
+    def forward(ctx, x, axis: MeshAxis, num_weights: int, *params):
+        weights, biases = _split_params(num_weights, params)
+        ctx.save_for_backward(x, *weights)
+        ctx.axis, ctx.has_bias = axis, bool(biases)
+        return F.linear(x, _joined(weights), _joined(biases) if biases else None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        grad_x, work = None, None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ _joined(weights)
+            work = comm.all_reduce(grad_x, ctx.axis, async_op=True)
+        params = _column_grads(ctx, grad, x, weights)
+        if work is not None:
+            work.wait()
+        return grad_x, None, None, *params
+
+
+def _column_parallel(x: torch.Tensor, axis: MeshAxis, sequence_parallel: bool,
+                     layers: list) -> torch.Tensor:
+    """`layers`' outputs of `x`, joined along the last dimension: one input communication."""
+    params = [layer.weight for layer in layers]
+    params += [layer.bias for layer in layers if layer.bias is not None]
+    if sequence_parallel:  # x: [b, s/tp, in]
+        return _SequenceParallelLinear.apply(x, axis, len(layers), *params)
+    if axis.size > 1 or len(layers) > 1:  # (several layers: do not save their joined weight)
+        return _ColumnParallelLinearFn.apply(x, axis, len(layers), *params)
+    return F.linear(x, layers[0].weight, layers[0].bias)
+
+
+class _RowParallelLinearFn(torch.autograd.Function):
+    """The matmul fused with g: the partial product is all-reduced in place (no copy);
+    backward is local."""
+
+    @staticmethod
+    def forward(ctx, x, weight, axis: MeshAxis):
+        ctx.save_for_backward(x, weight)
+        y = F.linear(x, weight)
+        comm.all_reduce(y, axis)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_weight, None
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """All-gather the `[b, s/tp, in]` input along the sequence, then the local matmul (of one
+    or more layers' joined `params`, as `_ColumnParallelLinearFn`).
+
+    Only the s/tp shard is saved; backward all-gathers it again for the weight gradient (one
+    extra all-gather, as in Megatron) and reduce-scatters the input gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, axis: MeshAxis, num_weights: int, *params):
+        weights, biases = _split_params(num_weights, params)
+        ctx.save_for_backward(x, *weights)
+        ctx.axis, ctx.has_bias = axis, bool(biases)
+        return F.linear(comm.all_gather(x, axis, dim=1), _joined(weights),
+                        _joined(biases) if biases else None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        full = comm.all_gather(x, ctx.axis, dim=1)  # [b, s, in]
+        grad_x = comm.reduce_scatter(grad @ _joined(weights), ctx.axis, dim=1)
+        return grad_x, None, None, *_column_grads(ctx, grad, full, weights)
+
+
+class _TensorParallelModule(nn.Module):
+    shards: dict[str, Shard]
+
+    @classmethod
+    def _like(cls, dense: nn.Linear, *, mesh, **options):
+        """An uninitialised layer of `dense`'s shape (overridden by the embedding)."""
+        return cls(dense.in_features, dense.out_features, mesh=mesh,
+                   bias=dense.bias is not None, **options)
+
+    @torch.no_grad()
+    def load_dense_(self, dense: nn.Module) -> None:
+        """Overwrite this layer's parameters with its slice of `dense`."""
+        for name, shard in self.shards.items():
+            full = getattr(dense, name)
+            getattr(self, name).copy_(shard_tensor(full.detach().to(self.weight.device), shard,
+                                                   self.tp_axis))
+        for name, param in self.named_parameters(recurse=False):
+            if name not in self.shards:
+                param.copy_(getattr(dense, name))
+
+
+class ColumnParallelLinear(_TensorParallelModule):
+    """Y = X A^T with A split by rows of its `[out, in]` weight: this rank computes out/tp
+    features. No communication forward when `gather_output=False`; the input enters through f.
+    With `sequence_parallel` the input is `[b, s/tp, in]` and is all-gathered along the sequence
+    instead (see `_SequenceParallelLinear`).
+
+    `output_blocks` > 1 treats the output as equal blocks (q, k, v of a fused projection) each
+    split over TP, so every rank holds matching rows of each block. `replicas` > 1 splits the
+    output tp / replicas ways and gives each part to that many consecutive TP ranks (the
+    key/value heads of grouped-query attention when tp exceeds them); their weight gradients are
+    partial and must be summed over `mesh.tp_block(replicas)` (the layer factory reports them).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
+                 bias: bool = True, gather_output: bool = False, output_blocks: int = 1,
+                 sequence_parallel: bool = False, replicas: int = 1):
+        super().__init__()
+        self.tp_axis = _tp_axis(mesh)
+        self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
+        if replicas < 1 or self.tp_axis.size % replicas:
+            raise ValueError(f"ColumnParallelLinear replicas ({replicas}) must divide tp"
+                             f" ({self.tp_axis.size})")
+        shard = Shard(0, out_features, out_features, output_blocks, replicas)
+        parts = shard.parts(GridPosition.of(self.tp_axis))
+        _check_divisible("ColumnParallelLinear out_features", out_features, parts, output_blocks)
+        if gather_output and replicas > 1:
+            raise ValueError("ColumnParallelLinear cannot gather the output of replicated parts")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.output_blocks = gather_output, output_blocks
+        self.weight = nn.Parameter(torch.empty(out_features // parts, in_features))
+        self.shards = {"weight": shard}
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // parts))
+            self.shards["bias"] = shard
+        else:
+            self.register_parameter("bias", None)
+        if self.weight.device.type != "meta":
+            self.load_dense_(nn.Linear(in_features, out_features, bias=bias))
+
+    @property
+    def replicas(self) -> int:
+        return self.shards["weight"].replicas
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, *, mesh, **options) -> ColumnParallelLinear:
+        return _sharded_copy(cls, module, mesh, **options)
+
+    def to_dense(self) -> nn.Linear:
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                          device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            for name, shard in self.shards.items():
+                getattr(dense, name).copy_(unshard_tensor(getattr(self, name), shard, self.tp_axis))
+        return dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _column_parallel(x, self.tp_axis, self.sequence_parallel, [self])  # [..., out/tp]
+        if not self.gather_output or self.tp_axis.size == 1:
+            return y
+        y = regions.gather_from_tensor_parallel_region(y, self.tp_axis)  # [..., tp * out/tp]
+        if self.output_blocks == 1:
+            return y
+        # Gathered order is (rank, block, chunk); the dense layer's is (block, rank, chunk).
+        lead = y.shape[:-1]
+        y = y.view(*lead, self.tp_axis.size, self.output_blocks, -1).transpose(-3, -2)
+        return y.reshape(*lead, self.out_features)
+
+
+class ColumnParallelGroup(nn.Module):
+    """Column-parallel layers applied to the same input, computed as one: a single f (or
+    sequence-parallel all-gather) and one matmul of their concatenated weights; returns each
+    layer's output. Keeps every layer's parameters and sharding under its own name."""
+
+    def __init__(self, **layers: ColumnParallelLinear):
+        super().__init__()
+        first = next(iter(layers.values()))
+        if any(layer.sequence_parallel != first.sequence_parallel or layer.gather_output
+               or (layer.bias is None) != (first.bias is None) for layer in layers.values()):
+            raise ValueError("ColumnParallelGroup needs layers that differ only in shape")
+        for name, layer in layers.items():
+            self.add_module(name, layer)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        layers = list(self.children())
+        y = _column_parallel(x, layers[0].tp_axis, layers[0].sequence_parallel, layers)
+        return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
+
+
+class RowParallelLinear(_TensorParallelModule):
+    """Y = X A^T with A split by columns of its `[out, in]` weight: each rank multiplies its
+    in/tp slice of X and the partial results are summed by g (one all-reduce forward).
+    The bias is added once, after the sum. With `sequence_parallel` the sum is a reduce-scatter
+    along the sequence and the output `[b, s/tp, out]`."""
+
+    def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
+                 bias: bool = True, input_is_parallel: bool = False,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.tp_axis = _tp_axis(mesh)
+        self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
+        tp = self.tp_axis.size
+        _check_divisible("RowParallelLinear in_features", in_features, tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
+        self.shards = {"weight": Shard(1, in_features, in_features)}
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features))  # replicated
+        else:
+            self.register_parameter("bias", None)
+        if self.weight.device.type != "meta":
+            self.load_dense_(nn.Linear(in_features, out_features, bias=bias))
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, *, mesh, **options) -> RowParallelLinear:
+        return _sharded_copy(cls, module, mesh, **options)
+
+    def to_dense(self) -> nn.Linear:
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                          device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
+            if self.bias is not None:
+                dense.bias.copy_(self.bias)
+        return dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = regions.scatter_to_tensor_parallel_region(x, self.tp_axis)
+        if self.sequence_parallel:  # summed and split along the sequence: [b, s/tp, out]
+            y = regions.reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight),
+                                                                self.tp_axis)
+        elif self.tp_axis.size > 1:
+            y = _RowParallelLinearFn.apply(x, self.weight, self.tp_axis)  # summed partials
+        else:
+            y = F.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(_TensorParallelModule):
+    """Embedding with the vocabulary split over TP. The vocabulary is zero-padded to a multiple
+    of tp; padded rows are never looked up, and as an output layer their logits are masked, so
+    they never receive gradient. Each rank looks up the ids it owns, zeroes the rest, and g sums
+    the partial embeddings (one all-reduce of b*s*h; a reduce-scatter along the sequence under
+    sequence parallelism)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 mesh: ParallelMesh | MeshAxis, sequence_parallel: bool = False):
+        super().__init__()
+        self.tp_axis = _tp_axis(mesh)
+        self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
+        tp = self.tp_axis.size
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padded_num_embeddings = math.ceil(num_embeddings / tp) * tp
+        self.num_local = self.padded_num_embeddings // tp
+        self.vocab_start = self.tp_axis.rank * self.num_local
+        self.weight = nn.Parameter(torch.empty(self.num_local, embedding_dim))
+        self.shards = {"weight": Shard(0, num_embeddings, self.padded_num_embeddings)}
+        if self.weight.device.type != "meta":
+            self.load_dense_(nn.Embedding(num_embeddings, embedding_dim))
+
+    @classmethod
+    def _like(cls, dense: nn.Embedding, *, mesh, **options):
+        return cls(dense.num_embeddings, dense.embedding_dim, mesh=mesh, **options)
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, *, mesh, **options) -> VocabParallelEmbedding:
+        return _sharded_copy(cls, module, mesh, **options)
+
+    def to_dense(self) -> nn.Embedding:
+        dense = nn.Embedding(self.num_embeddings, self.embedding_dim,
+                             device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
+        return dense
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """`[b, s]` ids -> `[b, s, h]`, or this rank's `[b, s/tp, h]` under sequence
+        parallelism."""
+        if self.tp_axis.size == 1:
+            return F.embedding(ids, self.weight)
+        local_ids = ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.num_local)
+        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)  # [b, s, h] partial
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return regions.reduce_scatter_to_sequence_parallel_region(out, self.tp_axis)
+        return regions.reduce_from_tensor_parallel_region(out, self.tp_axis)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Use the (tied) embedding as the output layer: local logits `[b, s, V_padded/tp]`.
+
+        The input enters through f (or, sequence parallel, an all-gather of `[b, s/tp, h]`), so
+        its gradient is summed over TP in backward; padded vocabulary entries get -inf, so they
+        take no probability and no gradient.
+        """
+        if self.sequence_parallel:
+            hidden = regions.gather_from_sequence_parallel_region(hidden, self.tp_axis)
+            logits = F.linear(hidden, self.weight)
+        elif self.tp_axis.size > 1:  # f fused: the all-reduce overlaps the weight gradient
+            logits = _ColumnParallelLinearFn.apply(hidden, self.tp_axis, 1, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
+        num_valid = self.num_embeddings - self.vocab_start
+        if num_valid < self.num_local:
+            logits[..., max(num_valid, 0):] = float("-inf")
+        return logits
+
+
+class VocabParallelHead(VocabParallelEmbedding):
+    """An untied output layer `[V, h]` with the vocabulary split over TP, as the embedding is:
+    hidden states -> local logits `[b, s, V_padded/tp]` (see `VocabParallelEmbedding.logits`).
+    Built from a dense `nn.Linear(h, V, bias=False)`."""
+
+    @classmethod
+    def _like(cls, dense: nn.Linear, *, mesh, **options):
+        return cls(dense.out_features, dense.in_features, mesh=mesh, **options)
+
+    def to_dense(self) -> nn.Linear:
+        dense = nn.Linear(self.embedding_dim, self.num_embeddings, bias=False,
+                          device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
+        return dense
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)
+

@@ -1,0 +1,216 @@
+"""Running one optimizer step's micro-batches on this rank, and evaluation.
+
+`LocalExecutor` runs forward and backward of each micro-batch in turn (no pipeline);
+`PipelineExecutor` runs this rank's action list of a flush schedule (GPipe, 1F1B, interleaved);
+`PipeDreamExecutor` runs PipeDream-2BW's segments, which carry micro-batches across steps and
+keep two weight versions. Under context parallelism every executor feeds the model this rank's
+load-balanced slice of each sequence, with the true positions of its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshtrain.data.corpus import to_device
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models.family import AuxiliaryOutputs
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.context_parallel import context_parallel_positions
+from meshtrain.parallel.layers.expert import RoutingStats
+from meshtrain.parallel.runtime.pipeline import PipeDream2BW, ScheduleRun, run_schedule
+from meshtrain.parallel.runtime.schedules import (
+    FORWARD,
+    RECV_ACTIVATION,
+    SEND_ACTIVATION,
+    Action,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+)
+from meshtrain.precision import wide_dtype
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean cross-entropy of this rank's micro-batches (every pipeline stage)
+    routing: RoutingStats
+
+
+class LocalExecutor:
+    """Micro-batches one after another; gradients accumulate, the last backward syncs."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int):
+        self.model, self.mesh = model, mesh
+        self.loss_dtype = wide_dtype(next(model.parameters()).dtype)  # the logged loss's
+        self.positions = context_parallel_positions(seq_len, mesh.cp.size, mesh.cp.rank)
+        self.device_positions = self.positions.to(mesh.device)
+
+    def local_slices(self, batches: Batches) -> Batches:
+        """This context-parallel rank's tokens of each (inputs, targets), on the device."""
+        return to_device([(x[:, self.positions], y[:, self.positions]) for x, y in batches],
+                         self.mesh.device)
+
+    def forward_backward(self, step: int, batches: Callable[[int], Batches], sync, *,
+                         loss_scale: float, timeline: list | None = None) -> StepResult:
+        micro_batches = self.local_slices(batches(step))
+        m = len(micro_batches)
+        loss_sum = torch.zeros((), dtype=self.loss_dtype, device=self.mesh.device)
+        routing = RoutingStats(self.mesh.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            sync.before_backward(i == m - 1)
+            aux = AuxiliaryOutputs()
+            cross_entropy = self.cross_entropy(inputs, targets, aux)
+            ((cross_entropy + aux.loss) / m * loss_scale).backward()
+            loss_sum += cross_entropy.detach().to(self.loss_dtype) / m
+            routing.add(aux.routing)
+        return StepResult(loss_sum, routing)
+
+    def cross_entropy(self, inputs: torch.Tensor, targets: torch.Tensor,
+                      aux: AuxiliaryOutputs | None = None) -> torch.Tensor:
+        """Mean cross-entropy of this rank's tokens (equal counts on every dp x cp rank, so
+        averaging over them gives the global mean)."""
+        logits = self.model(inputs, self.device_positions, aux=aux)
+        return self.model.cross_entropy(logits, targets)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Batches) -> torch.Tensor:
+        total = torch.zeros((), dtype=self.loss_dtype, device=self.mesh.device)
+        for inputs, targets in self.local_slices(batches):
+            total += self.cross_entropy(inputs, targets)
+        return total / len(batches)
+
+    def optimizer_step(self, apply: Callable[[], None]) -> None:
+        apply()
+
+    def saved_state(self) -> dict[str, torch.Tensor] | None:
+        """What a checkpoint must keep beyond the weights and optimizer (2BW's older weights)."""
+        return None
+
+    def load_state(self, previous: dict[str, torch.Tensor] | None) -> None:
+        """Take `saved_state`'s tensors back from a checkpoint."""
+
+
+class PipelineExecutor(LocalExecutor):
+    """This rank's stage of a flush schedule; `count_saved_bytes` measures autograd's saved
+    bytes per in-flight chunk, and `last_run` keeps the latest step's peaks."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int, schedule: str,
+                 activation_shape: tuple[int, ...]):
+        super().__init__(model, mesh, seq_len=seq_len)
+        self.schedule, self.activation_shape = schedule, activation_shape
+        self.count_saved_bytes = False
+        self.last_run: ScheduleRun | None = None
+
+    def actions(self, num_micro_batches: int) -> list[Action]:
+        """This rank's actions for one flush step (2BW evaluates with 1F1B's forwards)."""
+        p, s, m = self.mesh.pp.size, self.mesh.pp.rank, num_micro_batches
+        if self.schedule == "interleaved":
+            return interleaved(p, m, len(self.model.stage.chunks))[s]
+        return (gpipe if self.schedule == "gpipe" else one_f_one_b)(p, m)[s]
+
+    def stage(self, routing: RoutingStats | None):
+        """The stage function for `run_schedule`: one local chunk's forward and its extra loss;
+        routing statistics go to `routing`."""
+        def run(x: torch.Tensor, chunk: int):
+            aux = AuxiliaryOutputs()
+            out = self.model(x, self.device_positions, chunk=chunk, aux=aux)
+            if routing is not None:
+                routing.add(aux.routing, chunk)
+            return out, aux.loss
+        return run
+
+    def run(self, actions: list[Action], micro_batches, m: int, sync, *, loss_scale: float,
+            routing: RoutingStats, timeline: list | None, **schedule_options) -> StepResult:
+        count = list(self.model.parameters()) if self.count_saved_bytes else None
+        self.last_run = run_schedule(
+            actions, stage=self.stage(routing), loss_fn=self.model.cross_entropy,
+            micro_batches=micro_batches, mesh=self.mesh,
+            activation_shape=self.activation_shape, dtype=next(self.model.parameters()).dtype,
+            num_chunks=len(self.model.stage.chunks), num_micro_batches=m,
+            before_backward=lambda i: sync.before_backward(i % m == m - 1),
+            loss_scale=loss_scale, count_saved_of=count, timeline=timeline, **schedule_options)
+        return StepResult(self._summed(self.last_run.losses), routing)
+
+    def _summed(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The last stage's per-micro-batch losses (each already / m), summed and shared with
+        every stage."""
+        total = torch.zeros((), dtype=self.loss_dtype, device=self.mesh.device)
+        for loss in losses:
+            total += loss.to(self.loss_dtype)
+        comm.all_reduce(total, self.mesh.pp)
+        return total
+
+    def forward_backward(self, step, batches, sync, *, loss_scale, timeline=None) -> StepResult:
+        micro_batches = self.local_slices(batches(step))
+        m = len(micro_batches)
+        return self.run(self.actions(m), micro_batches, m, sync, loss_scale=loss_scale,
+                        routing=RoutingStats(self.mesh.device), timeline=timeline)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Batches) -> torch.Tensor:
+        forwards = [a for a in self.actions(len(batches))
+                    if a.kind in (FORWARD, RECV_ACTIVATION, SEND_ACTIVATION)]
+        run = run_schedule(forwards, stage=self.stage(None), loss_fn=self.model.cross_entropy,
+                           micro_batches=self.local_slices(batches), mesh=self.mesh,
+                           activation_shape=self.activation_shape,
+                           dtype=next(self.model.parameters()).dtype,
+                           num_chunks=len(self.model.stage.chunks))
+        return self._summed(run.losses)
+
+
+class PipeDreamExecutor(PipelineExecutor):
+    """PipeDream-2BW: each step runs its segment of the whole run's action list; `current` are
+    the fp32 weights the optimizer steps (the model holds whichever version in-flight work
+    needs). Made at the first step this executor runs, so a resumed run continues the delay
+    with the checkpoint's previous version."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int,
+                 activation_shape: tuple[int, ...], current: list[torch.Tensor], steps: int):
+        super().__init__(model, mesh, seq_len=seq_len, schedule="1f1b",
+                         activation_shape=activation_shape)
+        self.current, self.steps = current, steps
+        self.pipedream: PipeDream2BW | None = None
+        self.resumed_previous: list[torch.Tensor] | None = None
+
+    def forward_backward(self, step, batches, sync, *, loss_scale, timeline=None) -> StepResult:
+        m = len(batches(step))
+        if self.pipedream is None:
+            self.pipedream = PipeDream2BW(
+                list(self.model.parameters()), self.current, p=self.mesh.pp.size,
+                s=self.mesh.pp.rank, m=m, first_step=step, num_steps=self.steps - step,
+                previous=self.resumed_previous)
+        pipedream = self.pipedream
+        # micro-batches are numbered over the run: this step's and the next one's
+        read = {t: self.local_slices(batches(t)) for t in pipedream.steps_read(step)}
+        local = {(t - pipedream.first_step) * m + j: read[t][j] for t in read for j in range(m)}
+        result = self.run(pipedream.segment(step), local, m, sync, loss_scale=loss_scale,
+                          routing=RoutingStats(self.mesh.device), timeline=timeline,
+                          use_weights_of=pipedream.use_weights_of, carry=pipedream.carry)
+        pipedream.end_segment(step)
+        return result
+
+    def evaluate(self, batches: Batches) -> torch.Tensor:
+        if self.pipedream is not None:  # evaluate the current weights W(t)
+            self.pipedream.load(self.pipedream.version)
+        return super().evaluate(batches)
+
+    def optimizer_step(self, apply: Callable[[], None]) -> None:
+        self.pipedream.step(apply)  # the model keeps the versions in-flight work needs
+
+    def saved_state(self) -> dict[str, torch.Tensor] | None:
+        """W(t - 1), which the next micro-batches use."""
+        if self.pipedream is None:
+            return None
+        return {name: weights for (name, _), weights in
+                zip(self.model.named_parameters(), self.pipedream.previous, strict=True)}
+
+    def load_state(self, previous: dict[str, torch.Tensor] | None) -> None:
+        if previous is not None:
+            self.resumed_previous = [previous[name].to(p.device, torch.float32)
+                                     for name, p in self.model.named_parameters()]

@@ -1,0 +1,94 @@
+"""AdamW with the usual decay groups, warmup + cosine learning rate, and global-norm clipping
+that counts every parameter exactly once across the mesh."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.sharding import primary_parameters
+from meshtrain.precision import wide_dtype
+
+
+def build_adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float,
+                betas=(0.9, 0.95), eps: float = 1e-8,
+                no_decay: set[int] | None = None) -> torch.optim.AdamW:
+    """Decay matrices and embeddings; never biases or LayerNorm parameters (all 1-D). ZeRO's
+    flat pieces are 1-D whatever they came from: `no_decay` then names them (ids)."""
+    params = [p for p in params if p.requires_grad]
+    skip = no_decay if no_decay is not None else {id(p) for p in params if p.dim() < 2}
+    decay = [p for p in params if id(p) not in skip]
+    no_decay = [p for p in params if id(p) in skip]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup to `lr`, then cosine
+    decay to `min_lr` at `total_steps`."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
+                     grads: dict[int, torch.Tensor] | None = None, *,
+                     counted_elsewhere: set[int] = frozenset(), experts: set[int] = frozenset(),
+                     sharded: bool = False) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, each logical parameter counted once.
+
+    TP-sharded parameters: every rank's shard counts (summed over TP; a shard several TP ranks
+    share counts on the first of them). Replicated parameters (norms, row-parallel biases,
+    positions): counted on TP rank 0 only. Pipeline stages hold different layers and are summed
+    over PP. DP replicas hold the same averaged gradient, so nothing is summed over DP; `experts`
+    are summed over EP (each EP rank holds different experts) but not over their replicas (edp).
+    `grads` maps id(parameter) to its gradient where it does not live in `.grad` (fp32 buffers
+    of 16-bit parameters); `counted_elsewhere` are copies counted on another rank (the last
+    pipeline stage's tied embedding). `sharded`: ZeRO gradients, each DP rank holding a
+    different piece, so the squares are also summed over the data-parallel axes (dp x cp for
+    dense parameters, edp for experts).
+    """
+    counted = primary_parameters(model, mesh)
+    first = next(model.parameters())
+    dtype = wide_dtype(first.dtype)
+    dense = torch.zeros((), dtype=dtype, device=first.device)
+    expert = torch.zeros((), dtype=dtype, device=first.device)
+    for p in model.parameters():
+        grad = p.grad if grads is None else grads.get(id(p))
+        if grad is None or id(p) in counted_elsewhere or id(p) not in counted:
+            continue
+        square = grad.detach().to(dtype).pow(2).sum()
+        if id(p) in experts:
+            expert += square
+        else:
+            dense += square
+    if sharded:
+        comm.all_reduce(dense, mesh.dp_cp)
+        comm.all_reduce(expert, mesh.axis("edp"))
+    comm.all_reduce(expert, mesh.ep)  # EP ranks hold different experts
+    total = dense + expert
+    comm.all_reduce(total, mesh.tp)
+    comm.all_reduce(total, mesh.pp)
+    return total.sqrt()
+
+
+def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, max_norm: float,
+                    grads: dict[int, torch.Tensor] | None = None, **counting) -> torch.Tensor:
+    """Scale gradients so the global norm is at most `max_norm` (0 disables); returns the norm
+    before clipping. `counting`: `global_grad_norm`'s keyword arguments."""
+    norm = global_grad_norm(model, mesh, grads, **counting)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        tensors = list(grads.values()) if grads is not None else \
+            [p.grad for p in model.parameters() if p.grad is not None]
+        for grad in tensors:
+            grad.mul_(coef)
+    return norm

@@ -1,0 +1,358 @@
+"""ZeRO (seed 002 section 2.4): data parallelism that shards the optimizer states (stage 1), also
+the gradients (stage 2), and also the parameters (stage 3) over the data-parallel axis.
+
+Layout. Parameters are packed into flat buckets: under stages 1 and 2 by size (reverse order,
+like the all-reduce buckets), under stage 3 one bucket per unit (the embedding, final norm and
+head together; each transformer block). A bucket is padded to a multiple of N, the axis size,
+and rank r owns its r-th contiguous 1/N - the layout of Megatron's distributed optimizer, so
+every collective works on one contiguous buffer. A parameter's part inside a rank's shard is a
+*piece*; the optimizer steps pieces of the fp32 master shard, so AdamW's elementwise update
+equals the unsharded one.
+
+One optimizer step:
+- stage 1: gradients accumulate in the full bucket; during the last micro-batch's backward each
+  complete bucket is reduce-scattered in place (AVG);
+- stage 2: every micro-batch's backward reduce-scatters each complete bucket into a persistent
+  gradient shard and frees the bucket;
+- stage 3: as stage 2, and a unit's parameters exist in full only while it computes: gathered
+  before its forward (the next unit prefetched), freed after it, gathered again when the
+  gradient of its output arrives (the previous unit prefetched), freed once its gradients are
+  reduced;
+- then the master pieces step, each rank copies its updated shard into its parameter shard, and
+  stages 1 and 2 all-gather the buckets (stage 3 keeps only the shard).
+
+With `offload`, the fp32 master shard, its gradient and the Adam moments live in host memory and
+the update runs there (on a CPU-only machine this is the same memory, and bitwise the same run).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.mesh import MeshAxis
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.runtime.data_parallel import check_grad_views, reverse_buckets
+from meshtrain.parallel.runtime.zero_bucket import BACKWARD, FORWARD, FREE, Bucket
+
+_IN_FLIGHT_REDUCTIONS = 2  # stage 2/3: buckets whose reduce-scatter may still be running
+
+
+class ZeroDataParallel:
+    """Shard `units` (lists of parameters, in forward order) over `axis` at ZeRO `stage`.
+
+    The trainer-facing protocol is the GradientReducer's: `zero_grad()`, `sync` before each
+    backward (stage 1 communicates on the last micro-batch only; 2 and 3 on every one), `wait()`
+    after the last backward, `grad(p)` (this rank's reduced piece of p's gradient, None if it
+    owns none); then `step_pieces()` to hand to the optimizer, and `finish_step()` after it.
+    `deferred` is a parameter whose local gradient must first be summed over another axis
+    (the tied embedding held by two pipeline stages): its bucket is reduced in `wait()`.
+    Stage 3 also needs `attach(units)` to gather parameters around computation.
+    """
+
+    def __init__(self, units: list[list[nn.Parameter]], axis: MeshAxis, *, stage: int,
+                 bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32,
+                 scale: float = 1.0, offload: bool = False,
+                 deferred: tuple[nn.Parameter, MeshAxis] | None = None):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"`zero` must be 0, 1, 2 or 3, got {stage}")
+        self.axis, self.stage, self.scale = axis, stage, scale
+        self._sync = True
+        units = [[p for p in unit if p.requires_grad] for unit in units]
+        self.params = [p for unit in units for p in unit]
+        self.deferred_axis = deferred[1] if deferred else None
+        groups = self._group(units, bucket_bytes, grad_dtype,
+                             deferred[0] if deferred else None)
+        self.buckets = [Bucket(g, axis, stage=stage, grad_dtype=grad_dtype,
+                                offload=offload) for g in groups]
+        self.deferred = next((b for b in self.buckets if deferred and b.params[0] is deferred[0]),
+                             None)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._in_flight: list[Bucket] = []
+        self.transient_bytes = 0
+        self.peak_transient_bytes = 0
+        self._pieces = {id(b): [nn.Parameter(b.master[a:a + n]) for _, a, n in b.pieces]
+                        for b in self.buckets}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _group(self, units, bucket_bytes, grad_dtype, deferred) -> list[list[nn.Parameter]]:
+        """Stage 3: a bucket per unit; else size-closed buckets in reverse order. The deferred
+        parameter always has a bucket of its own."""
+        rest = [[p for p in unit if p is not deferred] for unit in units]
+        if self.stage == 3:
+            groups = [unit for unit in rest if unit]
+        else:
+            itemsize = torch.empty((), dtype=grad_dtype).element_size()
+            groups = reverse_buckets([p for unit in rest for p in unit], bucket_bytes, itemsize)
+        return groups + ([[deferred]] if deferred is not None else [])
+
+    @property
+    def sync(self) -> bool:
+        return self._sync
+
+    @sync.setter
+    def sync(self, last_micro_batch: bool) -> None:
+        # stage 1 communicates once per step; stages 2 and 3 reduce every micro-batch (so no
+        # full gradient outlives its backward). Set before each backward, so it also restarts
+        # the count of gradients each bucket waits for.
+        self._sync = last_micro_batch or self.stage >= 2
+        for b in self.buckets:
+            b.pending = len(b.params)
+
+    # ------------------------------------------------------------------ gradients
+    def grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        return self._bucket_of[id(param)].grad_pieces.get(id(param))
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            (b.grad_flat if self.stage == 1 else b.grad_shard).zero_()  # stage 1: shard in flat
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        b = self._bucket_of[id(param)]
+        if b.grad_flat is None:  # stage 2/3: a fresh bucket for this micro-batch
+            if b.reduced is not None:  # the previous micro-batch's reduction must land first
+                self._in_flight.remove(b)
+                self._complete(b)
+            b.set_grad_flat(torch.zeros(b.padded, dtype=b.grad_dtype, device=b.device))
+            self._track(b.grad_flat.numel() * b.grad_flat.element_size())
+        if not b.as_grads:
+            b.grad_views[id(param)].add_(param.grad)
+            param.grad = None
+        if not self.sync or b is self.deferred:
+            return
+        b.pending -= 1
+        if b.pending == 0:
+            self._reduce(b)
+
+    def _reduce(self, b: Bucket) -> None:
+        b.pending = len(b.params)
+        b.launched = True
+        avg = dist.ReduceOp.AVG
+        if self.stage == 1:
+            b.work = comm.reduce_scatter_into(b.grad_shard, b.grad_flat, self.axis, op=avg,
+                                              async_op=True)
+            return
+        # in place, into the bucket's own shard slice (gloo is markedly faster so than into a
+        # separate tensor); the slice is added to the persistent shard when it lands
+        b.reduced = b.grad_flat[b.lo:b.lo + b.shard_size]
+        b.work = comm.reduce_scatter_into(b.reduced, b.grad_flat, self.axis, op=avg,
+                                          async_op=True)
+        b.grad_flat, b.grad_views = None, {}  # the collective holds it until done
+        self._in_flight.append(b)
+        if self.stage == 3 and b.state == BACKWARD:
+            self._release(b)
+        while len(self._in_flight) > _IN_FLIGHT_REDUCTIONS:
+            self._complete(self._in_flight.pop(0))
+
+    def _complete(self, b: Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+        b.grad_shard.add_(b.reduced)
+        self._track(-b.padded * b.grad_shard.element_size())
+        b.work, b.reduced = None, None
+
+    def wait(self) -> None:
+        """Finish the step's reductions (also of buckets backward did not complete)."""
+        for b in self.buckets:
+            if b.as_grads:
+                check_grad_views(b.params, b.grad_flat)
+        if self.deferred is not None and self.deferred.grad_flat is not None:
+            comm.all_reduce(self.deferred.grad_flat, self.deferred_axis)
+        if self.sync:
+            for b in self.buckets:  # stage 1: not launched; 2, 3: a bucket not yet reduced
+                if b.grad_flat is not None and (self.stage > 1 or not b.launched):
+                    self._reduce(b)
+        for b in self.buckets:
+            if self.stage == 1 and b.work is not None:
+                b.work.wait()
+                b.work = None
+            b.launched = False
+            b.pending = len(b.params)
+        while self._in_flight:
+            self._complete(self._in_flight.pop(0))
+        if self.stage == 3:  # a unit whose parameters got no gradient is still gathered
+            for b in self.buckets:
+                self._release(b)
+        if self.scale != 1.0:
+            for b in self.buckets:
+                b.grad_shard.mul_(self.scale)
+
+    # ------------------------------------------------------------------ optimizer step
+    def step_pieces(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(model parameter, the fp32 master piece the optimizer steps) for this rank."""
+        return [(p, piece) for b in self.buckets
+                for (p, _, _), piece in zip(b.pieces, self._pieces[id(b)], strict=True)]
+
+    @torch.no_grad()
+    def prepare_step(self) -> None:
+        """Hand the (unscaled, clipped) gradient shards to the master pieces."""
+        for b in self.buckets:
+            grad = b.grad_shard if b.grad_in_place else \
+                b.grad_shard.to(b.master.device, torch.float32, copy=True)
+            for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
+                piece.grad = grad[a:a + n]
+
+    @torch.no_grad()
+    def finish_step(self) -> None:
+        """Stepped masters -> parameter shards -> (stages 1, 2) full parameters everywhere."""
+        works = []
+        for b in self.buckets:
+            for piece in self._pieces[id(b)]:
+                piece.grad = None  # frees an fp32 gradient copy
+            if b.master is not b.param_shard:
+                b.param_shard.copy_(b.master)
+            if self.stage < 3:
+                works.append(comm.all_gather_into(b.param_flat, b.param_shard, self.axis,
+                                                  async_op=True))
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    # ------------------------------------------------------------------ stage 3 gathering
+    def attach(self, units: list[nn.Module]) -> None:
+        """Gather each unit's parameters around its computation: bucket k is `units[k]`'s (the
+        model itself, whose own parameters are the embedding, final norm and output layer, then
+        each block: `ParameterRoles.units`)."""
+        assert self.stage == 3 and len(units) == len(self.buckets)
+        for k, module in enumerate(units):
+            module.register_forward_pre_hook(
+                lambda _m, _a, k=k: self._before_forward(k))
+            module.register_forward_hook(
+                lambda _m, _a, out, k=k: self._after_forward(k, out))
+
+    def _start_gather(self, b: Bucket) -> None:
+        if b.resident or b.gathering is not False:
+            return
+        nbytes = b.padded * b.param_flat.element_size()
+        b.param_flat.untyped_storage().resize_(nbytes)
+        self._track(nbytes)
+        # through .data: writing the storage must not bump the version counter that the
+        # saved views share (autograd would take them for modified)
+        flat = b.param_flat.data
+        own = flat[b.lo:b.lo + b.shard_size]
+        own.copy_(b.param_shard)  # in place: faster on gloo than gathering from another tensor
+        b.gathering = comm.all_gather_into(flat, own, self.axis, async_op=True)
+
+    def _gathered(self, b: Bucket, state: str) -> None:
+        self._start_gather(b)
+        if b.gathering is not False:
+            if b.gathering is not None:
+                b.gathering.wait()
+            b.gathering, b.resident = False, True
+        b.state = state
+
+    def _release(self, b: Bucket) -> None:
+        if b.resident:
+            b.param_flat.untyped_storage().resize_(0)
+            self._track(-b.padded * b.param_flat.element_size())
+            b.resident = False
+        b.state = FREE
+
+    def _before_forward(self, k: int) -> None:
+        b = self.buckets[k]
+        if b.state == BACKWARD:  # recomputation inside backward: already gathered
+            return
+        self._gathered(b, FORWARD)
+        if k + 1 < len(self.buckets):
+            self._start_gather(self.buckets[k + 1])
+
+    def _after_forward(self, k: int, out) -> None:
+        b = self.buckets[k]
+        if b.state != FORWARD:
+            return
+        self._release(b)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, k=k: self._before_backward(k))
+
+    def _before_backward(self, k: int) -> None:
+        self._gathered(self.buckets[k], BACKWARD)
+        # prefetch what backward computes next: the last block after the head, then the block
+        # before; the first block is followed by the embedding, whose unit stays gathered
+        following = len(self.buckets) - 1 if k == 0 else k - 1
+        if following > 0:
+            self._start_gather(self.buckets[following])
+
+    # ------------------------------------------------------------------ memory and state
+    def _track(self, nbytes: int) -> None:
+        self.transient_bytes += nbytes
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
+
+    def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes held between steps: parameters (full buckets, or the shard at stage 3),
+        gradients (full buckets at stage 1, else the shard) and optimizer states (master shard
+        unless it is the parameter shard itself, Adam moments)."""
+        def nbytes(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        params = sum(nbytes(b.param_flat if self.stage < 3 else b.param_shard)
+                     for b in self.buckets)
+        grads = sum(nbytes(b.grad_flat if self.stage == 1 else b.grad_shard)
+                    for b in self.buckets)
+        states = sum(nbytes(b.master) for b in self.buckets if b.master is not b.param_shard)
+        pieces = [piece for b in self.buckets for piece in self._pieces[id(b)]]
+        states += sum(nbytes(t) for piece in pieces
+                      for t in optimizer.state.get(piece, {}).values()
+                      if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return {"parameters": params, "gradients": grads, "optimizer_states": states}
+
+    @torch.no_grad()
+    def export(self, optimizer: torch.optim.Optimizer, *,
+               stepped: bool) -> tuple[dict, dict | None]:
+        """Full (this TP rank's) fp32 value and Adam moments of every parameter, gathered over
+        the axis (transient; collective): ({id(p): value}, {id(p): {state: tensor}} or None
+        before the first step). `stepped` must be the same on every rank (one that owns no
+        piece has no optimizer state of its own)."""
+        values: dict[int, torch.Tensor] = {}
+        states: dict[int, dict[str, torch.Tensor]] = {}
+        for b in self.buckets:
+            full = self._gather_full(b, b.master)
+            for p in b.params:
+                values[id(p)] = b.param_view(full, p)
+            if not stepped:
+                continue
+            for name in ("exp_avg", "exp_avg_sq"):
+                shard = torch.zeros(b.shard_size, dtype=torch.float32, device=b.master.device)
+                for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
+                    shard[a:a + n].copy_(optimizer.state[piece][name])
+                full = self._gather_full(b, shard)
+                for p in b.params:
+                    states.setdefault(id(p), {})[name] = b.param_view(full, p)
+        return values, states if stepped else None
+
+    def _gather_full(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
+        flat = torch.empty(b.padded, dtype=torch.float32, device=b.device)
+        comm.all_gather_into(flat, shard.to(b.device, torch.float32), self.axis)
+        if self.axis.size == 1:
+            flat.copy_(shard)
+        return flat
+
+    @torch.no_grad()
+    def load(self, optimizer: torch.optim.Optimizer, values: dict[int, torch.Tensor],
+             states: dict[int, dict[str, torch.Tensor]] | None,
+             step: torch.Tensor | None) -> None:
+        """Take this rank's shard of full per-parameter values (and moments)."""
+        for b in self.buckets:
+            full = self._flat_of(b, values)
+            b.master.copy_(full[b.lo:b.lo + b.shard_size])
+            b.param_shard.copy_(full[b.lo:b.lo + b.shard_size])
+            if b.resident:
+                b.param_flat.data.copy_(full)
+            if states is None or step is None:
+                continue
+            moments = {name: self._flat_of(b, {i: s[name] for i, s in states.items()})
+                       for name in ("exp_avg", "exp_avg_sq")}
+            for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
+                optimizer.state[piece] = {
+                    "step": step.reshape(()).clone(),
+                    **{name: flat[b.lo + a:b.lo + a + n].to(piece.device).clone()
+                       for name, flat in moments.items()}}
+
+    @staticmethod
+    def _flat_of(b: Bucket, per_param: dict[int, torch.Tensor]) -> torch.Tensor:
+        flat = torch.zeros(b.padded, dtype=torch.float32, device=b.device)
+        for p in b.params:
+            b.param_view(flat, p).copy_(per_param[id(p)])
+        return flat
+

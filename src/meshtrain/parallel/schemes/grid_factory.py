@@ -1,0 +1,99 @@
+"""What the grid schemes' layer factories (2D/2.5D `Summa2D`, 3D `Cube3D`) share.
+
+Their hidden states are split over the batch and the hidden size inside the TP block, never
+over the sequence, and each rank holds different elements. A scheme names its grid axes by
+role: the axis splitting the hidden size (norms and positions), the axis splitting the
+vocabulary of its logits, and the axes splitting the logits' batch (innermost first); the loss,
+the gathered logits and the norms follow from them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.mesh import MeshAxis, ParallelMesh
+from meshtrain.models.blocks import RMSNorm
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.loss import vocab_parallel_cross_entropy
+from meshtrain.parallel.layers.norms import SplitLayerNorm, SplitRMSNorm
+from meshtrain.parallel.layers.rng import TENSOR_PARALLEL
+from meshtrain.parallel.schemes.batch_split import gather_batch, partial_gradients_by_axis
+from meshtrain.parallel.schemes.factory import LayerFactory
+
+
+class GridFactory(LayerFactory):
+    """A scheme on a TP grid of side `q`. Subclasses set `hidden_axis`, `vocab_axis`,
+    `logits_batch_axes` (innermost first) and `replicated_axes` (the grid axes a hidden-size
+    slice is repeated on: what norm and position gradients are summed over), and say how many
+    ways the hidden states' batch is split (`batch_parts`)."""
+
+    hidden_axis: str
+    vocab_axis: str
+    logits_batch_axes: tuple[str, ...]
+    replicated_axes: tuple[str, ...]
+    batch_parts: int
+
+    def __init__(self, plan, mesh: ParallelMesh, *, q: int):
+        super().__init__(plan, mesh)
+        self.q = q
+
+    @property
+    def head_parts(self) -> int:
+        return self.q
+
+    def norm(self, dense: nn.Module) -> nn.Module:
+        options = dict(hidden_axis=self.hidden_axis, partial=self.replicated_axes)
+        if isinstance(dense, nn.LayerNorm):
+            return SplitLayerNorm(dense, self.mesh, **options)
+        if isinstance(dense, RMSNorm):
+            return SplitRMSNorm(dense, self.mesh, **options)
+        raise ValueError(f"`tp_scheme` {self.mesh.tp_scheme} splits LayerNorm and RMSNorm, not"
+                         f" {type(dense).__name__}: use `tp_scheme` 1d")
+
+    def _batch_axes(self) -> list[MeshAxis]:
+        return [self.mesh.axis(name) for name in self.logits_batch_axes]
+
+    def _logits_batch_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the whole micro-batch as its logits hold it."""
+        index, parts = 0, 1
+        for axis in reversed(self._batch_axes()):  # outermost first
+            index, parts = index * axis.size + axis.rank, parts * axis.size
+        return x.chunk(parts)[index]
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *,
+             ignore_index: int) -> torch.Tensor:
+        """Per-token losses `[b, s]` of the whole micro-batch, equal on every rank: the
+        vocab-parallel cross-entropy of this rank's batch chunk, its per-token losses gathered
+        (backward keeps this rank's chunk's gradient)."""
+        losses = vocab_parallel_cross_entropy(logits, self._logits_batch_chunk(targets),
+                                              mesh=self.mesh.axis(self.vocab_axis),
+                                              ignore_index=ignore_index)
+        for axis in self._batch_axes():
+            losses = gather_batch(losses, axis)
+        return losses
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        full = comm.all_gather(logits, self.mesh.axis(self.vocab_axis), dim=-1)
+        for axis in self._batch_axes():
+            full = comm.all_gather(full, axis, dim=0)
+        return full  # [b, s, V_padded]
+
+    def hidden_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions  # batch and hidden are split, never the sequence
+
+    @property
+    def hidden_stream(self) -> str:
+        return TENSOR_PARALLEL  # each rank holds different tokens and features
+
+    @property
+    def splits_sequence(self) -> bool:
+        return False
+
+    def hidden_shape(self, batch: int, tokens: int, hidden: int) -> tuple[int, ...]:
+        return (batch // self.batch_parts, tokens, hidden // self.q)
+
+    def partial_gradients(self, model: nn.Module,
+                          exclude: set[int]) -> list[tuple[MeshAxis, list[nn.Parameter]]]:
+        """What the layers name in their `partial_axes`, grouped by axis."""
+        return partial_gradients_by_axis(model, self.mesh, exclude)

@@ -1,0 +1,1 @@
+"""The training loop every rank runs, and what it reports (metrics, plots, pipeline timelines)."""
