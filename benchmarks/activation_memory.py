@@ -8,18 +8,19 @@ import torch
 import torch.distributed as dist
 
 import meshtrain
-from meshtrain import GPT, preset
+from meshtrain import preset
+from meshtrain.contracts import AuxiliaryOutputs
 from meshtrain.memory import layer_activation_formula, saved_activation_bytes
-from meshtrain.models import AuxiliaryOutputs
 from meshtrain.parallel.layers.recompute import recomputed
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallelize import build_model
 
 B, H, A = 2, 64, 4
 
 
 def layer_bytes(mesh, plan, s, *, attention="eager", dropout=0.1):
     cfg = preset("tiny", vocab_size=64, dropout=dropout, attention=attention, max_seq_len=s)
-    model = GPT(cfg, mesh=mesh, seed=0, plan=plan)
+    model = build_model(cfg, mesh, seed=0, plan=plan)
     model.train()
     block = model.layers["0"]
     local = s // mesh.cp.size // (mesh.tp.size if plan.sequence_parallel else 1)

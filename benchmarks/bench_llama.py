@@ -83,7 +83,7 @@ QUICK = LlamaShape(layers=2, hidden=64, heads=4, kv_heads=2, seq=32, vocab=256, 
 
 @functools.cache
 def dense_weights(shape: LlamaShape) -> dict[str, torch.Tensor]:
-    model = meshtrain.Llama(shape.config(), mesh=meshtrain.ParallelMesh.local(), seed=0)
+    model = meshtrain.build_model(shape.config(), meshtrain.ParallelMesh.local(), seed=0)
     return {name: t.detach() for name, t in model.named_parameters()}
 
 

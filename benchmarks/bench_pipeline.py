@@ -45,7 +45,7 @@ from bench_tp import (
 from torch import nn
 
 import meshtrain
-from meshtrain.models import StageSpec
+from meshtrain.contracts import StageSpec
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.pipeline import run_schedule, stage_layers
 from meshtrain.parallel.runtime.schedules import gpipe, interleaved, model_chunk, one_f_one_b
@@ -72,7 +72,7 @@ class SingleProcess(Contender):
         self.key = f"single-{threads}t"
 
     def build(self, shape: Shape) -> Step:
-        model = meshtrain.GPT(shape.config(), mesh=meshtrain.ParallelMesh.local(), seed=0)
+        model = meshtrain.build_model(shape.config(), meshtrain.ParallelMesh.local(), seed=0)
         batches = micro_batches(shape)
 
         def forward_backward() -> torch.Tensor:
@@ -101,7 +101,7 @@ class MeshtrainPipeline(Contender):
         chunks = stage_layers(shape.layers, WORLD * v)
         stage = StageSpec(tuple(chunks[model_chunk(s, c, WORLD)] for c in range(v)),
                           has_embedding=s == 0, has_head=s == WORLD - 1)
-        model = meshtrain.GPT(shape.config(), mesh=mesh, seed=0, stage=stage)
+        model = meshtrain.build_model(shape.config(), mesh, seed=0, stage=stage)
         actions = interleaved(WORLD, MICRO_BATCHES, v)[s] if v > 1 else \
             {"gpipe": gpipe, "1f1b": one_f_one_b}[self.schedule](WORLD, MICRO_BATCHES)[s]
         batches = micro_batches(shape)

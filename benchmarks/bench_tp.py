@@ -41,8 +41,8 @@ from rank_messages import collect, stop_workers
 from torch import nn
 
 import meshtrain
-from meshtrain.models import family_of
 from meshtrain.parallel.runtime.data_parallel import GradientReducer
+from meshtrain.parallelize import build_model
 
 WORLD = 2
 LR = 1e-4
@@ -105,7 +105,7 @@ def make_batch(shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.cache
 def dense_weights(shape: Shape) -> dict[str, torch.Tensor]:
     """meshtrain's dense weights at seed 0: the peers start from them, so losses must agree."""
-    model = meshtrain.GPT(shape.config(), mesh=meshtrain.ParallelMesh.local(), seed=0)
+    model = meshtrain.build_model(shape.config(), meshtrain.ParallelMesh.local(), seed=0)
     return {name: t.detach() for name, t in model.state_dict().items()}
 
 
@@ -155,7 +155,7 @@ class Contender:
 def _meshtrain_step(shape: Shape, mesh: meshtrain.ParallelMesh) -> Step:
     """The shape's model (any family: bench_llama.py shares these contenders) at seed 0."""
     cfg = shape.config()
-    model = family_of(cfg).model(cfg, mesh=mesh, seed=0)
+    model = build_model(cfg, mesh, seed=0)
     ids, targets = make_batch(shape)
 
     def forward_backward() -> torch.Tensor:
@@ -439,7 +439,7 @@ class MeshtrainDP(Contender):
 
     def build(self, shape: Shape) -> Step:
         mesh = meshtrain.init_parallel(dp=WORLD, device="cpu")
-        model = meshtrain.GPT(shape.config(), mesh=mesh, seed=0)
+        model = meshtrain.build_model(shape.config(), mesh, seed=0)
         # Gradients are views into the reducer's buckets: it zeroes them, never the optimizer.
         reducer = GradientReducer(list(model.parameters()), mesh.dp_cp)
         ids, targets = _rank_share(shape, mesh.dp.rank)
@@ -461,7 +461,7 @@ class DDP(Contender):
 
     def build(self, shape: Shape) -> Step:
         # meshtrain's dense GPT, so that only the gradient averaging differs from meshtrain dp=2.
-        model = meshtrain.GPT(shape.config(), mesh=meshtrain.ParallelMesh.local(), seed=0)
+        model = meshtrain.build_model(shape.config(), meshtrain.ParallelMesh.local(), seed=0)
         ddp = nn.parallel.DistributedDataParallel(model)
         ids, targets = _rank_share(shape, dist.get_rank())
 

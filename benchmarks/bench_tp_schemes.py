@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, port: int, args, corpus: str, commands, resul
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from meshtrain.mesh import init_parallel
+    from meshtrain.parallel.runtime.process_groups import init_parallel
     from meshtrain.training.trainer import Trainer
 
     trainers = {}
@@ -125,7 +125,7 @@ def main() -> None:
     if args.quick:
         args.layers, args.hidden, args.heads, args.seq, args.repeats = 1, 32, 4, 16, 2
     from meshtrain.data.corpus import synthetic_corpus
-    from meshtrain.mesh import free_port
+    from meshtrain.parallel.runtime.process_groups import free_port
 
     with tempfile.TemporaryDirectory() as data_dir:
         corpus = str(Path(data_dir) / "corpus.txt")

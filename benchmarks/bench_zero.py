@@ -59,7 +59,7 @@ def _status(field: str) -> int:
 @functools.cache
 def _warm_up_process() -> None:
     """Pay torch's and gloo's one-time allocations before the first contender is measured."""
-    model = meshtrain.GPT(meshtrain.preset("tiny"), mesh=meshtrain.ParallelMesh.local(), seed=0)
+    model = meshtrain.build_model(meshtrain.preset("tiny"), meshtrain.ParallelMesh.local(), seed=0)
     ids = torch.zeros(2, 8, dtype=torch.long)
     model.loss(model(ids), ids).backward()
     torch.optim.AdamW(model.parameters()).step()
@@ -103,7 +103,7 @@ class MeshtrainZero(Contender):
     @measured
     def build(self, shape: Shape) -> Step:
         mesh = meshtrain.init_parallel(dp=WORLD, device="cpu")
-        model = meshtrain.GPT(shape.config(), mesh=mesh, seed=0)
+        model = meshtrain.build_model(shape.config(), mesh, seed=0)
         units = model.roles().units
         zero = ZeroDataParallel([params for _, params in units], mesh.dp_cp, stage=self.stage)
         if self.stage == 3:
@@ -147,7 +147,7 @@ class FSDP2(Contender):
     def build(self, shape: Shape) -> Step:
         from torch.distributed.fsdp import fully_shard
 
-        model = meshtrain.GPT(shape.config(), mesh=meshtrain.ParallelMesh.local(), seed=0)
+        model = meshtrain.build_model(shape.config(), meshtrain.ParallelMesh.local(), seed=0)
         for block in model.layers.values():
             fully_shard(block)
         fully_shard(model)  # embedding, final norm, head: gathered for the whole forward
@@ -178,7 +178,7 @@ class DeepSpeedZero(Contender):
             import deepspeed
         except ImportError as exc:
             raise Unavailable(f"deepspeed not installed ({exc})") from None
-        model = meshtrain.GPT(shape.config(), mesh=meshtrain.ParallelMesh.local(), seed=0)
+        model = meshtrain.build_model(shape.config(), meshtrain.ParallelMesh.local(), seed=0)
         model.load_state_dict(dense_weights(shape))
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         config = {"train_micro_batch_size_per_gpu": shape.batch // WORLD,

@@ -8,8 +8,9 @@ import time
 
 import torch
 
-from meshtrain import GPT, ParallelMesh, preset
+from meshtrain import ParallelMesh, preset
 from meshtrain.parallel import named_full_tensors
+from meshtrain.parallelize import build_model
 
 
 def main() -> None:
@@ -20,7 +21,7 @@ def main() -> None:
     ids = torch.randint(0, 251, (4, 65), generator=torch.Generator().manual_seed(0))
     results = {}
     for device in ("cpu", "cuda"):
-        model = GPT(cfg, mesh=ParallelMesh.local(device), seed=1)
+        model = build_model(cfg, ParallelMesh.local(device), seed=1)
         x, y = ids[:, :-1].to(device), ids[:, 1:].to(device)
         loss = model.loss(model(x), y)
         loss.backward()
@@ -32,7 +33,7 @@ def main() -> None:
     print(f"loss cpu {cpu_loss:.7f} cuda {gpu_loss:.7f}; worst relative grad diff {worst:.2e}")
     assert abs(cpu_loss - gpu_loss) / cpu_loss < 1e-5 and worst < 1e-4
 
-    big = GPT(preset("gpt2", vocab_size=50304), mesh=ParallelMesh.local("cuda"), seed=0)
+    big = build_model(preset("gpt2", vocab_size=50304), ParallelMesh.local("cuda"), seed=0)
     opt = torch.optim.AdamW(big.parameters(), lr=3e-4, fused=True)
     data = torch.randint(0, 50304, (8, 1025), device="cuda")
     for dtype in (torch.float32, torch.bfloat16):

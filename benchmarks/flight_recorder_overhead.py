@@ -24,9 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshtrain.config.run_config import RunConfig
-from meshtrain.mesh import MeshAxis, init_parallel
+from meshtrain.mesh import MeshAxis
 from meshtrain.operations.watchdog import HangWatchdog
 from meshtrain.parallel.communication.flight_recorder import FlightRecorder
+from meshtrain.parallel.runtime.process_groups import init_parallel
 from meshtrain.training.trainer import Trainer
 
 SETTINGS = ("off", "ring", "watchdog")  # nothing armed; the ring alone; ring and watchdog

@@ -67,7 +67,7 @@ def _rank(rank: int, layout: str, port: int, results) -> None:
     dist.init_process_group("gloo")
     ids, targets = bench_tp.make_batch(bench_tp.FULL)
     mesh = meshtrain.init_parallel(**{layout[:2]: 2}, device="cpu")
-    model = meshtrain.GPT(bench_tp.FULL.config(), mesh=mesh, seed=0)
+    model = meshtrain.build_model(bench_tp.FULL.config(), mesh, seed=0)
     if layout == "dp2":
         reducer = GradientReducer(list(model.parameters()), mesh.dp_cp)
         phases = time_phases(model, ids.chunk(2)[rank], targets.chunk(2)[rank], reducer)
@@ -82,7 +82,8 @@ def measure(layout: str, port: int) -> dict[str, float]:
     if layout == "single":
         torch.set_num_threads(2)
         ids, targets = bench_tp.make_batch(bench_tp.FULL)
-        model = meshtrain.GPT(bench_tp.FULL.config(), mesh=meshtrain.ParallelMesh.local(), seed=0)
+        model = meshtrain.build_model(bench_tp.FULL.config(), meshtrain.ParallelMesh.local(),
+                                      seed=0)
         return time_phases(model, ids, targets)
     context = mp.get_context("spawn")
     results = context.Queue()

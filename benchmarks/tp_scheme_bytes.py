@@ -1,5 +1,5 @@
 """Tensor-parallel bytes per rank per GPT layer (forward and backward, one micro-batch of B
-tokens, bf16) of each scheme at tp = P, from the planner's formulas (`planner/tp_traffic.py`),
+tokens, bf16) of each scheme at tp = P, from each scheme's formulas (`TPScheme.layer_traffic`),
 and which scheme moves fewest.
 
     python benchmarks/tp_scheme_bytes.py              # aligned text
@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 
 from meshtrain.models.gpt import GPTConfig
-from meshtrain.planner.scheme_space import forms
-from meshtrain.planner.tp_traffic import layer_traffic
+from meshtrain.parallel.schemes.registry import tp_scheme
 
 HIDDEN = (1024, 4096, 12288)
 TOKENS = (2048, 2048 * 8)
@@ -32,9 +31,10 @@ def scheme_bytes(hidden: int, tokens: int, ranks: int) -> dict[str, tuple[float,
     out: dict[str, tuple[float, int | None]] = {}
     for scheme, depths in (("1d", [None]), ("2d", [None]), ("3d", [None]),
                            ("2.5d", range(2, ranks + 1))):
-        for depth in (d for d in depths if forms(ranks, scheme, d)):
-            moved = layer_traffic(model, tp=ranks, scheme=scheme, depth=depth, tokens=tokens,
-                                  e=ELEMENT_BYTES).total_bytes
+        scheme_def = tp_scheme(scheme)
+        for depth in (d for d in depths if scheme_def.forms(ranks, d)):
+            moved = scheme_def.layer_traffic(model, scheme_def.grid(ranks, depth), tokens,
+                                             ELEMENT_BYTES).total_bytes
             if scheme not in out or moved < out[scheme][0]:
                 out[scheme] = (moved, depth)
     return out

@@ -13,6 +13,7 @@ from meshtrain import ParallelMesh
 from meshtrain.models import family_of
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.communication import comm
+from meshtrain.parallelize import build_model
 
 TOL = dict(rtol=1e-10, atol=1e-13)
 GPT_SHAPE = dict(num_layers=2, hidden_size=16, num_heads=4, vocab_size=37, max_seq_len=16)
@@ -50,8 +51,8 @@ def check_against_dense(cfg, factory, batch: int) -> CommRecorder:
     over their axes, every gradient of one micro-batch of `batch` sequences of 8 tokens;
     returns the forward and backward's communication."""
     family = family_of(cfg)
-    dense = family.model(cfg, mesh=ParallelMesh.local(), seed=3).double()
-    model = family.model(cfg, factory=factory, seed=3).double()
+    dense = build_model(cfg, ParallelMesh.local(), seed=3).double()
+    model = family.model(cfg, factory, seed=3).double()
     dense_params = dict(named_full_tensors(dense))
     for name, full in named_full_tensors(model):
         assert torch.equal(full, dense_params.pop(name)), name

@@ -22,6 +22,8 @@ import sys
 import time
 import traceback
 
+from meshtrain.parallelize import build_model
+
 _pools: dict[int, RankPool] = {}
 _worker_meshes: dict = {}  # in worker processes only
 
@@ -48,7 +50,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 class RankPool:
     def __init__(self, world_size: int):
-        from meshtrain.mesh import free_port
+        from meshtrain.parallel.runtime.process_groups import free_port
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         ctx = mp.get_context("spawn")
@@ -116,7 +118,7 @@ def _close_all() -> None:
 
 def worker_mesh(**degrees):
     """The ParallelMesh for these degrees in this worker, created once."""
-    from meshtrain.mesh import init_parallel
+    from meshtrain.parallel.runtime.process_groups import init_parallel
 
     key = tuple(sorted(degrees.items()))
     if key not in _worker_meshes:
@@ -130,7 +132,7 @@ def raises_as_flags(match: str):
     library errors name settings (`pp_schedule`), the CLI shows flags (--pp-schedule)."""
     import pytest
 
-    from meshtrain.cli.main import as_flags
+    from meshtrain.cli.flags import as_flags
 
     with pytest.raises(ValueError) as error:
         yield error
@@ -144,10 +146,9 @@ LLAMA = {"model": "llama-tiny"}  # model settings of the Llama family's parity r
 def dense_reference(cfg, vocab_size: int = 256):
     """The single-process model of a run's settings (its family, its seed)."""
     from meshtrain import ParallelMesh
-    from meshtrain.models import family_of
 
     model_cfg = cfg.model_config(vocab_size)
-    return family_of(model_cfg).model(model_cfg, mesh=ParallelMesh.local(), seed=cfg.train.seed)
+    return build_model(model_cfg, ParallelMesh.local(), seed=cfg.train.seed)
 
 
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:

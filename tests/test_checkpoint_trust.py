@@ -21,7 +21,7 @@ from meshtrain.checkpoints.retention import keep_newest
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import synthetic_corpus
-from meshtrain.models import family_of
+from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
 TRAIN = ["--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--micro-batch", "2",
@@ -257,7 +257,7 @@ def test_import_writes_the_record_and_removes_leftovers(tmp_path):
     (root / ".tmp_step_00000000").mkdir(parents=True)
     (root / ".latest.tmp").write_text("x")
     cfg = preset("tiny", num_layers=1, hidden_size=8, num_heads=2, vocab_size=4, max_seq_len=4)
-    model = family_of(cfg).model(cfg, mesh=ParallelMesh.local(), seed=0)
+    model = build_model(cfg, ParallelMesh.local(), seed=0)
     planned = [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
     path = write_model_checkpoint(root, family="gpt", cfg=cfg, planned=planned,
                                   tensors=((n, p.detach()) for n, p in model.named_parameters()),

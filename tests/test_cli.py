@@ -6,7 +6,8 @@ import tomllib
 import pytest
 from harness import run_cli
 
-from meshtrain.cli.main import _train_config, as_flags, main
+from meshtrain.cli.flags import as_flags
+from meshtrain.cli.main import _train_config, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config import run_config as config
 from meshtrain.config.run_config import build_config, flag_fields

@@ -9,8 +9,9 @@ import torch
 from harness import run_on_ranks, worker_mesh
 
 from meshtrain import ParallelMesh, ParallelPlan, preset
+from meshtrain.contracts import StageSpec
 from meshtrain.inference.generate import generate
-from meshtrain.models import StageSpec, family_of
+from meshtrain.parallelize import build_model
 
 MAX_SEQ_LEN = 16
 PROMPT = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(4))  # batch 3
@@ -26,7 +27,7 @@ def _model(case: str, mesh: ParallelMesh, plan: ParallelPlan | None = None, **ov
     """A tiny model whose larger weights make its logits far from ties (init_std 0.2)."""
     name, fields = CASES[case]
     cfg = preset(name, max_seq_len=MAX_SEQ_LEN, init_std=0.2, **fields, **overrides)
-    return family_of(cfg).model(cfg, mesh=mesh, plan=plan, seed=0)
+    return build_model(cfg, mesh, plan=plan, seed=0)
 
 
 def _mesh(tp: int) -> ParallelMesh:
@@ -102,7 +103,7 @@ def test_cache_refuses_training_mode_pipeline_stages_and_overflow():
     with pytest.raises(ValueError, match="holds 6 tokens, 7 were asked"):
         model(PROMPT[:, :2], cache=cache)
     cfg = model.cfg
-    stage = family_of(cfg).model(cfg, mesh=ParallelMesh.local(),
+    stage = build_model(cfg, ParallelMesh.local(),
                                  stage=StageSpec((range(2),), has_head=False))
     with pytest.raises(ValueError, match="pipeline stage"):
         stage.kv_cache(MAX_SEQ_LEN)

@@ -234,9 +234,9 @@ def _worker(mode: str, out: str) -> None:
     all-reduce, then the fault `mode`; the watchdog ends the process."""
     import torch
 
-    from meshtrain.mesh import init_parallel
     from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
     from meshtrain.parallel.communication import comm
+    from meshtrain.parallel.runtime.process_groups import init_parallel
 
     mesh = init_parallel(dp=2, device="cpu", timeout=process_group_timeout(TIMEOUT))
     with HangWatchdog(rank=mesh.rank, world_size=2, timeout=TIMEOUT, out=out):

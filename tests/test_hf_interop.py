@@ -21,10 +21,9 @@ from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import BatchSampler, load_tokens, split_tokens, synthetic_corpus
 from meshtrain.data.tokenization import train_bpe
 from meshtrain.interop.hf_io import HFModelDirectory, import_hf
-from meshtrain.models import family_of
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallelize import pipeline_stage
+from meshtrain.parallelize import build_model, pipeline_stage
 from meshtrain.training.trainer import Trainer
 
 IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -163,7 +162,7 @@ def _logits_at(run: str, ids: torch.Tensor, degrees: dict) -> torch.Tensor | Non
     path = resolve_checkpoint(run)
     cfg = checkpoint_config(path)
     stage = pipeline_stage(cfg.num_layers, ParallelPlan(**degrees), mesh)
-    model = family_of(cfg).model(cfg, mesh=mesh, stage=stage).eval()
+    model = build_model(cfg, mesh, stage=stage).eval()
     load_checkpoint(path, model=model, mesh=mesh)
     with torch.no_grad():
         if stage.has_embedding and stage.has_head:

@@ -10,15 +10,17 @@ import pytest
 import torch
 from harness import LLAMA, raises_as_flags, run_cli, run_on_ranks, worker_mesh
 
-from meshtrain import Llama, ParallelMesh, preset
+from meshtrain import ParallelMesh, preset
 from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.interop.hf_io import hf_state_dict
-from meshtrain.models.blocks import RMSNorm, Rotary, rope_frequencies
+from meshtrain.models.blocks import Rotary, rope_frequencies
 from meshtrain.parallel.communication.comm import all_gather_objects
+from meshtrain.parallel.layers.norms import RMSNorm
 from meshtrain.parallel.layers.sharding import parameter_shards, unshard_tensor
+from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
 
@@ -30,15 +32,15 @@ def corpus(tmp_path_factory) -> str:
 
 
 def test_rms_norm_is_computed_in_fp32_with_exact_gradients():
-    from meshtrain.models.blocks import _RMSNormFunction
+    from meshtrain.parallel.layers.norms import _RMSNormFn
 
     torch.manual_seed(0)
     x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
     weight = torch.empty(6, dtype=torch.float64).uniform_(0.5, 1.5).requires_grad_()
     expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
-    torch.testing.assert_close(_RMSNormFunction.apply(x, weight, 1e-5), expected, rtol=1e-12,
+    torch.testing.assert_close(_RMSNormFn.apply(x, weight, None, 6, 1e-5), expected, rtol=1e-12,
                                atol=1e-12)  # fp64 stays fp64
-    assert torch.autograd.gradcheck(lambda x, w: _RMSNormFunction.apply(x, w, 1e-5),
+    assert torch.autograd.gradcheck(lambda x, w: _RMSNormFn.apply(x, w, None, 6, 1e-5),
                                     (x, weight))  # input and weight gradients
     # bf16 in: statistics in fp32, rounded once to bf16 before the weight multiplies
     norm = RMSNorm(6, eps=1e-5).to(torch.bfloat16)
@@ -69,7 +71,7 @@ def test_rotary_scores_depend_only_on_the_distance():
 
 def test_rotary_angles_stay_fp32_in_a_16_bit_model():
     """`model.to(bf16)` must not round the frequencies: position 8191 would move by radians."""
-    model = Llama(preset("llama-tiny", rope_theta=500000.0), mesh=ParallelMesh.local(), seed=0)
+    model = build_model(preset("llama-tiny", rope_theta=500000.0), ParallelMesh.local(), seed=0)
     positions = torch.arange(8192)
     fp32 = model.layers["0"].attn.rotary.angles(positions)
     model.to(torch.bfloat16)
@@ -86,7 +88,7 @@ def test_logits_equal_transformers_llama(kv, tied, scaled):
         if scaled else {}
     cfg = preset("llama-tiny", num_kv_heads=kv, rope_theta=50000.0, tie_word_embeddings=tied,
                  **rope)
-    ours = Llama(cfg, mesh=ParallelMesh.local(), seed=3).eval()
+    ours = build_model(cfg, ParallelMesh.local(), seed=3).eval()
     parameters = {"rope_type": "llama3" if scaled else "default", "rope_theta": 50000.0}
     if scaled:
         parameters |= {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -7,16 +7,17 @@ import torch
 from harness import run_on_ranks, worker_mesh
 
 from meshtrain import ParallelMesh, preset
+from meshtrain.contracts import AuxiliaryOutputs
 from meshtrain.memory import layer_activation_formula, saved_activation_bytes
-from meshtrain.models import AuxiliaryOutputs, family_of
 from meshtrain.parallel.layers.recompute import recomputed
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallelize import build_model
 
 B, S, H, A = 2, 64, 64, 4
 
 
 def _measure(mesh, plan, cfg):
-    model = family_of(cfg).model(cfg, mesh=mesh, seed=0, plan=plan)
+    model = build_model(cfg, mesh, seed=0, plan=plan)
     model.train()
     block = model.layers["0"]
     s_local = S // mesh.tp.size if plan.sequence_parallel else S

@@ -64,7 +64,7 @@ def _check_mismatch():
 
 
 def test_one_gpu_per_local_rank(monkeypatch):
-    from meshtrain.mesh import check_local_devices
+    from meshtrain.parallel.runtime.process_groups import check_local_devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -5,9 +5,10 @@ import torch
 from harness import run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
-from meshtrain import GPT, ParallelMesh, preset
+from meshtrain import ParallelMesh, preset
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather
+from meshtrain.parallelize import build_model
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -21,8 +22,8 @@ def _batch(vocab, b=2, s=16, seed=0):
 def _check_gpt(tp, vocab, attention):
     mesh = worker_mesh(tp=tp)
     cfg = preset("tiny", vocab_size=vocab, attention=attention)
-    dense = GPT(cfg, mesh=ParallelMesh.local(), seed=7)
-    model = GPT(cfg, mesh=mesh, seed=7)
+    dense = build_model(cfg, ParallelMesh.local(), seed=7)
+    model = build_model(cfg, mesh, seed=7)
     inputs, targets = _batch(vocab)
 
     # Same seed -> same weights at every tp.
@@ -78,7 +79,7 @@ def test_sdpa_and_eager_attention_agree():
     inputs, targets = _batch(64)
     losses = []
     for attention in ("sdpa", "eager"):
-        model = GPT(preset("tiny", vocab_size=64, attention=attention), mesh=mesh, seed=1)
+        model = build_model(preset("tiny", vocab_size=64, attention=attention), mesh, seed=1)
         losses.append(model.loss(model(inputs), targets))
     assert_close(losses[0], losses[1], **TOL)
 
@@ -86,9 +87,9 @@ def test_sdpa_and_eager_attention_agree():
 def _check_dropout_consistent():
     """With dropout on, TP ranks still agree on every replicated activation."""
     mesh = worker_mesh(tp=2)
-    model = GPT(preset("tiny", vocab_size=64, dropout=0.3), mesh=mesh, seed=1)
+    model = build_model(preset("tiny", vocab_size=64, dropout=0.3), mesh, seed=1)
     inputs, targets = _batch(64)
-    from meshtrain.models import AuxiliaryOutputs
+    from meshtrain.contracts import AuxiliaryOutputs
     from meshtrain.parallel.layers.rng import REPLICATED
 
     assert model.factory.hidden_stream == REPLICATED
@@ -134,12 +135,12 @@ def test_invalid_model_shapes():
 
 
 def test_tiny_model_counted_parameters():
-    model = GPT(preset("tiny"), mesh=ParallelMesh.local(), seed=0)
+    model = build_model(preset("tiny"), ParallelMesh.local(), seed=0)
     assert sum(p.numel() for p in model.parameters()) == preset("tiny").num_parameters()
 
 
 def test_loss_averages_over_non_ignored_tokens():
-    model = GPT(preset("tiny", vocab_size=64), mesh=ParallelMesh.local(), seed=0)
+    model = build_model(preset("tiny", vocab_size=64), ParallelMesh.local(), seed=0)
     inputs, targets = _batch(64)
     targets = targets.clone()  # a view of the same ids as the inputs
     targets[:, 5:] = -100

@@ -5,14 +5,15 @@ import torch
 from harness import LLAMA, dense_reference, raises_as_flags, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
-from meshtrain import GPT, ParallelMesh, preset
+from meshtrain import ParallelMesh, preset
 from meshtrain.config.run_config import build_config
+from meshtrain.contracts import AuxiliaryOutputs
 from meshtrain.data.corpus import synthetic_corpus
-from meshtrain.models import AuxiliaryOutputs
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather_objects
 from meshtrain.parallel.layers.expert import MoE, capacity, route
 from meshtrain.parallel.runtime.optim import global_grad_norm
+from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -176,7 +177,7 @@ def test_bad_moe_settings():
 
 def test_moe_layers_and_parameter_count():
     cfg = preset("tiny", vocab_size=64, moe_experts=4, moe_every=2)
-    model = GPT(cfg, mesh=ParallelMesh.local(), seed=5)
+    model = build_model(cfg, ParallelMesh.local(), seed=5)
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     names = [n for n, _ in model.named_parameters() if ".experts." in n]
     assert len(names) == 2 * 4 * 4  # 2 MoE layers x 4 experts x (fc w, b, proj w, b)

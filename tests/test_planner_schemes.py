@@ -16,19 +16,15 @@ from meshtrain.cli.parsers import build_parser
 from meshtrain.models import preset
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.models.llama import LlamaConfig
+from meshtrain.parallel.schemes.cube import cube_linear
+from meshtrain.parallel.schemes.megatron1d import megatron_layer
+from meshtrain.parallel.schemes.registry import tp_scheme
+from meshtrain.parallel.schemes.scheme import Traffic, layer_linears
+from meshtrain.parallel.schemes.summa import depth_gradient_bytes, summa_linear
 from meshtrain.planner.costs import predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.layout import Layout, parse_layout
 from meshtrain.planner.search import search
-from meshtrain.planner.tp_traffic import (
-    Traffic,
-    cube_linear,
-    depth_gradient_bytes,
-    layer_linears,
-    layer_traffic,
-    megatron_layer,
-    summa_linear,
-)
 from meshtrain.planner.workload import GRAD_BYTES, Workload
 
 LINK = Hardware(name="link", peak_tflops=100.0, hbm_gib=80, gpus_per_node=64,
@@ -70,8 +66,8 @@ def test_layer_linears_of_each_family():
 
 def _bytes(h: int, tokens: int, ranks: int, scheme: str, depth: int | None = None) -> float:
     model = GPTConfig(num_layers=1, hidden_size=h, num_heads=h // 128)
-    return layer_traffic(model, tp=ranks, scheme=scheme, depth=depth, tokens=tokens,
-                         e=2).total_bytes
+    grid = tp_scheme(scheme).grid(ranks, depth)
+    return tp_scheme(scheme).layer_traffic(model, grid, tokens, 2).total_bytes
 
 
 @pytest.mark.parametrize("tokens", [2048, 16384])

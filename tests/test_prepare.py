@@ -11,7 +11,8 @@ import pytest
 from harness import raises_as_flags, run_cli, word_level_tokenizer
 
 from meshtrain import ParallelMesh
-from meshtrain.cli.main import as_flags, main
+from meshtrain.cli.flags import as_flags
+from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import encode, load_corpus, synthetic_corpus
 from meshtrain.data.prepare import prepare

@@ -9,14 +9,15 @@ import torch
 from harness import LLAMA, dense_reference, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
-from meshtrain import GPT, ParallelMesh, preset
-from meshtrain.cli.main import as_flags
+from meshtrain import ParallelMesh, preset
+from meshtrain.cli.flags import as_flags
 from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.runtime.optim import global_grad_norm
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -107,7 +108,7 @@ def _check_sp_comm(tp):
     column-parallel input in backward."""
     mesh = worker_mesh(tp=tp)
     cfg = preset("tiny", vocab_size=64)
-    model = GPT(cfg, mesh=mesh, seed=0, plan=ParallelPlan(sequence_parallel=True))
+    model = build_model(cfg, mesh, seed=0, plan=ParallelPlan(sequence_parallel=True))
     b, s, h = 2, 16, cfg.hidden_size
     ids = torch.randint(0, 64, (b, s + 1), generator=torch.Generator().manual_seed(0))
     with CommRecorder() as fwd:

@@ -18,16 +18,15 @@ from torch import nn
 from torch.testing import assert_close
 
 from meshtrain import ParallelMesh
-from meshtrain.models.blocks import RMSNorm
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.parallel import CommRecorder
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.norms import RMSNorm
 from meshtrain.parallel.layers.sharding import unshard_tensor
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.schemes.cube import Cube3D
-from meshtrain.parallel.schemes.factory import layer_factory
-from meshtrain.planner.tp_traffic import cube_linear
+from meshtrain.parallel.schemes.cube import Cube3D, cube_linear
+from meshtrain.parallel.schemes.registry import layer_factory
 
 TOL = dict(rtol=1e-10, atol=1e-13)
 B, S, H, E = 4, 4, 16, 8  # micro-batch, tokens, hidden; fp64 bytes per element

@@ -8,11 +8,12 @@ import torch
 from harness import LLAMA, dense_reference, run_cli, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
-from meshtrain import GPT, ParallelMesh
+from meshtrain import ParallelMesh
 from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import BatchSampler, synthetic_corpus
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.runtime.optim import global_grad_norm, lr_at
+from meshtrain.parallelize import build_model
 from meshtrain.training.metrics import MetricsLog, read_metrics
 from meshtrain.training.trainer import Trainer, run_training
 
@@ -162,8 +163,8 @@ def _check_clip_counts_once():
     from meshtrain import preset
 
     cfg = preset("tiny", vocab_size=37)
-    dense = GPT(cfg, mesh=ParallelMesh.local(), seed=1)
-    model = GPT(cfg, mesh=mesh, seed=1)
+    dense = build_model(cfg, ParallelMesh.local(), seed=1)
+    model = build_model(cfg, mesh, seed=1)
     ids = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(0))
     for m in (dense, model):
         m.loss(m(ids[:, :-1]), ids[:, 1:]).backward()
@@ -179,7 +180,7 @@ def test_gradient_buckets_close_before_overflowing_and_guard_their_views():
     from meshtrain import preset
     from meshtrain.parallel.runtime.data_parallel import GradientReducer
 
-    model = GPT(preset("tiny"), mesh=ParallelMesh.local(), seed=0)
+    model = build_model(preset("tiny"), ParallelMesh.local(), seed=0)
     layer_bytes = sum(p.numel() for p in model.layers["0"].parameters()) * 4
     reducer = GradientReducer(list(model.parameters()), ParallelMesh.local().dp_cp,
                               bucket_bytes=int(2.5 * layer_bytes))

@@ -12,6 +12,7 @@ from meshtrain.config.run_config import build_config, validate
 from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.parallel import CommRecorder
+from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer, run_training
 
 
@@ -229,10 +230,10 @@ def test_bad_zero_settings(corpus, parallel, model, match):
 
 
 def test_zero1_refuses_gradients_that_left_their_bucket():
-    from meshtrain import GPT, ParallelMesh, preset
+    from meshtrain import ParallelMesh, preset
     from meshtrain.parallel.runtime.zero import ZeroDataParallel
 
-    model = GPT(preset("tiny"), mesh=ParallelMesh.local(), seed=0)
+    model = build_model(preset("tiny"), ParallelMesh.local(), seed=0)
     zero = ZeroDataParallel([params for _, params in model.roles().units],
                             ParallelMesh.local().dp_cp, stage=1)
     zero.wait()  # views intact: fine

@@ -1,13 +1,14 @@
 """meshtrain: train transformer language models with Megatron-style parallelism on one mesh."""
 
 from meshtrain.inference.dense import DenseModel, load_model
-from meshtrain.mesh import MeshAxis, ParallelMesh, destroy_parallel, init_parallel
+from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.models import FAMILIES, PRESETS, CausalLM, get_family, preset
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.models.llama import Llama, LlamaConfig
 from meshtrain.parallel.layers.rng import RNGTracker
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallelize import parallelize
+from meshtrain.parallel.runtime.process_groups import destroy_parallel, init_parallel
+from meshtrain.parallelize import build_model, parallelize
 
 __all__ = [
     "FAMILIES",
@@ -22,6 +23,7 @@ __all__ = [
     "ParallelMesh",
     "ParallelPlan",
     "RNGTracker",
+    "build_model",
     "destroy_parallel",
     "get_family",
     "init_parallel",

@@ -2,28 +2,23 @@
 
 World size = pp x dp x cp x tp with axis order outer -> inner (pp, dp, cp, tp), so the TP group
 is made of consecutive ranks (inside one node when ranks fill nodes in order). Experts (ep) are
-carved out of the flattened dp x cp group. The mesh owns every process group; it is passed to
-whatever communicates and never stored in a module global.
+carved out of the flattened dp x cp group. The tensor-parallel block is arranged as its
+scheme's grid (named axes and sizes, given by the scheme: `parallel/schemes/`). The mesh owns
+every process group; it is passed to whatever communicates and never stored in a module global.
+`parallel/runtime/process_groups.init_parallel` builds one from a plan's degrees and scheme.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
-import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from meshtrain.errors import Code, SettingError
+
 AXIS_ORDER = ("pp", "dp", "cp", "tp")
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
-TP_SCHEMES = ("1d", "2d", "2.5d", "3d")
-# The tensor-parallel block's grid axes per scheme, outer -> inner (tp rank = mixed radix).
-GRID_AXES = {"1d": ("tp",), "2d": ("tp_row", "tp_col"),
-             "2.5d": ("tp_depth", "tp_row", "tp_col"),
-             "3d": ("tp_input", "tp_weight", "tp_output")}
 
 
 @dataclass(frozen=True)
@@ -48,72 +43,36 @@ def resolve_degrees(
 ) -> dict[str, int]:
     """Check the degrees against the world size and derive dp when omitted.
 
-    Pure and cheap, so the CLI calls it before spawning ranks. Raises ValueError naming the
+    Pure and cheap, so the CLI calls it before spawning ranks. Raises SettingError naming the
     degrees, the world size and the fix.
     """
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+            raise SettingError(Code.RANGE, f"`{name}` must be a positive integer, got {value!r}")
     if dp is not None and (not isinstance(dp, int) or dp < 1):
-        raise ValueError(f"`dp` must be a positive integer, got {dp!r}")
+        raise SettingError(Code.RANGE, f"`dp` must be a positive integer, got {dp!r}")
     model_parallel = tp * pp * cp
     if dp is None:
         if world_size % model_parallel:
-            raise ValueError(
+            raise SettingError(
+                Code.DEGREES_WORLD,
                 f"world size {world_size} is not divisible by tp x pp x cp = {tp} x {pp} x {cp}"
                 f" = {model_parallel}: choose degrees whose product divides the number of ranks"
             )
         dp = world_size // model_parallel
     if pp * dp * cp * tp != world_size:
-        raise ValueError(
+        raise SettingError(
+            Code.DEGREES_WORLD,
             f"pp x dp x cp x tp = {pp} x {dp} x {cp} x {tp} = {pp * dp * cp * tp} does not equal"
             f" the world size {world_size}: change the degrees or the number of ranks (`nproc`)"
         )
     if (dp * cp) % ep:
-        raise ValueError(
+        raise SettingError(
+            Code.EP_DEGREE,
             f"ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp}: experts are spread over the"
             " data/context-parallel ranks"
         )
     return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
-
-
-def _root(n: int, power: int) -> int | None:
-    """The integer `power`-th root of n, or None."""
-    r = round(n ** (1 / power))
-    return next((c for c in (r - 1, r, r + 1) if c >= 1 and c ** power == n), None)
-
-
-def resolve_tp_grid(tp: int, scheme: str = "1d", depth: int | None = None) -> dict[str, int]:
-    """The tensor-parallel block of `tp` ranks arranged for `scheme`: grid axis -> size, outer
-    first. 2d: q x q (tp = q^2); 2.5d: d x q x q (`depth` d, or the largest d leaving q >= 2);
-    3d: q x q x q. Raises ValueError naming the valid tp values."""
-    if scheme not in TP_SCHEMES:
-        raise ValueError(f"`tp_scheme` must be one of {', '.join(TP_SCHEMES)}, got {scheme!r}")
-    if depth is not None and scheme != "2.5d":
-        raise ValueError(f"`tp_depth` applies to `tp_scheme` 2.5d only (got {scheme}): drop it")
-    if scheme == "1d":
-        return {"tp": tp}
-    if scheme == "2.5d":
-        return _grid_2p5d(tp, depth)
-    power = 2 if scheme == "2d" else 3
-    q = _root(tp, power)
-    if q is None or q < 2:
-        valid = ", ".join(str(k ** power) for k in range(2, 5))
-        raise ValueError(f"`tp_scheme` {scheme} arranges tp as a q^{power} grid: `tp` {tp} is"
-                         f" not one (use {valid}, ...)")
-    return dict.fromkeys(GRID_AXES[scheme], q)
-
-
-def _grid_2p5d(tp: int, depth: int | None) -> dict[str, int]:
-    depths = [depth] if depth is not None else range(tp, 0, -1)
-    for d in depths:
-        if d >= 1 and tp % d == 0 and (q := _root(tp // d, 2)) is not None and q >= 2:
-            return {"tp_depth": d, "tp_row": q, "tp_col": q}
-    if depth is not None:
-        raise ValueError(f"`tp_depth` {depth} must divide `tp` {tp} into d x q x q with q >= 2:"
-                         f" choose a depth d with tp / d a square >= 4")
-    raise ValueError(f"`tp_scheme` 2.5d arranges tp as d x q x q with q >= 2: `tp` {tp} is not"
-                     " one (use 4, 8, 9, 12, 16, ...)")
 
 
 def grid_coords(tp_rank: int, grid: dict[str, int]) -> dict[str, int]:
@@ -164,13 +123,15 @@ class ParallelMesh:
     where replicated gradients are averaged);
     ep (expert parallel, consecutive blocks of dp_cp) and edp (the dp_cp ranks holding the same
     experts); `tp_block(size)` for each size dividing tp; the grid axes of the tensor-parallel
-    scheme (`tp_grid`: tp_row and tp_col for 2d, ...; see `resolve_tp_grid`), each the ranks of
-    one TP block that differ only in that grid coordinate. Build it with `init_parallel`.
+    scheme `tp_scheme` (`tp_grid`: tp_row and tp_col for 2d, ...: `TPScheme.grid`), each the
+    ranks of one TP block that differ only in that grid coordinate. Build it with
+    `init_parallel`.
     """
 
     def __init__(self, degrees: dict[str, int], *, rank: int, device: torch.device,
-                 tp_grid: dict[str, int] | None = None):
+                 tp_scheme: str = "1d", tp_grid: dict[str, int] | None = None):
         self.degrees = dict(degrees)
+        self.tp_scheme = tp_scheme
         self.tp_grid = dict(tp_grid or {"tp": degrees["tp"]})
         assert math.prod(self.tp_grid.values()) == degrees["tp"], self.tp_grid
         self.rank = rank
@@ -229,10 +190,6 @@ class ParallelMesh:
                     groups.setdefault((group[0], *others.values()), []).append(rank)
             self._add_axis(name, list(groups.values()))
 
-    @property
-    def tp_scheme(self) -> str:
-        return next(s for s, axes in GRID_AXES.items() if tuple(self.tp_grid) == axes)
-
     def tp_coords(self, tp_rank: int | None = None) -> dict[str, int]:
         """Grid coordinates of TP rank `tp_rank` (default: this rank's)."""
         return grid_coords(self.tp.rank if tp_rank is None else tp_rank, self.tp_grid)
@@ -241,7 +198,7 @@ class ParallelMesh:
     def layout(self) -> dict:
         """The degrees, and the tensor-parallel grid when it is not 1D (checkpoints record
         it: RNG streams are restored only into the same layout)."""
-        if self.tp_scheme == "1d":
+        if tuple(self.tp_grid) == ("tp",):
             return dict(self.degrees)
         return self.degrees | {"tp_scheme": self.tp_scheme, "tp_grid": dict(self.tp_grid)}
 
@@ -287,91 +244,3 @@ class ParallelMesh:
             f" tp={d['tp']} ({self.tp_scheme}), ep={d['ep']}, rank={self.rank},"
             f" coords={self.coords})"
         )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now (for a one-machine rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def resolve_device(kind: str = "auto") -> torch.device:
-    """This local rank's device: "auto" is CUDA when available, else the CPU."""
-    if kind not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"`device` must be auto, cpu or cuda, got {kind!r}")
-    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("`device` cuda: no CUDA device is visible; use `device` cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def check_local_devices(kind: str, local_ranks: int) -> None:
-    """One GPU per local rank: NCCL cannot put two ranks on one device."""
-    if resolve_device(kind).type == "cuda" and local_ranks > torch.cuda.device_count():
-        raise ValueError(f"{local_ranks} local ranks need {local_ranks} GPUs but"
-                         f" {torch.cuda.device_count()} are visible: use fewer ranks (`nproc`)"
-                         " or `device` cpu")
-
-
-def init_parallel(
-    tp: int = 1,
-    pp: int = 1,
-    dp: int | None = None,
-    cp: int = 1,
-    ep: int = 1,
-    *,
-    tp_scheme: str = "1d",
-    tp_depth: int | None = None,
-    device: str = "auto",
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-) -> ParallelMesh:
-    """Create (if needed) the default process group from torchrun's environment and the mesh.
-
-    Without torchrun's environment this becomes a one-rank world. The backend follows the device
-    (`device`: auto, cpu or cuda): NCCL on CUDA, gloo on CPU.
-    """
-    if dist.is_initialized():
-        world_size = dist.get_world_size()
-    else:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    degrees = resolve_degrees(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
-    grid = resolve_tp_grid(tp, tp_scheme, tp_depth)
-    device = resolve_device(device)
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
-        else:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{free_port()}",
-                rank=0,
-                world_size=1,
-                timeout=timeout,
-            )
-    return ParallelMesh(degrees, rank=dist.get_rank(), device=device, tp_grid=grid)
-
-
-def _attempt_store(timeout: datetime.timedelta) -> dict:
-    """Under torch's elastic agent sharing its store with the ranks, that store outlives a
-    restart and still holds the dead attempt's gloo addresses, which restarted ranks would try
-    to connect to (pytorch/pytorch#135712): give each attempt keys of its own. Elsewhere,
-    torchrun's env:// store as usual (an empty dict)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    world_size = int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"meshtrain/attempt_{attempt}", store),
-            "rank": int(os.environ["RANK"]), "world_size": world_size}
-
-
-def destroy_parallel() -> None:
-    """Tear the default process group down (a process that skips this may abort on exit)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()

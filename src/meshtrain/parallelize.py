@@ -13,13 +13,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from meshtrain.contracts import ParameterRoles, StageSpec
 from meshtrain.mesh import ParallelMesh
-from meshtrain.models import CausalLM, ParameterRoles, StageSpec, TransformerConfig, family_of
+from meshtrain.models import CausalLM, TransformerConfig, family_of
 from meshtrain.parallel.runtime.executor import LocalExecutor, PipeDreamExecutor, PipelineExecutor
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.schedules import model_chunk
 from meshtrain.parallel.runtime.sync import GradientSync, ReplicatedSync, ZeroSync
-from meshtrain.parallel.schemes.factory import LayerFactory, layer_factory
+from meshtrain.parallel.schemes.factory import LayerFactory
+from meshtrain.parallel.schemes.registry import layer_factory
 
 
 @dataclass
@@ -39,14 +41,23 @@ def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: Parallel
     """Build this rank's part of `model_cfg` laid out as `plan` (already validated, degrees
     those of `mesh`). `seq_len` sizes the pipeline's transfers; `lr` and `weight_decay` the
     AdamW; `steps` is the run's last step (PipeDream-2BW lays out the whole run)."""
-    factory = layer_factory(plan, mesh)
     stage = pipeline_stage(model_cfg.num_layers, plan, mesh)
-    model = family_of(model_cfg).model(model_cfg, factory=factory, stage=stage, seed=seed)
+    model = build_model(model_cfg, mesh, plan, seed=seed, stage=stage)
+    factory = model.factory
     model.to(plan.dtype)
     roles = model.roles()
     sync = gradient_sync(model, roles, factory, plan, mesh, lr=lr, weight_decay=weight_decay)
     executor = step_executor(model, factory, sync, plan, mesh, seq_len=seq_len, steps=steps)
     return ParallelModel(model, roles, factory, sync, executor)
+
+
+def build_model(model_cfg: TransformerConfig, mesh: ParallelMesh, plan: ParallelPlan | None = None,
+                *, seed: int = 0, stage: StageSpec | None = None) -> CausalLM:
+    """`model_cfg`'s family built from the layer factory of `plan`'s tensor-parallel scheme on
+    `mesh` (no plan: Megatron 1D, nothing recomputed): what `parallelize` builds its model with,
+    and a whole dense model on `ParallelMesh.local()` for references and tools."""
+    factory = layer_factory(plan or ParallelPlan(), mesh)
+    return family_of(model_cfg).model(model_cfg, factory, seed=seed, stage=stage)
 
 
 def pipeline_stage(num_layers: int, plan: ParallelPlan, mesh: ParallelMesh) -> StageSpec:

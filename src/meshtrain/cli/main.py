@@ -11,30 +11,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
 from meshtrain.checkpoints import resuming
 from meshtrain.checkpoints.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
+from meshtrain.cli.flags import as_flags
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config import run_config as config_mod
-from meshtrain.mesh import check_local_devices, resolve_degrees
+from meshtrain.mesh import resolve_degrees
 from meshtrain.operations import endings, run_lock, stopping
 from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_PEER_FAILED, RunFailure
-
-# Options of the data commands that library messages name in backticks, as `train` settings are.
-_DATA_OPTIONS = ("tokenizer", "text_field", "on_error", "workers", "val_docs", "eod_token")
-_PLAN_OPTIONS = ("gpus", "top", "ranks")
-
-
-def as_flags(message: str) -> str:
-    """A library message with settings named in backticks (`pp_schedule`), in flags
-    (--pp-schedule); backticked names that are no setting lose their backticks."""
-    flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-             for _, f in config_mod.flag_fields()} | {"config": "--config"}
-    flags |= {name: "--" + name.replace("_", "-") for name in _DATA_OPTIONS + _PLAN_OPTIONS}
-    return re.sub(r"`([a-z_0-9]+)`", lambda m: flags.get(m.group(1), m.group(1)), message)
+from meshtrain.parallel.runtime.process_groups import check_local_devices
 
 
 def _error(e: Exception) -> int:
@@ -162,7 +150,7 @@ def _in_rank(fn, debug: bool = False) -> int:
     """Run `fn` on this rank and turn how it ends into one line (at most) and an exit code: a
     bad input 2; a `RunFailure` its code, printed once; a peer's death `EXIT_PEER_FAILED` in
     silence (the launcher names the dead rank); anything else one line naming this rank."""
-    from meshtrain.mesh import destroy_parallel
+    from meshtrain.parallel.runtime.process_groups import destroy_parallel
 
     rank = int(os.environ.get("RANK", "0"))
     try:

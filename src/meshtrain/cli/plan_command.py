@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from meshtrain.cli.auto_layout import LAYOUT_SETTINGS, default_hardware, short_spec
-from meshtrain.cli.main import as_flags
+from meshtrain.cli.flags import as_flags
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.corpus import write_atomic

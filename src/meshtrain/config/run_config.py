@@ -28,9 +28,9 @@ from meshtrain.config.settings import (
     TrainSettings,
 )
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
-from meshtrain.mesh import check_local_devices
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.runtime.process_groups import check_local_devices
 
 DEFAULT_PRESET = "tiny"
 

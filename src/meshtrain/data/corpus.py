@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshtrain.errors import Code, SettingError
+
 BYTE_VOCAB_SIZE = 256
 
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"})
@@ -47,7 +49,7 @@ def stdlib_corpus(*, max_bytes: int = 16 * 2**20) -> np.ndarray:
     Python versions (and patch releases): use `synthetic_corpus` for golden numbers.
     """
     if max_bytes < 1:
-        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        raise SettingError(Code.RANGE, f"max_bytes must be positive, got {max_bytes}")
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = []
     for folder, dirs, files in os.walk(root):
@@ -79,7 +81,7 @@ def synthetic_corpus(num_bytes: int = 200_000, seed: int = 0) -> np.ndarray:
     unlike `choice`/`randrange` or numpy's distributions.
     """
     if num_bytes < 1:
-        raise ValueError(f"num_bytes must be positive, got {num_bytes}")
+        raise SettingError(Code.RANGE, f"num_bytes must be positive, got {num_bytes}")
     rng = random.Random(seed)
 
     def pick(items: tuple[str, ...]) -> str:
@@ -263,7 +265,7 @@ class TokenDataset:
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be a 1-D array, got shape {tokens.shape}")
         if seq_len < 1:
-            raise ValueError(f"`seq_len` must be positive, got {seq_len}")
+            raise SettingError(Code.RANGE, f"`seq_len` must be positive, got {seq_len}")
         if len(tokens) < seq_len + 1:
             raise ValueError(f"`data` is too short for `seq_len` {seq_len}: a split of"
                              f" {len(tokens)} tokens cannot hold {seq_len + 1}; use more data,"
@@ -290,10 +292,11 @@ def check_batch_sizes(*, global_batch: int, micro_batch: int, dp: int) -> None:
     for name, value in (("`global_batch`", global_batch), ("`micro_batch`", micro_batch),
                         ("dp", dp)):
         if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}")
+            raise SettingError(Code.RANGE, f"{name} must be positive, got {value}")
     if global_batch % (micro_batch * dp):
-        raise ValueError(f"`global_batch` {global_batch} must be divisible by `micro_batch` x dp"
-                         f" = {micro_batch} x {dp} = {micro_batch * dp}")
+        raise SettingError(Code.BATCH_SPLIT, (
+            f"`global_batch` {global_batch} must be divisible by `micro_batch` x dp"
+            f" = {micro_batch} x {dp} = {micro_batch * dp}"))
 
 
 def to_device(batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -335,7 +338,7 @@ class BatchSampler:
         """This DP rank's micro-batches of `num_batches` fixed global batches: the same windows at
         every step and dp, and the first k global batches do not depend on `num_batches`."""
         if num_batches < 1:
-            raise ValueError(f"`eval_batches` must be positive, got {num_batches}")
+            raise SettingError(Code.RANGE, f"`eval_batches` must be positive, got {num_batches}")
         return [mb for i in range(num_batches)
                 for mb in self._rank_share([self.seed, _EVAL, i], dp_rank, dp_size)]
 

@@ -19,7 +19,8 @@ from meshtrain.checkpoints.checkpoint import resolve_checkpoint
 from meshtrain.inference.generate import checkpoint_model, generate
 from meshtrain.interop.hf_io import HFModelDirectory, is_hf_directory
 from meshtrain.mesh import ParallelMesh
-from meshtrain.models import CausalLM, TransformerConfig, get_family
+from meshtrain.models import CausalLM, TransformerConfig
+from meshtrain.parallelize import build_model
 
 
 class DenseModel(nn.Module):
@@ -55,7 +56,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> DenseMod
     mesh = ParallelMesh.local(device)
     if is_hf_directory(path):
         source = HFModelDirectory(path)
-        lm = get_family(source.mapping.family).model(source.cfg, mesh=mesh)
+        lm = build_model(source.cfg, mesh)
         source.load_into(lm)
     else:
         lm = checkpoint_model(resolve_checkpoint(path), mesh)

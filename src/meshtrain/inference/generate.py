@@ -8,8 +8,10 @@ import torch
 
 from meshtrain.checkpoints.checkpoint import checkpoint_config, load_checkpoint
 from meshtrain.data.tokenization import Tokenizer
-from meshtrain.mesh import ParallelMesh, init_parallel
-from meshtrain.models import CausalLM, family_of
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models import CausalLM
+from meshtrain.parallel.runtime.process_groups import init_parallel
+from meshtrain.parallelize import build_model
 
 
 @torch.no_grad()
@@ -79,6 +81,6 @@ def sample_from_checkpoint(path: Path, tokenizer: Tokenizer, *, prompt: str, tp:
 def checkpoint_model(path: Path, mesh: ParallelMesh) -> CausalLM:
     """The family's model of a checkpoint of any layout, built for `mesh` and loaded."""
     cfg = checkpoint_config(path)  # (loading verifies the files)
-    model = family_of(cfg).model(cfg, mesh=mesh, seed=0)
+    model = build_model(cfg, mesh, seed=0)
     load_checkpoint(path, model=model, mesh=mesh)
     return model

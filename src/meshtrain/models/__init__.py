@@ -2,7 +2,7 @@
 
     family = get_family("gpt")          # by the name checkpoints record
     cfg = preset("tiny", dropout=0.1)   # any family's preset, by its unique name
-    family_of(cfg).model(cfg, mesh=mesh, seed=0)
+    family_of(cfg).model(cfg, factory, seed=0)   # or parallelize.build_model
 """
 
 from __future__ import annotations
@@ -11,13 +11,7 @@ import dataclasses
 
 from meshtrain.models import gpt, llama
 from meshtrain.models.causal_lm import CausalLM
-from meshtrain.models.family import (
-    AuxiliaryOutputs,
-    ModelFamily,
-    ParameterRoles,
-    StageSpec,
-    TransformerConfig,
-)
+from meshtrain.models.family import ModelFamily, TransformerConfig
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (gpt.FAMILY, llama.FAMILY)}
 
@@ -57,6 +51,5 @@ def config_from_dict(family: str, fields: dict) -> TransformerConfig:
     return config(**fields)
 
 
-__all__ = ["FAMILIES", "PRESETS", "AuxiliaryOutputs", "CausalLM", "ModelFamily",
-           "ParameterRoles", "StageSpec", "TransformerConfig", "config_from_dict", "family_of",
-           "get_family", "preset"]
+__all__ = ["FAMILIES", "PRESETS", "CausalLM", "ModelFamily", "TransformerConfig",
+           "config_from_dict", "family_of", "get_family", "preset"]

@@ -1,6 +1,6 @@
 """Building blocks every family assembles: embedding, attention (projections cut into heads by
 a split function, optional rotary positions, the factory's core), MLP (GeLU or SwiGLU),
-LayerNorm's sibling RMSNorm, the pre-norm block, and seeded weight initialisation.
+the pre-norm block, and seeded weight initialisation.
 
 Blocks hold layers a `LayerFactory` made; they never decide how anything is split. Shapes are
 batch-first; `h/tp` marks a tensor-parallel region under the 1D scheme.
@@ -18,7 +18,6 @@ from torch import nn
 from meshtrain.models.kv_cache import LayerCache
 from meshtrain.parallel.layers.expert import MoE
 from meshtrain.parallel.layers.rng import RNGTracker
-from meshtrain.precision import wide_dtype
 
 
 def generator(seed: int, stream: int) -> torch.Generator:
@@ -69,41 +68,6 @@ class Embedding(nn.Module):
         if self.position is not None:
             x = x + self.position(self.positions_of(positions))
         return dropout(x, self.dropout, self.training, rng, self.stream)
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """x / rms(x) * weight computed in fp32 (or wider), rounded to x's dtype before the weight
-    multiplies it (as Llama's reference code); saves only the input and 1/rms."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps: float):
-        wide = x.to(wide_dtype(x.dtype))
-        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-        ctx.save_for_backward(x, weight, rstd)
-        return weight * (wide * rstd).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        wide = wide_dtype(x.dtype)
-        normed = x.to(wide) * rstd
-        grad_weight = (grad.to(wide) * normed.to(x.dtype).to(wide)).flatten(0, -2).sum(0)
-        g = (grad * weight).to(wide)
-        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019) with a learned scale, computed in fp32
-    (or wider)."""
-
-    def __init__(self, size: int, *, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_frequencies(head_dim: int, *, theta: float, scaling: dict | None = None

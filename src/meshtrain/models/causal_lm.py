@@ -17,42 +17,32 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from meshtrain.mesh import ParallelMesh
+from meshtrain.contracts import AuxiliaryOutputs, ParameterRoles, StageSpec
 from meshtrain.models.blocks import generator, init_linear
-from meshtrain.models.family import (
-    AuxiliaryOutputs,
-    ParameterRoles,
-    StageSpec,
-    TransformerConfig,
-)
+from meshtrain.models.family import TransformerConfig
 from meshtrain.models.kv_cache import KVCache
 from meshtrain.parallel.layers.expert import MoE
 from meshtrain.parallel.layers.recompute import recomputed
 from meshtrain.parallel.layers.rng import RNGTracker
-from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.schemes.factory import LayerFactory, layer_factory
+from meshtrain.parallel.schemes.factory import LayerFactory
 
 
 class CausalLM(nn.Module, ABC):
     """Token ids `[b, s]` -> this rank's logits `[b, s, V_padded/tp]` (1D scheme).
 
-    Build it with a `factory` (what `parallelize` does), or with a `mesh` and an optional
-    `plan` (the 1D factory of that plan: dense reference models, tools). `seed` fixes the weights,
-    which do not depend on the layout; dropout streams come from `RNGTracker.for_mesh`.
+    A model is given its `factory` (the tensor-parallel scheme's layers on one mesh; see
+    `parallelize.build_model` for one from a mesh and plan) and never builds one. `seed` fixes
+    the weights, which do not depend on the layout; dropout streams come from
+    `RNGTracker.for_mesh`. The config is checked against the layout where the plan is
+    validated (`ParallelPlan.validate`), not here.
     """
 
     family: str  # the registered family name, recorded in checkpoints
 
-    def __init__(self, cfg: TransformerConfig, *, mesh: ParallelMesh | None = None,
-                 factory: LayerFactory | None = None, seed: int = 0,
-                 stage: StageSpec | None = None, plan=None):
+    def __init__(self, cfg: TransformerConfig, factory: LayerFactory, *, seed: int = 0,
+                 stage: StageSpec | None = None):
         super().__init__()
-        if factory is None:
-            factory = layer_factory(plan or ParallelPlan(), mesh)
         mesh = factory.mesh
-        cfg.validate()
-        cfg.validate_for_tp(factory.head_parts)
-        cfg.validate_for_ep(mesh.ep.size)
         self.cfg, self.mesh, self.factory = cfg, mesh, factory
         self.stage = stage = stage or StageSpec((range(cfg.num_layers),))
         # A tied model's last stage holds the word embedding too, as its output layer.
@@ -147,7 +137,7 @@ class CausalLM(nn.Module, ABC):
             problem = "a pipeline stage holds part of the model"
         elif self.factory.splits_sequence:
             problem = "sequence and context parallelism split the sequence over ranks"
-        elif self.mesh.tp_scheme != "1d":
+        elif self.factory.splits_batch:
             problem = f"`tp_scheme` {self.mesh.tp_scheme} splits each batch over ranks"
         elif cfg.moe_experts:
             problem = "`moe_experts`: expert capacity depends on the tokens routed together"

@@ -2,23 +2,21 @@
 
 A family (`gpt.py`, `llama.py`) gives: its config class (a `TransformerConfig`: validation,
 parameter count, FLOPs per token, activation bytes), its presets, and its model class (a
-`CausalLM`: built from a layer factory for one pipeline stage, reporting the `ParameterRoles` of
-its parameters). The trainer, gradient sync, ZeRO, clipping and checkpoints ask these, never a
-family's attribute names.
+`CausalLM`: built from the layer factory it is given for one pipeline stage, reporting the
+`contracts.ParameterRoles` of its parameters). The trainer, gradient sync, ZeRO, clipping and
+checkpoints ask these, never a family's attribute names.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
-import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from meshtrain.models.causal_lm import CausalLM
+from meshtrain.errors import Code, SettingError
 
 
 @dataclass(frozen=True)
@@ -68,6 +66,11 @@ class TransformerConfig(ABC):
         return self.hidden_size // self.num_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention has fewer than query heads)."""
+        return self.num_heads
+
+    @property
     def tie_embeddings(self) -> bool:
         """Whether the output layer is the input embedding."""
         return True
@@ -76,50 +79,60 @@ class TransformerConfig(ABC):
         """Raise ValueError naming the setting for a shape that cannot be built."""
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}")
+                raise SettingError(Code.RANGE, (
+                    f"`{name}` must be positive, got {getattr(self, name)}"))
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden size {self.hidden_size} must be divisible by the number of"
-                             f" heads {self.num_heads}")
+            raise SettingError(Code.MODEL_SHAPE, (
+                f"hidden size {self.hidden_size} must be divisible by the number of"
+                f" heads {self.num_heads}"))
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
+            raise SettingError(Code.RANGE, (
+                f"`dropout` must be in [0, 1), got {self.dropout}"))
         if self.attention not in ("sdpa", "eager"):
-            raise ValueError(f"`attention` must be sdpa or eager, got {self.attention!r}")
+            raise SettingError(Code.CHOICE, (
+                f"`attention` must be sdpa or eager, got {self.attention!r}"))
         if self.moe_experts < 0:
-            raise ValueError(f"`moe_experts` must be >= 0, got {self.moe_experts}")
+            raise SettingError(Code.RANGE, f"`moe_experts` must be >= 0, got {self.moe_experts}")
         if self.moe_experts:
             self._validate_moe()
 
     def _validate_moe(self) -> None:
         if self.moe_top_k not in (1, 2):
-            raise ValueError(f"`moe_top_k` must be 1 or 2, got {self.moe_top_k}")
+            raise SettingError(Code.CHOICE, f"`moe_top_k` must be 1 or 2, got {self.moe_top_k}")
         if self.moe_top_k > self.moe_experts:
-            raise ValueError(f"`moe_top_k` {self.moe_top_k} exceeds `moe_experts`"
-                             f" {self.moe_experts}: use more experts or a smaller k")
+            raise SettingError(Code.MOE_TOP_K, (
+                f"`moe_top_k` {self.moe_top_k} exceeds `moe_experts`"
+                f" {self.moe_experts}: use more experts or a smaller k"))
         if self.moe_every < 1:
-            raise ValueError(f"`moe_every` must be positive, got {self.moe_every}")
+            raise SettingError(Code.RANGE, f"`moe_every` must be positive, got {self.moe_every}")
         if self.moe_capacity_factor <= 0:
-            raise ValueError(f"`moe_capacity_factor` must be > 0, got"
-                             f" {self.moe_capacity_factor}")
+            raise SettingError(Code.RANGE, (
+                f"`moe_capacity_factor` must be > 0, got"
+                f" {self.moe_capacity_factor}"))
         if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
-            raise ValueError("`moe_aux_loss_coef` and `moe_z_loss_coef` must be >= 0")
+            raise SettingError(Code.RANGE, "`moe_aux_loss_coef` and `moe_z_loss_coef` must be >= 0")
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
 
     def validate_for_ep(self, ep: int) -> None:
         if ep > 1 and self.moe_experts == 0:
-            raise ValueError(f"`ep` {ep} needs an MoE model: set `moe_experts`")
+            raise SettingError(Code.EP_WITHOUT_MOE, (
+                f"`ep` {ep} needs an MoE model: set `moe_experts`"))
         if self.moe_experts % ep:
-            raise ValueError(f"`moe_experts` {self.moe_experts} must be divisible by `ep` {ep}:"
-                             " each EP rank holds the same number of experts")
+            raise SettingError(Code.EXPERTS_EP, (
+                f"`moe_experts` {self.moe_experts} must be divisible by `ep` {ep}:"
+                " each EP rank holds the same number of experts"))
 
     def validate_for_tp(self, tp: int) -> None:
         """The shapes Megatron's 1D scheme splits over `tp` ranks."""
         if self.num_heads % tp:
-            raise ValueError(f"the number of heads ({self.num_heads}) must be divisible by tp"
-                             f" ({tp}): choose a tp that divides it")
+            raise SettingError(Code.HEADS_TP, (
+                f"the number of heads ({self.num_heads}) must be divisible by tp"
+                f" ({tp}): choose a tp that divides it"))
         if self.ffn_size % tp:
-            raise ValueError(f"the MLP width ({self.ffn_size}) must be divisible by tp ({tp})")
+            raise SettingError(Code.MLP_WIDTH_TP, (
+                f"the MLP width ({self.ffn_size}) must be divisible by tp ({tp})"))
 
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
@@ -171,54 +184,14 @@ class TransformerConfig(ABC):
 
 
 @dataclass(frozen=True)
-class StageSpec:
-    """Which part of the model this rank builds (the whole model without a pipeline): one
-    contiguous range of layers per model chunk it holds (several under an interleaved schedule),
-    the embedding before its first chunk, the final norm and output layer after its last."""
-
-    chunks: tuple[range, ...]
-    has_embedding: bool = True
-    has_head: bool = True
-
-    @property
-    def layers(self) -> list[int]:
-        return [i for chunk in self.chunks for i in chunk]
-
-
-@dataclass
-class ParameterRoles:
-    """What the parallel strategy must know about a model's parameters."""
-
-    tied: list[nn.Parameter]
-    """Held by another pipeline stage too (the word embedding the last stage uses as its output
-    layer): the copies' gradients are summed over the `embed` axis so they stay equal."""
-    counted_elsewhere: set[int]
-    """ids of copies the gradient norm leaves out (the last stage's tied copy)."""
-    experts: set[int]
-    """ids of expert parameters: replicated over the `edp` axis only, not over dp x cp."""
-    units: list[tuple[nn.Module, list[nn.Parameter]]]
-    """What ZeRO-3 gathers at once, in forward order: the model's own parameters (embedding,
-    final norm, output layer), then each transformer block's."""
-
-
-@dataclass
-class AuxiliaryOutputs:
-    """What layers report beside their output during one forward: a loss to add to the
-    training objective (MoE routing losses, already weighted) and per-layer statistics."""
-
-    loss: torch.Tensor | float = 0.0
-    routing: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    """Per MoE layer, in forward order: tokens_per_expert [E], dropped, assigned, aux_loss."""
-
-
-@dataclass(frozen=True)
 class ModelFamily:
     """A model family: its name (recorded in checkpoints), config class, model class, presets,
     and the module holding its Hugging Face mapping, if it has a Hugging Face twin."""
 
     name: str
     config: type[TransformerConfig]
-    model: type[CausalLM]
+    model: type[nn.Module]
+    """Its `CausalLM` subclass (typed loosely: `causal_lm` builds on this module)."""
     presets: dict[str, TransformerConfig]
     hf_module: str | None = None
     """A module of `meshtrain.interop` whose `MAPPING` (an `HFMapping`) converts names and

@@ -18,12 +18,12 @@ from typing import ClassVar
 
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.models.blocks import (
     MLP,
     Attention,
     Block,
     Embedding,
-    RMSNorm,
     Rotary,
     generator,
     init_embedding,
@@ -34,6 +34,7 @@ from meshtrain.models.blocks import (
 )
 from meshtrain.models.causal_lm import CausalLM
 from meshtrain.models.family import ModelFamily, TransformerConfig
+from meshtrain.parallel.layers.norms import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -84,24 +85,28 @@ class LlamaConfig(TransformerConfig):
     def validate(self) -> None:
         super().validate()
         if self.kv_heads < 1 or self.num_heads % self.kv_heads:
-            raise ValueError(f"`num_kv_heads` ({self.kv_heads}) must divide the number of heads"
-                             f" ({self.num_heads}): each key/value head serves a group of them")
+            raise SettingError(Code.MODEL_SHAPE, (
+                f"`num_kv_heads` ({self.kv_heads}) must divide the number of heads"
+                f" ({self.num_heads}): each key/value head serves a group of them"))
         if self.head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head dimension, got hidden"
-                             f" {self.hidden_size} / {self.num_heads} heads = {self.head_dim}")
+            raise SettingError(Code.MODEL_SHAPE, (
+                f"rotary embeddings need an even head dimension, got hidden"
+                f" {self.hidden_size} / {self.num_heads} heads = {self.head_dim}"))
         if self.rope_theta <= 0:
-            raise ValueError(f"`rope_theta` must be positive, got {self.rope_theta}")
+            raise SettingError(Code.RANGE, f"`rope_theta` must be positive, got {self.rope_theta}")
         if self.rope_scaling not in (None, "llama3"):
-            raise ValueError(f"`rope_scaling` {self.rope_scaling!r} is not implemented: meshtrain"
-                             " has none and llama3")
+            raise SettingError(Code.MODEL_UNSUPPORTED, (
+                f"`rope_scaling` {self.rope_scaling!r} is not implemented: meshtrain"
+                " has none and llama3"))
 
     def validate_for_tp(self, tp: int) -> None:
         super().validate_for_tp(tp)
         kv = self.kv_heads
         if kv % tp and tp % kv:
-            raise ValueError(f"the key/value heads ({kv}) and `tp` ({tp}) must divide one another:"
-                             f" each rank holds kv/tp whole heads, or each head is shared by"
-                             f" tp/kv ranks; choose a tp that divides {kv} or a multiple of it")
+            raise SettingError(Code.KV_HEADS_TP, (
+                f"the key/value heads ({kv}) and `tp` ({tp}) must divide one another:"
+                f" each rank holds kv/tp whole heads, or each head is shared by"
+                f" tp/kv ranks; choose a tp that divides {kv} or a multiple of it"))
 
     def attention_parameters(self, *, weights_only: bool = False) -> int:
         """q and output projections of all heads, k and v of the key/value heads; no biases."""

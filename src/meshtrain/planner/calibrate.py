@@ -32,9 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from meshtrain.mesh import ParallelMesh, free_port
-from meshtrain.models.family import AuxiliaryOutputs
-from meshtrain.models.gpt import GPT, GPTConfig
+from meshtrain.contracts import AuxiliaryOutputs
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models.gpt import GPTConfig
+from meshtrain.parallel.runtime.process_groups import free_port
+from meshtrain.parallelize import build_model
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.costs import chunk_costs
 from meshtrain.planner.hardware import Hardware
@@ -237,7 +239,7 @@ def _time_overlap(r: _Rank, nbytes: int) -> dict[str, float]:
 
 def _time_block(r: _Rank) -> dict[str, float]:
     """Forward and backward seconds of `TINY_BLOCK`'s transformer layer on one sequence."""
-    model = GPT(TINY_BLOCK, mesh=ParallelMesh.local(r.device))
+    model = build_model(TINY_BLOCK, ParallelMesh.local(r.device))
     block = model.layers["0"]
     s, h = TINY_BLOCK.max_seq_len, TINY_BLOCK.hidden_size
     x = torch.randn(1, s, h, device=r.device, requires_grad=True)

@@ -2,17 +2,17 @@
 
 Step time = compute + exposed communication + pipeline bubble (the three a user can act on), on
 the rank whose step is longest. Per model chunk and micro-batch (`chunk_costs`): each matmul
-costs FLOPs / (peak x efficiency(its size)), elementwise work bytes / memory bandwidth, each layer
-a fixed host overhead (x2 in backward), each TP/CP collective its alpha-beta time
+costs FLOPs / (peak x efficiency(its size)), elementwise work bytes / memory bandwidth, each
+layer a fixed host overhead (x2 in backward), each TP/CP collective its alpha-beta time
 (`collectives.py`); backward is twice the forward, plus what recomputation repeats. Overlap is
 charged where meshtrain achieves it: a column-parallel layer's input-gradient all-reduce runs
 behind its weight-gradient matmul; data-parallel buckets (ZeRO 1/2: reduce-scatters) behind the
-last micro-batch's backward (ZeRO 2: every micro-batch's); ZeRO-3's prefetched gathers behind the
-forward and backward they feed. A 2d/2.5d/3d grid's layer and output-layer traffic
-(`tp_traffic.py`) is charged whole, none of it hidden, on links as wide as the TP block; 2.5d's
-depth all-reduce of weight gradients once a step, exposed. The pipeline runs meshtrain's own
-schedule through the simulator (`schedules.simulate`) on those per-chunk costs. Memory is
-`memory_model.py`'s.
+last micro-batch's backward (ZeRO 2: every micro-batch's); ZeRO-3's prefetched gathers behind
+the forward and backward they feed. A scheme that splits the hidden states (2d/2.5d/3d) has its
+layer and output-layer traffic (`TPScheme.layer_traffic`, `output_traffic`) charged whole, none
+of it hidden, on links as wide as the TP block; 2.5d's depth all-reduce of weight gradients once
+a step, exposed. The pipeline runs meshtrain's own schedule through the simulator
+(`schedules.simulate`) on those per-chunk costs. Memory is `memory_model.py`'s.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
+from meshtrain.parallel.schemes.scheme import Traffic
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.layout import Layout
 from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
-from meshtrain.planner.tp_traffic import Traffic, depth_gradient_bytes
 from meshtrain.planner.workload import GRAD_BYTES, Workload
 
 GIB = 2**30
@@ -139,8 +139,8 @@ def _layer_cost(work: Workload, hw: Hardware, index: int) -> ChunkCost:
     ratio = 2.0 if lay.cp > 1 else hw.attention_backward_ratio  # ring: hand-written autograd
     backward = 2 * (forward - hw.layer_overhead_s - core) + ratio * core \
         + 2 * hw.layer_overhead_s
-    tp_forward, tp_backward = _tensor_parallel_comm(work, hw, weights) \
-        if lay.scheme == "1d" else _grid_comm(hw, work.layer_traffic(), lay.tp)
+    tp_forward, tp_backward = _grid_comm(hw, work.layer_traffic(), lay.tp) \
+        if lay.tp_scheme.splits_hidden else _tensor_parallel_comm(work, hw, weights)
     cp_forward, cp_backward = _context_parallel_comm(work, hw, core)
     forward_comm, backward_comm = tp_forward + cp_forward, tp_backward + cp_backward
     if lay.recompute == "selective":
@@ -192,7 +192,7 @@ def _embedding_cost(work: Workload, hw: Hardware) -> ChunkCost:
     writes its rank's block (its lookup's small communication is left out)."""
     lay, n = work.layout, work.activation_bytes
     t = lay.tp
-    if lay.scheme != "1d":
+    if lay.tp_scheme.splits_hidden:
         moved = _elementwise(hw, n / t)
         return ChunkCost(moved, 0.0, moved, 0.0, work.embedding_parameters())
     comm = coll.reduce_scatter(hw, n, t, t) if lay.sp else coll.all_reduce(hw, n, t, t)
@@ -207,11 +207,12 @@ def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
     lay, m = work.layout, work.model
     t = lay.tp
     matmul = _matmul(hw, work.head_matmul(), work.precision)
-    hidden = work.activation_bytes / (t if lay.scheme != "1d" else 1)
+    grid = lay.tp_scheme.splits_hidden
+    hidden = work.activation_bytes / (t if grid else 1)
     forward = matmul + _elementwise(hw, 3 * work.logits_bytes() + 2 * hidden)
     backward = 2 * matmul + _elementwise(hw, 2 * work.logits_bytes())
     held = 0.0 if m.tie_embeddings and lay.pp == 1 else work.embedding_parameters()
-    if lay.scheme != "1d":
+    if grid:
         forward_comm, backward_comm = _grid_comm(hw, work.head_traffic(), t)
         return ChunkCost(forward, forward_comm, backward, backward_comm, held)
     stats = 3 * coll.all_reduce(hw, work.local_tokens * 4, t, t)
@@ -248,15 +249,15 @@ def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) ->
 
 
 def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
-    """2.5d: the weight gradients all-reduced over depth once a step, after the data-parallel
-    reduction (ZeRO: this rank's shard of them), exposed."""
+    """The scheme's traffic once a step after the data-parallel reduction (2.5d: the weight
+    gradients all-reduced over depth; ZeRO: this rank's shard of them), exposed."""
     lay = work.layout
-    d = lay.tp_grid.get("tp_depth", 1)
-    if d == 1:
-        return 0.0
     weights = sum(c.parameters for c in own) / (lay.dp * lay.cp if lay.zero else 1)
-    moved = depth_gradient_bytes(weights, d, GRAD_BYTES)
-    return coll.sequence(hw, steps=2 * (d - 1), moved=moved, span=lay.tp)
+    traffic = lay.tp_scheme.step_traffic(lay.tp_grid, weights, GRAD_BYTES)
+    if not traffic.total_bytes:
+        return 0.0
+    return coll.sequence(hw, steps=traffic.forward_steps + traffic.backward_steps,
+                         moved=traffic.total_bytes, span=lay.tp)
 
 
 def optimizer_time(work: Workload, hw: Hardware, params: float) -> float:

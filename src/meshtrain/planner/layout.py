@@ -3,7 +3,7 @@
 Fields (and their spec keys): tp, pp, dp, cp, ep (degrees), vp (virtual stages per pipeline
 rank), mb (micro-batch), zero (stage), sp (Megatron sequence parallelism), recompute
 (none/selective/full), schedule (gpipe/1f1b/interleaved/2bw), scheme (the tensor-parallel
-scheme: 1d, 2d, 2.5d or 3d) and depth (2.5d's depth; unset: `mesh.resolve_tp_grid`'s default).
+scheme: 1d, 2d, 2.5d or 3d) and depth (2.5d's depth; unset: the scheme's default).
 A spec such as `tp=8,pp=8,vp=3,mb=1,zero=1,sp=1,recompute=selective` fixes the fields it names;
 the planner searches the others.
 """
@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from meshtrain.mesh import resolve_tp_grid
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.schemes.registry import SCHEMES as TP_SCHEMES
+from meshtrain.parallel.schemes.registry import tp_scheme
+from meshtrain.parallel.schemes.scheme import TPScheme
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
-SCHEMES = ("1d", "2d", "2.5d", "3d")
+SCHEMES = tuple(TP_SCHEMES)
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,13 @@ class Layout:
                             precision=precision, grad_dtype=grad_dtype, micro_batch=self.mb)
 
     @property
+    def tp_scheme(self) -> TPScheme:
+        return tp_scheme(self.scheme)
+
+    @property
     def tp_grid(self) -> dict[str, int]:
         """The TP block's grid axes and sizes (raises for a tp the scheme cannot arrange)."""
-        return resolve_tp_grid(self.tp, self.scheme, self.depth)
+        return self.tp_scheme.grid(self.tp, self.depth)
 
     def spec_items(self) -> list[tuple[str, str]]:
         """(key, value) of every field that is set, as a `--layout` spec writes them."""

@@ -9,44 +9,40 @@ layers, and sequence parallelism off. A fixed scheme or depth is tried as given,
 
 from __future__ import annotations
 
-from meshtrain.mesh import resolve_tp_grid
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.planner.layout import SCHEMES
+from meshtrain.parallel.schemes.registry import SCHEMES, tp_scheme
 
 Grid = tuple[str, "int | None"]
 
 
 def forms(tp: int, scheme: str, depth: int | None) -> bool:
     """Whether `tp` ranks arrange as `scheme`'s grid (with `depth`)."""
-    try:
-        resolve_tp_grid(tp, scheme, depth)
-    except ValueError:
-        return False
-    return True
+    return tp_scheme(scheme).forms(tp, depth)
 
 
 def grid_choices(tp: int, fixed: dict[str, object], *, cp: int, moe: bool) -> list[Grid]:
-    """The (scheme, depth) pairs to try at `tp`."""
+    """The (scheme, depth) pairs to try at `tp`: a fixed scheme as given, else every scheme
+    that combines with the combination's cp and MoE layers."""
     depth, given = fixed.get("depth"), "scheme" in fixed
-    schemes = [fixed["scheme"]] if given else ["1d"] if cp > 1 or moe else list(SCHEMES)
+    schemes = [tp_scheme(fixed["scheme"])] if given else [
+        s for s in SCHEMES.values()
+        if (cp == 1 or s.allows("cp")) and (not moe or s.allows("moe_experts"))]
     pairs: list[Grid] = []
     for scheme in schemes:
-        depths = [depth]
-        if scheme == "2.5d" and depth is None:
-            depths = [d for d in range(1 if given else 2, tp + 1) if forms(tp, scheme, d)] \
-                or ([None] if given else [])
-        pairs += [(scheme, d) for d in depths
-                  if given or forms(tp, scheme, d) and _fits_fixed(tp, scheme, d, fixed)]
-    return pairs or [("1d", depth)]
+        depths = [depth] if depth is not None else scheme.depth_choices(tp, fixed=given)
+        pairs += [(scheme.name, d) for d in depths
+                  if given or scheme.forms(tp, d) and _fits_fixed(tp, scheme.name, d, fixed)]
+    return pairs or [(ParallelPlan().tp_scheme, depth)]
 
 
 def _fits_fixed(tp: int, scheme: str, depth: int | None, fixed: dict[str, object]) -> bool:
-    """A searched (not fixed) grid is tried only where the fixed fields allow one: no
-    sequence parallelism, and a fixed micro-batch its batch split divides."""
-    if scheme == "1d":
-        return True
-    parts = ParallelPlan(tp=tp, tp_scheme=scheme, tp_depth=depth).batch_parts
-    return not fixed.get("sp") and fixed.get("mb", parts) % parts == 0
+    """A searched (not fixed) grid is tried only where the fixed fields allow one: sequence
+    parallelism only where the scheme combines with it, and a fixed micro-batch its batch split
+    divides."""
+    plan = ParallelPlan(tp=tp, tp_scheme=scheme, tp_depth=depth)
+    parts = plan.batch_parts
+    return (not fixed.get("sp") or plan.scheme.allows("sequence_parallel")) \
+        and fixed.get("mb", parts) % parts == 0
 
 
 def micro_batches(candidates: list[int], tp: int, scheme: str, depth: int | None,

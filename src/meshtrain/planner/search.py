@@ -28,12 +28,13 @@ tokens on 512 H100s 4.5 s; GPT-2 on 8 GPUs 0.03 s.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from meshtrain.errors import SettingError
 from meshtrain.models.family import TransformerConfig
+from meshtrain.parallel.schemes.registry import tp_scheme
 from meshtrain.planner import costs
 from meshtrain.planner.costs import Prediction
 from meshtrain.planner.hardware import Hardware
@@ -76,7 +77,8 @@ class SearchResult:
     """Layouts within the memory budget, fastest (then smallest) first; a fully fixed one even
     when over."""
     rejected: dict[str, list[Rejection]] = field(default_factory=dict)
-    """By short reason ("heads not divisible by tp", "memory over budget")."""
+    """By short reason: the refusal's `errors.Code` value ("heads not divisible by tp"), or
+    "memory over budget"."""
     warnings: list[str] = field(default_factory=list)
     evaluated: int = 0
     """Layouts the cost model predicted."""
@@ -184,7 +186,8 @@ class _Search:
                                                    MAX_MICRO_BATCH)),
             "schedule": self.choices("schedule", schedules),
             "vp": self.choices("vp", vps or [1]),
-            "sp": self.choices("sp", [True, False] if tp > 1 and scheme == "1d" else [False]),
+            "sp": self.choices("sp", [True, False] if tp > 1 and tp_scheme(scheme).allows(
+                "sequence_parallel") else [False]),
             "zero": self.choices("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]),
             "recompute": self.choices("recompute", RECOMPUTE),
             "ep": self.choices("ep", [e for e in _divisors(dp * cp) if experts % e == 0]
@@ -226,10 +229,10 @@ class _Search:
             layout.to_plan(precision=self.precision).validate(
                 self.model, world_size=self.gpus, global_batch=self.global_batch,
                 seq_len=self.seq_len)
-        except ValueError as e:
+        except SettingError as e:
             if not record:
                 raise
-            self.reject(category(str(e)), layout, str(e))
+            self.reject(e.code.value, layout, str(e))
             self.checked[layout] = False
             return False
         self.checked[layout] = True
@@ -304,7 +307,7 @@ class _Search:
         """`validate`'s verdict, not recorded (a choice among alternatives)."""
         try:
             self.validate(layout, record=False)
-        except ValueError:
+        except SettingError:
             return False
         return True
 
@@ -352,41 +355,3 @@ class _Search:
             if (trial == layout or self.validate(trial)) and self.fits(trial):
                 return self.seen[trial]
         return None
-
-
-_CATEGORIES = (  # the grid schemes' first: their messages name heads and widths too
-    ("splits each micro-batch", "micro-batch not divisible by the grid's batch split"),
-    ("for `tp_scheme`", "heads or widths not divisible by the grid"),
-    ("arranges tp as", "tp does not form the scheme's grid"),
-    ("`tp_depth`", "tp_depth does not fit the scheme or tp"),
-    ("already split over batch", "grid scheme with sp, cp or MoE"),
-    ("number of heads", "heads not divisible by tp"),
-    ("key/value heads", "kv heads and tp do not divide one another"),
-    ("MLP width", "MLP width not divisible by tp"),
-    ("layers: every stage", "pp exceeds layers"),
-    ("micro-batches per step", "interleaved: micro-batches not divisible by pp"),
-    ("layers divisible by `pp` x", "interleaved: layers not divisible by pp x vp"),
-    ("x `virtual_stages` =", "pp x virtual stages exceeds layers"),
-    ("must be divisible by `micro_batch` x dp", "global batch not divisible by micro-batch x dp"),
-    ("does not combine with `pp`", "zero 2/3 with pp > 1"),
-    ("divisible by 2 x cp", "seq_len not divisible by 2 x cp"),
-    ("for `sequence_parallel`", "seq_len / cp not divisible by tp (sp)"),
-    ("ep=", "ep does not divide dp x cp"),
-    ("needs an MoE model", "ep > 1 without MoE"),
-    ("divisible by `ep`", "experts not divisible by ep"),
-    ("`moe_experts` with", "MoE with sp or cp"),
-    ("does not shard MoE", "zero 3 with MoE"),
-    ("attention dropout", "cp with dropout"),
-    ("needs `pp_schedule` interleaved", "virtual stages without interleaved"),
-    ("with `pp_schedule` 2bw", "zero with 2bw"),
-    ("2bw needs at least", "2bw: fewer micro-batches than pp"),
-    ("2bw supports", "2bw needs fp32"),
-)
-
-
-def category(message: str) -> str:
-    """A short, stable reason for a validation message (its first clause when unknown)."""
-    for needle, reason in _CATEGORIES:
-        if needle in message:
-            return reason
-    return re.sub(r"\d+", "N", message.split(":")[0].replace("`", ""))

@@ -4,7 +4,7 @@ embedding and the output layer, split over the layout's tensor- and context-para
 Every scheme divides a layer's FLOPs by tp. 1d replicates the norms, residuals and the hidden
 states between layers over tp unless sequence parallelism splits them; 2d, 2.5d and 3d split
 everything tp ways (hidden and batch); weights split q^2 ways under 2d and 2.5d (replicated
-over 2.5d's depth) and q^3 under 3d. Their traffic is `tp_traffic.py`'s.
+over 2.5d's depth) and q^3 under 3d. Each scheme gives its traffic (`TPScheme.layer_traffic`).
 
 Counts, not times: FLOPs of each matmul (so small ones can be charged their lower efficiency),
 bytes elementwise kernels move, bytes each collective carries, parameters each rank holds. The
@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
+from meshtrain.parallel.schemes.scheme import Traffic
 from meshtrain.planner.layout import Layout
-from meshtrain.planner.tp_traffic import Traffic, layer_traffic, output_traffic
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_BYTES = 4
@@ -70,12 +70,12 @@ class Workload:
     def splits_hidden(self) -> bool:
         """Whether each TP rank holds 1/tp of the hidden states between layers (SP, or a
         2d/2.5d/3d grid), rather than all of them."""
-        return self.layout.sp or self.layout.scheme != "1d"
+        return self.layout.sp or self.layout.tp_scheme.splits_hidden
 
     @property
     def weight_parts(self) -> int:
         """How many ways each weight matrix is split: tp, except over 2.5d's depth."""
-        return self.layout.tp // self.layout.tp_grid.get("tp_depth", 1)
+        return self.layout.tp_scheme.weight_parts(self.layout.tp_grid)
 
     @property
     def boundary_bytes(self) -> float:
@@ -83,16 +83,17 @@ class Workload:
         return self.activation_bytes / (self.layout.tp if self.splits_hidden else 1)
 
     def layer_traffic(self) -> Traffic:
-        """One layer's tensor-parallel bytes and steps (2d/2.5d/3d; 1d's are `costs.py`'s)."""
+        """One layer's tensor-parallel bytes and steps (`TPScheme.layer_traffic`; the
+        replicated-hidden 1d scheme's are timed by `costs.py` with their overlap)."""
         lay = self.layout
-        return layer_traffic(self.model, tp=lay.tp, scheme=lay.scheme, depth=lay.depth,
-                             tokens=self.local_tokens, e=self.element_bytes)
+        return lay.tp_scheme.layer_traffic(self.model, lay.tp_grid, self.local_tokens,
+                                           self.element_bytes)
 
     def head_traffic(self) -> Traffic:
-        """2d/2.5d/3d: the output layer's traffic (`tp_traffic.output_traffic`)."""
+        """The output layer's traffic (`TPScheme.output_traffic`)."""
         lay, m = self.layout, self.model
-        return output_traffic(lay.scheme, lay.tp_grid, self.local_tokens, m.hidden_size,
-                              m.vocab_size, self.element_bytes)
+        return lay.tp_scheme.output_traffic(lay.tp_grid, self.local_tokens, m.hidden_size,
+                                            m.vocab_size, self.element_bytes)
 
     def layer(self, index: int) -> LayerWork:
         m, t, tokens = self.model, self.layout.tp, self.local_tokens
@@ -136,7 +137,7 @@ class Workload:
         lay, m = self.layout, self.model
         recompute = "selective" if lay.recompute == "none" and m.attention == "sdpa" \
             else lay.recompute
-        grid = lay.scheme != "1d"
+        grid = lay.tp_scheme.splits_hidden
         saved = m.activation_bytes(seq_len=self.seq_len // lay.cp, micro_batch=lay.mb,
                                    tp=1 if grid else lay.tp, sequence_parallel=lay.sp,
                                    recompute=recompute, element_size=self.element_bytes,

@@ -33,7 +33,7 @@ from meshtrain.data.corpus import (
     write_atomic,
 )
 from meshtrain.data.tokenization import TOKENIZER_FILE
-from meshtrain.mesh import ParallelMesh, init_parallel
+from meshtrain.mesh import ParallelMesh
 from meshtrain.operations.failures import EXIT_NONFINITE, EXIT_STOPPED, RunFailure, writing
 from meshtrain.operations.run_lock import RunLock
 from meshtrain.operations.stopping import SAVE_NOW, StopSignals, stop_signal
@@ -41,6 +41,7 @@ from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.optim import clip_grad_norm_, lr_at
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.runtime.process_groups import init_parallel
 from meshtrain.parallelize import ParallelModel, parallelize
 from meshtrain.precision import LossScaler
 from meshtrain.training.metrics import MetricsLog, Progress, StepTimer, read_metrics, read_scalars

@@ -96,7 +96,7 @@ class MoE(nn.Module):
     index, so names do not depend on ep.
 
     Each forward adds its weighted routing losses to `aux.loss` and appends its statistics to
-    `aux.routing` (see `models.family.AuxiliaryOutputs`).
+    `aux.routing` (see `contracts.AuxiliaryOutputs`).
     """
 
     def __init__(self, router: nn.Linear, experts: dict[int, nn.Module], *, num_experts: int,

@@ -1,12 +1,13 @@
-"""LayerNorm and RMSNorm over hidden states whose last dimension is split over a mesh axis
-(3D tensor parallelism holds `[b/q^2, s, h/q]`).
+"""RMSNorm, and LayerNorm and RMSNorm over hidden states whose last dimension is split over a
+mesh axis (3D tensor parallelism holds `[b/q^2, s, h/q]`). One RMSNorm kernel serves both: on a
+whole row its statistics are local means, on a split row all-reduced sums.
 
 Each rank normalises its slice of every row; the row statistics are local sums all-reduced over
 the hidden axis (forward: the mean, then the centred sum of squares, or the sum of squares;
 backward: one all-reduce of the two or one row sums the input gradient needs). The scale and
 shift hold the rank's hidden slice and see only its tokens: their gradients are partial over the
 `partial` axes. Statistics are computed in fp32 or wider, as `nn.LayerNorm` and
-`models.blocks.RMSNorm` do; only the input and the row statistics are saved.
+`RMSNorm` do; only the input and the row statistics are saved.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ def _row_sum(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
     total = x.sum(-1, keepdim=True)
     comm.all_reduce(total, axis)
     return total
+
+
+def _row_mean(x: torch.Tensor, axis: MeshAxis | None, size: int) -> torch.Tensor:
+    """Mean over the last dimension of a whole row (`axis` None: this rank holds it) or of a
+    row split over `axis` (`size` elements in all)."""
+    return x.mean(-1, keepdim=True) if axis is None else _row_sum(x, axis) / size
 
 
 def _token_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -64,12 +71,12 @@ class _LayerNormFn(torch.autograd.Function):
 
 class _RMSNormFn(torch.autograd.Function):
     """x / rms(x) * weight, computed in the wide dtype and rounded to x's before the weight
-    multiplies it (the order of `models.blocks.RMSNorm`)."""
+    multiplies it (as Llama's reference code); `axis` None for a whole row."""
 
     @staticmethod
-    def forward(ctx, x, weight, axis: MeshAxis, size: int, eps: float):
+    def forward(ctx, x, weight, axis: MeshAxis | None, size: int, eps: float):
         wide = x.to(wide_dtype(x.dtype))
-        rstd = torch.rsqrt(_row_sum(wide.pow(2), axis) / size + eps)
+        rstd = torch.rsqrt(_row_mean(wide.pow(2), axis, size) + eps)  # [..., 1]
         ctx.save_for_backward(x, weight, rstd)
         ctx.axis, ctx.size = axis, size
         return weight * (wide * rstd).to(x.dtype)
@@ -81,8 +88,21 @@ class _RMSNormFn(torch.autograd.Function):
         normed = x.to(wide) * rstd
         grad_weight = _token_sum(grad.to(wide) * normed.to(x.dtype).to(wide), weight.dtype)
         g = (grad * weight).to(wide)
-        grad_x = rstd * (g - normed * _row_sum(g * normed, ctx.axis) / ctx.size)
+        grad_x = rstd * (g - normed * _row_mean(g * normed, ctx.axis, ctx.size))
         return grad_x.to(x.dtype), grad_weight, None, None, None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019) with a learned scale, computed in fp32
+    (or wider); saves only its input and 1/rms."""
+
+    def __init__(self, size: int, *, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFn.apply(x, self.weight, None, self.weight.shape[0], self.eps)
 
 
 class _SplitNorm(nn.Module):
@@ -123,7 +143,7 @@ class SplitLayerNorm(_SplitNorm):
 
 
 class SplitRMSNorm(_SplitNorm):
-    """`models.blocks.RMSNorm` over a split hidden dimension."""
+    """`RMSNorm` over a split hidden dimension."""
 
     def __init__(self, dense: nn.Module, mesh: ParallelMesh, *, hidden_axis: str,
                  partial: tuple[str, ...]):

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtrain.contracts import AuxiliaryOutputs
 from meshtrain.data.corpus import to_device
 from meshtrain.mesh import ParallelMesh
-from meshtrain.models.family import AuxiliaryOutputs
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.layers.expert import RoutingStats

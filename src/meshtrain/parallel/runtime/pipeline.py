@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.memory import saved_activation_bytes
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
@@ -55,14 +56,17 @@ def stage_layers(num_layers: int, num_stages: int, split: list[int] | None = Non
         split = [base + (1 if s < extra else 0) for s in range(num_stages)]
     text = ",".join(map(str, split))
     if len(split) != num_stages:
-        raise ValueError(f"`pp_layers` {text} has {len(split)} entries: give one layer count per"
-                         f" pipeline stage ({num_stages})")
+        raise SettingError(Code.PP_LAYERS_SPLIT, (
+            f"`pp_layers` {text} has {len(split)} entries: give one layer count per"
+            f" pipeline stage ({num_stages})"))
     if min(split) < 1:
-        raise ValueError(f"`pp_layers` {text} leaves a stage without layers: every count must be"
-                         " at least 1")
+        raise SettingError(Code.PP_LAYERS_SPLIT, (
+            f"`pp_layers` {text} leaves a stage without layers: every count must be"
+            " at least 1"))
     if sum(split) != num_layers:
-        raise ValueError(f"`pp_layers` {text} sums to {sum(split)}: the counts must sum to the"
-                         f" model's {num_layers} layers")
+        raise SettingError(Code.PP_LAYERS_SPLIT, (
+            f"`pp_layers` {text} sums to {sum(split)}: the counts must sum to the"
+            f" model's {num_layers} layers"))
     starts = [sum(split[:s]) for s in range(num_stages)]
     return [range(start, start + n) for start, n in zip(starts, split, strict=True)]
 

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from meshtrain.data.corpus import check_batch_sizes
-from meshtrain.mesh import resolve_degrees, resolve_tp_grid
+from meshtrain.errors import Code, SettingError
+from meshtrain.mesh import resolve_degrees
 from meshtrain.parallel.runtime.pipeline import stage_layers
+from meshtrain.parallel.schemes.registry import tp_scheme
+from meshtrain.parallel.schemes.scheme import TPScheme
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
@@ -24,7 +27,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
 
 def parse_dtype(name: str, setting: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"`{setting}` must be one of {', '.join(DTYPES)}, got {name!r}")
+        raise SettingError(Code.CHOICE, (
+            f"`{setting}` must be one of {', '.join(DTYPES)}, got"
+            f" {name!r}"))
     return DTYPES[name]
 
 
@@ -90,24 +95,25 @@ class ParallelPlan:
         return dataclasses.replace(self, dp=degrees["dp"])
 
     @property
+    def scheme(self) -> TPScheme:
+        """The tensor-parallel scheme (`parallel/schemes/registry.py`)."""
+        return tp_scheme(self.tp_scheme)
+
+    @property
     def tp_grid(self) -> dict[str, int]:
-        """The TP block's grid axes and sizes (`mesh.resolve_tp_grid`)."""
-        return resolve_tp_grid(self.tp, self.tp_scheme, self.tp_depth)
+        """The TP block's grid axes and sizes (`TPScheme.grid`)."""
+        return self.scheme.grid(self.tp, self.tp_depth)
 
     @property
     def head_parts(self) -> int:
         """How many ways attention heads are split: tp (1d) or the grid side q."""
-        grid = self.tp_grid
-        return self.tp if self.tp_scheme == "1d" else grid.get("tp_col", grid.get("tp_input"))
+        return self.scheme.head_parts(self.tp_grid)
 
     @property
     def batch_parts(self) -> int:
         """How many ways a micro-batch is split inside the TP block: 1 (1d), q (2d), d q
         (2.5d) or q^2 (3d)."""
-        grid = self.tp_grid
-        if self.tp_scheme == "3d":
-            return grid["tp_weight"] * grid["tp_output"]
-        return grid.get("tp_depth", 1) * grid.get("tp_row", 1)
+        return self.scheme.batch_parts(self.tp_grid)
 
     def with_degrees(self, degrees: dict[str, int]) -> ParallelPlan:
         return dataclasses.replace(self, **{k: degrees[k] for k in ("tp", "pp", "dp", "cp", "ep")})
@@ -141,7 +147,7 @@ class ParallelPlan:
         plan = self.resolved(world_size)
         plan._validate_numbers(global_batch)
         model.validate()
-        plan._validate_tp_scheme(model)
+        plan.scheme.check(plan, model)
         model.validate_for_tp(plan.head_parts)
         model.validate_for_ep(plan.ep)
         plan._validate_execution(model, seq_len)
@@ -153,140 +159,136 @@ class ParallelPlan:
         check_batch_sizes(global_batch=global_batch, micro_batch=self.micro_batch, dp=self.dp)
         precision = self.dtype
         if parse_dtype(self.grad_dtype, "grad_dtype") not in (torch.float32, precision):
-            raise ValueError(f"`grad_dtype` {self.grad_dtype} must be fp32 or the `precision`"
-                             f" dtype ({self.precision})")
+            raise SettingError(Code.GRAD_DTYPE, (
+                f"`grad_dtype` {self.grad_dtype} must be fp32 or the `precision`"
+                f" dtype ({self.precision})"))
         if int(self.bucket_mb * 2**20) < 1:
-            raise ValueError(f"`bucket_mb` must be positive, got {self.bucket_mb}")
-
-    def _validate_tp_scheme(self, model) -> None:
-        """2d/2.5d/3d: the grid, the shapes it splits, and the features it does not combine
-        with (sequence and context parallelism, experts: designed for 1D only)."""
-        grid, scheme = self.tp_grid, self.tp_scheme  # the grid's own errors first
-        if scheme == "1d":
-            return
-        for setting, on in (("sequence_parallel", self.sequence_parallel),
-                            ("cp", self.cp > 1), ("ep", self.ep > 1),
-                            ("moe_experts", bool(model.moe_experts))):
-            if on:
-                raise ValueError(f"`tp_scheme` {scheme} does not combine with `{setting}` (its"
-                                 " hidden states are already split over batch and hidden): use"
-                                 f" `tp_scheme` 1d for `{setting}`")
-        q = self.head_parts
-        # 3D splits a weight's input features q^2 ways; 2D/2.5D q ways
-        width = q * q if scheme == "3d" else q
-        for what, size in (("hidden size", model.hidden_size), ("MLP width", model.ffn_size),
-                           ("number of heads", model.num_heads),
-                           ("number of key/value heads", getattr(model, "kv_heads", q))):
-            need = q if what.startswith("number") else width
-            if size % need:
-                raise ValueError(f"the {what} ({size}) must be divisible by {need} for"
-                                 f" `tp_scheme` {scheme} with `tp` {self.tp}: change the model"
-                                 " or the tp")
-        if self.micro_batch % self.batch_parts:
-            raise ValueError(f"`micro_batch` {self.micro_batch} must be divisible by"
-                             f" {self.batch_parts}: `tp_scheme` {scheme} with grid"
-                             f" {'x'.join(map(str, grid.values()))} splits each micro-batch"
-                             f" {self.batch_parts} ways; raise `micro_batch`")
+            raise SettingError(Code.RANGE, f"`bucket_mb` must be positive, got {self.bucket_mb}")
 
     def _validate_execution(self, model, seq_len: int) -> None:
         """Sequence and context parallelism, recomputation."""
         tp, cp = self.tp, self.cp
         if self.cp_mode not in ("ring", "all2all"):
-            raise ValueError(f"`cp_mode` must be ring or all2all, got {self.cp_mode!r}")
+            raise SettingError(Code.CHOICE, (
+                f"`cp_mode` must be ring or all2all, got {self.cp_mode!r}"))
         if self.recompute not in ("none", "selective", "full"):
-            raise ValueError(f"`recompute` must be none, selective or full, got"
-                             f" {self.recompute!r}")
+            raise SettingError(Code.CHOICE, (
+                f"`recompute` must be none, selective or full, got"
+                f" {self.recompute!r}"))
         if self.recompute_layers is not None and self.recompute_layers < 0:
-            raise ValueError(f"`recompute_layers` must be >= 0, got {self.recompute_layers}")
+            raise SettingError(Code.RANGE, (
+                f"`recompute_layers` must be >= 0, got {self.recompute_layers}"))
         if self.recompute_layers is not None and self.recompute != "full":
-            raise ValueError("`recompute_layers` applies to `recompute` full only: add it or drop"
-                             " `recompute_layers`")
+            raise SettingError(Code.RECOMPUTE_LAYERS, (
+                "`recompute_layers` applies to `recompute` full only: add it or drop"
+                " `recompute_layers`"))
         if self.sequence_parallel and tp == 1:
-            raise ValueError("`sequence_parallel` needs `tp` > 1 (it splits the sequence over the"
-                             " tensor-parallel ranks)")
+            raise SettingError(Code.SP_WITHOUT_TP, (
+                "`sequence_parallel` needs `tp` > 1 (it splits the sequence over the"
+                " tensor-parallel ranks)"))
         if cp > 1 and seq_len % (2 * cp):
-            raise ValueError(f"`seq_len` {seq_len} must be divisible by 2 x cp = {2 * cp} (each"
-                             " rank holds 2 of 2 x cp chunks): choose a multiple")
+            raise SettingError(Code.CP_SEQ_LEN, (
+                f"`seq_len` {seq_len} must be divisible by 2 x cp = {2 * cp} (each"
+                " rank holds 2 of 2 x cp chunks): choose a multiple"))
         local = seq_len // cp  # tokens per CP rank, split again over TP by sequence parallelism
         if self.sequence_parallel and local % tp:
-            raise ValueError(f"`seq_len` {seq_len} / cp ({cp}) = {local} tokens per rank must be"
-                             f" divisible by tp ({tp}) for `sequence_parallel`: choose a multiple")
+            raise SettingError(Code.SP_SEQ_LEN, (
+                f"`seq_len` {seq_len} / cp ({cp}) = {local} tokens per rank must be"
+                f" divisible by tp ({tp}) for `sequence_parallel`: choose a multiple"))
         if cp > 1 and model.dropout > 0:
-            raise ValueError("attention dropout with `cp` > 1 is not supported: use `dropout` 0")
+            raise SettingError(Code.CP_DROPOUT, (
+                "attention dropout with `cp` > 1 is not supported: use `dropout` 0"))
         if cp > 1 and self.cp_mode == "all2all" and (model.num_heads // tp) % cp:
-            raise ValueError(f"`cp_mode` all2all needs heads per TP rank ({model.num_heads // tp})"
-                             f" divisible by `cp` {cp}: use `cp_mode` ring or another `cp`")
+            raise SettingError(Code.ALL2ALL_HEADS, (
+                f"`cp_mode` all2all needs heads per TP rank ({model.num_heads // tp})"
+                f" divisible by `cp` {cp}: use `cp_mode` ring or another `cp`"))
         if model.moe_experts and (self.sequence_parallel or cp > 1):
-            raise ValueError("`moe_experts` with `sequence_parallel` or `cp` > 1 is not"
-                             " supported: routing assumes every TP/CP rank holds the whole"
-                             " micro-batch")
+            raise SettingError(Code.MOE_SEQUENCE_SPLIT, (
+                "`moe_experts` with `sequence_parallel` or `cp` > 1 is not"
+                " supported: routing assumes every TP/CP rank holds the whole"
+                " micro-batch"))
 
     def _validate_zero(self, model) -> None:
         if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"`zero` must be 0, 1, 2 or 3, got {self.zero}")
+            raise SettingError(Code.CHOICE, f"`zero` must be 0, 1, 2 or 3, got {self.zero}")
         if self.offload_optimizer not in ("none", "cpu"):
-            raise ValueError(f"`offload_optimizer` must be none or cpu, got"
-                             f" {self.offload_optimizer!r}")
+            raise SettingError(Code.CHOICE, (
+                f"`offload_optimizer` must be none or cpu, got"
+                f" {self.offload_optimizer!r}"))
         if self.zero and self.precision == "fp64":
-            raise ValueError(f"`zero` {self.zero} keeps fp32 master shards, which would round"
-                             " `precision` fp64's parameters: use `zero` 0 with fp64")
+            raise SettingError(Code.ZERO_FP64, (
+                f"`zero` {self.zero} keeps fp32 master shards, which would round"
+                " `precision` fp64's parameters: use `zero` 0 with fp64"))
         if self.offload_optimizer == "cpu" and self.zero == 0:
-            raise ValueError("`offload_optimizer` cpu offloads ZeRO's optimizer shard: add `zero`"
-                             " 1 (or 2, 3)")
+            raise SettingError(Code.OFFLOAD_WITHOUT_ZERO, (
+                "`offload_optimizer` cpu offloads ZeRO's optimizer shard: add `zero`"
+                " 1 (or 2, 3)"))
         if self.zero >= 2 and self.pp > 1:
-            raise ValueError(f"`zero` {self.zero} does not combine with `pp` {self.pp}: a"
-                             " pipeline interleaves the backwards of many micro-batches, so"
-                             " sharded gradients would be reduce-scattered once per micro-batch"
-                             " per stage; use `zero` 1 with pipelines")
+            raise SettingError(Code.ZERO_PIPELINE, (
+                f"`zero` {self.zero} does not combine with `pp` {self.pp}: a"
+                " pipeline interleaves the backwards of many micro-batches, so"
+                " sharded gradients would be reduce-scattered once per micro-batch"
+                " per stage; use `zero` 1 with pipelines"))
         if self.zero and self.pp > 1 and self.pp_schedule == "2bw":
-            raise ValueError("`zero` with `pp_schedule` 2bw is not supported (2BW keeps two full"
-                             " weight versions): use `zero` 1 with 1f1b or interleaved")
+            raise SettingError(Code.ZERO_2BW, (
+                "`zero` with `pp_schedule` 2bw is not supported (2BW keeps two full"
+                " weight versions): use `zero` 1 with 1f1b or interleaved"))
         if self.zero == 3 and model.moe_experts:
-            raise ValueError("`zero` 3 does not shard MoE experts yet: use `zero` 1 or 2 with"
-                             " `moe_experts`")
+            raise SettingError(Code.ZERO3_MOE, (
+                "`zero` 3 does not shard MoE experts yet: use `zero` 1 or 2 with"
+                " `moe_experts`"))
 
     def _validate_pipeline(self, model, global_batch: int) -> None:
         v, m = self.virtual_stages, self.micro_batches_per_step(global_batch)
         if self.pp > model.num_layers:
-            raise ValueError(f"`pp` {self.pp} exceeds the model's {model.num_layers} layers:"
-                             " every stage needs at least one")
+            raise SettingError(Code.PP_LAYERS, (
+                f"`pp` {self.pp} exceeds the model's {model.num_layers} layers:"
+                " every stage needs at least one"))
         if self.pp_schedule not in SCHEDULES:
-            raise ValueError(f"`pp_schedule` must be gpipe, 1f1b, interleaved or 2bw, got"
-                             f" {self.pp_schedule!r}")
+            raise SettingError(Code.CHOICE, (
+                f"`pp_schedule` must be gpipe, 1f1b, interleaved or 2bw, got"
+                f" {self.pp_schedule!r}"))
         if self.pp_schedule == "2bw":
             self._validate_2bw(model, m)
         if v < 1:
-            raise ValueError(f"`virtual_stages` must be >= 1, got {v}")
+            raise SettingError(Code.RANGE, f"`virtual_stages` must be >= 1, got {v}")
         if v > 1 and self.pp_schedule != "interleaved":
-            raise ValueError(f"`virtual_stages` {v} needs `pp_schedule` interleaved (got"
-                             f" {self.pp_schedule})")
+            raise SettingError(Code.VIRTUAL_STAGES_SCHEDULE, (
+                f"`virtual_stages` {v} needs `pp_schedule` interleaved (got"
+                f" {self.pp_schedule})"))
         if v > 1 and self.pp == 1:
-            raise ValueError(f"`virtual_stages` {v} needs `pp` > 1")
+            raise SettingError(Code.VIRTUAL_STAGES_PP, f"`virtual_stages` {v} needs `pp` > 1")
         if self.pp * v > model.num_layers:
-            raise ValueError(f"`pp` x `virtual_stages` = {self.pp} x {v} exceeds the model's"
-                             f" {model.num_layers} layers: every model chunk needs at least one")
+            raise SettingError(Code.CHUNK_LAYERS, (
+                f"`pp` x `virtual_stages` = {self.pp} x {v} exceeds the model's"
+                f" {model.num_layers} layers: every model chunk needs at least one"))
         if self.pp_schedule == "interleaved" and self.pp > 1:
             if m % self.pp:
-                raise ValueError(f"`pp_schedule` interleaved needs the micro-batches per step"
-                                 f" (global batch / (micro-batch x dp) = {m}) divisible by `pp`"
-                                 f" {self.pp}: change `global_batch` or `micro_batch`")
+                raise SettingError(Code.INTERLEAVED_MICRO_BATCHES, (
+                    f"`pp_schedule` interleaved needs the micro-batches per step"
+                    f" (global batch / (micro-batch x dp) = {m}) divisible by `pp`"
+                    f" {self.pp}: change `global_batch` or `micro_batch`"))
             if self.pp_layers is None and model.num_layers % (self.pp * v):
-                raise ValueError(f"`pp_schedule` interleaved needs the {model.num_layers}"
-                                 f" layers divisible by `pp` x `virtual_stages` = {self.pp} x"
-                                 f" {v}, or explicit `pp_layers`")
+                raise SettingError(Code.INTERLEAVED_LAYERS, (
+                    f"`pp_schedule` interleaved needs the {model.num_layers}"
+                    f" layers divisible by `pp` x `virtual_stages` = {self.pp} x"
+                    f" {v}, or explicit `pp_layers`"))
         if self.pp_layers is not None:
             self.stage_layers(model.num_layers)
 
     def _validate_2bw(self, model, m: int) -> None:
         if self.pp == 1:
-            raise ValueError("`pp_schedule` 2bw needs `pp` > 1")
+            raise SettingError(Code.TWO_BW_PP, "`pp_schedule` 2bw needs `pp` > 1")
         if m < self.pp:
-            raise ValueError(f"`pp_schedule` 2bw needs at least `pp` ({self.pp}) micro-batches per"
-                             f" step, got global batch / (micro-batch x dp) = {m}: raise"
-                             " `global_batch` or lower `micro_batch`")
+            raise SettingError(Code.TWO_BW_MICRO_BATCHES, (
+                f"`pp_schedule` 2bw needs at least `pp` ({self.pp}) micro-batches per"
+                f" step, got global batch / (micro-batch x dp) = {m}: raise"
+                " `global_batch` or lower `micro_batch`"))
         if self.precision != "fp32":
-            raise ValueError(f"`pp_schedule` 2bw supports `precision` fp32 only, got"
-                             f" {self.precision}")
+            raise SettingError(Code.TWO_BW_PRECISION, (
+                f"`pp_schedule` 2bw supports `precision` fp32 only, got"
+                f" {self.precision}"))
         if model.moe_experts:
-            raise ValueError("`pp_schedule` 2bw does not support MoE layers yet: use"
-                             " `pp_schedule` 1f1b with `moe_experts`")
+            raise SettingError(Code.TWO_BW_MOE, (
+                "`pp_schedule` 2bw does not support MoE layers yet: use"
+                " `pp_schedule` 1f1b with `moe_experts`"))

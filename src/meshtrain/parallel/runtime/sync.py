@@ -17,9 +17,9 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from meshtrain.contracts import ParameterRoles
 from meshtrain.memory import model_state_bytes
 from meshtrain.mesh import MeshAxis, ParallelMesh
-from meshtrain.models.family import ParameterRoles
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import GradientReducer
 from meshtrain.parallel.runtime.optim import build_adamw

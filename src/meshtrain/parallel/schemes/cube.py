@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.schemes.cube_layers import (
     INPUT,
@@ -29,7 +30,8 @@ from meshtrain.parallel.schemes.cube_layers import (
     CubeVocabEmbedding,
     CubeVocabHead,
 )
-from meshtrain.parallel.schemes.grid_factory import GridFactory
+from meshtrain.parallel.schemes.grid import GridFactory, GridScheme
+from meshtrain.parallel.schemes.scheme import Traffic, integer_root, layer_linears
 
 
 class Cube3D(GridFactory):
@@ -41,15 +43,17 @@ class Cube3D(GridFactory):
 
     def __init__(self, plan, mesh: ParallelMesh):
         if mesh.tp_scheme != "3d":
-            raise ValueError(f"`tp_scheme` 3d needs a mesh with a q x q x q TP grid, this one is"
-                             f" {mesh.tp_scheme}: build the mesh with `tp_scheme` 3d")
+            raise SettingError(Code.MESH_SCHEME, (
+                f"`tp_scheme` 3d needs a mesh with a q x q x q TP grid, this one is"
+                f" {mesh.tp_scheme}: build the mesh with `tp_scheme` 3d"))
         super().__init__(plan, mesh, q=mesh.tp_grid[INPUT])
         self.batch_parts = self.q * self.q
 
     def column(self, dense: nn.Linear, *, blocks: int = 1, heads: int | None = None) -> nn.Module:
         if heads is not None and heads % self.q:
-            raise ValueError(f"`tp_scheme` 3d splits attention heads q = {self.q} ways: {heads}"
-                             " heads are not divisible; change the model or `tp`")
+            raise SettingError(Code.GRID_SHAPE, (
+                f"`tp_scheme` 3d splits attention heads q = {self.q} ways: {heads}"
+                " heads are not divisible; change the model or `tp`"))
         return CubeLinear(dense, self.mesh, input_axis=INPUT, output_axis=OUTPUT, blocks=blocks)
 
     def column_group(self, **layers: nn.Module) -> nn.Module:
@@ -66,3 +70,58 @@ class Cube3D(GridFactory):
 
     def position_embedding(self, dense: nn.Embedding) -> nn.Module:
         return CubePositionEmbedding(dense, self.mesh)
+
+
+def cube_linear(tokens: int, h_in: int, h_out: int, q: int, e: int) -> Traffic:
+    """Gather input and weight, reduce-scatter the output; backward gathers input, weight and
+    output gradient, and reduce-scatters the input and weight gradients:
+    (q-1)/q^3 (B h_in + h_in h_out + B h_out) e forward,
+    (q-1)/q^3 (2 B h_in + B h_out + 2 h_in h_out) e backward."""
+    share = (q - 1) / q**3 * e
+    forward = share * (tokens * h_in + h_in * h_out + tokens * h_out)
+    backward = share * (2 * tokens * h_in + tokens * h_out + 2 * h_in * h_out)
+    return Traffic(forward, backward, 3 * (q - 1), 5 * (q - 1))
+
+
+class CubeScheme(GridScheme):
+    """3d: a q x q x q grid (tp = q^3); weights split q^3 ways, their input features q^2."""
+
+    name = "3d"
+    axes = (INPUT, WEIGHT, OUTPUT)
+
+    def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:
+        if depth is not None:
+            raise SettingError(Code.GRID_DEPTH, (
+                f"`tp_depth` applies to `tp_scheme` 2.5d only"
+                f" (got {self.name}): drop it"))
+        q = integer_root(tp, 3)
+        if q is None or q < 2:
+            raise SettingError(Code.GRID_TP, (
+                f"`tp_scheme` {self.name} arranges tp as a q^3"
+                f" grid: `tp` {tp} is not one (use 8, 27, 64, ...)"))
+        return dict.fromkeys(self.axes, q)
+
+    def head_parts(self, grid: dict[str, int]) -> int:
+        return grid[INPUT]
+
+    def batch_parts(self, grid: dict[str, int]) -> int:
+        return grid[WEIGHT] * grid[OUTPUT]
+
+    def input_width_parts(self, grid: dict[str, int]) -> int:
+        return grid[INPUT] ** 2
+
+    def factory(self, plan, mesh: ParallelMesh) -> Cube3D:
+        return Cube3D(plan, mesh)
+
+    def layer_traffic(self, model, grid: dict[str, int], tokens: int, e: int) -> Traffic:
+        total = Traffic()
+        for h_in, h_out in layer_linears(model):
+            total += cube_linear(tokens, h_in, h_out, grid[INPUT], e)
+        return total
+
+    def output_traffic(self, grid: dict[str, int], tokens: int, hidden: int, vocab: int,
+                       e: int) -> Traffic:
+        return cube_linear(tokens, hidden, vocab, grid[INPUT], e)
+
+
+CUBE_3D = CubeScheme()

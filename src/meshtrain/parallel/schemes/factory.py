@@ -3,9 +3,9 @@
 A model family names the layers it needs (a linear whose output features are split, one whose
 input features are split, the vocabulary embedding and output layer, an attention core, whether
 a layer is recomputed) and a `LayerFactory` supplies them for one scheme. Megatron's 1D scheme
-(with sequence parallelism, context-parallel attention and recomputation) is `Megatron1D`
-below, made of the layers in `tensor.py`; another scheme is another subclass, and no model file
-changes.
+(with sequence parallelism, context-parallel attention and recomputation) is
+`megatron1d.Megatron1D`; another scheme is another subclass (`scheme.TPScheme.factory` gives
+it), and no model file changes.
 
 Every layer is made from the dense layer it replaces, so a model built under seed S holds this
 rank's slice of the dense model built under seed S at every layout.
@@ -19,18 +19,7 @@ import torch
 from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
-from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.attention import AttentionCore
-from meshtrain.parallel.layers.loss import vocab_parallel_cross_entropy
-from meshtrain.parallel.layers.rng import REPLICATED, TENSOR_PARALLEL
-from meshtrain.parallel.layers.sharding import tensor_parallel_parameters
-from meshtrain.parallel.layers.tensor import (
-    ColumnParallelGroup,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelHead,
-)
 
 
 class LayerFactory(ABC):
@@ -115,6 +104,12 @@ class LayerFactory(ABC):
         """Whether a rank's layers see only part of the sequence (sequence or context
         parallelism): a key/value cache, which appends whole tokens, cannot be used then."""
 
+    @property
+    def splits_batch(self) -> bool:
+        """Whether a rank's layers see only part of the micro-batch (the grid schemes): a
+        key/value cache of whole sequences cannot be used then."""
+        return False
+
     @abstractmethod
     def hidden_shape(self, batch: int, tokens: int, hidden: int) -> tuple[int, ...]:
         """Shape of the hidden states this rank holds between layers (and pipeline stages)."""
@@ -124,97 +119,3 @@ class LayerFactory(ABC):
                           exclude: set[int]) -> list[tuple[MeshAxis, list[nn.Parameter]]]:
         """Parameters whose gradient each rank holds only a part of, with the axis to sum it
         over after the data-parallel reduction (`exclude`: ids that never are, e.g. experts)."""
-
-
-class Megatron1D(LayerFactory):
-    """Megatron-LM's 1D tensor parallelism over the `tp` axis, with the plan's sequence
-    parallelism, context-parallel attention and recomputation.
-
-    Hidden states are replicated over TP (`[b, s, h]`) or, with sequence parallelism, split
-    along the sequence (`[b, s/tp, h]`); column-parallel layers split heads and the MLP width,
-    row-parallel layers sum them back (seed 000). Norms stay whole.
-    """
-
-    def __init__(self, plan, mesh: ParallelMesh):
-        super().__init__(plan, mesh)
-        self.sequence_parallel = plan.sequence_parallel and mesh.tp.size > 1
-
-    def column(self, dense: nn.Linear, *, blocks: int = 1, heads: int | None = None) -> nn.Module:
-        # heads fewer than the TP ranks: each is held whole by tp / heads consecutive ranks
-        replicas = max(1, self.mesh.tp.size // heads) if heads else 1
-        return ColumnParallelLinear.from_dense(dense, mesh=self.mesh, output_blocks=blocks,
-                                               sequence_parallel=self.sequence_parallel,
-                                               replicas=replicas)
-
-    def column_group(self, **layers: nn.Module) -> nn.Module:
-        return ColumnParallelGroup(**layers)
-
-    def row(self, dense: nn.Linear) -> nn.Module:
-        return RowParallelLinear.from_dense(dense, mesh=self.mesh, input_is_parallel=True,
-                                            sequence_parallel=self.sequence_parallel)
-
-    def vocab_embedding(self, dense: nn.Embedding) -> nn.Module:
-        return VocabParallelEmbedding.from_dense(dense, mesh=self.mesh,
-                                                 sequence_parallel=self.sequence_parallel)
-
-    def vocab_head(self, dense: nn.Linear) -> nn.Module:
-        return VocabParallelHead.from_dense(dense, mesh=self.mesh,
-                                            sequence_parallel=self.sequence_parallel)
-
-    def norm(self, dense: nn.Module) -> nn.Module:
-        return dense
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *,
-             ignore_index: int) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, mesh=self.mesh,
-                                            ignore_index=ignore_index)
-
-    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return comm.all_gather(logits, self.mesh.tp, dim=-1)
-
-    def hidden_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        if not self.sequence_parallel:
-            return positions
-        return positions.chunk(self.mesh.tp.size)[self.mesh.tp.rank]
-
-    @property
-    def hidden_stream(self) -> str:
-        # under sequence parallelism each TP rank holds different tokens
-        return TENSOR_PARALLEL if self.sequence_parallel else REPLICATED
-
-    @property
-    def splits_sequence(self) -> bool:
-        return self.sequence_parallel or self.mesh.cp.size > 1
-
-    def hidden_shape(self, batch: int, tokens: int, hidden: int) -> tuple[int, ...]:
-        return (batch, tokens // (self.mesh.tp.size if self.sequence_parallel else 1), hidden)
-
-    def partial_gradients(self, model: nn.Module,
-                          exclude: set[int]) -> list[tuple[MeshAxis, list[nn.Parameter]]]:
-        """Replicated key/value projections: summed over the ranks sharing them. Under sequence
-        parallelism every parameter applied to s/tp tokens (norms, row-parallel biases,
-        positions): summed over TP."""
-        groups: dict[int, list[nn.Parameter]] = {}
-        for module in model.modules():
-            if isinstance(module, ColumnParallelLinear) and module.replicas > 1:
-                groups.setdefault(module.replicas, []).extend(module.parameters(recurse=False))
-        partial = [(self.mesh.tp_block(r), params) for r, params in sorted(groups.items())]
-        if self.sequence_parallel:
-            sharded = tensor_parallel_parameters(model)
-            partial.append((self.mesh.tp, [p for p in model.parameters()
-                                           if id(p) not in sharded and id(p) not in exclude]))
-        return partial
-
-
-def layer_factory(plan, mesh: ParallelMesh) -> LayerFactory:
-    """The factory of the plan's tensor-parallel scheme (the mesh's TP grid is that scheme's)."""
-    if mesh.tp_scheme != plan.tp_scheme and mesh.tp.size > 1:
-        raise ValueError(f"the mesh's TP block is arranged for `tp_scheme` {mesh.tp_scheme}, the"
-                         f" plan asks for {plan.tp_scheme}: build the mesh from the plan")
-    if mesh.tp.size == 1 or plan.tp_scheme == "1d":
-        return Megatron1D(plan, mesh)
-    if plan.tp_scheme == "3d":
-        from meshtrain.parallel.schemes.cube import Cube3D  # noqa: PLC0415 (schemes import this module)
-        return Cube3D(plan, mesh)
-    from meshtrain.parallel.schemes.summa import Summa2D  # noqa: PLC0415
-    return Summa2D(plan, mesh)

@@ -1,4 +1,5 @@
-"""What the grid schemes' layer factories (2D/2.5D `Summa2D`, 3D `Cube3D`) share.
+"""What the grid schemes (2D/2.5D `summa.py`, 3D `cube.py`) share, as schemes (`GridScheme`) and
+as layer factories (`GridFactory`).
 
 Their hidden states are split over the batch and the hidden size inside the TP block, never
 over the sequence, and each rank holds different elements. A scheme names its grid axes by
@@ -12,14 +13,46 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis, ParallelMesh
-from meshtrain.models.blocks import RMSNorm
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.loss import vocab_parallel_cross_entropy
-from meshtrain.parallel.layers.norms import SplitLayerNorm, SplitRMSNorm
+from meshtrain.parallel.layers.norms import RMSNorm, SplitLayerNorm, SplitRMSNorm
 from meshtrain.parallel.layers.rng import TENSOR_PARALLEL
 from meshtrain.parallel.schemes.batch_split import gather_batch, partial_gradients_by_axis
 from meshtrain.parallel.schemes.factory import LayerFactory
+from meshtrain.parallel.schemes.scheme import TPScheme
+
+
+class GridScheme(TPScheme):
+    """A scheme whose TP block is a grid of side q: heads split q ways, hidden states split
+    over batch and hidden size, nothing replicated outside the layers; sequence and context
+    parallelism and experts are refused (routing and the sequence splits assume whole tokens
+    of the hidden size on a rank)."""
+
+    splits_hidden = True
+    refuses = ("sequence_parallel", "cp", "ep", "moe_experts")
+
+    def input_width_parts(self, grid: dict[str, int]) -> int:
+        """How many ways a weight's input features are split."""
+        return self.head_parts(grid)
+
+    def check_shapes(self, plan, model, grid: dict[str, int]) -> None:
+        q, width = self.head_parts(grid), self.input_width_parts(grid)
+        for what, size, need in (("hidden size", model.hidden_size, width),
+                                 ("MLP width", model.ffn_size, width),
+                                 ("number of heads", model.num_heads, q),
+                                 ("number of key/value heads", model.kv_heads, q)):
+            if size % need:
+                raise SettingError(Code.GRID_SHAPE, (
+                    f"the {what} ({size}) must be divisible by {need} for `tp_scheme`"
+                    f" {self.name} with `tp` {plan.tp}: change the model or the tp"))
+        parts = self.batch_parts(grid)
+        if plan.micro_batch % parts:
+            raise SettingError(Code.GRID_BATCH_SPLIT, (
+                f"`micro_batch` {plan.micro_batch} must be divisible by {parts}: `tp_scheme`"
+                f" {self.name} with grid {'x'.join(map(str, grid.values()))} splits each"
+                f" micro-batch {parts} ways; raise `micro_batch`"))
 
 
 class GridFactory(LayerFactory):
@@ -48,8 +81,9 @@ class GridFactory(LayerFactory):
             return SplitLayerNorm(dense, self.mesh, **options)
         if isinstance(dense, RMSNorm):
             return SplitRMSNorm(dense, self.mesh, **options)
-        raise ValueError(f"`tp_scheme` {self.mesh.tp_scheme} splits LayerNorm and RMSNorm, not"
-                         f" {type(dense).__name__}: use `tp_scheme` 1d")
+        raise SettingError(Code.MODEL_UNSUPPORTED, (
+            f"`tp_scheme` {self.mesh.tp_scheme} splits LayerNorm and RMSNorm, not"
+            f" {type(dense).__name__}: use `tp_scheme` 1d"))
 
     def _batch_axes(self) -> list[MeshAxis]:
         return [self.mesh.axis(name) for name in self.logits_batch_axes]
@@ -89,6 +123,10 @@ class GridFactory(LayerFactory):
     @property
     def splits_sequence(self) -> bool:
         return False
+
+    @property
+    def splits_batch(self) -> bool:
+        return True
 
     def hidden_shape(self, batch: int, tokens: int, hidden: int) -> tuple[int, ...]:
         return (batch // self.batch_parts, tokens, hidden // self.q)

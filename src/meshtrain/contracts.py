@@ -1,0 +1,54 @@
+"""What models and the parallel runtime agree on, defined below both: which part of the model
+a pipeline stage builds (`StageSpec`), what the strategy may know about parameters
+(`ParameterRoles`), and what layers report beside their output (`AuxiliaryOutputs`).
+
+`models/` builds to these and `parallel/` reads them, so neither imports the other's classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which part of the model this rank builds (the whole model without a pipeline): one
+    contiguous range of layers per model chunk it holds (several under an interleaved schedule),
+    the embedding before its first chunk, the final norm and output layer after its last."""
+
+    chunks: tuple[range, ...]
+    has_embedding: bool = True
+    has_head: bool = True
+
+    @property
+    def layers(self) -> list[int]:
+        return [i for chunk in self.chunks for i in chunk]
+
+
+@dataclass
+class ParameterRoles:
+    """What the parallel strategy must know about a model's parameters."""
+
+    tied: list[nn.Parameter]
+    """Held by another pipeline stage too (the word embedding the last stage uses as its output
+    layer): the copies' gradients are summed over the `embed` axis so they stay equal."""
+    counted_elsewhere: set[int]
+    """ids of copies the gradient norm leaves out (the last stage's tied copy)."""
+    experts: set[int]
+    """ids of expert parameters: replicated over the `edp` axis only, not over dp x cp."""
+    units: list[tuple[nn.Module, list[nn.Parameter]]]
+    """What ZeRO-3 gathers at once, in forward order: the model's own parameters (embedding,
+    final norm, output layer), then each transformer block's."""
+
+
+@dataclass
+class AuxiliaryOutputs:
+    """What layers report beside their output during one forward: a loss to add to the
+    training objective (MoE routing losses, already weighted) and per-layer statistics."""
+
+    loss: torch.Tensor | float = 0.0
+    routing: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per MoE layer, in forward order: tokens_per_expert [E], dropped, assigned, aux_loss."""

@@ -1,0 +1,82 @@
+"""Errors in terms of settings: one type with a stable code and the settings it involves.
+
+Library code raises `SettingError(Code.X, message)` when a setting, or a combination of settings
+and the model, cannot work. The message names the settings in backticks (`pp_schedule`), which
+the command line turns into flags; the code says what kind of problem it is, so the planner
+groups the layouts it rejects by `code.value` and tests match the code, never the wording.
+`SettingError` is a `ValueError`, so callers that catch those keep working.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum, unique
+
+
+@unique
+class Code(Enum):
+    """Each kind of refusal: the member's name is its stable code, its value the short reason
+    the planner lists rejected layouts under."""
+
+    # values and choices of one setting
+    CHOICE = "not one of the setting's choices"
+    RANGE = "a setting out of its range"
+    # degrees, batches, sequences
+    DEGREES_WORLD = "degrees do not make the world size"
+    BATCH_SPLIT = "global batch not divisible by micro-batch x dp"
+    SEQ_LEN_MAX = "seq_len exceeds max_seq_len"
+    CP_SEQ_LEN = "seq_len not divisible by 2 x cp"
+    SP_SEQ_LEN = "seq_len / cp not divisible by tp (sp)"
+    SP_WITHOUT_TP = "sp without tp > 1"
+    ALL2ALL_HEADS = "all2all: heads per rank not divisible by cp"
+    CP_DROPOUT = "cp with dropout"
+    GRAD_DTYPE = "grad_dtype neither fp32 nor the precision"
+    RECOMPUTE_LAYERS = "recompute_layers without full recompute"
+    # the model's shape against tensor and expert parallelism
+    HEADS_TP = "heads not divisible by tp"
+    KV_HEADS_TP = "kv heads and tp do not divide one another"
+    MLP_WIDTH_TP = "MLP width not divisible by tp"
+    EP_DEGREE = "ep does not divide dp x cp"
+    EP_WITHOUT_MOE = "ep > 1 without MoE"
+    EXPERTS_EP = "experts not divisible by ep"
+    MOE_SEQUENCE_SPLIT = "MoE with sp or cp"
+    # tensor-parallel schemes
+    GRID_TP = "tp does not form the scheme's grid"
+    GRID_DEPTH = "tp_depth does not fit the scheme or tp"
+    GRID_SHAPE = "heads or widths not divisible by the grid"
+    GRID_BATCH_SPLIT = "micro-batch not divisible by the grid's batch split"
+    SCHEME_COMBINATION = "grid scheme with sp, cp or MoE"
+    MESH_SCHEME = "mesh built for another tp scheme"
+    # ZeRO
+    ZERO_PIPELINE = "zero 2/3 with pp > 1"
+    ZERO_2BW = "zero with 2bw"
+    ZERO3_MOE = "zero 3 with MoE"
+    ZERO_FP64 = "zero with fp64"
+    OFFLOAD_WITHOUT_ZERO = "offload without zero"
+    # pipelines
+    PP_LAYERS = "pp exceeds layers"
+    PP_LAYERS_SPLIT = "pp_layers does not split the layers"
+    CHUNK_LAYERS = "pp x virtual stages exceeds layers"
+    VIRTUAL_STAGES_SCHEDULE = "virtual stages without interleaved"
+    VIRTUAL_STAGES_PP = "virtual stages without pp > 1"
+    INTERLEAVED_MICRO_BATCHES = "interleaved: micro-batches not divisible by pp"
+    INTERLEAVED_LAYERS = "interleaved: layers not divisible by pp x vp"
+    TWO_BW_PP = "2bw without pp > 1"
+    TWO_BW_MICRO_BATCHES = "2bw: fewer micro-batches than pp"
+    TWO_BW_PRECISION = "2bw needs fp32"
+    TWO_BW_MOE = "2bw with MoE"
+    # the model alone
+    MODEL_SHAPE = "model shape cannot be built"
+    MODEL_UNSUPPORTED = "model feature not implemented"
+    MOE_TOP_K = "MoE top-k exceeds the experts"
+
+
+class SettingError(ValueError):
+    """A setting (or combination) that cannot work: `code` says which kind, `settings` names
+    the settings involved (by default those the message names in backticks)."""
+
+    def __init__(self, code: Code, message: str, *, settings: tuple[str, ...] | None = None):
+        super().__init__(message)
+        self.code = code
+        self.settings = settings if settings is not None else tuple(
+            dict.fromkeys(re.findall(r"`([a-z_0-9]+)`", message)))

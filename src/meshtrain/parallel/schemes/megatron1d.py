@@ -1,0 +1,136 @@
+"""Megatron-LM's 1D tensor parallelism (seed 000) as a scheme: the tp ranks in a line, heads
+and the MLP width split tp ways, weights split by rows (column-parallel) or columns
+(row-parallel), hidden states replicated over tp unless sequence parallelism splits them. Its
+layers are `layers/tensor.py`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.errors import Code, SettingError
+from meshtrain.mesh import MeshAxis, ParallelMesh
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.loss import vocab_parallel_cross_entropy
+from meshtrain.parallel.layers.rng import REPLICATED, TENSOR_PARALLEL
+from meshtrain.parallel.layers.sharding import tensor_parallel_parameters
+from meshtrain.parallel.layers.tensor import (
+    ColumnParallelGroup,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from meshtrain.parallel.schemes.factory import LayerFactory
+from meshtrain.parallel.schemes.scheme import TPScheme, Traffic
+
+
+class Megatron1D(LayerFactory):
+    """Megatron-LM's 1D tensor parallelism over the `tp` axis, with the plan's sequence
+    parallelism, context-parallel attention and recomputation.
+
+    Hidden states are replicated over TP (`[b, s, h]`) or, with sequence parallelism, split
+    along the sequence (`[b, s/tp, h]`); column-parallel layers split heads and the MLP width,
+    row-parallel layers sum them back (seed 000). Norms stay whole.
+    """
+
+    def __init__(self, plan, mesh: ParallelMesh):
+        super().__init__(plan, mesh)
+        self.sequence_parallel = plan.sequence_parallel and mesh.tp.size > 1
+
+    def column(self, dense: nn.Linear, *, blocks: int = 1, heads: int | None = None) -> nn.Module:
+        # heads fewer than the TP ranks: each is held whole by tp / heads consecutive ranks
+        replicas = max(1, self.mesh.tp.size // heads) if heads else 1
+        return ColumnParallelLinear.from_dense(dense, mesh=self.mesh, output_blocks=blocks,
+                                               sequence_parallel=self.sequence_parallel,
+                                               replicas=replicas)
+
+    def column_group(self, **layers: nn.Module) -> nn.Module:
+        return ColumnParallelGroup(**layers)
+
+    def row(self, dense: nn.Linear) -> nn.Module:
+        return RowParallelLinear.from_dense(dense, mesh=self.mesh, input_is_parallel=True,
+                                            sequence_parallel=self.sequence_parallel)
+
+    def vocab_embedding(self, dense: nn.Embedding) -> nn.Module:
+        return VocabParallelEmbedding.from_dense(dense, mesh=self.mesh,
+                                                 sequence_parallel=self.sequence_parallel)
+
+    def vocab_head(self, dense: nn.Linear) -> nn.Module:
+        return VocabParallelHead.from_dense(dense, mesh=self.mesh,
+                                            sequence_parallel=self.sequence_parallel)
+
+    def norm(self, dense: nn.Module) -> nn.Module:
+        return dense
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *,
+             ignore_index: int) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, mesh=self.mesh,
+                                            ignore_index=ignore_index)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return comm.all_gather(logits, self.mesh.tp, dim=-1)
+
+    def hidden_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return positions
+        return positions.chunk(self.mesh.tp.size)[self.mesh.tp.rank]
+
+    @property
+    def hidden_stream(self) -> str:
+        # under sequence parallelism each TP rank holds different tokens
+        return TENSOR_PARALLEL if self.sequence_parallel else REPLICATED
+
+    @property
+    def splits_sequence(self) -> bool:
+        return self.sequence_parallel or self.mesh.cp.size > 1
+
+    def hidden_shape(self, batch: int, tokens: int, hidden: int) -> tuple[int, ...]:
+        return (batch, tokens // (self.mesh.tp.size if self.sequence_parallel else 1), hidden)
+
+    def partial_gradients(self, model: nn.Module,
+                          exclude: set[int]) -> list[tuple[MeshAxis, list[nn.Parameter]]]:
+        """Replicated key/value projections: summed over the ranks sharing them. Under sequence
+        parallelism every parameter applied to s/tp tokens (norms, row-parallel biases,
+        positions): summed over TP."""
+        groups: dict[int, list[nn.Parameter]] = {}
+        for module in model.modules():
+            if isinstance(module, ColumnParallelLinear) and module.replicas > 1:
+                groups.setdefault(module.replicas, []).extend(module.parameters(recurse=False))
+        partial = [(self.mesh.tp_block(r), params) for r, params in sorted(groups.items())]
+        if self.sequence_parallel:
+            sharded = tensor_parallel_parameters(model)
+            partial.append((self.mesh.tp, [p for p in model.parameters()
+                                           if id(p) not in sharded and id(p) not in exclude]))
+        return partial
+
+
+def megatron_layer(tokens: int, hidden: int, t: int, e: int) -> Traffic:
+    """Per layer (not per linear): two all-reduces of the layer's [B, h] activation each way,
+    8 (t-1)/t B h e in all."""
+    moved = 2 * 2 * (t - 1) / t * tokens * hidden * e
+    return Traffic(moved, moved, 2 * 2 * (t - 1), 2 * 2 * (t - 1))
+
+
+class MegatronScheme(TPScheme):
+    name = "1d"
+    axes = ("tp",)
+
+    def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:
+        if depth is not None:
+            raise SettingError(Code.GRID_DEPTH, f"`tp_depth` applies to `tp_scheme` 2.5d only"
+                                                f" (got {self.name}): drop it")
+        return {"tp": tp}
+
+    def head_parts(self, grid: dict[str, int]) -> int:
+        return grid["tp"]
+
+    def factory(self, plan, mesh: ParallelMesh) -> LayerFactory:
+        return Megatron1D(plan, mesh)
+
+    def layer_traffic(self, model, grid: dict[str, int], tokens: int, e: int) -> Traffic:
+        return megatron_layer(tokens, model.hidden_size, grid["tp"], e)
+
+
+MEGATRON_1D = MegatronScheme()

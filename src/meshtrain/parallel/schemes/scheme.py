@@ -1,0 +1,147 @@
+"""What a tensor-parallel scheme is: everything the rest of meshtrain asks of one.
+
+A scheme arranges the tp ranks of a tensor-parallel block as a grid (`grid`: its named axes and
+sizes, outer first; 1D is a line), says how that grid splits attention heads, a micro-batch and
+each weight, which settings it cannot combine with (`refuses`) and which model shapes it cannot
+split (`check`), supplies the layers models are built from (`factory`), and gives the planner
+its traffic per layer, per output layer and per optimizer step. The mesh, the plan, the model
+builder, generation and the planner all ask the scheme (`registry.tp_scheme(name)`); no code
+outside a scheme's own files compares scheme names.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from meshtrain.errors import Code, SettingError
+from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel.schemes.factory import LayerFactory
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one rank moves for one micro-batch (or step), forward and backward: bytes per rank
+    (averaged over its group, as `comm.CommRecord.ring_bytes` counts them) and the ring steps
+    that pay latency (a broadcast, reduce, all-gather or reduce-scatter over g ranks is g - 1
+    steps, an all-reduce 2 (g - 1))."""
+
+    forward_bytes: float = 0.0
+    backward_bytes: float = 0.0
+    forward_steps: int = 0
+    backward_steps: int = 0
+
+    @property
+    def total_bytes(self) -> float:
+        return self.forward_bytes + self.backward_bytes
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(self.forward_bytes + other.forward_bytes,
+                       self.backward_bytes + other.backward_bytes,
+                       self.forward_steps + other.forward_steps,
+                       self.backward_steps + other.backward_steps)
+
+
+def layer_linears(model) -> tuple[tuple[int, int], ...]:
+    """(h_in, h_out) of a transformer layer's four linears (`model` a `TransformerConfig`):
+    QKV, output projection, the MLP's two (a gated MLP's gate and up projections as one
+    h -> 2f)."""
+    h, f = model.hidden_size, model.ffn_size
+    width = model.num_heads * model.head_dim
+    qkv = model.attention_parameters(weights_only=True) // h - width
+    first = (model.mlp_parameters(weights_only=True) // (h * f) - 1) * f
+    return (h, qkv), (width, h), (h, first), (f, h)
+
+
+def integer_root(n: int, power: int) -> int | None:
+    """The integer `power`-th root of n, or None."""
+    r = round(n ** (1 / power))
+    return next((c for c in (r - 1, r, r + 1) if c >= 1 and c ** power == n), None)
+
+
+class TPScheme(ABC):
+    """One tensor-parallel scheme (an instance per scheme, listed in `registry.SCHEMES`)."""
+
+    name: str
+    """The `tp_scheme` setting's value."""
+    axes: tuple[str, ...]
+    """The grid axes of the tensor-parallel block, outer -> inner (tp rank = mixed radix)."""
+    splits_hidden: bool = False
+    """Whether the hidden states between layers are split over the whole block (batch and
+    hidden size) by the scheme itself, so nothing outside its layers is replicated; False: they
+    are replicated over tp unless sequence parallelism splits them (Megatron's line)."""
+    refuses: tuple[str, ...] = ()
+    """Settings the scheme does not combine with (when on): sequence_parallel, cp, ep,
+    moe_experts."""
+
+    @abstractmethod
+    def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:
+        """Grid axis -> size for `tp` ranks (`depth`: 2.5d's); SettingError naming the valid
+        tp values otherwise."""
+
+    def forms(self, tp: int, depth: int | None = None) -> bool:
+        """Whether `tp` ranks (with `depth`) arrange as this scheme's grid."""
+        try:
+            self.grid(tp, depth)
+        except SettingError:
+            return False
+        return True
+
+    def depth_choices(self, tp: int, *, fixed: bool) -> list[int | None]:
+        """The depths a search tries at `tp` (`fixed`: the scheme was asked for by name, so a
+        depth that only validation can refuse is still tried)."""
+        return [None]
+
+    @abstractmethod
+    def head_parts(self, grid: dict[str, int]) -> int:
+        """How many ways attention heads (and the MLP width) are split."""
+
+    def batch_parts(self, grid: dict[str, int]) -> int:
+        """How many ways a micro-batch is split inside the block."""
+        return 1
+
+    def weight_parts(self, grid: dict[str, int]) -> int:
+        """How many ways each weight matrix is split (the rest of the block replicates it)."""
+        return math.prod(grid.values())
+
+    def allows(self, setting: str) -> bool:
+        return setting not in self.refuses
+
+    def check(self, plan, model) -> None:
+        """Refuse what this scheme cannot run: settings it does not combine with, shapes it
+        cannot split (`plan` a `ParallelPlan`, `model` a `TransformerConfig`)."""
+        grid = self.grid(plan.tp, plan.tp_depth)
+        for setting, on in (("sequence_parallel", plan.sequence_parallel),
+                            ("cp", plan.cp > 1), ("ep", plan.ep > 1),
+                            ("moe_experts", bool(model.moe_experts))):
+            if on and not self.allows(setting):
+                raise SettingError(Code.SCHEME_COMBINATION, (
+                    f"`tp_scheme` {self.name} does not combine with `{setting}` (its hidden"
+                    f" states are already split over batch and hidden): use `tp_scheme` 1d for"
+                    f" `{setting}`"))
+        self.check_shapes(plan, model, grid)
+
+    def check_shapes(self, plan, model, grid: dict[str, int]) -> None:  # noqa: B027
+        """Shapes beyond the heads and MLP width every scheme splits `head_parts` ways (none
+        by default)."""
+
+    @abstractmethod
+    def factory(self, plan, mesh: ParallelMesh) -> LayerFactory:
+        """The layers of this scheme on `mesh` (whose TP block is this scheme's grid)."""
+
+    @abstractmethod
+    def layer_traffic(self, model, grid: dict[str, int], tokens: int, e: int) -> Traffic:
+        """One transformer layer's tensor-parallel traffic per micro-batch of `tokens` tokens
+        on this block, element size `e` (1D: without sequence parallelism)."""
+
+    def output_traffic(self, grid: dict[str, int], tokens: int, hidden: int, vocab: int,
+                       e: int) -> Traffic:
+        """The output layer's traffic beyond the loss statistics (1D: none)."""
+        return Traffic()
+
+    def step_traffic(self, grid: dict[str, int], rank_weights: float, grad_bytes: int
+                     ) -> Traffic:
+        """Traffic once per optimizer step, after the data-parallel reduction (2.5D: weight
+        gradients summed over depth); `rank_weights` the weights this rank holds."""
+        return Traffic()

@@ -1,0 +1,99 @@
+"""The package's shape, read from its source: no import cycles (imports inside functions and
+under TYPE_CHECKING count), no module importing the package root, nothing under parallel/
+importing models/, no two modules of one name, and no code outside a tensor-parallel scheme's
+own files comparing scheme names."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from meshtrain.parallel.schemes.registry import SCHEMES
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "meshtrain"
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file of every module (a package's name for its __init__.py)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The modules of the package `name` imports anywhere in its file: `from pkg import mod`
+    names the module mod, `from pkg import thing` the package pkg itself."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return {target for target in found if target in MODULES and target != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def test_no_import_cycles():
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(GRAPH[node]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack + [target])
+        state[node] = "done"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_module_imports_the_package_root():
+    offenders = [name for name, targets in GRAPH.items() if "meshtrain" in targets]
+    assert not offenders
+
+
+def test_parallel_never_imports_models():
+    offenders = {name: sorted(t for t in targets if t.startswith("meshtrain.models"))
+                 for name, targets in GRAPH.items()
+                 if name == "meshtrain.parallel" or name.startswith("meshtrain.parallel.")}
+    assert not {name: t for name, t in offenders.items() if t}
+
+
+def test_module_names_are_unique():
+    seen: dict[str, list[str]] = {}
+    for name in MODULES:
+        seen.setdefault(name.rpartition(".")[2], []).append(name)
+    assert not {short: names for short, names in seen.items() if len(names) > 1}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES
+                                        if not n.startswith("meshtrain.parallel.schemes")))
+def test_no_scheme_name_is_compared_outside_the_schemes(name):
+    """`x == "2d"`, `x in ("1d", "3d")` and the like: a scheme's behaviour comes from the
+    registry, so a new scheme is its own files plus one line."""
+    names = set(SCHEMES)
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Compare):
+            for operand in [node.left, *node.comparators]:
+                values = operand.elts if isinstance(operand, ast.Tuple | ast.List | ast.Set) \
+                    else [operand]
+                assert not any(isinstance(v, ast.Constant) and v.value in names
+                               for v in values), f"{name}:{node.lineno} compares a scheme name"
