@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import statistics
@@ -51,10 +52,10 @@ def _rank(rank: int, port: int, layout: str, steps: int, blocks: int, results) -
                       MASTER_PORT=str(port))
     cfg = RunConfig()
     cfg.parallel.device = "cpu"
-    cfg.parallel.tp = 2 if layout == "tp2" else 1
-    cfg.train.micro_batch, cfg.train.global_batch = 2, 4 if layout == "dp2" else 2
+    cfg.plan = dataclasses.replace(cfg.plan, tp=2 if layout == "tp2" else 1, micro_batch=2)
+    cfg.train.global_batch = 4 if layout == "dp2" else 2
     cfg.train.seq_len = 32
-    mesh = init_parallel(**cfg.plan().resolved(2).degrees, device="cpu")
+    mesh = init_parallel(**cfg.plan.resolved(2).degrees, device="cpu")
     trainer = Trainer.build(cfg, mesh)
     times: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
     per_step = 0

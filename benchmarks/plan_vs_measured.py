@@ -25,10 +25,10 @@ import tempfile
 from pathlib import Path
 
 from meshtrain.models import preset
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.calibrate import calibrate_machine
 from meshtrain.planner.costs import Prediction, predict
 from meshtrain.planner.hardware import Hardware, load_hardware
-from meshtrain.planner.layout import Layout
 
 RANKS, SEQ_LEN, GLOBAL_BATCH, WARMUP_STEPS = 4, 128, 16, 2
 MODEL_FLAGS = ["--model", "tiny", "--num-layers", "4", "--hidden-size", "128", "--num-heads",
@@ -38,45 +38,44 @@ MODEL = dataclasses.replace(preset("tiny"), num_layers=4, hidden_size=128, num_h
                             vocab_size=512)
 """What MODEL_FLAGS build: the tiny preset keeps max_seq_len 256 (>= SEQ_LEN)."""
 LAYOUTS = (
-    Layout(dp=4, mb=4),
-    Layout(dp=4, mb=1),
-    Layout(dp=4, mb=2, zero=1),
-    Layout(dp=4, mb=4, zero=2),
-    Layout(dp=4, mb=4, zero=3),
-    Layout(dp=4, mb=4, recompute="selective"),
-    Layout(dp=4, mb=4, recompute="full"),
-    Layout(tp=2, dp=2, mb=4),
-    Layout(tp=2, dp=2, mb=8, sp=True),
-    Layout(tp=4, mb=8),
-    Layout(cp=2, dp=2, mb=4),
-    Layout(pp=2, dp=2, mb=2, schedule="gpipe"),
-    Layout(pp=2, dp=2, mb=2, schedule="1f1b"),
-    Layout(pp=2, dp=2, mb=2, vp=2, schedule="interleaved"),
-    Layout(pp=4, mb=2, schedule="1f1b"),
-    Layout(tp=2, pp=2, mb=2, schedule="1f1b"),
+    ParallelPlan(dp=4, micro_batch=4),
+    ParallelPlan(dp=4, micro_batch=1),
+    ParallelPlan(dp=4, micro_batch=2, zero=1),
+    ParallelPlan(dp=4, micro_batch=4, zero=2),
+    ParallelPlan(dp=4, micro_batch=4, zero=3),
+    ParallelPlan(dp=4, micro_batch=4, recompute="selective"),
+    ParallelPlan(dp=4, micro_batch=4, recompute="full"),
+    ParallelPlan(tp=2, dp=2, micro_batch=4),
+    ParallelPlan(tp=2, dp=2, micro_batch=8, sequence_parallel=True),
+    ParallelPlan(dp=1, tp=4, micro_batch=8),
+    ParallelPlan(cp=2, dp=2, micro_batch=4),
+    ParallelPlan(pp=2, dp=2, micro_batch=2, pp_schedule="gpipe"),
+    ParallelPlan(pp=2, dp=2, micro_batch=2, pp_schedule="1f1b"),
+    ParallelPlan(pp=2, dp=2, micro_batch=2, virtual_stages=2, pp_schedule="interleaved"),
+    ParallelPlan(dp=1, pp=4, micro_batch=2, pp_schedule="1f1b"),
+    ParallelPlan(dp=1, tp=2, pp=2, micro_batch=2, pp_schedule="1f1b"),
 )
 GOALS = {"median error <= 15%": lambda s: s["median_error"] <= 0.15,
          "Spearman >= 0.8": lambda s: s["spearman"] >= 0.8,
          "first choice within 10% of the fastest": lambda s: s["first_choice_gap"] <= 0.10}
 
 
-def short(layout: Layout) -> str:
+def short(layout: ParallelPlan) -> str:
     """The fields that differ from the defaults (dp and mb always): `dp=4,mb=2,zero=1`."""
-    default = Layout()
-    fields = [f for f in dataclasses.fields(Layout)
-              if f.name in ("dp", "mb") or getattr(layout, f.name) != getattr(default, f.name)]
-    return ",".join(f"{f.name}={int(v) if isinstance(v := getattr(layout, f.name), bool) else v}"
-                    for f in fields)
+    default = dict(ParallelPlan(dp=1).spec_items())
+    return ",".join(f"{key}={value}" for key, value in layout.spec_items()
+                    if key in ("dp", "mb") or default.get(key) != value)
 
 
-def train_flags(layout: Layout) -> list[str]:
+def train_flags(layout: ParallelPlan) -> list[str]:
     flags = ["--tp", layout.tp, "--pp", layout.pp, "--dp", layout.dp, "--cp", layout.cp,
-             "--zero", layout.zero, "--recompute", layout.recompute, "--micro-batch", layout.mb,
-             "--pp-schedule", layout.schedule, "--virtual-stages", layout.vp]
-    return [str(f) for f in flags] + (["--sequence-parallel"] if layout.sp else [])
+             "--zero", layout.zero, "--recompute", layout.recompute,
+             "--micro-batch", layout.micro_batch,
+             "--pp-schedule", layout.pp_schedule, "--virtual-stages", layout.virtual_stages]
+    return [str(f) for f in flags] + (["--sequence-parallel"] if layout.sequence_parallel else [])
 
 
-def measure_once(layout: Layout, steps: int, attempts: int = 2) -> list[float]:
+def measure_once(layout: ParallelPlan, steps: int, attempts: int = 2) -> list[float]:
     """Step times (s) after the warm-up steps of one `meshtrain train --nproc 4` run. A failed
     run is tried again once: on this shared host a rank now and then fails to start (exit 6)."""
     for attempt in range(attempts):
@@ -158,7 +157,7 @@ def main() -> None:
     if args.steps <= WARMUP_STEPS or args.repeats < 1:
         parser.error(f"--steps must exceed {WARMUP_STEPS} and --repeats be positive")
     for layout in LAYOUTS:  # fail before the long part
-        layout.to_plan(precision="fp32").validate(MODEL, world_size=RANKS,
+        layout.validate(MODEL, world_size=RANKS,
                                                   global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
     saved = json.loads(args.measured.read_text()) if args.measured else None
     if args.hardware:

@@ -1,5 +1,6 @@
 """Pipeline parallelism (flush schedules, interleaved, 2BW) against the single-process model."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -166,7 +167,8 @@ def _peaks(corpus, pp, num_layers):
     peaks = {}
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("2bw", 1)):
         cfg = _cfg(corpus, schedule)
-        cfg.parallel.virtual_stages, cfg.model.num_layers = v, num_layers
+        cfg.plan = dataclasses.replace(cfg.plan, virtual_stages=v)
+        cfg.model.num_layers = num_layers
         trainer = Trainer.build(cfg, worker_mesh(tp=1, pp=pp, dp=1))
         trainer.executor.count_saved_bytes = True
         runs = []
@@ -332,7 +334,7 @@ def _run_2bw(corpus, out, stop_at=None):
     cfg.checkpoint.out = out
     cfg.checkpoint.resume = stop_at is None and Path(out, "checkpoints").exists()
     cfg.train.stop_at = stop_at
-    cfg.parallel.pp = 2
+    cfg.plan = dataclasses.replace(cfg.plan, pp=2)
     run_training(cfg)
 
 

@@ -8,9 +8,9 @@ import pytest
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.models import preset
 from meshtrain.parallel.runtime import schedules
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.costs import predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
-from meshtrain.planner.layout import Layout
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
 from meshtrain.planner.workload import Workload
 
@@ -26,7 +26,7 @@ GPT = dataclasses.replace(preset("gpt2"), num_layers=8, max_seq_len=1024)
 
 def test_compute_is_the_family_flops_with_the_causal_half_skipped():
     s, batch = 1024, 8
-    p = predict(GPT, Layout(mb=2), IDEAL, seq_len=s, global_batch=batch)
+    p = predict(GPT, ParallelPlan(dp=1, micro_batch=2), IDEAL, seq_len=s, global_batch=batch)
     m = GPT
     core = 12 * m.num_layers * s * m.hidden_size  # per token, counted whole by the family
     flops = (m.flops_per_token(s) - core / 2) * batch * s
@@ -37,8 +37,9 @@ def test_compute_is_the_family_flops_with_the_causal_half_skipped():
 
 def test_recompute_adds_the_forward_it_repeats():
     s, batch = 1024, 8
-    base = predict(GPT, Layout(mb=2), IDEAL, seq_len=s, global_batch=batch)
-    full = predict(GPT, Layout(mb=2, recompute="full"), IDEAL, seq_len=s, global_batch=batch)
+    base = predict(GPT, ParallelPlan(dp=1, micro_batch=2), IDEAL, seq_len=s, global_batch=batch)
+    full = predict(GPT, ParallelPlan(dp=1, micro_batch=2, recompute="full"), IDEAL, seq_len=s,
+                   global_batch=batch)
     head = 2 * s * batch * GPT.hidden_size * GPT.vocab_size / 100e12  # not recomputed
     assert full.compute_s == pytest.approx(base.compute_s + (base.compute_s - 3 * head) / 3)
     assert full.tflops_per_gpu < base.tflops_per_gpu  # model FLOPs exclude recomputation
@@ -49,7 +50,7 @@ def test_recompute_adds_the_forward_it_repeats():
 def test_simulated_bubble_matches_the_closed_formula_on_even_stages(schedule, v):
     p, m, f, b = 4, 8, 1.0, 2.0
     chunks = [ChunkCost(f / v, 0.0, b / v, 0.0, 1.0)] * (p * v)
-    run = run_pipeline(chunks, Layout(pp=p, vp=v, schedule=schedule), m)
+    run = run_pipeline(chunks, ParallelPlan(dp=1, pp=p, virtual_stages=v, pp_schedule=schedule), m)
     bubble = (p - 1) * (f + b) / v  # Narayanan et al. 2021: (p - 1)/v of a stage's work
     assert run.makespan == pytest.approx(m * (f + b) + bubble)
 
@@ -58,7 +59,7 @@ def test_simulated_bubble_matches_the_closed_formula_on_even_stages(schedule, v)
 def test_capped_simulation_equals_the_full_one_on_uneven_stages(schedule, v):
     p, m = 3, 60  # cap is p x max(8, 2v + 2) = 24 < m
     chunks = [ChunkCost(1.0 + 0.3 * g, 0.1, 2.0 + 0.5 * g, 0.0, 1.0) for g in range(p * v)]
-    run = run_pipeline(chunks, Layout(pp=p, vp=v, schedule=schedule), m)
+    run = run_pipeline(chunks, ParallelPlan(dp=1, pp=p, virtual_stages=v, pp_schedule=schedule), m)
     lists = {"gpipe": lambda: schedules.gpipe(p, m), "1f1b": lambda: schedules.one_f_one_b(p, m),
              "interleaved": lambda: schedules.interleaved(p, m, v)}[schedule]()
     full = schedules.simulate(lists, forward_cost=[c.forward + c.forward_comm for c in chunks],
@@ -76,7 +77,7 @@ def test_per_chunk_costs_equal_the_scalar_form_when_even():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_model_states_follow_the_zero_formula(zero):
-    lay = Layout(dp=8, mb=1, zero=zero)
+    lay = ParallelPlan(dp=8, micro_batch=1, zero=zero)
     p = predict(GPT, lay, BUILT_IN["a100-80g-selene"], seq_len=1024, global_batch=8)
     psi = GPT.num_parameters()
     states = p.memory.parameters + p.memory.gradients + p.memory.optimizer_states
@@ -86,7 +87,8 @@ def test_model_states_follow_the_zero_formula(zero):
 
 
 def test_activations_are_the_formula_times_what_1f1b_keeps_in_flight():
-    lay, small_vocab = Layout(pp=4, mb=1), dataclasses.replace(GPT, vocab_size=512)
+    lay = ParallelPlan(dp=1, pp=4, micro_batch=1)
+    small_vocab = dataclasses.replace(GPT, vocab_size=512)
     work = Workload(small_vocab, lay, 1024, 16, "bf16")
     p = predict(small_vocab, lay, BUILT_IN["a100-80g-selene"], seq_len=1024, global_batch=16)
     # the first stage, the busiest, holds p micro-batches of its num_layers / p layers
@@ -95,16 +97,17 @@ def test_activations_are_the_formula_times_what_1f1b_keeps_in_flight():
 
 def test_tensor_parallel_communication_is_charged_and_hidden_where_meshtrain_hides_it():
     hw = BUILT_IN["a100-80g-selene"]
-    one = predict(GPT, Layout(tp=1, mb=4), hw, seq_len=1024, global_batch=4)
-    four = predict(GPT, Layout(tp=4, mb=4), hw, seq_len=1024, global_batch=4)
-    slow = predict(GPT, Layout(tp=4, mb=4), dataclasses.replace(hw, intra_node_gbytes_per_s=30),
-                   seq_len=1024, global_batch=4)
+    one = predict(GPT, ParallelPlan(dp=1, tp=1, micro_batch=4), hw, seq_len=1024, global_batch=4)
+    four = predict(GPT, ParallelPlan(dp=1, tp=4, micro_batch=4), hw, seq_len=1024, global_batch=4)
+    slow = predict(GPT, ParallelPlan(dp=1, tp=4, micro_batch=4),
+                   dataclasses.replace(hw, intra_node_gbytes_per_s=30), seq_len=1024,
+                   global_batch=4)
     assert one.exposed_comm_s == 0 < four.exposed_comm_s < slow.exposed_comm_s
     assert four.compute_s < one.compute_s / 3  # the matmuls split four ways
 
 
 def test_gradient_sync_overlaps_the_backward_and_grows_across_nodes():
     hw = BUILT_IN["a100-80g-selene"]
-    inside = predict(GPT, Layout(dp=8, mb=1), hw, seq_len=1024, global_batch=8)
-    across = predict(GPT, Layout(dp=16, mb=1), hw, seq_len=1024, global_batch=16)
+    inside = predict(GPT, ParallelPlan(dp=8, micro_batch=1), hw, seq_len=1024, global_batch=8)
+    across = predict(GPT, ParallelPlan(dp=16, micro_batch=1), hw, seq_len=1024, global_batch=16)
     assert 0 < inside.exposed_comm_s < across.exposed_comm_s

@@ -87,7 +87,7 @@ def test_predict_row_is_the_convention_over_the_predicted_step():
     hw = BUILT_IN[row["hardware"]]
     tflops, layout = predict_row(row, hw)
     step = published.predict_layout(row, layout, hw).step_time_s
-    assert layout.tp == 4 and layout.mb == 8 and layout.recompute == "full"
+    assert layout.tp == 4 and layout.micro_batch == 8 and layout.recompute == "full"
     assert tflops == pytest.approx(convention_flops(row) / (step * 4) / 1e12)
 
 

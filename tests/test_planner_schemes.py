@@ -10,12 +10,13 @@ import shlex
 
 import pytest
 
-from meshtrain.cli.auto_layout import LAYOUT_SETTINGS, short_spec
+from meshtrain.cli.auto_layout import short_spec
 from meshtrain.cli.main import _train_config, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.models import preset
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.models.llama import LlamaConfig
+from meshtrain.parallel.runtime.plan import ParallelPlan, parse_spec
 from meshtrain.parallel.schemes.cube import cube_linear
 from meshtrain.parallel.schemes.megatron1d import megatron_layer
 from meshtrain.parallel.schemes.registry import tp_scheme
@@ -23,7 +24,6 @@ from meshtrain.parallel.schemes.scheme import Traffic, layer_linears
 from meshtrain.parallel.schemes.summa import depth_gradient_bytes, summa_linear
 from meshtrain.planner.costs import predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
-from meshtrain.planner.layout import Layout, parse_layout
 from meshtrain.planner.search import search
 from meshtrain.planner.workload import GRAD_BYTES, Workload
 
@@ -97,14 +97,14 @@ def test_3d_moves_fewest_at_large_tp_once_the_micro_batch_outweighs_the_weights(
     assert _bytes(1024, 2048, 27, "3d") < _bytes(1024, 2048, 27, "1d")
 
 
-def _predict(layout: Layout, *, batch: int = 8):
+def _predict(layout: ParallelPlan, *, batch: int = 8):
     return predict(GPT, layout, LINK, seq_len=SEQ, global_batch=batch)
 
 
-@pytest.mark.parametrize("layout", [Layout(tp=4, mb=4, scheme="2d"),
-                                    Layout(tp=8, mb=4, scheme="3d")])
+@pytest.mark.parametrize("layout", [ParallelPlan(dp=1, tp=4, micro_batch=4, tp_scheme="2d"),
+                                    ParallelPlan(dp=1, tp=8, micro_batch=4, tp_scheme="3d")])
 def test_a_grid_is_charged_its_formula_bytes_and_the_same_compute_as_1d(layout):
-    grid, one_d = _predict(layout), _predict(dataclasses.replace(layout, scheme="1d"))
+    grid, one_d = _predict(layout), _predict(dataclasses.replace(layout, tp_scheme="1d"))
     work = Workload(GPT, layout, SEQ, 8, "bf16")
     moved = GPT.num_layers * work.layer_traffic().total_bytes + work.head_traffic().total_bytes
     # (plus the step's 4-byte scalar all-reduces)
@@ -114,7 +114,7 @@ def test_a_grid_is_charged_its_formula_bytes_and_the_same_compute_as_1d(layout):
 
 
 def test_2p5d_pays_its_depth_all_reduce_once_a_step():
-    layout = Layout(tp=8, mb=4, scheme="2.5d", depth=2)
+    layout = ParallelPlan(dp=1, tp=8, micro_batch=4, tp_scheme="2.5d", tp_depth=2)
     p = _predict(layout, batch=16)  # four micro-batches, one depth all-reduce
     work = Workload(GPT, layout, SEQ, 16, "bf16")
     in_path = GPT.num_layers * work.layer_traffic().total_bytes + work.head_traffic().total_bytes
@@ -127,10 +127,11 @@ def test_grids_split_model_states_and_every_activation():
     def states(p):
         return p.memory.parameters + p.memory.gradients + p.memory.optimizer_states
 
-    dense = _predict(Layout(mb=4))
-    one_d, two_d = _predict(Layout(tp=4, mb=4)), _predict(Layout(tp=4, mb=4, scheme="2d"))
-    deep = _predict(Layout(tp=8, mb=4, scheme="2.5d", depth=2))
-    cube = _predict(Layout(tp=8, mb=4, scheme="3d"))
+    dense = _predict(ParallelPlan(dp=1, micro_batch=4))
+    one_d = _predict(ParallelPlan(dp=1, tp=4, micro_batch=4))
+    two_d = _predict(ParallelPlan(dp=1, tp=4, micro_batch=4, tp_scheme="2d"))
+    deep = _predict(ParallelPlan(dp=1, tp=8, micro_batch=4, tp_scheme="2.5d", tp_depth=2))
+    cube = _predict(ParallelPlan(dp=1, tp=8, micro_batch=4, tp_scheme="3d"))
     assert states(two_d) == pytest.approx(states(one_d))  # 1/q^2 = 1/tp
     assert states(deep) == pytest.approx(states(two_d))  # 1/q^2, replicated over depth 2
     assert states(cube) == pytest.approx(states(dense) / 8, rel=0.01)  # 1/q^3
@@ -147,16 +148,17 @@ def _search(model=GPT, fixed=None, seq_len=SEQ):
 
 
 def test_the_search_tries_every_grid_tp_forms_and_a_fixed_scheme_alone():
-    assert {(p.layout.scheme, p.layout.tp, p.layout.depth) for p in _search().ranked
-            if p.layout.scheme != "1d"} == {("2d", 4, None), ("2.5d", 8, 2), ("3d", 8, None)}
+    assert {(p.layout.tp_scheme, p.layout.tp, p.layout.tp_depth) for p in _search().ranked
+            if p.layout.tp_scheme != "1d"} == {("2d", 4, None), ("2.5d", 8, 2), ("3d", 8, None)}
     fixed = _search(fixed={"scheme": "2d"})
-    assert {(p.layout.scheme, p.layout.tp) for p in fixed.ranked} == {("2d", 4)}
-    assert all(p.layout.mb % 2 == 0 and not p.layout.sp for p in fixed.ranked)
+    assert {(p.layout.tp_scheme, p.layout.tp) for p in fixed.ranked} == {("2d", 4)}
+    assert all(p.layout.micro_batch % 2 == 0 and not p.layout.sequence_parallel
+               for p in fixed.ranked)
     bad = fixed.rejected["tp does not form the scheme's grid"]
     assert {r.layout.tp for r in bad} == {1, 2, 8} and "q^2 grid" in bad[0].detail
-    assert {p.layout.scheme for p in _search(fixed={"scheme": "1d"}).ranked} == {"1d"}
+    assert {p.layout.tp_scheme for p in _search(fixed={"scheme": "1d"}).ranked} == {"1d"}
     deep = _search(fixed={"depth": 2})
-    assert {(p.layout.scheme, p.layout.tp) for p in deep.ranked} == {("2.5d", 8)}
+    assert {(p.layout.tp_scheme, p.layout.tp) for p in deep.ranked} == {("2.5d", 8)}
 
 
 def test_a_searched_scheme_respects_a_fixed_micro_batch_and_sp():
@@ -164,10 +166,10 @@ def test_a_searched_scheme_respects_a_fixed_micro_batch_and_sp():
     but the scheme still leaves one (1d) layout, reported even over budget."""
     spec = {"tp": 4, "pp": 1, "dp": 2, "mb": 1, "zero": 0, "sp": False, "recompute": "none",
             "schedule": "1f1b"}
-    assert [p.layout.scheme for p in _search(fixed=spec).ranked] == ["1d"]
+    assert [p.layout.tp_scheme for p in _search(fixed=spec).ranked] == ["1d"]
     wider = _search(fixed=spec | {"mb": 4})
-    assert {p.layout.scheme for p in wider.ranked} == {"1d", "2d"}
-    assert {p.layout.scheme for p in _search(fixed={"sp": True}).ranked} == {"1d"}
+    assert {p.layout.tp_scheme for p in wider.ranked} == {"1d", "2d"}
+    assert {p.layout.tp_scheme for p in _search(fixed={"sp": True}).ranked} == {"1d"}
 
 
 @pytest.mark.parametrize("fixed,model,reason,message", [
@@ -194,11 +196,11 @@ def test_grids_that_cannot_run_are_rejected_with_the_plans_reason(fixed, model, 
 
 
 def test_a_grid_layout_round_trips_through_its_spec():
-    layout = Layout(tp=8, mb=4, scheme="2.5d", depth=2)
-    assert Layout(**parse_layout(layout.spec())) == layout
+    layout = ParallelPlan(dp=1, tp=8, micro_batch=4, tp_scheme="2.5d", tp_depth=2)
+    assert ParallelPlan(**parse_spec(layout.spec())) == layout
     assert short_spec(layout) == "tp=8,pp=1,dp=1,mb=4,scheme=2.5d,depth=2"
-    assert "depth" not in Layout().spec()
-    plan = layout.to_plan()
+    assert "depth" not in ParallelPlan(dp=1).spec()
+    plan = layout
     assert (plan.tp_scheme, plan.tp_depth, plan.batch_parts) == ("2.5d", 2, 4)
 
 
@@ -215,6 +217,4 @@ def test_plan_with_a_fixed_scheme_prints_commands_that_train_it(capsys, spec, fl
         words = shlex.split(entry["command"])
         assert " ".join(flags) in " ".join(words)
         cfg = _train_config(build_parser().parse_args(words[words.index("train"):]))
-        settings = {key: getattr(getattr(cfg, section), name)
-                    for key, (section, name) in LAYOUT_SETTINGS.items()}
-        assert Layout(**settings) == Layout(**entry["layout"])
+        assert cfg.plan.searched_view() == entry["layout"]

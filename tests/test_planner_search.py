@@ -10,15 +10,16 @@ import tomllib
 import pytest
 from harness import run_cli
 
-from meshtrain.cli.auto_layout import LAYOUT_SETTINGS, fixed_fields
+from meshtrain.cli.auto_layout import fixed_fields
 from meshtrain.cli.main import _train_config, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.models import preset
+from meshtrain.parallel.layers.recompute import RECOMPUTE
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.costs import Prediction, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
-from meshtrain.planner.layout import RECOMPUTE, Layout
 from meshtrain.planner.memory_model import MemoryBreakdown
 from meshtrain.planner.search import OVER_BUDGET, search
 
@@ -32,8 +33,9 @@ def stand_in(model, layout, hardware, *, seq_len, global_batch, precision) -> Pr
     """A cost with known answers: time falls with tp, rises with pipeline depth and recompute;
     memory (GiB) is 24 / (tp x pp) plus the micro-batch, less under recompute and ZeRO."""
     extra = {"none": 0.0, "selective": 0.1, "full": 0.3}[layout.recompute]
-    step = 1.0 / layout.tp + 0.05 * layout.pp + extra + 0.01 * layout.mb + 0.001 * layout.zero
-    gib = max(0.5, 24 / (layout.tp * layout.pp) + layout.mb
+    step = 1.0 / layout.tp + 0.05 * layout.pp + extra + 0.01 * layout.micro_batch \
+        + 0.001 * layout.zero
+    gib = max(0.5, 24 / (layout.tp * layout.pp) + layout.micro_batch
               - 2 * RECOMPUTE.index(layout.recompute) - layout.zero)
     memory = MemoryBreakdown(gib * GIB, 0.0, 0.0, 0.0, 0.0)
     return Prediction(layout, step, step, 0.0, 0.0, 1.0, 0.5, memory)
@@ -50,7 +52,7 @@ def test_tp_not_dividing_the_heads_is_rejected_with_its_reason():
     assert {r.layout.tp for r in rejected} == {4, 8}
     assert "number of heads (6) must be divisible by tp" in rejected[0].detail
     # 2d at tp 4, 2.5d and 3d at tp 8 split the heads only q = 2 ways
-    assert result.ranked and all(p.layout.tp in (1, 2) or p.layout.scheme != "1d"
+    assert result.ranked and all(p.layout.tp in (1, 2) or p.layout.tp_scheme != "1d"
                                  for p in result.ranked)
 
 
@@ -76,7 +78,7 @@ def test_ranking_is_by_step_time_within_the_memory_budget():
     assert times == sorted(times) and len(times) > 5
     assert all(p.memory_gib <= NODE.hbm_gib for p in result.ranked)
     best = result.ranked[0].layout
-    assert (best.tp, best.pp, best.mb, best.recompute) == (8, 1, 1, "none")
+    assert (best.tp, best.pp, best.micro_batch, best.recompute) == (8, 1, 1, "none")
     over = result.rejected[OVER_BUDGET]
     assert all(r.over_gib > 0 and r.detail.startswith(f"by {r.over_gib:.1f} GiB") for r in over)
     # tp=1 x pp=1 needs 24 GiB + mb: over budget even with full recompute and ZeRO 3.
@@ -127,17 +129,17 @@ def test_fixed_degrees_must_match_the_devices():
 
 def test_2bw_only_when_asked_for():
     pipelined = _search(fixed={"tp": 1}, precision="fp32")
-    assert {p.layout.schedule for p in pipelined.ranked} == {"1f1b", "interleaved"}
+    assert {p.layout.pp_schedule for p in pipelined.ranked} == {"1f1b", "interleaved"}
     asked = _search(fixed={"tp": 1, "pp": 2, "schedule": "2bw"}, precision="fp32")
-    assert asked.ranked and {p.layout.schedule for p in asked.ranked} == {"2bw"}
+    assert asked.ranked and {p.layout.pp_schedule for p in asked.ranked} == {"2bw"}
 
 
 def test_gpipe_is_never_faster_than_1f1b_in_the_cost_model():
     """Why the search leaves gpipe out unless fixed."""
     hardware = BUILT_IN["a100-40g"]
     for pp, mb, tp in ((2, 1, 1), (4, 2, 2), (8, 1, 1)):
-        layouts = [Layout(tp=tp, pp=pp, dp=8 // (tp * pp) or 1, mb=mb, schedule=s)
-                   for s in ("gpipe", "1f1b")]
+        layouts = [ParallelPlan(tp=tp, pp=pp, dp=8 // (tp * pp) or 1, micro_batch=mb,
+                                pp_schedule=s) for s in ("gpipe", "1f1b")]
         gpipe, one_f_one_b = (predict(GPT, lay, hardware, seq_len=1024, global_batch=32)
                               for lay in layouts)
         assert gpipe.step_time_s >= one_f_one_b.step_time_s * (1 - 1e-12)  # equal up to rounding
@@ -154,21 +156,21 @@ def _exhaustive_best(model, hardware, gpus, **kw) -> Prediction:
     fitting = []
     for (tp, pp, dp), (at, scheme, depth, mbs) in itertools.product(degrees, grids):
         if at in (None, tp):
-            base = Layout(tp=tp, pp=pp, dp=dp, scheme=scheme, depth=depth)
+            base = ParallelPlan(tp=tp, pp=pp, dp=dp, tp_scheme=scheme, tp_depth=depth)
             fitting += _fitting(model, hardware, gpus, base, mbs, **kw)
     return min(fitting, key=lambda p: p.step_time_s)
 
 
-def _fitting(model, hardware, gpus, base: Layout, mbs, **kw) -> list[Prediction]:
+def _fitting(model, hardware, gpus, base: ParallelPlan, mbs, **kw) -> list[Prediction]:
     """Every valid variant of `base` within memory."""
     found = []
     for mb, zero, sp, recompute, (schedule, vp) in itertools.product(
             mbs, (0, 1, 2, 3), (False, True), RECOMPUTE,
             (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4))):
-        lay = dataclasses.replace(base, mb=mb, zero=zero, sp=sp, recompute=recompute,
-                                  schedule=schedule, vp=vp)
+        lay = dataclasses.replace(base, micro_batch=mb, zero=zero, sequence_parallel=sp,
+                                  recompute=recompute, pp_schedule=schedule, virtual_stages=vp)
         try:
-            lay.to_plan(precision=kw["precision"]).validate(
+            lay.validate(
                 model, world_size=gpus, global_batch=kw["global_batch"], seq_len=kw["seq_len"])
         except ValueError:
             continue
@@ -227,9 +229,7 @@ def _parsed(command: str):
     words = shlex.split(command)
     start = words.index("train")
     cfg = _train_config(build_parser().parse_args(words[start:]))
-    values = {key: getattr(getattr(cfg, section), name)
-              for key, (section, name) in LAYOUT_SETTINGS.items()}
-    return Layout(**values), cfg, words[:start]
+    return cfg.plan, cfg, words[:start]
 
 
 @pytest.mark.parametrize("gpus,launcher,nproc", [
@@ -240,10 +240,10 @@ def test_the_printed_command_trains_the_same_layout(capsys, gpus, launcher, npro
     assert code == 0
     for entry in json.loads(out)["layouts"]:
         layout, cfg, words = _parsed(entry["command"])
-        assert layout == Layout(**entry["layout"])
+        assert layout.searched_view() == entry["layout"]
         assert words[:len(launcher)] == launcher and cfg.parallel.nproc == nproc
         assert (cfg.model.model, cfg.model.num_layers, cfg.train.seq_len,
-                cfg.train.global_batch, cfg.train.precision) == ("gpt2", 8, 1024, 64, "bf16")
+                cfg.train.global_batch, cfg.plan.precision) == ("gpt2", 8, 1024, 64, "bf16")
 
 
 def test_plan_table_and_explain(capsys):
@@ -306,7 +306,7 @@ def test_layout_flags_given_are_fixed():
     cfg = build_config({}, {"parallel": {"layout": "zero=1", "tp": 2},
                             "train": {"micro_batch": 4}})
     assert fixed_fields(cfg, {("parallel", "tp"), ("train", "micro_batch")}) == {
-        "zero": 1, "tp": 2, "mb": 4}
+        "zero": 1, "tp": 2, "micro_batch": 4}
     cfg = build_config({}, {"parallel": {"layout": "tp=1", "tp": 2}})
     with pytest.raises(ValueError, match="`tp` 2 contradicts `layout` tp=1"):
         fixed_fields(cfg, {("parallel", "tp")})

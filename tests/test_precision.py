@@ -1,5 +1,6 @@
 """Mixed precision: bf16 and fp16 (loss scaling) track fp32; overflow skips on every rank."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -65,7 +66,7 @@ def test_fp16_with_loss_scaling_tracks_fp32_over_50_steps(corpus, model):
 def _forced_overflow(corpus, zero):
     mesh = worker_mesh(tp=1, dp=2)
     cfg = _cfg(corpus, steps=4, precision="fp16")
-    cfg.parallel.zero = zero
+    cfg.plan = dataclasses.replace(cfg.plan, zero=zero)
     trainer = Trainer.build(cfg, mesh)
     trainer.train_step(0)
     before = {k: v.clone() for k, v in trainer.sync.export()[0].items()}  # fp32 masters
@@ -95,7 +96,7 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(corpus, zero):
 def _run(corpus, out, **train):
     cfg = _cfg(corpus, out, steps=8, **train)
     cfg.checkpoint.resume = "stop_at" not in train and Path(out, "checkpoints").exists()
-    cfg.parallel.tp = 2
+    cfg.plan = dataclasses.replace(cfg.plan, tp=2)
     run_training(cfg)
 
 
@@ -119,14 +120,14 @@ def test_resume_in_16_bit_is_bitwise(corpus, tmp_path, precision):
 
 
 @pytest.mark.parametrize("train,parallel,match", [
-    ({"precision": "fp8"}, {}, "--precision must be one of fp32, bf16, fp16, fp64"),
+    ({"precision": "fp8"}, {}, "--precision must be fp32, bf16, fp16 or fp64"),
     ({"precision": "fp16", "grad_dtype": "bf16"}, {}, "--grad-dtype bf16 must be fp32 or the"),
     ({"loss_scale_window": 0}, {}, "--loss-scale-window must be positive"),
     ({"precision": "fp64"}, {"zero": 1}, "--zero 1 keeps fp32 master shards, which would round"),
 ])
 def test_bad_precision_settings(corpus, train, parallel, match):
     cfg = _cfg(corpus, **train)
-    cfg.parallel.tp = 1
+    cfg.plan = dataclasses.replace(cfg.plan, tp=1)
     for name, value in parallel.items():
         setattr(cfg.parallel, name, value)
     with raises_as_flags(match):

@@ -1,5 +1,6 @@
 """Data parallelism, the training loop, resume and reshard, against single-process references."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def _check_dp_parity(corpus, out, tp, dp, model=None, scheme="1d", precision="fp
     grid = {"tp_scheme": scheme} if scheme != "1d" else {}
     mesh = worker_mesh(tp=tp, dp=dp, **grid)
     cfg = _config(corpus, out, model, clip_grad=0.0, precision=precision)
-    cfg.parallel.tp_scheme = scheme
+    cfg.plan = dataclasses.replace(cfg.plan, tp_scheme=scheme)
     trainer = Trainer.build(cfg, mesh)
     dtype = trainer.plan.dtype
     tol, rel = (FP64_TOL, 1e-10) if dtype == torch.float64 else (TOL, 1e-5)
@@ -117,7 +118,7 @@ def _run(corpus, out, tp, dp, resume=False, **train):
     cfg = _config(corpus, out, **train)
     cfg.checkpoint.resume = resume
     cfg.checkpoint.save_every = 0
-    cfg.parallel.tp, cfg.parallel.dp = tp, dp
+    cfg.plan = dataclasses.replace(cfg.plan, tp=tp, dp=dp)
     run_training(cfg)
     return None
 

@@ -80,3 +80,9 @@ class SettingError(ValueError):
         self.code = code
         self.settings = settings if settings is not None else tuple(
             dict.fromkeys(re.findall(r"`([a-z_0-9]+)`", message)))
+
+
+def alternatives(choices) -> str:
+    """Choices as a message lists them: `a, b or c`."""
+    names = [str(c) for c in choices]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"

@@ -14,6 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
+"""The `precision` (and `grad_dtype`) choices and their torch dtypes."""
+
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype sums and statistics of `dtype` values run in: fp32, or the dtype itself when

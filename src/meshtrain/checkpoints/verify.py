@@ -26,7 +26,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from meshtrain.checkpoints.safetensors_stream import CODES, DTYPES
-from meshtrain.models import TransformerConfig, config_from_dict, family_of
+from meshtrain.models import TransformerConfig, config_from_dict, family_of, get_family
 
 FORMAT = "meshtrain-checkpoint-1"
 RECORD = "digests.json"
@@ -162,17 +162,17 @@ def _model_config(path: Path, manifest: dict) -> TransformerConfig:
     shape that can be built, and as many parameters as its model tensors hold (so nothing
     builds a model larger than the checkpoint's files)."""
     try:
-        cfg = config_from_dict(manifest["family"], manifest["model"])
-        for f in dataclasses.fields(cfg):
-            value, kinds = getattr(cfg, f.name), str(f.type).split(" | ")
+        fields = manifest["model"]
+        for f in dataclasses.fields(get_family(manifest["family"]).config):
+            value, kinds = fields.get(f.name, f.default), str(f.type).split(" | ")
             if not (value is None and "None" in kinds) and \
                     not any(type(value) in _SETTING_TYPES.get(kind, ()) for kind in kinds):
                 raise ValueError(f"{f.name} is {value!r}, not {f.type}")
         layers = {name.split(".")[1] for name in manifest["tensors"]
                   if name.startswith("model/layers.")}
-        if cfg.num_layers != len(layers):  # (before anything counts over the layers)
-            raise ValueError(f"num_layers {cfg.num_layers}, but tensors of {len(layers)}")
-        cfg.validate()
+        if fields["num_layers"] != len(layers):  # (before anything counts over the layers)
+            raise ValueError(f"num_layers {fields['num_layers']}, but tensors of {len(layers)}")
+        cfg = config_from_dict(manifest["family"], fields)  # (its shape checked as it is built)
     except (KeyError, TypeError, ValueError) as e:
         raise _damaged(path, "manifest.json", f"its model settings do not load ({e})") from None
     held = sum(math.prod(entry["shape"]) for name, entry in manifest["tensors"].items()

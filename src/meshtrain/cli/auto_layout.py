@@ -8,22 +8,15 @@ search, as the fields a spec names are.
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshtrain.config.run_config import RunConfig
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE, load_corpus
+from meshtrain.parallel.runtime.plan import ParallelPlan, parse_spec, spec_key
 from meshtrain.planner.costs import Prediction
 from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
-from meshtrain.planner.layout import Layout, parse_layout
 from meshtrain.planner.search import search
 from meshtrain.planner.workload import ELEMENT_BYTES
-
-LAYOUT_SETTINGS: dict[str, tuple[str, str]] = {
-    "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"),
-    "cp": ("parallel", "cp"), "ep": ("parallel", "ep"), "vp": ("parallel", "virtual_stages"),
-    "mb": ("train", "micro_batch"), "zero": ("parallel", "zero"),
-    "sp": ("parallel", "sequence_parallel"), "recompute": ("parallel", "recompute"),
-    "schedule": ("parallel", "pp_schedule"), "scheme": ("parallel", "tp_scheme"),
-    "depth": ("parallel", "tp_depth")}
-"""Each `Layout` field's (section, setting) in a run's config."""
 
 CUDA_PROFILES = (("H100", "h100-80g"), ("A100-SXM4-80GB", "a100-80g-selene"),
                  ("A100 80GB", "a100-80g-selene"), ("A100", "a100-40g"),
@@ -48,18 +41,18 @@ def default_hardware(device: str) -> Hardware:
 
 
 def fixed_fields(cfg: RunConfig, given: set[tuple[str, str]]) -> dict[str, object]:
-    """The `layout` spec's fields and the layout settings given (flags or TOML), which must
-    agree."""
+    """The `layout` spec's fields and the plan's settings given (flags or TOML), by field name,
+    which must agree."""
     spec = cfg.parallel.layout or "auto"
-    fixed = {} if spec == "auto" else parse_layout(spec)
-    for key, (section, name) in LAYOUT_SETTINGS.items():
-        value = getattr(getattr(cfg, section), name)
-        if (section, name) not in given or value is None:
+    fixed = {} if spec == "auto" else parse_spec(spec)
+    for f in dataclasses.fields(ParallelPlan):
+        value = getattr(cfg.plan, f.name)
+        if (f.metadata["section"], f.name) not in given or value is None:
             continue
-        if key in fixed and fixed[key] != value:
-            raise ValueError(f"`{name}` {value} contradicts `layout` {key}={fixed[key]}: give"
-                             " it once")
-        fixed[key] = value
+        if f.name in fixed and fixed[f.name] != value:
+            raise ValueError(f"`{f.name}` {value} contradicts `layout`"
+                             f" {spec_key(f)}={fixed[f.name]}: give it once")
+        fixed[f.name] = value
     return fixed
 
 
@@ -67,36 +60,32 @@ def choose_layout(cfg: RunConfig, world_size: int, given: set[tuple[str, str]]) 
     """Search the run's layout on `world_size` devices, set its settings from the fastest that
     fits, and say what was chosen and why."""
     p, t = cfg.parallel, cfg.train
-    if t.precision not in ELEMENT_BYTES:
+    if cfg.plan.precision not in ELEMENT_BYTES:
         raise ValueError(f"`layout` auto plans {', '.join(ELEMENT_BYTES)} runs, not `precision`"
-                         f" {t.precision}: give the layout settings yourself")
+                         f" {cfg.plan.precision}: give the layout settings yourself")
     for name in ("pp_layers", "recompute_layers"):
-        if getattr(p, name) is not None:
+        if getattr(cfg.plan, name) is not None:
             raise ValueError(f"`{name}` belongs to one layout: drop it with `layout` (the"
                              " planner splits layers evenly and recomputes all or none)")
     hardware = load_hardware(p.hardware) if p.hardware else default_hardware(p.device)
     vocab = cfg.model.vocab_size or (BYTE_VOCAB_SIZE if cfg.data.data is None
                                      else load_corpus(cfg.data.data).vocab_size)
     model = cfg.model_config(vocab)
-    model.validate()
     result = search(model, hardware, gpus=world_size, seq_len=t.seq_len,
-                    global_batch=t.global_batch, precision=t.precision,
+                    global_batch=t.global_batch, precision=cfg.plan.precision,
                     fixed=fixed_fields(cfg, given))
     best = result.best()
-    apply_layout(cfg, best.layout)
-    lines = [f"`layout` {p.layout} chose {short_spec(best.layout)} for {world_size} rank(s) on"
+    cfg.plan = best.layout
+    lines = [f"`layout` {p.layout} chose {short_spec(best.layout, result.base)} for"
+             f" {world_size} rank(s) on"
              f" {hardware.name}: {describe(best)}"]
     if len(result.ranked) > 1:
         second = result.ranked[1]
         slower = second.step_time_s / best.step_time_s - 1
-        lines.append(f"runner-up {short_spec(second.layout)}: {second.step_time_s:.4g} s a step"
+        lines.append(f"runner-up {short_spec(second.layout, result.base)}:"
+                     f" {second.step_time_s:.4g} s a step"
                      f" ({slower:+.2%}), {second.memory_gib:.2f} GiB per rank")
     return "\n".join([lines[0], *(f"  {line}" for line in lines[1:] + result.warnings)])
-
-
-def apply_layout(cfg: RunConfig, layout: Layout) -> None:
-    for key, (section, name) in LAYOUT_SETTINGS.items():
-        setattr(getattr(cfg, section), name, getattr(layout, key))
 
 
 def describe(prediction: Prediction) -> str:
@@ -106,9 +95,9 @@ def describe(prediction: Prediction) -> str:
             f" {p.memory_gib:.2f} GiB per rank")
 
 
-def short_spec(layout: Layout) -> str:
-    """The degrees and micro-batch, then only the fields off their defaults: a `--layout`
-    spec that fixes what matters of this layout."""
-    default = dict(Layout().spec_items())
-    return ",".join(f"{key}={value}" for key, value in layout.spec_items()
+def short_spec(layout: ParallelPlan, reference: ParallelPlan | None = None) -> str:
+    """The degrees and micro-batch, then only the fields off their defaults (the others: off
+    `reference`'s): a `--layout` spec that fixes what matters of this layout."""
+    default = dict(ParallelPlan().spec_items())
+    return ",".join(f"{key}={value}" for key, value in layout.spec_items(reference)
                     if key in ("tp", "pp", "dp", "mb") or default.get(key) != value)

@@ -69,7 +69,6 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     corpus = corpus_of(cfg)
     vocab = corpus.vocab_size
     model = cfg.model_config(vocab)
-    model.validate()
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
         raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's"
                          f" vocabulary {vocab}: raise it or omit it")

@@ -1,6 +1,6 @@
 """The argument parsers of the `meshtrain` subcommands: every `train` flag comes from a setting in
-`config.py` (its help text included), so `--help` explains every flag and a new setting needs no
-parser code."""
+`config/` or a `ParallelPlan` field (its help text and choices included), so `--help` explains
+every flag and a new setting needs no parser code."""
 
 from __future__ import annotations
 
@@ -39,16 +39,18 @@ def _add_setting_flags(p: argparse.ArgumentParser, fields) -> None:
     """One flag per (section, field) setting, its help from the field (dest: section.name)."""
     for section, f in fields:
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-        default = f.default if f.default is not dataclasses.MISSING else None
+        default = f.metadata.get("run_default", f.default)
+        default = None if default is dataclasses.MISSING else default
         text = f"{f.metadata['help']} (default: {default})"
         dest = f"{section}.{f.name}"
         kind = f.type if isinstance(f.type, str) else str(f.type)
+        choices = f.metadata.get("choices")
         if kind.startswith("bool"):
             p.add_argument(flag, dest=dest, action="store_true", help=text)
         else:
             convert = int if kind.startswith("int") else float if kind.startswith("float") else str
-            p.add_argument(flag, dest=dest, type=convert, help=text,
-                           metavar=f.name.upper())
+            metavar = "{" + ",".join(map(str, choices)) + "}" if choices else f.name.upper()
+            p.add_argument(flag, dest=dest, type=convert, help=text, metavar=metavar)
 
 
 def _plan_parser(sub) -> None:

@@ -15,15 +15,15 @@ import sys
 import time
 from pathlib import Path
 
-from meshtrain.cli.auto_layout import LAYOUT_SETTINGS, default_hardware, short_spec
+from meshtrain.cli.auto_layout import default_hardware, short_spec
 from meshtrain.cli.flags import as_flags
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.corpus import write_atomic
 from meshtrain.models import TransformerConfig, preset
+from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
 from meshtrain.planner.costs import Prediction
 from meshtrain.planner.hardware import Hardware, load_hardware
-from meshtrain.planner.layout import parse_layout
 from meshtrain.planner.search import OVER_BUDGET, SearchResult, search
 from meshtrain.planner.workload import ELEMENT_BYTES
 
@@ -56,7 +56,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = search(request.model, request.hardware, gpus=request.gpus,
                     seq_len=request.seq_len, global_batch=request.global_batch,
-                    precision=request.precision, fixed=parse_layout(args.layout))
+                    precision=request.precision, fixed=parse_spec(args.layout))
     seconds = time.perf_counter() - started
     if not result.ranked:
         if args.explain and not args.json:
@@ -85,7 +85,6 @@ def _request(args: argparse.Namespace) -> Request:
     cfg.train.seq_len, cfg.train.global_batch = args.seq_len, args.global_batch
     base = preset(cfg.model.model or config_mod.DEFAULT_PRESET)
     model = cfg.model_config(cfg.model.vocab_size or base.vocab_size)
-    model.validate()
     if args.seq_len > model.max_seq_len:
         raise ValueError(f"`seq_len` {args.seq_len} exceeds `max_seq_len` {model.max_seq_len}:"
                          " raise `max_seq_len` or shorten `seq_len`")
@@ -114,13 +113,14 @@ def train_command(request: Request, prediction: Prediction) -> str:
     fits in one)."""
     lay, hw = prediction.layout, request.hardware
     flags = [*request.model_flags, "--seq-len", str(request.seq_len), "--global-batch",
-             str(request.global_batch), "--precision", request.precision]
-    for key, (_, name) in LAYOUT_SETTINGS.items():
-        flag, value = "--" + name.replace("_", "-"), getattr(lay, key)
+             str(request.global_batch), "--precision", lay.precision]
+    for key, text in lay.spec_items(ParallelPlan(precision=lay.precision)):
+        name = SPEC_FIELDS[key].name
+        flag, value = "--" + name.replace("_", "-"), getattr(lay, name)
         if isinstance(value, bool):
             flags += [flag] if value else []
-        elif value is not None:  # tp_depth: 2.5d only
-            flags += [flag, str(value)]
+        else:
+            flags += [flag, text]
     args = " ".join(shlex.quote(f) for f in flags)
     if request.gpus <= hw.gpus_per_node:
         return f"meshtrain train --nproc {request.gpus} {args}"
@@ -155,7 +155,7 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
                  *(f"{gib[k]:.1f}" for k in ("parameters", "gradients", "optimizer_states",
                                              "activations", "buffers"))]
         lines.append("".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
-                     + f"  {short_spec(p.layout)}")
+                     + f"  {short_spec(p.layout, result.base)}")
         lines.append(f"     {train_command(request, p)}")
     return lines
 
@@ -166,7 +166,7 @@ def explain(result: SearchResult) -> list[str]:
     for reason, items in sorted(result.rejected.items(), key=lambda kv: -len(kv[1])):
         lines.append(f"  {reason}: {len(items)}")
         for r in _examples(reason, items):
-            lines.append(f"    {short_spec(r.layout)}: {as_flags(r.detail)}")
+            lines.append(f"    {short_spec(r.layout, result.base)}: {as_flags(r.detail)}")
     return lines
 
 
@@ -183,18 +183,18 @@ def to_json(request: Request, result: SearchResult, shown: list[Prediction], *,
            "gpus": request.gpus, "hardware": request.hardware.name,
            "precision": request.precision, "seq_len": request.seq_len,
            "global_batch": request.global_batch, "evaluated": result.evaluated,
-           "layouts": [_json_layout(request, p) for p in shown],
+           "layouts": [_json_layout(request, result, p) for p in shown],
            "warnings": result.warnings}
     if explain:
         out["rejected"] = {reason: {"count": len(items), "examples": [
-            {"layout": dataclasses.asdict(r.layout), "detail": r.detail}
+            {"layout": r.layout.searched_view(), "detail": r.detail}
             for r in _examples(reason, items)]} for reason, items in result.rejected.items()}
     return out
 
 
-def _json_layout(request: Request, p: Prediction) -> dict:
+def _json_layout(request: Request, result: SearchResult, p: Prediction) -> dict:
     memory = p.memory.gib()
-    return {"layout": dataclasses.asdict(p.layout), "spec": p.layout.spec(),
+    return {"layout": p.layout.searched_view(), "spec": p.layout.spec(result.base),
             "step_time_s": p.step_time_s, "compute_s": p.compute_s,
             "exposed_comm_s": p.exposed_comm_s, "bubble_s": p.bubble_s,
             "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu, "memory_gib": memory.pop("total"),

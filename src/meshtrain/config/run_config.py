@@ -1,11 +1,12 @@
 """Run configuration: typed sections, TOML files, CLI overrides.
 
 Sections (TOML tables of the same names, defined in `settings.py`): model, parallel, train,
-data, checkpoint. Every field is a CLI flag of `meshtrain train` (underscores become dashes)
-whose help text is the field's `help`. Precedence: defaults < --config FILE.toml < flags. A
-run's settings become a model config (`model_config`, of the preset's family) and a
-`ParallelPlan` (`plan`); `validate` checks them all before any rank starts. Errors name
-settings in backticks; the CLI shows them as flags.
+data, checkpoint. The layout's settings are the fields of the run's `ParallelPlan` (`plan`),
+each in the table its field names (tp in [parallel], micro_batch in [train]). Every setting is a
+CLI flag of `meshtrain train` (underscores become dashes) whose help text is the field's `help`.
+Precedence: defaults < --config FILE.toml < flags. A run's settings become a model config
+(`model_config`, of the preset's family) and its plan; `validate` checks them all before any
+rank starts. Errors name settings in backticks; the CLI shows them as flags.
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ from meshtrain.config.settings import (
     TrainSettings,
 )
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
+from meshtrain.errors import Code, SettingError
 from meshtrain.models import TransformerConfig, preset
-from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.runtime.plan import ParallelPlan, parse_setting
 from meshtrain.parallel.runtime.process_groups import check_local_devices
 
 DEFAULT_PRESET = "tiny"
+RUN_PLAN = ParallelPlan(**{f.name: f.metadata["run_default"]
+                           for f in dataclasses.fields(ParallelPlan)})
+"""A run's layout before any setting: the plan's defaults, and the run's where they differ."""
 
 
 @dataclass
@@ -42,12 +47,20 @@ class RunConfig:
     train: TrainSettings = field(default_factory=TrainSettings)
     data: DataSettings = field(default_factory=DataSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    plan: ParallelPlan = field(default_factory=lambda: RUN_PLAN)
+    """The layout: its fields are settings of the tables their `section` names."""
 
     def sections(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "plan"}
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(sec) for name, sec in self.sections().items()}
+        tables = {name: dataclasses.asdict(sec) for name, sec in self.sections().items()}
+        for f in dataclasses.fields(ParallelPlan):
+            value = getattr(self.plan, f.name)
+            tables[f.metadata["section"]][f.name] = \
+                ",".join(map(str, value)) if isinstance(value, tuple) else value
+        return tables
 
     def to_toml(self) -> str:
         lines = []
@@ -58,15 +71,6 @@ class RunConfig:
                     lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
-
-    def plan(self) -> ParallelPlan:
-        """The layout these settings ask for (dp unresolved when not given)."""
-        p, t = self.parallel, self.train
-        layout = {f.name: getattr(p, f.name) for f in dataclasses.fields(ParallelPlan)
-                  if hasattr(p, f.name)}
-        return ParallelPlan(**layout | {"pp_layers": _layer_counts(p.pp_layers),
-                                        "micro_batch": t.micro_batch, "precision": t.precision,
-                                        "grad_dtype": t.grad_dtype})
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
         """The `init_from` checkpoint's model (`_init_from_model`), or the preset's with the
@@ -125,17 +129,6 @@ class RunConfig:
         return dataclasses.replace(saved, **given)
 
 
-def _layer_counts(text: str | None) -> tuple[int, ...] | None:
-    """`pp_layers` "3,5" as layer counts."""
-    if text is None:
-        return None
-    try:
-        return tuple(int(n) for n in text.split(","))
-    except ValueError:
-        raise ValueError(f"`pp_layers` must be comma-separated layer counts such as 3,5, got"
-                         f" {text!r}") from None
-
-
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -145,11 +138,14 @@ def _toml_value(value: Any) -> str:
 
 
 def flag_fields() -> list[tuple[str, dataclasses.Field]]:
-    """(section, field) for every setting, in a stable order (used to build the CLI)."""
+    """(section, field) for every setting, in a stable order (used to build the CLI): each
+    section's own settings, then the plan's fields of that section."""
+    plan_fields = dataclasses.fields(ParallelPlan)
     return [(name, f) for name, cls in (("model", ModelSettings), ("parallel", ParallelSettings),
                                          ("train", TrainSettings), ("data", DataSettings),
                                          ("checkpoint", CheckpointSettings))
-            for f in dataclasses.fields(cls)]
+            for f in (*dataclasses.fields(cls),
+                      *(f for f in plan_fields if f.metadata["section"] == name))]
 
 
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -166,18 +162,25 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
                  ) -> RunConfig:
     """Defaults, then the TOML file's tables, then CLI overrides; unknown keys are errors."""
     cfg = RunConfig()
+    known = {section: {f.name: f for s, f in flag_fields() if s == section}
+             for section in cfg.sections()}
+    layout: dict[str, Any] = {}
     for source, values in (("config file", file_values), ("flags", overrides)):
         for section, entries in values.items():
-            if section not in cfg.sections() or not isinstance(entries, dict):
+            if section not in known or not isinstance(entries, dict):
                 raise ValueError(f"{source}: unknown section [{section}]; known:"
                                  f" {', '.join(cfg.sections())}")
-            sec = getattr(cfg, section)
-            known = {f.name: f for f in dataclasses.fields(sec)}
             for key, value in entries.items():
-                if key not in known:
+                if key not in known[section]:
                     raise ValueError(f"{source}: unknown setting {section}.{key}; known:"
-                                     f" {', '.join(known)}")
-                setattr(sec, key, _coerce(f"{section}.{key}", known[key], value))
+                                     f" {', '.join(known[section])}")
+                f = known[section][key]
+                value = _coerce(f"{section}.{key}", f, value)
+                if f.name in _PLAN_FIELDS and _PLAN_FIELDS[f.name] is f:
+                    layout[key] = value
+                else:
+                    setattr(getattr(cfg, section), key, value)
+    cfg.plan = dataclasses.replace(cfg.plan, **layout)
     if cfg.checkpoint.out is None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         if "RANK" in os.environ and not run_id:
@@ -190,10 +193,18 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
     return cfg
 
 
+_PLAN_FIELDS = {f.name: f for f in dataclasses.fields(ParallelPlan)}
+
+
 def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
     kind = f.type if isinstance(f.type, str) else str(f.type)
     if value is None:
         return None
+    if kind.startswith("tuple"):  # layer counts: "3,5" (a flag, TOML) or [3, 5] (TOML)
+        if isinstance(value, list) and all(isinstance(v, int) for v in value):
+            return tuple(value)
+        return parse_setting(f, value if isinstance(value, str) else repr(value),
+                             where=f"`{f.name}`")
     if kind.startswith("bool"):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
@@ -213,12 +224,12 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
 
 def world_size_of(cfg: RunConfig, env_world: int | None) -> int:
     """Ranks this run uses: torchrun's world, else --nproc, else the product of the degrees."""
-    p = cfg.parallel
     if env_world is not None:
         return env_world
-    if p.nproc is not None:
-        return p.nproc
-    return p.tp * p.pp * p.cp * (p.dp or 1)
+    if cfg.parallel.nproc is not None:
+        return cfg.parallel.nproc
+    plan = cfg.plan
+    return plan.tp * plan.pp * plan.cp * (plan.dp or 1)
 
 
 def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
@@ -226,7 +237,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     t, p = cfg.train, cfg.parallel
     if p.nproc is not None and p.nproc < 1:
         raise ValueError(f"`nproc` must be positive, got {p.nproc}")
-    plan = cfg.plan().resolved(world_size)
+    plan = cfg.plan.resolved(world_size)
     check_local_devices(p.device, int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size)))
     _validate_train(t)
     if cfg.checkpoint.keep_last < 0:
@@ -239,11 +250,11 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ValueError(f"`val_fraction` must be in (0, 1), got {cfg.data.val_fraction}")
     model = cfg.model_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
-    model.validate()
     if t.seq_len > model.max_seq_len:
-        raise ValueError(f"`seq_len` {t.seq_len} exceeds `max_seq_len` {model.max_seq_len}: raise"
-                         " `max_seq_len` or shorten `seq_len`")
-    if p.trace and p.pp_schedule == "2bw":
+        raise SettingError(Code.SEQ_LEN_MAX, f"`seq_len` {t.seq_len} exceeds `max_seq_len`"
+                                             f" {model.max_seq_len}: raise `max_seq_len` or"
+                                             " shorten `seq_len`")
+    if p.trace and plan.pp_schedule == "2bw":
         raise ValueError("`trace` draws one flush step; a 2bw step overlaps its neighbours (no"
                          " flush): trace `pp_schedule` 1f1b instead")
     return plan.validate(model, world_size=world_size, global_batch=t.global_batch,
@@ -267,7 +278,7 @@ def _validate_restarts(cfg: RunConfig) -> None:
 
 
 def _validate_train(t: TrainSettings) -> None:
-    for name in ("steps", "global_batch", "micro_batch", "seq_len", "eval_batches", "log_every",
+    for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every",
                  "max_nonfinite_steps"):
         if getattr(t, name) < 1:
             raise ValueError(f"`{name}` must be positive, got {getattr(t, name)}")

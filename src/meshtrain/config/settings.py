@@ -1,12 +1,14 @@
 """The run's settings, section by section (TOML tables of the same names): every field is a
-CLI flag of `meshtrain train` (underscores become dashes) whose help text is its `help`.
-`config.py` combines them into a `RunConfig`, reads TOML files and checks everything."""
+CLI flag of `meshtrain train` (underscores become dashes) whose help text is its `help`. The
+layout's settings are `ParallelPlan`'s fields, which say their own table (`section`);
+`run_config.py` combines both into a `RunConfig`, reads TOML files and checks everything."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from meshtrain.models import PRESETS
+from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
 
 
 def _f(default, help: str, **kw):
@@ -31,7 +33,8 @@ class ModelSettings:
                                        " the preset's and --seq-len)")
     dropout: float = _f(0.0, "dropout on embeddings, attention and residuals (0 keeps runs"
                              " comparable across layouts)")
-    attention: str = _f("sdpa", "attention kernel: sdpa (fused) or eager (explicit softmax)")
+    attention: str = _f("sdpa", "attention kernel: sdpa (fused) or eager (explicit softmax)",
+                        choices=ATTENTION_KERNELS)
     moe_experts: int = _f(0, "experts per MoE layer (0: dense MLPs only)")
     moe_top_k: int = _f(1, "experts per token: 1 (Switch) or 2 (GShard)")
     moe_every: int = _f(1, "every n-th MLP is an MoE layer")
@@ -48,39 +51,6 @@ class ParallelSettings:
     max_restarts: int = _f(0, "restart every rank up to N times after one fails (meshtrain's"
                               " launcher; needs --auto-resume); under torchrun use its own"
                               " --max-restarts")
-    tp: int = _f(1, "tensor-parallel degree")
-    tp_scheme: str = _f("1d", "tensor-parallel scheme: 1d (Megatron), 2d (SUMMA on a q x q grid,"
-                              " --tp q^2), 2.5d (q x q x --tp-depth) or 3d (q x q x q)")
-    tp_depth: int | None = _f(None, "--tp-scheme 2.5d's depth d (tp = q^2 d; default: the"
-                                    " largest d leaving q >= 2)")
-    pp: int = _f(1, "pipeline-parallel degree (layers split evenly, earlier stages take the"
-                    " remainder)")
-    pp_layers: str | None = _f(None, "layers per pipeline stage, comma-separated (e.g. 3,5);"
-                                     " with --virtual-stages one count per model chunk"
-                                     " (pp x v of them); default: an even split")
-    pp_schedule: str = _f("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over"
-                                  " --virtual-stages model chunks per rank) or 2bw"
-                                  " (PipeDream-2BW: no flush, weights updated one step late)")
-    virtual_stages: int = _f(1, "model chunks per pipeline rank (--pp-schedule interleaved)")
-    dp: int | None = _f(None, "data-parallel degree (default: the ranks left, world / (tp x pp x"
-                              " cp))")
-    ep: int = _f(1, "expert-parallel degree: experts spread over this many of the dp ranks")
-    cp: int = _f(1, "context-parallel degree: each rank holds 1/cp of every sequence")
-    cp_mode: str = _f("ring", "context-parallel attention: ring (K/V around a ring) or all2all"
-                              " (Ulysses: heads/tp divisible by cp)")
-    sequence_parallel: bool = _f(False, "Megatron sequence parallelism over the TP ranks"
-                                        " (needs --tp > 1)")
-    recompute: str = _f("none", "activation recomputation: none, selective (attention core) or"
-                                " full (whole layers)")
-    recompute_layers: int | None = _f(None, "with --recompute full, only the first k layers")
-    bucket_mb: float = _f(25.0, "gradient all-reduce (ZeRO 1/2: reduce-scatter) bucket size in"
-                                " MiB")
-    zero: int = _f(0, "ZeRO stage over the data-parallel ranks: 0 replicates everything, 1 shards"
-                      " optimizer states, 2 also gradients, 3 also parameters (gathered per"
-                      " layer); 2 and 3 not with --pp > 1")
-    offload_optimizer: str = _f("none", "none, or cpu: keep ZeRO's fp32 master shard, its"
-                                        " gradient and the Adam moments in host memory and step"
-                                        " there (needs --zero >= 1)")
     device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
     collective_timeout: float = _f(600.0, "seconds a rank may wait in one collective before the"
                                           " run is declared hung: the ranks dump their last"
@@ -105,7 +75,6 @@ class TrainSettings:
     stop_at: int | None = _f(None, "end after this step with a checkpoint, as an interrupted run"
                                    " would")
     global_batch: int = _f(16, "sequences per optimizer step, over all data-parallel ranks")
-    micro_batch: int = _f(8, "sequences per forward/backward on one rank")
     seq_len: int = _f(128, "tokens per sequence")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
@@ -121,11 +90,6 @@ class TrainSettings:
     eval_batches: int = _f(4, "global batches per evaluation")
     log_every: int = _f(10, "write the buffered metrics.jsonl rows every N steps (and at each"
                             " checkpoint and the end); without a terminal, also a progress line")
-    precision: str = _f("fp32", "parameter/activation dtype: fp32, bf16 or fp16 (16-bit keeps fp32"
-                                " master weights; fp16 adds dynamic loss scaling), or fp64 to"
-                                " check a layout against one process (no ZeRO)")
-    grad_dtype: str = _f("fp32", "dtype gradients are accumulated and reduced in: fp32, or the"
-                                 " 16-bit --precision dtype (fp64 runs always reduce in fp64)")
     loss_scale_window: int = _f(1000, "fp16: double the loss scale after this many clean steps")
 
 

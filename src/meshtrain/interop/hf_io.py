@@ -69,7 +69,6 @@ class HFModelDirectory:
             raise ValueError(f"{self.path / CONFIG} is not JSON ({e}); fix the file") from None
         self.mapping = mapping_for(self.hf_config)
         self.cfg = self.mapping.config_from_hf(self.hf_config)
-        self.cfg.validate()
         self.maps = self.mapping.tensor_maps(self.cfg)
         self.files = self._weight_files()
         self._open: dict[str, object] = {}

@@ -16,7 +16,8 @@ from typing import ClassVar
 
 from torch import nn
 
-from meshtrain.errors import Code, SettingError
+from meshtrain.errors import Code, SettingError, alternatives
+from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class TransformerConfig(ABC):
     """What a checkpoint's tensors depend on (fields or their resolved properties): they must
     match to load it."""
 
+    def __post_init__(self):
+        """A config that exists can be built: its shape is checked here, once, wherever it
+        comes from (presets, settings, Hugging Face files, checkpoints)."""
+        self.validate()
+
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
@@ -76,7 +82,8 @@ class TransformerConfig(ABC):
         return True
 
     def validate(self) -> None:
-        """Raise ValueError naming the setting for a shape that cannot be built."""
+        """Raise SettingError naming the setting for a shape that cannot be built (runs when
+        the config is made)."""
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise SettingError(Code.RANGE, (
@@ -88,9 +95,10 @@ class TransformerConfig(ABC):
         if not 0.0 <= self.dropout < 1.0:
             raise SettingError(Code.RANGE, (
                 f"`dropout` must be in [0, 1), got {self.dropout}"))
-        if self.attention not in ("sdpa", "eager"):
+        if self.attention not in ATTENTION_KERNELS:
             raise SettingError(Code.CHOICE, (
-                f"`attention` must be sdpa or eager, got {self.attention!r}"))
+                f"`attention` must be {alternatives(ATTENTION_KERNELS)}, got"
+                f" {self.attention!r}"))
         if self.moe_experts < 0:
             raise SettingError(Code.RANGE, f"`moe_experts` must be >= 0, got {self.moe_experts}")
         if self.moe_experts:

@@ -35,12 +35,12 @@ import torch.multiprocessing as mp
 from meshtrain.contracts import AuxiliaryOutputs
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models.gpt import GPTConfig
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import free_port
 from meshtrain.parallelize import build_model
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.costs import chunk_costs
 from meshtrain.planner.hardware import Hardware
-from meshtrain.planner.layout import Layout
 from meshtrain.planner.workload import Workload
 
 MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024),
@@ -376,7 +376,8 @@ def _layer_compute(hardware: Hardware) -> float:
 
     def chunk(layers: int) -> float:
         cfg = dataclasses.replace(TINY_BLOCK, num_layers=layers)
-        cost = chunk_costs(Workload(cfg, Layout(), cfg.max_seq_len, 1, "fp32"), hardware)[0]
+        work = Workload(cfg, ParallelPlan(dp=1), cfg.max_seq_len, 1, "fp32")
+        cost = chunk_costs(work, hardware)[0]
         return cost.forward + cost.backward
     return chunk(2) - chunk(1)
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.schemes.scheme import Traffic
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware
-from meshtrain.planner.layout import Layout
 from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
 from meshtrain.planner.workload import GRAD_BYTES, Workload
@@ -36,7 +36,7 @@ OPTIMIZER_BYTES_PER_PARAMETER = 80
 
 @dataclass(frozen=True)
 class Prediction:
-    layout: Layout
+    layout: ParallelPlan
     step_time_s: float
     """compute_s + exposed_comm_s + bubble_s."""
     compute_s: float
@@ -58,7 +58,7 @@ class Prediction:
         return self.memory.total / GIB
 
 
-def predict(model: TransformerConfig, layout: Layout, hardware: Hardware, *, seq_len: int,
+def predict(model: TransformerConfig, layout: ParallelPlan, hardware: Hardware, *, seq_len: int,
             global_batch: int, precision: str = "bf16") -> Prediction:
     """Predict one training step of `model` laid out as `layout` (already valid: the search
     checks layouts with `ParallelPlan.validate` first) on `hardware`."""
@@ -79,17 +79,17 @@ def predict(model: TransformerConfig, layout: Layout, hardware: Hardware, *, seq
     in_path = pipe.micro_batches * sum(c.forward_comm + c.backward_comm for c in own)
     busy = pipe.busy[rank]
     flops = model.flops_per_token(seq_len) * global_batch * seq_len
-    tflops = flops / step / layout.gpus / 1e12
+    tflops = flops / step / layout.world_size / 1e12
     return Prediction(layout=layout, step_time_s=step, compute_s=busy - in_path + optimizer,
                       exposed_comm_s=in_path + sync, bubble_s=pipe.makespan - busy,
                       tflops_per_gpu=tflops, mfu=tflops / hardware.peak_for(precision),
                       memory=peak_memory(work, chunks, pipe))
 
 
-def _step_scalars(lay: Layout, hw: Hardware) -> float:
+def _step_scalars(lay: ParallelPlan, hw: Hardware) -> float:
     """Once a step: the loss averaged over dp x cp, the stop/save request over the world, the
     gradient norm over tp and pp (ZeRO: also dp x cp) - tiny, so all latency."""
-    dp_cp, world = lay.dp * lay.cp, lay.gpus
+    dp_cp, world = lay.dp * lay.cp, lay.world_size
     groups = [(dp_cp, lay.tp * dp_cp), (world, world), (lay.tp, lay.tp), (lay.pp, world)]
     if lay.zero:
         groups.append((dp_cp, lay.tp * dp_cp))
@@ -114,7 +114,7 @@ def _hidden(hardware: Hardware, comm: float, window: float) -> float:
 def chunk_costs(work: Workload, hardware: Hardware) -> list[ChunkCost]:
     """Forward and backward cost of one micro-batch through each global model chunk."""
     lay = work.layout
-    ranges = lay.to_plan(precision=work.precision).stage_layers(work.model.num_layers)
+    ranges = lay.stage_layers(work.model.num_layers)
     costs = []
     for g, layers in enumerate(ranges):
         parts = [_layer_cost(work, hardware, i) for i in layers]
@@ -140,7 +140,7 @@ def _layer_cost(work: Workload, hw: Hardware, index: int) -> ChunkCost:
     backward = 2 * (forward - hw.layer_overhead_s - core) + ratio * core \
         + 2 * hw.layer_overhead_s
     tp_forward, tp_backward = _grid_comm(hw, work.layer_traffic(), lay.tp) \
-        if lay.tp_scheme.splits_hidden else _tensor_parallel_comm(work, hw, weights)
+        if lay.scheme.splits_hidden else _tensor_parallel_comm(work, hw, weights)
     cp_forward, cp_backward = _context_parallel_comm(work, hw, core)
     forward_comm, backward_comm = tp_forward + cp_forward, tp_backward + cp_backward
     if lay.recompute == "selective":
@@ -158,7 +158,7 @@ def _tensor_parallel_comm(work: Workload, hw: Hardware,
     weight gradients."""
     t = work.layout.tp
     n = work.activation_bytes
-    if work.layout.sp:
+    if work.layout.sequence_parallel:
         gather, scatter = coll.all_gather(hw, n, t, t), coll.reduce_scatter(hw, n, t, t)
         # backward gathers the QKV and first MLP inputs again for their weight gradients
         return 2 * (gather + scatter), 2 * (2 * gather + scatter)
@@ -192,10 +192,11 @@ def _embedding_cost(work: Workload, hw: Hardware) -> ChunkCost:
     writes its rank's block (its lookup's small communication is left out)."""
     lay, n = work.layout, work.activation_bytes
     t = lay.tp
-    if lay.tp_scheme.splits_hidden:
+    if lay.scheme.splits_hidden:
         moved = _elementwise(hw, n / t)
         return ChunkCost(moved, 0.0, moved, 0.0, work.embedding_parameters())
-    comm = coll.reduce_scatter(hw, n, t, t) if lay.sp else coll.all_reduce(hw, n, t, t)
+    comm = coll.reduce_scatter(hw, n, t, t) if lay.sequence_parallel \
+        else coll.all_reduce(hw, n, t, t)
     moved = _elementwise(hw, n)
     return ChunkCost(moved, comm, moved, 0.0, work.embedding_parameters())
 
@@ -207,7 +208,7 @@ def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
     lay, m = work.layout, work.model
     t = lay.tp
     matmul = _matmul(hw, work.head_matmul(), work.precision)
-    grid = lay.tp_scheme.splits_hidden
+    grid = lay.scheme.splits_hidden
     hidden = work.activation_bytes / (t if grid else 1)
     forward = matmul + _elementwise(hw, 3 * work.logits_bytes() + 2 * hidden)
     backward = 2 * matmul + _elementwise(hw, 2 * work.logits_bytes())
@@ -216,9 +217,10 @@ def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
         forward_comm, backward_comm = _grid_comm(hw, work.head_traffic(), t)
         return ChunkCost(forward, forward_comm, backward, backward_comm, held)
     stats = 3 * coll.all_reduce(hw, work.local_tokens * 4, t, t)
-    gather = coll.all_gather(hw, work.activation_bytes, t, t) if lay.sp \
+    gather = coll.all_gather(hw, work.activation_bytes, t, t) if lay.sequence_parallel \
         else coll.all_reduce(hw, work.activation_bytes, t, t)  # SP: gather; else f's backward
-    return ChunkCost(forward, stats + (gather if lay.sp else 0.0), backward, gather, held)
+    return ChunkCost(forward, stats + (gather if lay.sequence_parallel else 0.0), backward,
+                     gather, held)
 
 
 def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
@@ -253,7 +255,7 @@ def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> f
     gradients all-reduced over depth; ZeRO: this rank's shard of them), exposed."""
     lay = work.layout
     weights = sum(c.parameters for c in own) / (lay.dp * lay.cp if lay.zero else 1)
-    traffic = lay.tp_scheme.step_traffic(lay.tp_grid, weights, GRAD_BYTES)
+    traffic = lay.scheme.step_traffic(lay.tp_grid, weights, GRAD_BYTES)
     if not traffic.total_bytes:
         return 0.0
     return coll.sequence(hw, steps=traffic.forward_steps + traffic.backward_steps,

@@ -64,7 +64,7 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
     parts = [zero_formula_bytes(params, param_bytes=pb, grad_bytes=gb, state_bytes=sb, dp=n,
                                 stage=lay.zero)
              for pb, gb, sb in ((e, 0, 0), (0, GRAD_BYTES, 0), (0, 0, k))]
-    ranges = lay.to_plan(precision=work.precision).stage_layers(work.model.num_layers)
+    ranges = lay.stage_layers(work.model.num_layers)
     layers_per_chunk = sum(len(ranges[g]) for g in own) / len(own)
     activations = pipe.peak_in_flight[rank] * layers_per_chunk * work.layer_activation_bytes()
     last = len(ranges) - 1 in own

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from meshtrain.parallel.runtime import schedules
-from meshtrain.planner.layout import Layout
+from meshtrain.parallel.runtime.plan import ParallelPlan
 
 
 class ChunkCost(NamedTuple):
@@ -42,20 +42,20 @@ class PipelineRun:
         return [schedules.model_chunk(rank, c, self.pp) for c in range(self.virtual_stages)]
 
 
-def run_pipeline(chunks: list[ChunkCost], layout: Layout, micro_batches: int) -> PipelineRun:
-    p, v, m = layout.pp, layout.vp, micro_batches
+def run_pipeline(chunks: list[ChunkCost], layout: ParallelPlan, micro_batches: int) -> PipelineRun:
+    p, v, m = layout.pp, layout.virtual_stages, micro_batches
     forward = tuple(c.forward + c.forward_comm for c in chunks)
     backward = tuple(c.backward + c.backward_comm for c in chunks)
     if p == 1:
         busy = m * (forward[0] + backward[0])
         return PipelineRun(busy, [busy], [1], 1, 1, m)
-    if layout.schedule == "2bw":
+    if layout.pp_schedule == "2bw":
         one = _simulate("2bw", p, v, m, forward, backward, steps=1)
         two = _simulate("2bw", p, v, m, forward, backward, steps=2)
         busy = [b2 - b1 for b1, b2 in zip(one.busy, two.busy, strict=True)]
         return PipelineRun(two.makespan - one.makespan, busy, two.peak_in_flight, p, v, m)
     cap = p * max(8, 2 * v + 2)
-    simulated = _simulate(layout.schedule, p, v, min(m, cap), forward, backward)
+    simulated = _simulate(layout.pp_schedule, p, v, min(m, cap), forward, backward)
     per_micro = [sum(forward[g] + backward[g] for g in range(r, p * v, p)) for r in range(p)]
     extra = max(m - cap, 0)
     busy = [b + extra * rate for b, rate in zip(simulated.busy, per_micro, strict=True)]

@@ -21,9 +21,9 @@ from importlib import resources
 
 from meshtrain.models import preset
 from meshtrain.models.family import TransformerConfig
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.costs import Prediction, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
-from meshtrain.planner.layout import Layout
 from meshtrain.planner.search import search
 
 GOAL_MEDIAN = 0.10
@@ -37,7 +37,7 @@ softmax reads and writes the s x s scores, which the cost model charges as `eage
 Megatron-Core's H100 table and MegaScale (2024) ran flash attention (`sdpa`)."""
 
 SEARCHED = {"micro_batch": "mb", "virtual_stages": "vp", "zero": "zero", "schedule": "schedule"}
-"""Row keys some rows state and others leave to the search, and their `Layout` fields."""
+"""Row keys some rows state and others leave to the search, and their `--layout` spec keys."""
 
 DIAGNOSES = (
     (("readme2020-a100",),
@@ -118,7 +118,7 @@ def fixed_fields(row: dict) -> dict[str, object]:
     return fixed
 
 
-def predict_layout(row: dict, layout: Layout, hardware: Hardware) -> Prediction:
+def predict_layout(row: dict, layout: ParallelPlan, hardware: Hardware) -> Prediction:
     """One layout of the row (the fit holds layouts fixed within a round)."""
     return predict(row_model(row), layout, hardware, seq_len=row["seq"],
                    global_batch=row["global_batch"], precision=hardware.default_precision)
@@ -138,7 +138,7 @@ def tflops_in_convention(row: dict, step_time_s: float) -> float:
     return convention_flops(row) / (step_time_s * row["gpus"]) / 1e12
 
 
-def predict_row(row: dict, hardware: Hardware) -> tuple[float, Layout]:
+def predict_row(row: dict, hardware: Hardware) -> tuple[float, ParallelPlan]:
     """Predicted TFLOP/s per GPU in the row's own convention, and the layout chosen."""
     best = best_prediction(row, hardware)
     return tflops_in_convention(row, best.step_time_s), best.layout
@@ -181,16 +181,17 @@ def validation_report(profiles: dict[str, Hardware] | None = None) -> str:
     return format_report(validate(profiles))
 
 
-def _layout_text(row: dict, lay: Layout) -> str:
+def _layout_text(row: dict, lay: ParallelPlan) -> str:
     """The layout in short; fields the search chose carry a `*`."""
     def mark(key: str, text: str) -> str:
         return text if key in row else text + "*"
-    parts = [f"tp{lay.tp} pp{lay.pp} dp{lay.dp}", mark("micro_batch", f"mb{lay.mb}")]
+    parts = [f"tp{lay.tp} pp{lay.pp} dp{lay.dp}", mark("micro_batch", f"mb{lay.micro_batch}")]
     if lay.pp > 1:
-        parts.append(mark("schedule", lay.schedule))
-        if lay.schedule == "interleaved":
-            parts.append(mark("virtual_stages", f"vp{lay.vp}"))
-    parts += [mark("zero", f"zero{lay.zero}"), "sp" if lay.sp else "", lay.recompute]
+        parts.append(mark("schedule", lay.pp_schedule))
+        if lay.pp_schedule == "interleaved":
+            parts.append(mark("virtual_stages", f"vp{lay.virtual_stages}"))
+    parts += [mark("zero", f"zero{lay.zero}"), "sp" if lay.sequence_parallel else "",
+              lay.recompute]
     return " ".join(p for p in parts if p)
 
 

@@ -23,8 +23,8 @@ def forms(tp: int, scheme: str, depth: int | None) -> bool:
 def grid_choices(tp: int, fixed: dict[str, object], *, cp: int, moe: bool) -> list[Grid]:
     """The (scheme, depth) pairs to try at `tp`: a fixed scheme as given, else every scheme
     that combines with the combination's cp and MoE layers."""
-    depth, given = fixed.get("depth"), "scheme" in fixed
-    schemes = [tp_scheme(fixed["scheme"])] if given else [
+    depth, given = fixed.get("tp_depth"), "tp_scheme" in fixed
+    schemes = [tp_scheme(fixed["tp_scheme"])] if given else [
         s for s in SCHEMES.values()
         if (cp == 1 or s.allows("cp")) and (not moe or s.allows("moe_experts"))]
     pairs: list[Grid] = []
@@ -41,8 +41,8 @@ def _fits_fixed(tp: int, scheme: str, depth: int | None, fixed: dict[str, object
     divides."""
     plan = ParallelPlan(tp=tp, tp_scheme=scheme, tp_depth=depth)
     parts = plan.batch_parts
-    return (not fixed.get("sp") or plan.scheme.allows("sequence_parallel")) \
-        and fixed.get("mb", parts) % parts == 0
+    return (not fixed.get("sequence_parallel") or plan.scheme.allows("sequence_parallel")) \
+        and fixed.get("micro_batch", parts) % parts == 0
 
 
 def micro_batches(candidates: list[int], tp: int, scheme: str, depth: int | None,

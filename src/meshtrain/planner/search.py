@@ -34,11 +34,13 @@ from typing import NamedTuple
 
 from meshtrain.errors import SettingError
 from meshtrain.models.family import TransformerConfig
+from meshtrain.parallel.layers.recompute import RECOMPUTE
+from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan
+from meshtrain.parallel.runtime.zero import ZERO_STAGES
 from meshtrain.parallel.schemes.registry import tp_scheme
 from meshtrain.planner import costs
 from meshtrain.planner.costs import Prediction
 from meshtrain.planner.hardware import Hardware
-from meshtrain.planner.layout import RECOMPUTE, Layout
 from meshtrain.planner.scheme_space import grid_choices, micro_batches
 
 MAX_PP = 32
@@ -60,12 +62,12 @@ class Combo(NamedTuple):
     pp: int
     cp: int
     dp: int
-    scheme: str = "1d"
-    depth: int | None = None
+    tp_scheme: str = ParallelPlan().tp_scheme
+    tp_depth: int | None = None
 
 
 class Rejection(NamedTuple):
-    layout: Layout
+    layout: ParallelPlan
     detail: str
     """The validation message, or how far over the memory budget."""
     over_gib: float = 0.0
@@ -82,6 +84,9 @@ class SearchResult:
     warnings: list[str] = field(default_factory=list)
     evaluated: int = 0
     """Layouts the cost model predicted."""
+    base: ParallelPlan = field(default_factory=ParallelPlan)
+    """Every candidate's fields the search does not vary: specs of the candidates name only
+    where they differ from it, beside the searched fields."""
 
     def best(self) -> Prediction:
         """The fastest layout, or a ValueError saying why none fits."""
@@ -92,7 +97,7 @@ class SearchResult:
         reason, items = max(self.rejected.items(), key=lambda kv: len(kv[1]))
         closest = min(items, key=lambda r: r.over_gib)
         raise ValueError(f"no layout fits: {sum(map(len, self.rejected.values()))} rejected,"
-                         f" most for {reason} ({len(items)}; e.g. {closest.layout.spec()}:"
+                         f" most for {reason} ({len(items)}; e.g. {closest.layout.spec(self.base)}:"
                          f" {closest.detail})")
 
 
@@ -100,7 +105,9 @@ def search(model: TransformerConfig, hardware: Hardware, *, gpus: int, seq_len: 
            global_batch: int, precision: str, fixed: dict[str, object] | None = None,
            cost: Cost = costs.predict) -> SearchResult:
     """Rank the layouts of `model` on `gpus` devices of `hardware`; `fixed` (a parsed `--layout`
-    spec) pins fields. A spec that leaves one candidate is evaluated even over budget."""
+    spec: `ParallelPlan` fields by name or spec key) pins fields, the searched ones and any
+    other (`precision` overrides `precision`). A spec that leaves one candidate is evaluated
+    even over budget."""
     run = _Search(model, hardware, gpus, seq_len, global_batch, precision, dict(fixed or {}),
                   cost)
     run.check_fixed_degrees()
@@ -126,11 +133,21 @@ class _Search:
         if gpus < 1:
             raise ValueError(f"`gpus` must be positive, got {gpus}")
         self.model, self.hardware, self.gpus = model, hardware, gpus
-        self.seq_len, self.global_batch, self.precision = seq_len, global_batch, precision
-        self.fixed, self.cost = fixed, cost
-        self.result = SearchResult(ranked=[])
-        self.seen: dict[Layout, Prediction | None] = {}
-        self.checked: dict[Layout, bool] = {}
+        self.seq_len, self.global_batch, self.cost = seq_len, global_batch, cost
+        fixed = {SPEC_FIELDS[k].name if k in SPEC_FIELDS else k: v for k, v in fixed.items()}
+        searched = {f.name for f in SPEC_FIELDS.values() if f.metadata["searched"]}
+        self.fixed = {k: v for k, v in fixed.items() if k in searched}
+        self.base = {"precision": precision} | {k: v for k, v in fixed.items()
+                                                 if k not in searched}
+        self.precision = self.base["precision"]
+        self.result = SearchResult(ranked=[], base=ParallelPlan(**self.base))
+        self.seen: dict[ParallelPlan, Prediction | None] = {}
+        self.checked: dict[ParallelPlan, bool] = {}
+
+    def layout(self, combo: Combo, **fields) -> ParallelPlan:
+        """A candidate: the combination, `fields`, and the fixed fields the search does not
+        vary."""
+        return ParallelPlan(**self.base, **combo._asdict(), **fields)
 
     def choices(self, name: str, values) -> list:
         return [self.fixed[name]] if name in self.fixed else list(values)
@@ -177,38 +194,40 @@ class _Search:
         per_dp = self.global_batch // dp if self.global_batch % dp == 0 else 1
         interleaved = self.model.num_layers // pp if pp > 1 else 0
         vps = [v for v in _divisors(interleaved) if 2 <= v <= MAX_VIRTUAL_STAGES]
-        fixed_vp = self.fixed.get("vp", 1)
+        fixed_vp = self.fixed.get("virtual_stages", 1)
         schedules = ["1f1b"] if pp == 1 or fixed_vp == 1 and not vps else \
             ["interleaved"] if fixed_vp > 1 else ["1f1b", "interleaved"]
         experts = self.model.moe_experts
         return {
-            "mb": self.choices("mb", micro_batches(_divisors(per_dp), tp, scheme, depth,
-                                                   MAX_MICRO_BATCH)),
-            "schedule": self.choices("schedule", schedules),
-            "vp": self.choices("vp", vps or [1]),
-            "sp": self.choices("sp", [True, False] if tp > 1 and tp_scheme(scheme).allows(
-                "sequence_parallel") else [False]),
-            "zero": self.choices("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]),
+            "micro_batch": self.choices("micro_batch", micro_batches(
+                _divisors(per_dp), tp, scheme, depth, MAX_MICRO_BATCH)),
+            "pp_schedule": self.choices("pp_schedule", schedules),
+            "virtual_stages": self.choices("virtual_stages", vps or [1]),
+            "sequence_parallel": self.choices("sequence_parallel", [True, False] if tp > 1 and
+                                              tp_scheme(scheme).allows("sequence_parallel")
+                                              else [False]),
+            "zero": self.choices("zero", list(ZERO_STAGES) if dp * cp > 1 else [0]),
             "recompute": self.choices("recompute", RECOMPUTE),
             "ep": self.choices("ep", [e for e in _divisors(dp * cp) if experts % e == 0]
                                if experts else [1]),
         }
 
     def vp_for(self, schedule: str, choices: dict[str, list]) -> list[int]:
-        return choices["vp"] if schedule == "interleaved" else [self.fixed.get("vp", 1)]
+        return choices["virtual_stages"] if schedule == "interleaved" \
+            else [self.fixed.get("virtual_stages", 1)]
 
-    def only_candidate(self) -> Layout | None:
+    def only_candidate(self) -> ParallelPlan | None:
         """The one layout the fixed fields leave, if they leave one."""
         combos = self.degree_combos()
         if len(combos) != 1:
             return None
         choices = self.execution_choices(combos[0])
-        choices["vp"] = self.vp_for(choices["schedule"][0], choices)
+        choices["virtual_stages"] = self.vp_for(choices["pp_schedule"][0], choices)
         if any(len(values) != 1 for values in choices.values()):
             return None
-        return Layout(**combos[0]._asdict(), **{k: v[0] for k, v in choices.items()})
+        return self.layout(combos[0], **{k: v[0] for k, v in choices.items()})
 
-    def evaluate_fixed(self, layout: Layout) -> SearchResult:
+    def evaluate_fixed(self, layout: ParallelPlan) -> SearchResult:
         """A fully fixed layout: invalid is an error; over budget is a warning."""
         self.validate(layout, record=False)
         prediction = self.predict(layout)
@@ -216,17 +235,18 @@ class _Search:
         over = prediction.memory_gib - self.hardware.hbm_gib
         if over > 0:
             self.result.warnings.append(
-                f"layout {layout.spec()} needs {prediction.memory_gib:.1f} GiB per device,"
+                f"layout {layout.spec(self.result.base)} needs {prediction.memory_gib:.1f} GiB"
+                f" per device,"
                 f" {over:.1f} GiB over the {self.hardware.hbm_gib:g} GiB of {self.hardware.name}")
         return self.result
 
-    def validate(self, layout: Layout, *, record: bool = True) -> bool:
+    def validate(self, layout: ParallelPlan, *, record: bool = True) -> bool:
         """`ParallelPlan.validate`'s verdict; a refusal is recorded under its reason (or raised,
         unrecorded)."""
         if record and layout in self.checked:
             return self.checked[layout]
         try:
-            layout.to_plan(precision=self.precision).validate(
+            layout.validate(
                 self.model, world_size=self.gpus, global_batch=self.global_batch,
                 seq_len=self.seq_len)
         except SettingError as e:
@@ -238,15 +258,15 @@ class _Search:
         self.checked[layout] = True
         return True
 
-    def reject(self, reason: str, layout: Layout, detail: str) -> None:
+    def reject(self, reason: str, layout: ParallelPlan, detail: str) -> None:
         self.result.rejected.setdefault(reason, []).append(Rejection(layout, detail))
 
-    def predict(self, layout: Layout) -> Prediction:
+    def predict(self, layout: ParallelPlan) -> Prediction:
         self.result.evaluated += 1
         return self.cost(self.model, layout, self.hardware, seq_len=self.seq_len,
                          global_batch=self.global_batch, precision=self.precision)
 
-    def fits(self, layout: Layout) -> bool:
+    def fits(self, layout: ParallelPlan) -> bool:
         """Predict a valid layout once; rank it when it fits, reject it when over budget."""
         if layout in self.seen:
             return self.seen[layout] is not None
@@ -266,12 +286,13 @@ class _Search:
         """Validate a combination, probe its memory, and time it with the preferred schedule,
         sp on and ZeRO from stage 1; the best screened step time, or None."""
         choices = self.execution_choices(combo)
-        bases = [Layout(**combo._asdict(), mb=choices["mb"][0],
-                        schedule=choices["schedule"][0], sp=sp,
-                        vp=self.vp_for(choices["schedule"][0], choices)[0],
-                        ep=choices["ep"][-1], zero=choices["zero"][0],
-                        recompute=choices["recompute"][0])
-                 for sp in choices["sp"]]
+        schedule = choices["pp_schedule"][0]
+        bases = [self.layout(combo, micro_batch=choices["micro_batch"][0], pp_schedule=schedule,
+                             sequence_parallel=sp, virtual_stages=self.vp_for(schedule,
+                                                                              choices)[0],
+                             ep=choices["ep"][-1], zero=choices["zero"][0],
+                             recompute=choices["recompute"][0])
+                 for sp in choices["sequence_parallel"]]
         base = next((b for b in bases if self.validate(b)), None)
         if base is None or not self.probe(base, choices):
             return None
@@ -280,14 +301,15 @@ class _Search:
         swept = self.sweep(base, zeros, choices)
         return min(swept) if swept else None
 
-    def sweep(self, base: Layout, zeros: list[int], choices: dict[str, list]) -> list[float]:
+    def sweep(self, base: ParallelPlan, zeros: list[int], choices: dict[str, list]
+              ) -> list[float]:
         """The fastest fitting step time at each micro-batch, ascending, until one fits nowhere
         (memory grows with the micro-batch) or is slower than the last (step time falls, then
         rises with it: larger matmuls, then a longer pipeline fill)."""
         times: list[float] = []
         start: dict[int, int] = {}
-        for mb in choices["mb"]:
-            found = self.escalate(replace(base, mb=mb), zeros, choices, start)
+        for mb in choices["micro_batch"]:
+            found = self.escalate(replace(base, micro_batch=mb), zeros, choices, start)
             if not found:
                 break
             times.append(min(p.step_time_s for p in found))
@@ -295,7 +317,7 @@ class _Search:
                 break
         return times
 
-    def probe(self, base: Layout, choices: dict[str, list]) -> bool:
+    def probe(self, base: ParallelPlan, choices: dict[str, list]) -> bool:
         """Whether the combination's most memory-saving valid layout fits."""
         for zero in sorted(choices["zero"], reverse=True):
             saving = replace(base, zero=zero, recompute=choices["recompute"][-1])
@@ -303,7 +325,7 @@ class _Search:
                 return self.fits(saving)
         return True  # no ZeRO stage is valid: `escalate` records why
 
-    def runnable(self, layout: Layout) -> bool:
+    def runnable(self, layout: ParallelPlan) -> bool:
         """`validate`'s verdict, not recorded (a choice among alternatives)."""
         try:
             self.validate(layout, record=False)
@@ -315,18 +337,19 @@ class _Search:
         """Every schedule, sp and ZeRO stage; virtual stages upwards until the step time rises
         (the bubble shrinks with them, point-to-point traffic grows)."""
         choices = self.execution_choices(combo)
-        for schedule in choices["schedule"]:
-            for sp in choices["sp"]:
+        for schedule in choices["pp_schedule"]:
+            for sp in choices["sequence_parallel"]:
                 last = None
                 for vp in self.vp_for(schedule, choices):
-                    base = Layout(**combo._asdict(), mb=choices["mb"][0], schedule=schedule,
-                                  vp=vp, sp=sp, ep=choices["ep"][-1])
+                    base = self.layout(combo, micro_batch=choices["micro_batch"][0],
+                                       pp_schedule=schedule, virtual_stages=vp,
+                                       sequence_parallel=sp, ep=choices["ep"][-1])
                     fastest = min(self.sweep(base, choices["zero"], choices), default=None)
                     if fastest is None or last is not None and fastest > last:
                         break
                     last = fastest
 
-    def escalate(self, base: Layout, zeros: list[int], choices: dict[str, list],
+    def escalate(self, base: ParallelPlan, zeros: list[int], choices: dict[str, list],
                  start: dict[int, int]) -> list[Prediction]:
         """`base` at each ZeRO stage, raising recompute (then ZeRO 2 and 3, and expert
         parallelism) only while over budget; what fits. `start[zero]`: the first recompute choice
@@ -348,7 +371,7 @@ class _Search:
             start[zero] = fit_at.get(zero, max(limit, start.get(zero, 0)))
         return found
 
-    def fit_experts(self, layout: Layout, eps: list[int]) -> Prediction | None:
+    def fit_experts(self, layout: ParallelPlan, eps: list[int]) -> Prediction | None:
         """The smallest expert-parallel degree (from the fewest all-to-all peers) that fits."""
         for ep in eps:
             trial = replace(layout, ep=ep)

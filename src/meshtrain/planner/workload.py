@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.schemes.scheme import Traffic
-from meshtrain.planner.layout import Layout
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_BYTES = 4
@@ -43,7 +43,7 @@ class LayerWork:
 @dataclass(frozen=True)
 class Workload:
     model: TransformerConfig
-    layout: Layout
+    layout: ParallelPlan
     seq_len: int
     global_batch: int
     precision: str
@@ -54,12 +54,12 @@ class Workload:
 
     @property
     def micro_batches(self) -> int:
-        return self.global_batch // (self.layout.mb * self.layout.dp)
+        return self.global_batch // (self.layout.micro_batch * self.layout.dp)
 
     @property
     def local_tokens(self) -> int:
         """Tokens of one micro-batch on one rank (context parallelism splits the sequence)."""
-        return self.layout.mb * self.seq_len // self.layout.cp
+        return self.layout.micro_batch * self.seq_len // self.layout.cp
 
     @property
     def activation_bytes(self) -> float:
@@ -70,12 +70,12 @@ class Workload:
     def splits_hidden(self) -> bool:
         """Whether each TP rank holds 1/tp of the hidden states between layers (SP, or a
         2d/2.5d/3d grid), rather than all of them."""
-        return self.layout.sp or self.layout.tp_scheme.splits_hidden
+        return self.layout.sequence_parallel or self.layout.scheme.splits_hidden
 
     @property
     def weight_parts(self) -> int:
         """How many ways each weight matrix is split: tp, except over 2.5d's depth."""
-        return self.layout.tp_scheme.weight_parts(self.layout.tp_grid)
+        return self.layout.scheme.weight_parts(self.layout.tp_grid)
 
     @property
     def boundary_bytes(self) -> float:
@@ -86,13 +86,13 @@ class Workload:
         """One layer's tensor-parallel bytes and steps (`TPScheme.layer_traffic`; the
         replicated-hidden 1d scheme's are timed by `costs.py` with their overlap)."""
         lay = self.layout
-        return lay.tp_scheme.layer_traffic(self.model, lay.tp_grid, self.local_tokens,
+        return lay.scheme.layer_traffic(self.model, lay.tp_grid, self.local_tokens,
                                            self.element_bytes)
 
     def head_traffic(self) -> Traffic:
         """The output layer's traffic (`TPScheme.output_traffic`)."""
         lay, m = self.layout, self.model
-        return lay.tp_scheme.output_traffic(lay.tp_grid, self.local_tokens, m.hidden_size,
+        return lay.scheme.output_traffic(lay.tp_grid, self.local_tokens, m.hidden_size,
                                             m.vocab_size, self.element_bytes)
 
     def layer(self, index: int) -> LayerWork:
@@ -137,9 +137,10 @@ class Workload:
         lay, m = self.layout, self.model
         recompute = "selective" if lay.recompute == "none" and m.attention == "sdpa" \
             else lay.recompute
-        grid = lay.tp_scheme.splits_hidden
-        saved = m.activation_bytes(seq_len=self.seq_len // lay.cp, micro_batch=lay.mb,
-                                   tp=1 if grid else lay.tp, sequence_parallel=lay.sp,
+        grid = lay.scheme.splits_hidden
+        saved = m.activation_bytes(seq_len=self.seq_len // lay.cp, micro_batch=lay.micro_batch,
+                                   tp=1 if grid else lay.tp,
+                                   sequence_parallel=lay.sequence_parallel,
                                    recompute=recompute, element_size=self.element_bytes,
                                    dropout=m.dropout > 0)
         return saved / lay.tp if grid else saved

@@ -92,13 +92,13 @@ class Trainer:
         corpus = corpus_of(cfg)
         train_tokens, val_tokens = corpus.splits(cfg.data.val_fraction)
         t = cfg.train
-        plan = cfg.plan().with_degrees(mesh.degrees)
+        plan = cfg.plan.with_degrees(mesh.degrees)
         parallel = parallelize(cfg.model_config(corpus.vocab_size), plan, mesh, seed=t.seed,
                                seq_len=t.seq_len, lr=t.lr, weight_decay=t.weight_decay,
                                steps=t.stop_at or t.steps)
         scaler = LossScaler(enabled=plan.precision == "fp16", growth_interval=t.loss_scale_window)
         sampler = dict(seq_len=t.seq_len, global_batch=t.global_batch,
-                       micro_batch=t.micro_batch, seed=t.seed)
+                       micro_batch=plan.micro_batch, seed=t.seed)
         return cls(cfg, mesh, plan, parallel, BatchSampler(train_tokens, **sampler),
                    BatchSampler(val_tokens, **sampler), scaler, corpus.tokenizer)
 
@@ -254,7 +254,7 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
     `stop`: armed signals that end the run early with a checkpoint (RunFailure EXIT_STOPPED);
     `lock`: the `out` lock global rank 0 takes for the world (under torchrun)."""
     if plan is None:
-        plan = cfg.plan().resolved(int(torch.distributed.get_world_size()
+        plan = cfg.plan.resolved(int(torch.distributed.get_world_size()
                                        if torch.distributed.is_initialized() else 1))
     timeout = cfg.parallel.collective_timeout
     mesh = init_parallel(**plan.degrees, tp_scheme=plan.tp_scheme, tp_depth=plan.tp_depth,

@@ -24,6 +24,11 @@ from meshtrain.parallel.layers.context_parallel import ring_attention, ulysses_a
 from meshtrain.parallel.layers.recompute import recomputed
 from meshtrain.parallel.layers.rng import TENSOR_PARALLEL, RNGTracker
 
+ATTENTION_KERNELS = ("sdpa", "eager")
+"""The `attention` choices: torch's fused kernel, or explicit softmax(QK^T)V."""
+CP_MODES = ("ring", "all2all")
+"""The `cp_mode` choices: K/V blocks around a ring, or Ulysses' all-to-all over heads."""
+
 
 def eager_attention(q, k, v, p: float) -> torch.Tensor:
     """Explicit causal attention `[b, a, s, d]`: saves the s x s probabilities (and mask). Keys

@@ -16,6 +16,9 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtrain.parallel.layers.rng import RNGTracker
 
+RECOMPUTE = ("none", "selective", "full")
+"""The `recompute` choices: nothing, the attention core (selective), or whole layers (full)."""
+
 
 def _contexts(rng: RNGTracker):
     at_forward = rng.get_states()

@@ -1,86 +1,137 @@
-"""The parallel plan: every layout choice of a run, validated in one place.
+"""The parallel plan: every layout choice of a run, declared and validated in one place.
 
 Degrees say how many ranks each parallelism spans; the other fields say how the model is split
-and executed on them. The CLI fills a plan from flags, a planner would produce one, and
-`parallelize` applies it. `validate` checks it against a model config and the world size and
-raises ValueError naming the settings in backticks (`pp_schedule`); the CLI shows them as flags.
+and executed on them. Each field declares, once, what the rest of meshtrain shows of it: its
+help text, its choices, its key in a `--layout` spec (`spec`: tp, sp, mb, ...; the field name
+when none) and whether the planner searches it, and the TOML table and flag that set it
+(`section`). The run config builds a plan from these fields alone (`config.run_config`), the
+planner's candidates are plans and a `--layout` spec is a view of one (`parse_spec`, `spec`),
+and `parallelize` applies it. `validate` checks it against a model config and the world size and
+raises `SettingError` naming the settings in backticks (`pp_schedule`); the CLI shows them as
+flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from meshtrain.data.corpus import check_batch_sizes
-from meshtrain.errors import Code, SettingError
+from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.mesh import resolve_degrees
+from meshtrain.parallel.layers.attention import CP_MODES
+from meshtrain.parallel.layers.recompute import RECOMPUTE
 from meshtrain.parallel.runtime.pipeline import stage_layers
-from meshtrain.parallel.schemes.registry import tp_scheme
+from meshtrain.parallel.runtime.schedules import PP_SCHEDULES
+from meshtrain.parallel.runtime.zero import OFFLOAD_TARGETS, ZERO_STAGES
+from meshtrain.parallel.schemes.registry import SCHEMES, tp_scheme
 from meshtrain.parallel.schemes.scheme import TPScheme
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp64": torch.float64}
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+from meshtrain.precision import DTYPES
 
 
 def parse_dtype(name: str, setting: str) -> torch.dtype:
     if name not in DTYPES:
-        raise SettingError(Code.CHOICE, (
-            f"`{setting}` must be one of {', '.join(DTYPES)}, got"
-            f" {name!r}"))
+        raise SettingError(Code.CHOICE, f"`{setting}` must be {alternatives(DTYPES)}, got"
+                                        f" {name!r}")
     return DTYPES[name]
+
+
+def _layout(default: Any, help: str, *, spec: str | None = None, searched: bool = False,
+            choices: tuple | None = None, section: str = "parallel",
+            run_default: Any = dataclasses.MISSING) -> Any:
+    """A plan field and what it declares (module docstring); `run_default`: a run's default
+    where it differs from the plan's (a run's micro-batch is 8, a bare plan's 1)."""
+    return field(default=default, metadata={
+        "help": help, "spec": spec, "searched": searched, "choices": choices,
+        "section": section, "run_default": default if run_default is dataclasses.MISSING
+        else run_default})
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
     """How a model runs across the mesh. Degrees not given are 1; `dp` fills the world."""
 
-    tp: int = 1
-    """Tensor-parallel degree (innermost mesh axis, inside a node)."""
-    pp: int = 1
-    """Pipeline-parallel degree."""
-    dp: int | None = None
-    """Data-parallel degree; None: world / (tp x pp x cp)."""
-    cp: int = 1
-    """Context-parallel degree: each rank holds 1/cp of every sequence."""
-    ep: int = 1
-    """Expert-parallel degree, carved out of dp x cp."""
-    tp_scheme: str = "1d"
-    """Tensor-parallel scheme: 1d (Megatron), 2d (SUMMA on a q x q grid, tp = q^2), 2.5d
-    (q x q x depth) or 3d (q x q x q)."""
-    tp_depth: int | None = None
-    """2.5d's depth d (tp = q^2 d); None: the largest d leaving q >= 2."""
-    sequence_parallel: bool = False
-    """Megatron SP: norm/dropout/residual regions hold s/tp of the sequence."""
-    cp_mode: str = "ring"
-    """Context-parallel attention: ring (K/V passed around) or all2all (Ulysses, over heads)."""
-    pp_schedule: str = "1f1b"
-    """gpipe, 1f1b, interleaved (1F1B over virtual stages) or 2bw (PipeDream-2BW)."""
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
-    pp_layers: tuple[int, ...] | None = None
-    """Layers per pipeline stage (pp x virtual_stages counts); None: an even split."""
-    zero: int = 0
-    """ZeRO stage over the data-parallel ranks: 0, 1 (optimizer states), 2 (+ gradients),
-    3 (+ parameters)."""
-    offload_optimizer: str = "none"
-    """none, or cpu: ZeRO's master shard, its gradient and the Adam moments in host memory."""
-    recompute: str = "none"
-    """Recompute in backward: none, selective (attention core) or full (whole layers)."""
-    recompute_layers: int | None = None
-    """With full recompute, only the first k layers (None: all)."""
-    precision: str = "fp32"
-    """Parameter and activation dtype: fp32, bf16 or fp16 (16-bit keeps fp32 master weights),
-    or fp64 to check a layout against one process to float64 precision."""
-    grad_dtype: str = "fp32"
-    """Dtype gradients are accumulated and reduced in: fp32 or the 16-bit precision (fp64
-    parameters always reduce in fp64)."""
-    micro_batch: int = 1
-    """Sequences per forward/backward on one rank."""
-    bucket_mb: float = 25.0
-    """Gradient all-reduce (ZeRO: reduce-scatter) bucket size in MiB."""
+    tp: int = _layout(1, "tensor-parallel degree", spec="tp", searched=True)
+    pp: int = _layout(1, "pipeline-parallel degree (layers split evenly, earlier stages take"
+                         " the remainder)", spec="pp", searched=True)
+    dp: int | None = _layout(None, "data-parallel degree (default: the ranks left, world /"
+                                   " (tp x pp x cp))", spec="dp", searched=True)
+    cp: int = _layout(1, "context-parallel degree: each rank holds 1/cp of every sequence",
+                      spec="cp", searched=True)
+    ep: int = _layout(1, "expert-parallel degree: experts spread over this many of the dp"
+                         " ranks", spec="ep", searched=True)
+    virtual_stages: int = _layout(1, "model chunks per pipeline rank (pp schedule"
+                                     " interleaved)", spec="vp", searched=True)
+    micro_batch: int = _layout(1, "sequences per forward/backward on one rank", spec="mb",
+                               searched=True, section="train", run_default=8)
+    zero: int = _layout(0, "ZeRO stage over the data-parallel ranks: 0 replicates everything,"
+                           " 1 shards optimizer states, 2 also gradients, 3 also parameters"
+                           " (gathered per layer); 2 and 3 not with pp > 1", spec="zero",
+                        searched=True, choices=ZERO_STAGES)
+    sequence_parallel: bool = _layout(False, "Megatron sequence parallelism over the TP ranks"
+                                             " (needs tp > 1)", spec="sp", searched=True)
+    recompute: str = _layout("none", "activation recomputation: none, selective (attention"
+                                     " core) or full (whole layers)", spec="recompute",
+                             searched=True, choices=RECOMPUTE)
+    pp_schedule: str = _layout("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over"
+                                       " virtual stages model chunks per rank) or 2bw"
+                                       " (PipeDream-2BW: no flush, weights updated one step"
+                                       " late)", spec="schedule", searched=True,
+                               choices=PP_SCHEDULES)
+    tp_scheme: str = _layout("1d", "tensor-parallel scheme: 1d (Megatron), 2d (SUMMA on a q x q"
+                                   " grid, tp = q^2), 2.5d (q x q x depth) or 3d (q x q x q)",
+                             spec="scheme", searched=True, choices=tuple(SCHEMES))
+    tp_depth: int | None = _layout(None, "2.5d's depth d (tp = q^2 d; default: the largest d"
+                                         " leaving q >= 2)", spec="depth", searched=True)
+    cp_mode: str = _layout("ring", "context-parallel attention: ring (K/V around a ring) or"
+                                   " all2all (Ulysses: heads/tp divisible by cp)",
+                           choices=CP_MODES)
+    pp_layers: tuple[int, ...] | None = _layout(
+        None, "layers per pipeline stage, comma-separated (e.g. 3,5); with virtual stages one"
+              " count per model chunk (pp x v of them); default: an even split")
+    offload_optimizer: str = _layout("none", "none, or cpu: keep ZeRO's fp32 master shard, its"
+                                             " gradient and the Adam moments in host memory"
+                                             " and step there (needs zero >= 1)",
+                                     choices=OFFLOAD_TARGETS)
+    recompute_layers: int | None = _layout(None, "with full recompute, only the first k layers")
+    precision: str = _layout("fp32", "parameter/activation dtype: fp32, bf16 or fp16 (16-bit"
+                                     " keeps fp32 master weights; fp16 adds dynamic loss"
+                                     " scaling), or fp64 to check a layout against one process"
+                                     " (no ZeRO)", section="train", choices=tuple(DTYPES))
+    grad_dtype: str = _layout("fp32", "dtype gradients are accumulated and reduced in: fp32, or"
+                                      " the 16-bit precision dtype (fp64 runs always reduce in"
+                                      " fp64)", section="train", choices=tuple(DTYPES))
+    bucket_mb: float = _layout(25.0, "gradient all-reduce (ZeRO 1/2: reduce-scatter) bucket"
+                                     " size in MiB")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the degrees span (dp resolved)."""
+        return self.tp * self.pp * self.cp * self.degrees["dp"]
+
+    def spec_items(self, reference: ParallelPlan | None = None) -> list[tuple[str, str]]:
+        """(key, value) as a `--layout` spec writes them: every searched field that is set,
+        and the other fields where they differ from `reference` (default: a bare plan)."""
+        reference = reference or ParallelPlan()
+        items = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (f.metadata["searched"]
+                                      or value != getattr(reference, f.name)):
+                items.append((spec_key(f), _spec_text(value)))
+        return items
+
+    def spec(self, reference: ParallelPlan | None = None) -> str:
+        """This plan as a `--layout` spec (`spec_items`)."""
+        return ",".join(f"{key}={value}" for key, value in self.spec_items(reference))
+
+    def searched_view(self) -> dict[str, Any]:
+        """The fields the planner searches, by spec key (`meshtrain plan --json`'s layout)."""
+        return {spec_key(f): getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata["searched"]}
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -144,9 +195,9 @@ class ParallelPlan:
                  seq_len: int) -> ParallelPlan:
         """Check this plan against a model config (`TransformerConfig`), the world size, the
         global batch and the sequence length; returns it resolved."""
+        self.validate_choices()
         plan = self.resolved(world_size)
         plan._validate_numbers(global_batch)
-        model.validate()
         plan.scheme.check(plan, model)
         model.validate_for_tp(plan.head_parts)
         model.validate_for_ep(plan.ep)
@@ -154,6 +205,14 @@ class ParallelPlan:
         plan._validate_zero(model)
         plan._validate_pipeline(model, global_batch)
         return plan
+
+    def validate_choices(self) -> None:
+        """Every field with choices holds one of them."""
+        for f in dataclasses.fields(self):
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise SettingError(Code.CHOICE, f"`{f.name}` must be {alternatives(choices)},"
+                                                f" got {value!r}")
 
     def _validate_numbers(self, global_batch: int) -> None:
         check_batch_sizes(global_batch=global_batch, micro_batch=self.micro_batch, dp=self.dp)
@@ -168,13 +227,6 @@ class ParallelPlan:
     def _validate_execution(self, model, seq_len: int) -> None:
         """Sequence and context parallelism, recomputation."""
         tp, cp = self.tp, self.cp
-        if self.cp_mode not in ("ring", "all2all"):
-            raise SettingError(Code.CHOICE, (
-                f"`cp_mode` must be ring or all2all, got {self.cp_mode!r}"))
-        if self.recompute not in ("none", "selective", "full"):
-            raise SettingError(Code.CHOICE, (
-                f"`recompute` must be none, selective or full, got"
-                f" {self.recompute!r}"))
         if self.recompute_layers is not None and self.recompute_layers < 0:
             raise SettingError(Code.RANGE, (
                 f"`recompute_layers` must be >= 0, got {self.recompute_layers}"))
@@ -209,12 +261,6 @@ class ParallelPlan:
                 " micro-batch"))
 
     def _validate_zero(self, model) -> None:
-        if self.zero not in (0, 1, 2, 3):
-            raise SettingError(Code.CHOICE, f"`zero` must be 0, 1, 2 or 3, got {self.zero}")
-        if self.offload_optimizer not in ("none", "cpu"):
-            raise SettingError(Code.CHOICE, (
-                f"`offload_optimizer` must be none or cpu, got"
-                f" {self.offload_optimizer!r}"))
         if self.zero and self.precision == "fp64":
             raise SettingError(Code.ZERO_FP64, (
                 f"`zero` {self.zero} keeps fp32 master shards, which would round"
@@ -244,10 +290,6 @@ class ParallelPlan:
             raise SettingError(Code.PP_LAYERS, (
                 f"`pp` {self.pp} exceeds the model's {model.num_layers} layers:"
                 " every stage needs at least one"))
-        if self.pp_schedule not in SCHEDULES:
-            raise SettingError(Code.CHOICE, (
-                f"`pp_schedule` must be gpipe, 1f1b, interleaved or 2bw, got"
-                f" {self.pp_schedule!r}"))
         if self.pp_schedule == "2bw":
             self._validate_2bw(model, m)
         if v < 1:
@@ -292,3 +334,78 @@ class ParallelPlan:
             raise SettingError(Code.TWO_BW_MOE, (
                 "`pp_schedule` 2bw does not support MoE layers yet: use"
                 " `pp_schedule` 1f1b with `moe_experts`"))
+
+
+def spec_key(f: dataclasses.Field) -> str:
+    """A plan field's key in a `--layout` spec."""
+    return f.metadata["spec"] or f.name
+
+
+def _spec_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+SPEC_FIELDS = {spec_key(f): f for f in dataclasses.fields(ParallelPlan)}
+"""Every plan field by its `--layout` spec key."""
+
+
+def parse_setting(f: dataclasses.Field, text: str, *, where: str) -> Any:
+    """A plan field's value from its text (a spec item, a flag): its type, its choices, counts
+    as comma-separated layer counts; SettingError naming `where` it came from otherwise."""
+    kind, choices = str(f.type), f.metadata["choices"]
+    if kind.startswith("bool"):
+        if text not in ("0", "1", "true", "false"):
+            raise SettingError(Code.CHOICE, f"{where} must be 0 or 1")
+        return text in ("1", "true")
+    if kind.startswith("tuple"):
+        try:
+            return tuple(int(n) for n in text.split(","))
+        except ValueError:
+            raise SettingError(Code.RANGE, f"{where} must be comma-separated layer counts such"
+                                           f" as 3,5, got {text!r}") from None
+    if kind.startswith("float"):
+        try:
+            return float(text)
+        except ValueError:
+            raise SettingError(Code.RANGE, f"{where} must be a number, got {text!r}") from None
+    if kind.startswith("int"):
+        if not text.isdigit() or (int(text) < 1 and f.name != "zero") or int(text) > 1 << 20:
+            raise SettingError(Code.RANGE, f"{where} must be a positive integer")
+        value = int(text)
+    else:
+        value = text
+    if choices is not None and value not in choices:
+        raise SettingError(Code.CHOICE, f"{where} must be one of"
+                                        f" {', '.join(map(str, choices))}")
+    return value
+
+
+def _is_list(key: str) -> bool:
+    return key in SPEC_FIELDS and str(SPEC_FIELDS[key].type).startswith("tuple")
+
+
+def parse_spec(spec: str) -> dict[str, Any]:
+    """The fields a `--layout` spec fixes, by field name, typed: `tp=8,sp=1,recompute=selective`
+    -> {"tp": 8, "sequence_parallel": True, "recompute": "selective"}. A list value (pp_layers)
+    runs on over the items without `=` that follow it: `pp_layers=3,5,zero=1`."""
+    fixed: dict[str, Any] = {}
+    items = [part.strip() for part in spec.split(",") if part.strip()]
+    merged: list[str] = []
+    for item in items:
+        if "=" not in item and merged and _is_list(merged[-1].partition("=")[0].strip()):
+            merged[-1] += "," + item
+        else:
+            merged.append(item)
+    for item in merged:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or key not in SPEC_FIELDS:
+            raise SettingError(Code.CHOICE, f"`layout` item {item!r} is not KEY=VALUE with KEY"
+                                            f" one of {', '.join(SPEC_FIELDS)}")
+        f = SPEC_FIELDS[key]
+        fixed[f.name] = parse_setting(f, text.strip(), where=f"`layout` {key}={text.strip()}")
+    return fixed

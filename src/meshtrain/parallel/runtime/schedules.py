@@ -17,6 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+"""The `pp_schedule` choices: flush schedules GPipe, 1F1B and interleaved 1F1B, and
+PipeDream-2BW."""
+
 FORWARD, BACKWARD = "F", "B"
 RECV_ACTIVATION, SEND_ACTIVATION = "recv_act", "send_act"
 RECV_GRAD, SEND_GRAD = "recv_grad", "send_grad"

@@ -36,6 +36,11 @@ from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import check_grad_views, reverse_buckets
 from meshtrain.parallel.runtime.zero_bucket import BACKWARD, FORWARD, FREE, Bucket
 
+ZERO_STAGES = (0, 1, 2, 3)
+"""The `zero` choices: nothing sharded, optimizer states, + gradients, + parameters."""
+OFFLOAD_TARGETS = ("none", "cpu")
+"""The `offload_optimizer` choices."""
+
 _IN_FLIGHT_REDUCTIONS = 2  # stage 2/3: buckets whose reduce-scatter may still be running
 
 
