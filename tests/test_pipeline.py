@@ -45,13 +45,18 @@ def _cfg(corpus, schedule, steps=3, model=None):
         "data": {"data": corpus}, "checkpoint": {"out": "/nonexistent"}})
 
 
+def _plan_fields(parallel: dict) -> dict:
+    """Plan fields as the tests give them (pp_layers as its flag's text)."""
+    return {key: tuple(int(n) for n in value.split(",")) if key == "pp_layers" else value
+            for key, value in parallel.items()}
+
+
 def _check(corpus, tp, pp, schedule, cp=1, parallel=None, model=None):
     world = torch.distributed.get_world_size()
     grid = {k: v for k, v in (parallel or {}).items() if k == "tp_scheme"}
     mesh = worker_mesh(tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp), **grid)
     cfg = _cfg(corpus, schedule, model=model)
-    for key, value in (parallel or {}).items():
-        setattr(cfg.train if key == "precision" else cfg.parallel, key, value)
+    cfg.plan = dataclasses.replace(cfg.plan, **_plan_fields(parallel or {}))
     trainer = Trainer.build(cfg, mesh)
     reference = Trainer.build(cfg, ParallelMesh.local())
     dtype = trainer.plan.dtype
@@ -137,8 +142,7 @@ def test_stage_layers():
 def _layers_of_stage(corpus, parallel, num_layers=None):
     cfg = _cfg(corpus, parallel.get("pp_schedule", "1f1b"))
     cfg.model.num_layers = num_layers
-    for key, value in parallel.items():
-        setattr(cfg.parallel, key, value)
+    cfg.plan = dataclasses.replace(cfg.plan, **_plan_fields(parallel))
     return list(Trainer.build(cfg, worker_mesh(tp=1, pp=2, dp=1)).model.layers)
 
 
@@ -226,8 +230,7 @@ def test_p2p_bytes_per_step_are_analytic(corpus):
 def _save_pp(corpus, out, pp, parallel=None):
     world = torch.distributed.get_world_size()
     cfg = _cfg(corpus, "1f1b")
-    for key, value in (parallel or {}).items():
-        setattr(cfg.parallel, key, value)
+    cfg.plan = dataclasses.replace(cfg.plan, **_plan_fields(parallel or {}))
     trainer = Trainer.build(cfg, worker_mesh(tp=1, pp=pp, dp=world // pp))
     trainer.train_step(0)
     trainer.save(out, 1)
@@ -359,8 +362,8 @@ def _check_moe(corpus, pp, ep, parallel=None, model=None):
     world = torch.distributed.get_world_size()
     mesh = worker_mesh(pp=pp, dp=world // pp, ep=ep)
     cfg = moe_cfg(corpus, 2, model)  # 4 experts, top-2, every 2nd layer: 1 MoE layer a stage
-    for key, value in (parallel or {}).items():  # interleaved v 2: both in rank 1's 2 chunks
-        setattr(cfg.parallel, key, value)
+    # interleaved v 2: both in rank 1's 2 chunks
+    cfg.plan = dataclasses.replace(cfg.plan, **_plan_fields(parallel or {}))
     trainer = Trainer.build(cfg, mesh)
     ref_loss, ref_routing, ref_grads, ref_norm = _reference(cfg)
     row = trainer.train_step(0)

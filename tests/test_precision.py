@@ -128,8 +128,7 @@ def test_resume_in_16_bit_is_bitwise(corpus, tmp_path, precision):
 def test_bad_precision_settings(corpus, train, parallel, match):
     cfg = _cfg(corpus, **train)
     cfg.plan = dataclasses.replace(cfg.plan, tp=1)
-    for name, value in parallel.items():
-        setattr(cfg.parallel, name, value)
+    cfg.plan = dataclasses.replace(cfg.plan, **parallel)
     with raises_as_flags(match):
         validate(cfg, 1)
 

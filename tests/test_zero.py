@@ -1,6 +1,7 @@
 """ZeRO 1/2/3 against plain data parallelism: trajectories, memory, communication, offload and
 checkpoints across stages and layouts."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -191,8 +192,7 @@ def test_communication_per_stage(corpus, micro_batch, m):
 def _train(corpus, out, degrees, zero, resume=False, **train):
     cfg = _cfg(corpus, out, parallel={"zero": zero}, **train)
     cfg.checkpoint.resume = resume
-    for axis, degree in degrees.items():
-        setattr(cfg.parallel, axis, degree)
+    cfg.plan = dataclasses.replace(cfg.plan, **degrees)
     run_training(cfg)
 
 

@@ -15,7 +15,7 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelSettings:
     model: str | None = _f(None, f"model preset: {', '.join(PRESETS)} (default: tiny, or with"
                                  " --init-from the checkpoint's model)", flag="--model")
@@ -44,7 +44,7 @@ class ModelSettings:
     moe_z_loss_coef: float = _f(0.0, "weight of the router z-loss")
 
 
-@dataclass
+@dataclass(slots=True)
 class ParallelSettings:
     nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp, degrees not"
                                  " given being 1); omit under torchrun")
@@ -69,7 +69,7 @@ class ParallelSettings:
                                  " pipeline_idle.json (measured vs simulated idle per stage)")
 
 
-@dataclass
+@dataclass(slots=True)
 class TrainSettings:
     steps: int = _f(300, "total optimizer steps (defines the learning-rate schedule)")
     stop_at: int | None = _f(None, "end after this step with a checkpoint, as an interrupted run"
@@ -93,7 +93,7 @@ class TrainSettings:
     loss_scale_window: int = _f(1000, "fp16: double the loss scale after this many clean steps")
 
 
-@dataclass
+@dataclass(slots=True)
 class DataSettings:
     data: str | None = _f(None, "text file (byte tokens) or .bin of uint16/uint32 tokens with a"
                                 " .bin.json sidecar (as meshtrain prepare writes); default:"
@@ -102,7 +102,7 @@ class DataSettings:
                                    " the data has a prepared held-out file)")
 
 
-@dataclass
+@dataclass(slots=True)
 class CheckpointSettings:
     out: str | None = _f(None, "output directory (default runs/<date-time>)")
     resume: bool = _f(False, "continue from the latest checkpoint in --out")
