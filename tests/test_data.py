@@ -14,7 +14,7 @@ from meshtrain.data.corpus import (
     TokenDataset,
     decode,
     encode,
-    load_tokens,
+    load_corpus,
     split_tokens,
     stdlib_corpus,
     synthetic_corpus,
@@ -61,10 +61,15 @@ def _write_bin(tmp_path, tokens, meta, name="data.bin"):
     return path
 
 
+def _tokens_and_vocab(path):
+    corpus = load_corpus(path)
+    return corpus.tokens, corpus.vocab_size
+
+
 def test_load_text(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("hello, wörld\n", encoding="utf-8")
-    tokens, vocab = load_tokens(str(path))
+    tokens, vocab = _tokens_and_vocab(str(path))
     assert vocab == 256 and decode(tokens) == "hello, wörld\n"
 
 
@@ -72,7 +77,7 @@ def test_load_text(tmp_path):
 def test_load_bin(tmp_path, dtype):
     ids = np.array([0, 5, 50256, 17, 3], dtype=dtype)
     path = _write_bin(tmp_path, ids, {"dtype": dtype, "vocab_size": 50257})
-    tokens, vocab = load_tokens(path)
+    tokens, vocab = _tokens_and_vocab(path)
     assert isinstance(tokens, np.memmap) and not tokens.flags.writeable
     assert vocab == 50257 and tokens.dtype == np.dtype(dtype)
     assert np.array_equal(tokens, ids)
@@ -94,16 +99,16 @@ def test_load_bin(tmp_path, dtype):
 def test_load_bin_errors(tmp_path, meta, match):
     path = _write_bin(tmp_path, np.array([1, 11, 2], dtype=np.uint16), meta)
     with raises_as_flags(f"^--data .*{match}"):
-        load_tokens(path)
+        load_corpus(path)
 
 
 def test_load_missing_and_empty(tmp_path):
     with raises_as_flags("^--data .*no such file"):
-        load_tokens(tmp_path / "absent.txt")
+        load_corpus(tmp_path / "absent.txt")
     for name in ("empty.txt", "empty.bin"):
         (tmp_path / name).write_bytes(b"")
         with raises_as_flags("^--data .*empty"):
-            load_tokens(tmp_path / name)
+            load_corpus(tmp_path / name)
 
 
 def test_split_and_dataset():

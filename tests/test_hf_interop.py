@@ -18,7 +18,7 @@ from meshtrain.checkpoints.checkpoint import checkpoint_config, load_checkpoint,
 from meshtrain.cli.main import _train_config, check_train, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config.run_config import build_config
-from meshtrain.data.corpus import BatchSampler, load_tokens, split_tokens, synthetic_corpus
+from meshtrain.data.corpus import BatchSampler, load_corpus, split_tokens, synthetic_corpus
 from meshtrain.data.tokenization import train_bpe
 from meshtrain.interop.hf_io import HFModelDirectory, import_hf
 from meshtrain.parallel.communication import comm
@@ -199,7 +199,7 @@ def test_greedy_generation_equals_transformers(hf, variant):
 
 def _first_batch_loss(model, corpus: str, **sampler) -> float:
     """The dense model's mean loss on step 1's global batch (what the run logs first)."""
-    tokens, _ = load_tokens(corpus)
+    tokens = load_corpus(corpus).tokens
     train_tokens, _ = split_tokens(tokens, 0.05)
     batches = BatchSampler(train_tokens, **sampler).micro_batches(0, dp_rank=0, dp_size=1)
     with torch.no_grad():

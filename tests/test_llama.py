@@ -199,4 +199,4 @@ def test_command_line_trains_resumes_exports_and_samples(corpus, tmp_path, capsy
     foreign = main(["train", "--model", "tiny", "--num-kv-heads", "2", "--device", "cpu",
                     "--data", corpus, "--out", str(tmp_path / "gpt")])
     assert foreign == 2
-    assert "--num-kv-heads is not a setting of the --model 'tiny'" in capsys.readouterr().err
+    assert "--num-kv-heads cannot change in GPT" in capsys.readouterr().err

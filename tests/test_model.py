@@ -147,3 +147,33 @@ def test_loss_averages_over_non_ignored_tokens():
     logits = model(inputs)
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
     assert_close(model.loss(logits, targets), expected, **TOL)
+
+
+def test_family_fields_live_on_the_base_config_and_model_arg_sets_any_of_them():
+    """Key/value heads, QKV biases and tying are base fields every family reads without
+    getattr; `--model-arg KEY=VALUE` sets any field of the chosen family's config."""
+    from meshtrain.cli.main import _train_config
+    from meshtrain.cli.parsers import build_parser
+
+    def model(*words):
+        return _train_config(build_parser().parse_args(["train", *words])).model_config(256)
+
+    llama = model("--model", "llama-tiny", "--model-arg", "rope_theta=1e6", "--model-arg",
+                  "qkv_bias=true", "--model-arg", "rms_norm_eps=1e-6")
+    assert (llama.rope_theta, llama.qkv_bias, llama.rms_norm_eps) == (1e6, True, 1e-6)
+    biases = (llama.num_heads + 2 * llama.kv_heads) * llama.head_dim * llama.num_layers
+    plain = preset("llama-tiny")
+    assert llama.num_parameters() == plain.num_parameters() + biases
+    assert sum(p.numel() for p in build_model(llama, ParallelMesh.local()).parameters()) \
+        == llama.num_parameters()
+    gpt = preset("tiny")
+    assert (gpt.kv_heads, gpt.qkv_bias, gpt.tie_embeddings) == (gpt.num_heads, True, True)
+    for words, message in (
+            (["--model-arg", "rope_theta=1e6"], "`model_arg` 'rope_theta=1e6' is not KEY=VALUE"),
+            (["--model", "llama-tiny", "--model-arg", "rope_theta=fast"],
+             "`model_arg` rope_theta must be of type float"),
+            (["--model", "llama-tiny", "--num-layers", "2", "--model-arg", "num_layers=3"],
+             "`model_arg` num_layers is given twice"),
+            (["--num-kv-heads", "2"], "`num_kv_heads` cannot change in GPT")):
+        with pytest.raises(ValueError, match=message):
+            model(*words)

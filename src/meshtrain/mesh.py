@@ -84,13 +84,6 @@ def grid_coords(tp_rank: int, grid: dict[str, int]) -> dict[str, int]:
     return dict(reversed(coords.items()))
 
 
-def _coords_to_rank(coords: dict[str, int], degrees: dict[str, int]) -> int:
-    rank = 0
-    for name in AXIS_ORDER:
-        rank = rank * degrees[name] + coords[name]
-    return rank
-
-
 def _rank_to_coords(rank: int, degrees: dict[str, int]) -> dict[str, int]:
     coords = {}
     for name in reversed(AXIS_ORDER):
@@ -209,33 +202,14 @@ class ParallelMesh:
         """The `size` consecutive TP ranks around this one (size divides tp)."""
         return self.tp if size == self.tp.size else self._axes[f"tp_block{size}"]
 
-    @property
-    def tp(self) -> MeshAxis:
-        return self._axes["tp"]
-
-    @property
-    def pp(self) -> MeshAxis:
-        return self._axes["pp"]
-
-    @property
-    def dp(self) -> MeshAxis:
-        return self._axes["dp"]
-
-    @property
-    def cp(self) -> MeshAxis:
-        return self._axes["cp"]
-
-    @property
-    def dp_cp(self) -> MeshAxis:
-        return self._axes["dp_cp"]
-
-    @property
-    def ep(self) -> MeshAxis:
-        return self._axes["ep"]
-
-    @property
-    def world(self) -> MeshAxis:
-        return self._axes["world"]
+    # The axes everything communicates over, by name.
+    tp = property(lambda self: self._axes["tp"])
+    pp = property(lambda self: self._axes["pp"])
+    dp = property(lambda self: self._axes["dp"])
+    cp = property(lambda self: self._axes["cp"])
+    dp_cp = property(lambda self: self._axes["dp_cp"])
+    ep = property(lambda self: self._axes["ep"])
+    world = property(lambda self: self._axes["world"])
 
     def __repr__(self) -> str:
         d = self.degrees

@@ -299,27 +299,22 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from meshtrain.cli.plan_command import cmd_plan  # the planner loads only for `plan`
+
+    return cmd_plan(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    commands = {"train": lambda: cmd_train(args, argv), "export": lambda: cmd_export(args),
+                "import-hf": lambda: cmd_import_hf(args), "prepare": lambda: cmd_prepare(args),
+                "doctor": lambda: cmd_doctor(args),
+                "tokenizer": lambda: cmd_tokenizer_train(args), "plan": lambda: _plan(args),
+                "sample": lambda: cmd_sample(args, argv)}
     try:
-        if args.command == "train":
-            return cmd_train(args, argv)
-        if args.command == "export":
-            return cmd_export(args)
-        if args.command == "import-hf":
-            return cmd_import_hf(args)
-        if args.command == "prepare":
-            return cmd_prepare(args)
-        if args.command == "doctor":
-            return cmd_doctor(args)
-        if args.command == "tokenizer":
-            return cmd_tokenizer_train(args)
-        if args.command == "plan":
-            from meshtrain.cli.plan_command import cmd_plan
-
-            return cmd_plan(args)
-        return cmd_sample(args, argv)
+        return commands[args.command]()
     except (ValueError, CheckpointError) as e:
         return _error(e)
     except Exception as e:

@@ -47,6 +47,8 @@ def _add_setting_flags(p: argparse.ArgumentParser, fields) -> None:
         choices = f.metadata.get("choices")
         if kind.startswith("bool"):
             p.add_argument(flag, dest=dest, action="store_true", help=text)
+        elif kind.startswith("list"):
+            p.add_argument(flag, dest=dest, action="append", help=text, metavar="KEY=VALUE")
         else:
             convert = int if kind.startswith("int") else float if kind.startswith("float") else str
             metavar = "{" + ",".join(map(str, choices)) + "}" if choices else f.name.upper()

@@ -86,14 +86,23 @@ class RunConfig:
         return dataclasses.replace(base, **given)
 
     def _given_model_settings(self, base: TransformerConfig, label: str) -> dict[str, Any]:
-        """The model settings that are set, each a field of `base`'s family."""
+        """The model settings that are set (flags, and `model_arg`'s KEY=VALUE items), each a
+        field of `base`'s family."""
         m = self.model
         given = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
-                 if f.name != "model" and getattr(m, f.name) is not None}
-        fields = {f.name for f in dataclasses.fields(base)}
+                 if f.name not in ("model", "model_arg") and getattr(m, f.name) is not None}
+        fields = {f.name: f for f in dataclasses.fields(base)}
         foreign = sorted(name for name in given if name not in fields)
         if foreign:
             raise ValueError(f"`{foreign[0]}` is not a setting of the {label}")
+        for item in m.model_arg or []:
+            key, sep, text = (part.strip() for part in item.partition("="))
+            if not sep or key not in fields:
+                raise ValueError(f"`model_arg` {item!r} is not KEY=VALUE with KEY a setting of"
+                                 f" the {label}: one of {', '.join(fields)}")
+            if key in given:
+                raise ValueError(f"`model_arg` {key} is given twice: give it once")
+            given[key] = _typed_value(fields[key], text, f"`model_arg` {key}")
         return given
 
     def _init_from_model(self) -> TransformerConfig:
@@ -129,11 +138,33 @@ class RunConfig:
         return dataclasses.replace(saved, **given)
 
 
+def _typed_value(f: dataclasses.Field, text: str, where: str) -> Any:
+    """A model config field's value from text, by the field's declared type."""
+    kinds = str(f.type).split(" | ")
+    if "None" in kinds and text.lower() in ("none", "null"):
+        return None
+    for kind, convert in (("bool", _boolean), ("int", int), ("float", float), ("str", str)):
+        if kind in kinds:
+            try:
+                return convert(text)
+            except ValueError:
+                raise ValueError(f"{where} must be of type {f.type}, got {text!r}") from None
+    raise ValueError(f"{where}: {f.type} settings are not set from text")
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(text)
+    return text.lower() in ("true", "1")
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
 
 
@@ -205,6 +236,10 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
             return tuple(value)
         return parse_setting(f, value if isinstance(value, str) else repr(value),
                              where=f"`{f.name}`")
+    if kind.startswith("list"):  # KEY=VALUE items: a repeated flag or a TOML list
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{name} must be a list of strings, got {value!r}")
+        return value
     if kind.startswith("bool"):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")

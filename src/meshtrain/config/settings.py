@@ -23,7 +23,7 @@ class ModelSettings:
     hidden_size: int | None = _f(None, "override the preset's hidden size")
     num_heads: int | None = _f(None, "override the preset's number of attention heads")
     num_kv_heads: int | None = _f(None, "override the preset's key/value heads (grouped-query"
-                                        " attention; Llama presets only)")
+                                        " attention: Llama and Qwen2 presets)")
     tie_word_embeddings: bool | None = _f(None, "tie the output layer to the embedding (Llama"
                                                 " presets; the Llama 3.2 ones are tied, GPT"
                                                 " always is)")
@@ -42,6 +42,9 @@ class ModelSettings:
                                           " per micro-batch and rank; excess choices are dropped")
     moe_aux_loss_coef: float = _f(0.01, "weight of the Switch load-balancing loss")
     moe_z_loss_coef: float = _f(0.0, "weight of the router z-loss")
+    model_arg: list[str] | None = _f(None, "set any field of the model family's config,"
+                                           " KEY=VALUE (repeatable; e.g. rope_theta=1e6): a"
+                                           " family's own settings need no flag of their own")
 
 
 @dataclass(slots=True)

@@ -139,20 +139,15 @@ def write_atomic(path: Path, content: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_tokens(path: str | Path) -> tuple[np.ndarray, int]:
-    """Tokens and vocabulary size from a text file (bytes) or a pre-tokenised `.bin` file.
+def _load(path: Path) -> tuple[np.ndarray, dict]:
+    """Tokens and the sidecar's fields (`vocab_size` 256 alone for a text file) of a text file
+    (bytes) or a pre-tokenised `.bin` file.
 
     A `.bin` file is raw little-endian uint16/uint32 ids described by a sidecar `<file>.json`
     such as `{"dtype": "uint16", "vocab_size": 50257}` (other fields are `load_corpus`'s or
     ignored); it is memory-mapped read-only, so a corpus larger than memory costs only the pages
     a batch touches.
     """
-    tokens, meta = _load(Path(path))
-    return tokens, meta["vocab_size"]
-
-
-def _load(path: Path) -> tuple[np.ndarray, dict]:
-    """`load_tokens`, with the sidecar's fields (`vocab_size` 256 alone for a text file)."""
     if not path.is_file():
         raise _data_error(path, "no such file: pass a text file or a .bin token file")
     size = path.stat().st_size
@@ -228,8 +223,9 @@ class Corpus:
 
 
 def load_corpus(path: str | Path) -> Corpus:
-    """`load_tokens`, plus the sidecar's `validation` (a sibling token file of held-out
-    documents) and `tokenizer` (a tokenizer.json beside it, or "bytes") when it names them."""
+    """`_load`'s tokens and vocabulary, plus the sidecar's `validation` (a sibling token file
+    of held-out documents) and `tokenizer` (a tokenizer.json beside it, or "bytes") when it
+    names them."""
     path = Path(path)
     tokens, meta = _load(path)
     held_out = None

@@ -7,8 +7,10 @@ Both use the half-split rotary convention, so no weight is permuted.
 
 Rotary settings are read in both forms: transformers 4's "rope_theta" and "rope_scaling" and
 transformers 5's "rope_parameters" (written on export). Refused: a rotary type other than
-default and llama3 (or a partial rotary factor), biases, another activation than silu, a
-"head_dim" other than hidden_size / num_attention_heads. Token ids, dropout, the initializer
+default and llama3 (or a partial rotary factor), biases (Hugging Face's attention_bias also
+biases the output projection), another activation than silu, a "head_dim" other than
+hidden_size / num_attention_heads. A family built on Llama's blocks (Qwen2) extends this
+mapping. Token ids, dropout, the initializer
 range, "pretraining_tp" and the like do not change the model and are not refused (an export
 takes its token ids from the run's tokenizer: see `hf_io.export_hf`).
 """
@@ -54,23 +56,37 @@ def _rope(hf: dict) -> dict:
 
 
 class LlamaMapping(HFMapping):
+    """LlamaForCausalLM; a family built on Llama's blocks extends it (`config_class`,
+    `config_fields`, `config_to_hf`, `layer_tensors`) rather than writing its own."""
+
     family = "llama"
     architecture = "LlamaForCausalLM"
     model_type = "llama"
     base_prefix = "model."
     buffers = ("rotary_emb.inv_freq",)  # rotary tables older files saved
+    config_class = LlamaConfig
+    qkv_biases = False
+    """Whether the architecture can bias q, k and v alone (Llama's attention_bias also biases
+    the output projection)."""
 
     def config_from_hf(self, hf: dict) -> LlamaConfig:
-        expect(hf, "hidden_act", ("silu",), "silu", "meshtrain's Llama uses SwiGLU (silu)")
-        for bias in ("attention_bias", "mlp_bias"):
-            expect(hf, bias, (False,), False, "meshtrain's Llama has no biases")
+        expect(hf, "hidden_act", ("silu",), "silu", f"meshtrain's {self.family} uses SwiGLU"
+                                                    " (silu)")
         hidden, heads = hf_field(hf, "hidden_size"), hf_field(hf, "num_attention_heads")
         expect(hf, "head_dim", (hidden // heads,), hidden // heads,
-               f"meshtrain's Llama has heads of hidden_size / num_attention_heads ="
+               f"meshtrain's {self.family} has heads of hidden_size / num_attention_heads ="
                f" {hidden // heads}")
-        return LlamaConfig(
-            num_layers=hf_field(hf, "num_hidden_layers"), hidden_size=hidden, num_heads=heads,
-            num_kv_heads=hf_field(hf, "num_key_value_heads", heads),
+        return self.config_class(**self.config_fields(hf))
+
+    def config_fields(self, hf: dict) -> dict:
+        """Our config's fields from config.json's (refusing what the family cannot
+        compute)."""
+        for bias in ("attention_bias", "mlp_bias"):
+            expect(hf, bias, (False,), False, "meshtrain's Llama has no biases")
+        heads = hf_field(hf, "num_attention_heads")
+        return dict(
+            num_layers=hf_field(hf, "num_hidden_layers"), hidden_size=hf_field(hf, "hidden_size"),
+            num_heads=heads, num_kv_heads=hf_field(hf, "num_key_value_heads", heads),
             vocab_size=hf_field(hf, "vocab_size"),
             max_seq_len=hf_field(hf, "max_position_embeddings", 2048),
             ffn_hidden_size=hf_field(hf, "intermediate_size"),
@@ -82,6 +98,9 @@ class LlamaMapping(HFMapping):
         if cfg.moe_experts:
             raise ValueError(f"`moe_experts` {cfg.moe_experts}: {self.architecture} has no"
                              " experts; export it with format meshtrain")
+        if cfg.qkv_bias and not self.qkv_biases:
+            raise ValueError(f"`qkv_bias`: {self.architecture}'s attention_bias also biases the"
+                             " output projection; export it with format meshtrain")
         rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
         if cfg.rope_scaling:
             rope |= {theirs: getattr(cfg, ours) for ours, theirs in _LLAMA3.items()}
@@ -95,13 +114,24 @@ class LlamaMapping(HFMapping):
                 "tie_word_embeddings": cfg.tie_word_embeddings,
                 "initializer_range": cfg.init_std, "rope_parameters": rope}
 
+    def layer_tensors(self, cfg: LlamaConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """A layer's tensors: (ours, theirs joined along the rows), q/k/v biases after their
+        weights where the config has them."""
+        if not cfg.qkv_bias:
+            return _LAYER
+        biases = {"attn.qkv.q.weight": ("attn.qkv.q.bias", ("self_attn.q_proj.bias",)),
+                  "attn.qkv.kv.weight": ("attn.qkv.kv.bias", ("self_attn.k_proj.bias",
+                                                              "self_attn.v_proj.bias"))}
+        return tuple(entry for ours, theirs in _LAYER
+                     for entry in ((ours, theirs), *([biases[ours]] if ours in biases else [])))
+
     def tensor_maps(self, cfg: LlamaConfig) -> list[TensorMap]:
         m = self.base_prefix
         maps = [TensorMap("embedding.word.weight", (m + "embed_tokens.weight",))]
         for i in range(cfg.num_layers):
             maps += [TensorMap(f"layers.{i}.{ours}",
                                tuple(f"{m}layers.{i}.{name}" for name in theirs))
-                     for ours, theirs in _LAYER]
+                     for ours, theirs in self.layer_tensors(cfg)]
         maps.append(TensorMap("final_norm.weight", (m + "norm.weight",)))
         if not cfg.tie_word_embeddings:
             maps.append(TensorMap("head.weight", ("lm_head.weight",)))

@@ -13,7 +13,8 @@ from meshtrain.models import gpt, llama
 from meshtrain.models.causal_lm import CausalLM
 from meshtrain.models.family import ModelFamily, TransformerConfig
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (gpt.FAMILY, llama.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (
+    gpt.FAMILY, llama.FAMILY)}
 
 PRESETS: dict[str, TransformerConfig] = {
     name: cfg for family in FAMILIES.values() for name, cfg in family.presets.items()}

@@ -34,6 +34,12 @@ class TransformerConfig(ABC):
     max_seq_len: int = 1024
     ffn_hidden_size: int | None = None
     """Width of the MLP; None means the family's default."""
+    num_kv_heads: int | None = None
+    """Key/value heads of grouped-query attention; None: as many as query heads."""
+    qkv_bias: bool = False
+    """Whether the query, key and value projections add a bias."""
+    tie_word_embeddings: bool = True
+    """Whether the output layer is the input embedding."""
     dropout: float = 0.0
     """Dropout on embeddings, attention probabilities and residual branches."""
     init_std: float = 0.02
@@ -54,7 +60,7 @@ class TransformerConfig(ABC):
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
-        "moe_every")
+        "moe_every", "kv_heads", "qkv_bias", "tie_embeddings")
     """What a checkpoint's tensors depend on (fields or their resolved properties): they must
     match to load it."""
 
@@ -74,12 +80,12 @@ class TransformerConfig(ABC):
     @property
     def kv_heads(self) -> int:
         """Key/value heads (grouped-query attention has fewer than query heads)."""
-        return self.num_heads
+        return self.num_kv_heads or self.num_heads
 
     @property
     def tie_embeddings(self) -> bool:
         """Whether the output layer is the input embedding."""
-        return True
+        return self.tie_word_embeddings
 
     def validate(self) -> None:
         """Raise SettingError naming the setting for a shape that cannot be built (runs when
@@ -92,6 +98,10 @@ class TransformerConfig(ABC):
             raise SettingError(Code.MODEL_SHAPE, (
                 f"hidden size {self.hidden_size} must be divisible by the number of"
                 f" heads {self.num_heads}"))
+        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
+            raise SettingError(Code.MODEL_SHAPE, (
+                f"`num_kv_heads` ({self.kv_heads}) must divide the number of heads"
+                f" ({self.num_heads}): each key/value head serves a group of them"))
         if not 0.0 <= self.dropout < 1.0:
             raise SettingError(Code.RANGE, (
                 f"`dropout` must be in [0, 1), got {self.dropout}"))

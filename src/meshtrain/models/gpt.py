@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.memory import layer_activation_formula
 from meshtrain.models.blocks import (
     MLP,
@@ -35,9 +36,23 @@ class GPTConfig(TransformerConfig):
     """GPT-2's architecture; the MLP width defaults to 4 x hidden_size."""
 
     layernorm_eps: float = 1e-5
+    qkv_bias: bool = True
+    """GPT-2 has a bias on every linear layer."""
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = TransformerConfig.SHAPE_FIELDS + ("max_seq_len",)
     """The learned position table has max_seq_len rows."""
+
+    def validate(self) -> None:
+        super().validate()
+        for setting, value, why in (
+                ("num_kv_heads", self.kv_heads != self.num_heads,
+                 "its fused QKV projection has as many key/value heads as query heads"),
+                ("qkv_bias", not self.qkv_bias, "GPT-2 has a bias on every linear layer"),
+                ("tie_word_embeddings", not self.tie_word_embeddings,
+                 "its output layer is the token embedding")):
+            if value:
+                raise SettingError(Code.MODEL_UNSUPPORTED, f"`{setting}` cannot change in GPT"
+                                                           f" ({why}): drop it")
 
     def attention_parameters(self, *, weights_only: bool = False) -> int:
         h = self.hidden_size

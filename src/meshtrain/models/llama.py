@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 from torch import nn
 
@@ -44,8 +43,6 @@ class LlamaConfig(TransformerConfig):
 
     vocab_size: int = 32000
     max_seq_len: int = 4096
-    num_kv_heads: int | None = None
-    """Key/value heads of grouped-query attention; None: as many as query heads."""
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: str | None = None
@@ -57,21 +54,9 @@ class LlamaConfig(TransformerConfig):
     tie_word_embeddings: bool = False
     """Llama 3.2 ties the output layer to the embedding; Llama 2 and 3 do not."""
 
-    SHAPE_FIELDS: ClassVar[tuple[str, ...]] = TransformerConfig.SHAPE_FIELDS + (
-        "kv_heads", "tie_embeddings")
-    """No max_seq_len: rotary positions have no table, so a run may resume with longer ones."""
-
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 256 * math.ceil(8 * self.hidden_size / 3 / 256)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def tie_embeddings(self) -> bool:
-        return self.tie_word_embeddings
 
     @property
     def rope(self) -> dict | None:
@@ -84,10 +69,6 @@ class LlamaConfig(TransformerConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
-            raise SettingError(Code.MODEL_SHAPE, (
-                f"`num_kv_heads` ({self.kv_heads}) must divide the number of heads"
-                f" ({self.num_heads}): each key/value head serves a group of them"))
         if self.head_dim % 2:
             raise SettingError(Code.MODEL_SHAPE, (
                 f"rotary embeddings need an even head dimension, got hidden"
@@ -109,9 +90,12 @@ class LlamaConfig(TransformerConfig):
                 f" tp/kv ranks; choose a tp that divides {kv} or a multiple of it"))
 
     def attention_parameters(self, *, weights_only: bool = False) -> int:
-        """q and output projections of all heads, k and v of the key/value heads; no biases."""
+        """q and output projections of all heads, k and v of the key/value heads, and the q,
+        k and v biases where `qkv_bias`."""
         h, d = self.hidden_size, self.head_dim
-        return 2 * h * self.num_heads * d + 2 * h * self.kv_heads * d
+        weights = 2 * h * self.num_heads * d + 2 * h * self.kv_heads * d
+        biases = (self.num_heads + 2 * self.kv_heads) * d if self.qkv_bias else 0
+        return weights + (0 if weights_only else biases)
 
     def mlp_parameters(self, *, weights_only: bool = False) -> int:
         return 3 * self.hidden_size * self.ffn_size  # gate, up, down
@@ -201,10 +185,10 @@ class Llama(CausalLM):
         cfg, factory, gen = self.cfg, self.factory, generator(seed, 1 + index)
         h, d, std = cfg.hidden_size, cfg.head_dim, cfg.init_std
         qkv = factory.column_group(
-            q=factory.column(init_linear(h, cfg.num_heads * d, std, gen, bias=False),
+            q=factory.column(init_linear(h, cfg.num_heads * d, std, gen, bias=cfg.qkv_bias),
                              heads=cfg.num_heads),
-            kv=factory.column(init_linear(h, 2 * cfg.kv_heads * d, std, gen, bias=False),
-                              blocks=2, heads=cfg.kv_heads))
+            kv=factory.column(init_linear(h, 2 * cfg.kv_heads * d, std, gen,
+                                          bias=cfg.qkv_bias), blocks=2, heads=cfg.kv_heads))
         proj = factory.row(init_linear(cfg.num_heads * d, h, self._out_std, gen, bias=False))
         core = factory.attention_core(dropout=cfg.dropout, eager=cfg.attention == "eager")
         rotary = Rotary(rope_frequencies(d, theta=cfg.rope_theta, scaling=cfg.rope))

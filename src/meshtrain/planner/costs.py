@@ -180,7 +180,7 @@ def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[f
     c, span = lay.cp, lay.tp * lay.cp
     if c == 1:
         return 0.0, 0.0
-    kv_width = max(getattr(m, "kv_heads", m.num_heads) // lay.tp, 1) * m.head_dim
+    kv_width = max(m.kv_heads // lay.tp, 1) * m.head_dim
     block = 2 * work.local_tokens * kv_width * work.element_bytes
     step = coll.send(hw, block, span)
     forward = (c - 1) * _hidden(hw, step, core / c)

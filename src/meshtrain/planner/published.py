@@ -138,12 +138,6 @@ def tflops_in_convention(row: dict, step_time_s: float) -> float:
     return convention_flops(row) / (step_time_s * row["gpus"]) / 1e12
 
 
-def predict_row(row: dict, hardware: Hardware) -> tuple[float, ParallelPlan]:
-    """Predicted TFLOP/s per GPU in the row's own convention, and the layout chosen."""
-    best = best_prediction(row, hardware)
-    return tflops_in_convention(row, best.step_time_s), best.layout
-
-
 @dataclass(frozen=True)
 class RowResult:
     row: dict

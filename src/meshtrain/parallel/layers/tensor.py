@@ -18,6 +18,7 @@ from torch import nn
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm, regions
 from meshtrain.parallel.layers.sharding import GridPosition, Shard, shard_tensor, unshard_tensor
+from meshtrain.parallel.layers.vocab import mask_padding, partial_lookup
 
 
 def _check_divisible(what: str, size: int, tp: int, blocks: int = 1) -> None:
@@ -149,6 +150,27 @@ class _TensorParallelModule(nn.Module):
         return cls(dense.in_features, dense.out_features, mesh=mesh,
                    bias=dense.bias is not None, **options)
 
+    @classmethod
+    def from_dense(cls, module: nn.Module, *, mesh, **options):
+        """This rank's slice of the dense `module` (see `_sharded_copy`)."""
+        return _sharded_copy(cls, module, mesh, **options)
+
+    def _empty_dense(self) -> nn.Module:
+        """An uninitialised dense layer of this one's whole shape (overridden by the
+        embedding and the output layer)."""
+        return nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                         device=self.weight.device, dtype=self.weight.dtype)
+
+    @torch.no_grad()
+    def to_dense(self) -> nn.Module:
+        """The whole layer, its split parameters gathered over TP."""
+        dense = self._empty_dense()
+        for name, param in self.named_parameters(recurse=False):
+            shard = self.shards.get(name)
+            getattr(dense, name).copy_(param if shard is None
+                                       else unshard_tensor(param, shard, self.tp_axis))
+        return dense
+
     @torch.no_grad()
     def load_dense_(self, dense: nn.Module) -> None:
         """Overwrite this layer's parameters with its slice of `dense`."""
@@ -204,17 +226,7 @@ class ColumnParallelLinear(_TensorParallelModule):
     def replicas(self) -> int:
         return self.shards["weight"].replicas
 
-    @classmethod
-    def from_dense(cls, module: nn.Linear, *, mesh, **options) -> ColumnParallelLinear:
-        return _sharded_copy(cls, module, mesh, **options)
 
-    def to_dense(self) -> nn.Linear:
-        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                          device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            for name, shard in self.shards.items():
-                getattr(dense, name).copy_(unshard_tensor(getattr(self, name), shard, self.tp_axis))
-        return dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _column_parallel(x, self.tp_axis, self.sequence_parallel, [self])  # [..., out/tp]
@@ -274,18 +286,7 @@ class RowParallelLinear(_TensorParallelModule):
         if self.weight.device.type != "meta":
             self.load_dense_(nn.Linear(in_features, out_features, bias=bias))
 
-    @classmethod
-    def from_dense(cls, module: nn.Linear, *, mesh, **options) -> RowParallelLinear:
-        return _sharded_copy(cls, module, mesh, **options)
 
-    def to_dense(self) -> nn.Linear:
-        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                          device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
-            if self.bias is not None:
-                dense.bias.copy_(self.bias)
-        return dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -326,26 +327,18 @@ class VocabParallelEmbedding(_TensorParallelModule):
     def _like(cls, dense: nn.Embedding, *, mesh, **options):
         return cls(dense.num_embeddings, dense.embedding_dim, mesh=mesh, **options)
 
-    @classmethod
-    def from_dense(cls, module: nn.Embedding, *, mesh, **options) -> VocabParallelEmbedding:
-        return _sharded_copy(cls, module, mesh, **options)
+    def _empty_dense(self) -> nn.Module:
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, device=self.weight.device,
+                            dtype=self.weight.dtype)
 
-    def to_dense(self) -> nn.Embedding:
-        dense = nn.Embedding(self.num_embeddings, self.embedding_dim,
-                             device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
-        return dense
+
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """`[b, s]` ids -> `[b, s, h]`, or this rank's `[b, s/tp, h]` under sequence
         parallelism."""
         if self.tp_axis.size == 1:
             return F.embedding(ids, self.weight)
-        local_ids = ids - self.vocab_start
-        outside = (local_ids < 0) | (local_ids >= self.num_local)
-        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)  # [b, s, h] partial
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        out = partial_lookup(ids, self.weight, self.vocab_start)  # [b, s, h] partial
         if self.sequence_parallel:
             return regions.reduce_scatter_to_sequence_parallel_region(out, self.tp_axis)
         return regions.reduce_from_tensor_parallel_region(out, self.tp_axis)
@@ -364,10 +357,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
             logits = _ColumnParallelLinearFn.apply(hidden, self.tp_axis, 1, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
-        num_valid = self.num_embeddings - self.vocab_start
-        if num_valid < self.num_local:
-            logits[..., max(num_valid, 0):] = float("-inf")
-        return logits
+        return mask_padding(logits, self.num_embeddings, self.vocab_start)
 
 
 class VocabParallelHead(VocabParallelEmbedding):
@@ -379,12 +369,10 @@ class VocabParallelHead(VocabParallelEmbedding):
     def _like(cls, dense: nn.Linear, *, mesh, **options):
         return cls(dense.out_features, dense.in_features, mesh=mesh, **options)
 
-    def to_dense(self) -> nn.Linear:
-        dense = nn.Linear(self.embedding_dim, self.num_embeddings, bias=False,
-                          device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            dense.weight.copy_(unshard_tensor(self.weight, self.shards["weight"], self.tp_axis))
-        return dense
+    def _empty_dense(self) -> nn.Module:
+        return nn.Linear(self.embedding_dim, self.num_embeddings, bias=False,
+                         device=self.weight.device, dtype=self.weight.dtype)
+
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)

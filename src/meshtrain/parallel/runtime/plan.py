@@ -27,7 +27,7 @@ from meshtrain.parallel.layers.recompute import RECOMPUTE
 from meshtrain.parallel.runtime.pipeline import stage_layers
 from meshtrain.parallel.runtime.schedules import PP_SCHEDULES
 from meshtrain.parallel.runtime.zero import OFFLOAD_TARGETS, ZERO_STAGES
-from meshtrain.parallel.schemes.registry import SCHEMES, tp_scheme
+from meshtrain.parallel.schemes.registry import SCHEMES, tp_grid, tp_scheme
 from meshtrain.parallel.schemes.scheme import TPScheme
 from meshtrain.precision import DTYPES
 
@@ -153,7 +153,7 @@ class ParallelPlan:
     @property
     def tp_grid(self) -> dict[str, int]:
         """The TP block's grid axes and sizes (`TPScheme.grid`)."""
-        return self.scheme.grid(self.tp, self.tp_depth)
+        return tp_grid(self.tp_scheme, self.tp, self.tp_depth)
 
     @property
     def head_parts(self) -> int:

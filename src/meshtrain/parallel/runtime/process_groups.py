@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.mesh import ParallelMesh, resolve_degrees
-from meshtrain.parallel.schemes.registry import tp_scheme as scheme_named
+from meshtrain.parallel.schemes.registry import tp_grid
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
@@ -66,7 +66,7 @@ def init_parallel(
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     degrees = resolve_degrees(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
-    grid = scheme_named(tp_scheme).grid(tp, tp_depth)
+    grid = tp_grid(tp_scheme, tp, tp_depth)
     device = resolve_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"

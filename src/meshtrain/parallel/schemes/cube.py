@@ -26,12 +26,11 @@ from meshtrain.parallel.schemes.cube_layers import (
     WEIGHT,
     CubeLinear,
     CubeLinearGroup,
-    CubePositionEmbedding,
     CubeVocabEmbedding,
     CubeVocabHead,
 )
 from meshtrain.parallel.schemes.grid import GridFactory, GridScheme
-from meshtrain.parallel.schemes.scheme import Traffic, integer_root, layer_linears
+from meshtrain.parallel.schemes.scheme import Traffic, layer_linears
 
 
 class Cube3D(GridFactory):
@@ -68,8 +67,6 @@ class Cube3D(GridFactory):
     def vocab_head(self, dense: nn.Linear) -> nn.Module:
         return CubeVocabHead(dense, self.mesh)
 
-    def position_embedding(self, dense: nn.Embedding) -> nn.Module:
-        return CubePositionEmbedding(dense, self.mesh)
 
 
 def cube_linear(tokens: int, h_in: int, h_out: int, q: int, e: int) -> Traffic:
@@ -90,16 +87,7 @@ class CubeScheme(GridScheme):
     axes = (INPUT, WEIGHT, OUTPUT)
 
     def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:
-        if depth is not None:
-            raise SettingError(Code.GRID_DEPTH, (
-                f"`tp_depth` applies to `tp_scheme` 2.5d only"
-                f" (got {self.name}): drop it"))
-        q = integer_root(tp, 3)
-        if q is None or q < 2:
-            raise SettingError(Code.GRID_TP, (
-                f"`tp_scheme` {self.name} arranges tp as a q^3"
-                f" grid: `tp` {tp} is not one (use 8, 27, 64, ...)"))
-        return dict.fromkeys(self.axes, q)
+        return dict.fromkeys(self.axes, self.side(tp, 3))
 
     def head_parts(self, grid: dict[str, int]) -> int:
         return grid[INPUT]

@@ -25,8 +25,10 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.communication.regions import reduce_scatter_batch
 from meshtrain.parallel.layers.sharding import GridPosition, Shard
-from meshtrain.parallel.schemes.batch_split import adopt_slices, reduce_scatter_batch
+from meshtrain.parallel.layers.vocab import TiedAsHead, mask_padding, partial_lookup
+from meshtrain.parallel.schemes.grid_layers import adopt_slices, check_split
 
 INPUT, WEIGHT, OUTPUT = "tp_input", "tp_weight", "tp_output"
 
@@ -88,12 +90,6 @@ def cube_matmul(x: torch.Tensor, roles: Roles, weights: list[torch.Tensor], *,
     return _CubeMatmul.apply(x, roles, weight_dim, *weights)
 
 
-def _check(what: str, size: int, parts: int) -> None:
-    if size % parts:
-        raise ValueError(f"`tp_scheme` 3d splits the {what} {parts} ways: {size} is not"
-                         " divisible; change the model size or `tp`")
-
-
 class CubeLinear(nn.Module):
     """A linear layer on the 3D grid with input axis `input_axis` and output axis
     `output_axis` (module docstring). The weight holds out chunk I (of each of `blocks` equal
@@ -106,8 +102,8 @@ class CubeLinear(nn.Module):
         super().__init__()
         q = mesh.tp_grid[INPUT]
         out_f, in_f = dense.weight.shape
-        _check("output features (per block)", out_f, blocks * q)
-        _check("input features", in_f, q * q)
+        check_split(mesh, "output features (per block)", out_f, blocks * q)
+        check_split(mesh, "input features", in_f, q * q)
         self.mesh, self.roles = mesh, Roles.of(mesh, input_axis, output_axis)
         rows = Shard(0, out_f, out_f, blocks, axes=(input_axis,))
         self.shards = {"weight": (rows, Shard(1, in_f, in_f, axes=(output_axis, WEIGHT)))}
@@ -158,7 +154,7 @@ class CubeVocabEmbedding(nn.Module):
         q = mesh.tp_grid[INPUT]
         weight = dense.weight
         self.num_embeddings, self.embedding_dim = weight.shape
-        _check("hidden size", self.embedding_dim, q)
+        check_split(mesh, "hidden size", self.embedding_dim, q)
         padded = -(-self.num_embeddings // (q * q)) * q * q
         self.mesh, self.roles = mesh, Roles.of(mesh, INPUT, OUTPUT)
         rows = Shard(0, self.num_embeddings, padded, axes=(INPUT, WEIGHT))
@@ -170,10 +166,7 @@ class CubeVocabEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids `[b, s]` (the whole micro-batch) -> `[b/q^2 (w, a), s, h/q (o)]`."""
-        local_ids = ids - self.vocab_start
-        outside = (local_ids < 0) | (local_ids >= self.num_local)
-        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h/q], partial over (a, w)
+        out = partial_lookup(ids, self.weight, self.vocab_start)  # [b, s, h/q], partial
         for axis in (self.roles.weight, self.roles.input):
             out = reduce_scatter_batch(out, axis)
         return out
@@ -183,39 +176,10 @@ class CubeVocabEmbedding(nn.Module):
         over tp_weight along the vocabulary); padded vocabulary entries are -inf, so they take
         no probability and no gradient."""
         logits = cube_matmul(hidden, self.roles, [self.weight], weight_dim=0)
-        width = logits.shape[-1]
-        valid = self.num_embeddings - self.roles.input.rank * width
-        if valid < width:
-            logits[..., max(valid, 0):] = float("-inf")
-        return logits
+        return mask_padding(logits, self.num_embeddings,
+                            self.roles.input.rank * logits.shape[-1])
 
 
-class CubeVocabHead(CubeVocabEmbedding):
+class CubeVocabHead(TiedAsHead, CubeVocabEmbedding):
     """An untied output layer, from a dense `nn.Linear(h, V, bias=False)`, split as the token
     table is."""
-
-    def __init__(self, dense: nn.Linear, mesh: ParallelMesh):
-        if dense.bias is not None:
-            raise ValueError("`tp_scheme` 3d output layers have no bias: build the head with"
-                             " bias=False")
-        super().__init__(dense, mesh)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits(hidden)
-
-
-class CubePositionEmbedding(nn.Module):
-    """A learned position table `[S, h]` holding hidden chunk o: positions -> `[s, h/q]`, added
-    to every batch chunk, so its gradient is partial over tp_input and tp_weight."""
-
-    def __init__(self, dense: nn.Embedding, mesh: ParallelMesh):
-        super().__init__()
-        rows, hidden = dense.weight.shape
-        _check("hidden size", hidden, mesh.tp_grid[OUTPUT])
-        self.mesh = mesh
-        self.shards = {"weight": Shard(1, hidden, hidden, axes=(OUTPUT,))}
-        self.partial_axes = {"weight": (INPUT, WEIGHT)}
-        adopt_slices(self, dense)
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return F.embedding(positions, self.weight)

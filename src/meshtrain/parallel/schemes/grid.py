@@ -16,11 +16,12 @@ from torch import nn
 from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.communication.regions import gather_batch
 from meshtrain.parallel.layers.loss import vocab_parallel_cross_entropy
 from meshtrain.parallel.layers.norms import RMSNorm, SplitLayerNorm, SplitRMSNorm
 from meshtrain.parallel.layers.rng import TENSOR_PARALLEL
-from meshtrain.parallel.schemes.batch_split import gather_batch, partial_gradients_by_axis
 from meshtrain.parallel.schemes.factory import LayerFactory
+from meshtrain.parallel.schemes.grid_layers import SplitPositionEmbedding, partial_gradients_by_axis
 from meshtrain.parallel.schemes.scheme import TPScheme
 
 
@@ -84,6 +85,10 @@ class GridFactory(LayerFactory):
         raise SettingError(Code.MODEL_UNSUPPORTED, (
             f"`tp_scheme` {self.mesh.tp_scheme} splits LayerNorm and RMSNorm, not"
             f" {type(dense).__name__}: use `tp_scheme` 1d"))
+
+    def position_embedding(self, dense: nn.Embedding) -> nn.Module:
+        return SplitPositionEmbedding(dense, self.mesh, hidden_axis=self.hidden_axis,
+                                      partial=self.replicated_axes)
 
     def _batch_axes(self) -> list[MeshAxis]:
         return [self.mesh.axis(name) for name in self.logits_batch_axes]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.loss import vocab_parallel_cross_entropy
@@ -118,9 +117,6 @@ class MegatronScheme(TPScheme):
     axes = ("tp",)
 
     def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:
-        if depth is not None:
-            raise SettingError(Code.GRID_DEPTH, f"`tp_depth` applies to `tp_scheme` 2.5d only"
-                                                f" (got {self.name}): drop it")
         return {"tp": tp}
 
     def head_parts(self, grid: dict[str, int]) -> int:

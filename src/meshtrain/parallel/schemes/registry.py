@@ -5,7 +5,7 @@ Adding a scheme is its files (a `TPScheme`, its `LayerFactory` and layers) and o
 
 from __future__ import annotations
 
-from meshtrain.errors import Code, SettingError
+from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.schemes.cube import CUBE_3D
 from meshtrain.parallel.schemes.factory import LayerFactory
@@ -23,6 +23,18 @@ def tp_scheme(name: str) -> TPScheme:
         raise SettingError(Code.CHOICE, f"`tp_scheme` must be one of {', '.join(SCHEMES)}, got"
                                         f" {name!r}")
     return SCHEMES[name]
+
+
+def tp_grid(name: str, tp: int, depth: int | None = None) -> dict[str, int]:
+    """The TP block of `tp` ranks arranged as scheme `name`'s grid (`TPScheme.grid`); a depth
+    only for a scheme that takes one."""
+    scheme = tp_scheme(name)
+    if depth is not None and not scheme.takes_depth:
+        takers = [s.name for s in SCHEMES.values() if s.takes_depth]
+        raise SettingError(Code.GRID_DEPTH, f"`tp_depth` applies to `tp_scheme`"
+                                            f" {alternatives(takers)} only (got {name}): drop"
+                                            " it")
+    return scheme.grid(tp, depth)
 
 
 def layer_factory(plan, mesh: ParallelMesh) -> LayerFactory:

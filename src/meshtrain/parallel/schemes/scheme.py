@@ -74,19 +74,34 @@ class TPScheme(ABC):
     refuses: tuple[str, ...] = ()
     """Settings the scheme does not combine with (when on): sequence_parallel, cp, ep,
     moe_experts."""
+    takes_depth = False
+    """Whether the grid has a depth the `tp_depth` setting chooses (`registry.tp_grid`
+    refuses one elsewhere)."""
 
     @abstractmethod
     def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:
-        """Grid axis -> size for `tp` ranks (`depth`: 2.5d's); SettingError naming the valid
-        tp values otherwise."""
+        """Grid axis -> size for `tp` ranks (`depth` only where `takes_depth`); SettingError
+        naming the valid tp values otherwise."""
 
     def forms(self, tp: int, depth: int | None = None) -> bool:
         """Whether `tp` ranks (with `depth`) arrange as this scheme's grid."""
+        if depth is not None and not self.takes_depth:
+            return False
         try:
             self.grid(tp, depth)
         except SettingError:
             return False
         return True
+
+    def side(self, tp: int, power: int) -> int:
+        """The side q of a grid of q^`power` ranks; SettingError naming the valid tp."""
+        q = integer_root(tp, power)
+        if q is None or q < 2:
+            examples = ", ".join(str(k ** power) for k in range(2, 5))
+            raise SettingError(Code.GRID_TP, f"`tp_scheme` {self.name} arranges tp as a"
+                                             f" q^{power} grid: `tp` {tp} is not one (use"
+                                             f" {examples}, ...)")
+        return q
 
     def depth_choices(self, tp: int, *, fixed: bool) -> list[int | None]:
         """The depths a search tries at `tp` (`fixed`: the scheme was asked for by name, so a
@@ -111,7 +126,7 @@ class TPScheme(ABC):
     def check(self, plan, model) -> None:
         """Refuse what this scheme cannot run: settings it does not combine with, shapes it
         cannot split (`plan` a `ParallelPlan`, `model` a `TransformerConfig`)."""
-        grid = self.grid(plan.tp, plan.tp_depth)
+        grid = plan.tp_grid  # (a depth the scheme does not take is refused here)
         for setting, on in (("sequence_parallel", plan.sequence_parallel),
                             ("cp", plan.cp > 1), ("ep", plan.ep > 1),
                             ("moe_experts", bool(model.moe_experts))):

@@ -33,7 +33,6 @@ from meshtrain.parallel.schemes.summa_layers import (
     ROW,
     SummaLinear,
     SummaLinearGroup,
-    SummaPositionEmbedding,
     SummaVocabEmbedding,
     SummaVocabHead,
     depth_axes,
@@ -75,8 +74,6 @@ class Summa2D(GridFactory):
     def vocab_head(self, dense: nn.Linear) -> nn.Module:
         return SummaVocabHead(dense, self.mesh)
 
-    def position_embedding(self, dense: nn.Embedding) -> nn.Module:
-        return SummaPositionEmbedding(dense, self.mesh)
 
 
 def summa_linear(tokens: int, h_in: int, h_out: int, q: int, d: int, e: int) -> Traffic:
@@ -109,15 +106,7 @@ class SummaScheme(GridScheme):
     axes = (ROW, COL)
 
     def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:
-        if depth is not None:
-            raise SettingError(Code.GRID_DEPTH, (
-                f"`tp_depth` applies to `tp_scheme` 2.5d only"
-                f" (got {self.name}): drop it"))
-        q = integer_root(tp, 2)
-        if q is None or q < 2:
-            raise SettingError(Code.GRID_TP, (
-                f"`tp_scheme` {self.name} arranges tp as a q^2"
-                f" grid: `tp` {tp} is not one (use 4, 9, 16, ...)"))
+        q = self.side(tp, 2)
         return {ROW: q, COL: q}
 
     def head_parts(self, grid: dict[str, int]) -> int:
@@ -155,6 +144,7 @@ class TesseractScheme(SummaScheme):
 
     name = "2.5d"
     axes = (DEPTH, ROW, COL)
+    takes_depth = True
 
     def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:
         for d in [depth] if depth is not None else range(tp, 0, -1):

@@ -15,6 +15,9 @@ them); the weight gradients are then summed over depth once per step.
 
 from __future__ import annotations
 
+import functools
+import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +26,10 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.communication.regions import reduce_scatter_batch
 from meshtrain.parallel.layers.sharding import Shard
-from meshtrain.parallel.schemes.batch_split import adopt_slices, reduce_scatter_batch
+from meshtrain.parallel.layers.vocab import TiedAsHead, mask_padding, partial_lookup
+from meshtrain.parallel.schemes.grid_layers import adopt_slices, check_split
 
 ROW, COL, DEPTH = "tp_row", "tp_col", "tp_depth"
 
@@ -64,6 +69,14 @@ def _reduced(part: torch.Tensor, axis: MeshAxis, dst: int) -> torch.Tensor | Non
     return part if axis.rank == dst else None
 
 
+def _owned(parts: Iterable[torch.Tensor | None]) -> torch.Tensor | None:
+    """The one of `parts` (steps reducing to one owner each, all run) this rank owns."""
+    owned = None
+    for part in parts:
+        owned = part if part is not None else owned
+    return owned
+
+
 class _SummaMatmul(torch.autograd.Function):
     """x W^T by SUMMA (module docstring): x `[..., in/q]`, weight `[out/q, in/q]`."""
 
@@ -71,25 +84,22 @@ class _SummaMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, grid: Grid):
         ctx.save_for_backward(x, weight)
         ctx.grid = grid
-        out = None
-        for k in range(grid.q):
-            part = F.linear(_shared(x, grid.col, k), _shared(weight, grid.row, k))
-            out = part if out is None else out + part
-        return out
+        return functools.reduce(operator.add, (
+            F.linear(_shared(x, grid.col, k), _shared(weight, grid.row, k))
+            for k in range(grid.q)))
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grid, grad_x, grad_weight = ctx.grid, None, None
         if ctx.needs_input_grad[0]:  # dX_ik = sum_j dY_ij W_kj
-            for k in range(grid.q):
-                part = _reduced(grad @ _shared(weight, grid.row, k), grid.col, k)
-                grad_x = part if part is not None else grad_x
+            grad_x = _owned(_reduced(grad @ _shared(weight, grid.row, k), grid.col, k)
+                            for k in range(grid.q))
         flat_grad = grad.reshape(-1, grad.shape[-1])
-        for k in range(grid.q):  # dW_kj = sum_i dY_ij^T X_ik
-            block = _shared(x, grid.col, k)
-            part = _reduced(flat_grad.T @ block.reshape(-1, block.shape[-1]), grid.row, k)
-            grad_weight = part if part is not None else grad_weight
+        # dW_kj = sum_i dY_ij^T X_ik
+        blocks = (_shared(x, grid.col, k).flatten(0, -2) for k in range(grid.q))
+        grad_weight = _owned(_reduced(flat_grad.T @ block, grid.row, k)
+                             for k, block in enumerate(blocks))
         return grad_x, grad_weight, None
 
 
@@ -106,11 +116,8 @@ class _SummaLogits(torch.autograd.Function):
     def forward(ctx, x, weight, grid: Grid):
         ctx.save_for_backward(x, weight)
         ctx.grid = grid
-        out = None
-        for k in range(grid.q):
-            part = _reduced(F.linear(x, _shared(weight, grid.row, k)), grid.col, k)
-            out = part if part is not None else out
-        return out
+        return _owned(_reduced(F.linear(x, _shared(weight, grid.row, k)), grid.col, k)
+                      for k in range(grid.q))
 
     @staticmethod
     def backward(ctx, grad):
@@ -126,12 +133,6 @@ class _SummaLogits(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
-def _check(what: str, size: int, parts: int) -> None:
-    if size % parts:
-        raise ValueError(f"`tp_scheme` 2d/2.5d splits the {what} {parts} ways: {size} is not"
-                         " divisible; change the model size or `tp`")
-
-
 class SummaLinear(nn.Module):
     """A linear layer on the grid: `[b/(dq), s, in/q]` -> `[b/(dq), s, out/q]`. The weight
     holds out chunk j (of each of `blocks` equal blocks: q, k and v of a fused projection keep
@@ -142,8 +143,8 @@ class SummaLinear(nn.Module):
         super().__init__()
         q = mesh.tp_grid[ROW]
         out_f, in_f = dense.weight.shape
-        _check("output features (per block)", out_f, blocks * q)
-        _check("input features", in_f, q)
+        check_split(mesh, "output features (per block)", out_f, blocks * q)
+        check_split(mesh, "input features", in_f, q)
         self.mesh, self.grid = mesh, Grid.of(mesh)
         self.in_features, self.out_features = in_f, out_f
         cols = Shard(0, out_f, out_f, blocks, axes=(COL,))
@@ -185,7 +186,7 @@ class SummaVocabEmbedding(nn.Module):
         super().__init__()
         grid = Grid.of(mesh)
         self.num_embeddings, self.embedding_dim = dense.weight.shape
-        _check("hidden size", self.embedding_dim, grid.q)
+        check_split(mesh, "hidden size", self.embedding_dim, grid.q)
         padded = -(-self.num_embeddings // grid.q) * grid.q
         self.mesh, self.grid, self.num_local = mesh, grid, padded // grid.q
         self.shards = {"weight": (Shard(0, self.num_embeddings, padded, axes=(ROW,)),
@@ -199,48 +200,17 @@ class SummaVocabEmbedding(nn.Module):
         """Token ids `[b, s]` (the whole micro-batch) -> `[b/(dq), s, h/q]`."""
         if self.depth is not None:
             ids = ids.chunk(self.depth.size)[self.depth.rank]
-        local_ids = ids - self.grid.row.rank * self.num_local
-        outside = (local_ids < 0) | (local_ids >= self.num_local)
-        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # [b/d, s, h/q], partial over i
+        out = partial_lookup(ids, self.weight, self.grid.row.rank * self.num_local)
+        # [b/d, s, h/q], partial over i
         return reduce_scatter_batch(out, self.grid.row)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states -> logits `[b/(dq), s, V_padded/q]` (vocabulary chunk j); padded
         vocabulary entries are -inf, so they take no probability and no gradient."""
         logits = _SummaLogits.apply(hidden, self.weight, self.grid)
-        valid = self.num_embeddings - self.grid.col.rank * self.num_local
-        if valid < self.num_local:
-            logits[..., max(valid, 0):] = float("-inf")
-        return logits
+        return mask_padding(logits, self.num_embeddings, self.grid.col.rank * self.num_local)
 
 
-class SummaVocabHead(SummaVocabEmbedding):
+class SummaVocabHead(TiedAsHead, SummaVocabEmbedding):
     """An untied output layer, from a dense `nn.Linear(h, V, bias=False)`, split as the token
     table is."""
-
-    def __init__(self, dense: nn.Linear, mesh: ParallelMesh):
-        if dense.bias is not None:
-            raise ValueError("`tp_scheme` 2d/2.5d output layers have no bias: build the head"
-                             " with bias=False")
-        super().__init__(dense, mesh)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits(hidden)
-
-
-class SummaPositionEmbedding(nn.Module):
-    """A learned position table `[S, h]` holding hidden chunk j: positions -> `[s, h/q]`, added
-    to every batch chunk, so its gradient is partial over tp_row and depth."""
-
-    def __init__(self, dense: nn.Embedding, mesh: ParallelMesh):
-        super().__init__()
-        hidden = dense.weight.shape[1]
-        _check("hidden size", hidden, mesh.tp_grid[COL])
-        self.mesh = mesh
-        self.shards = {"weight": Shard(1, hidden, hidden, axes=(COL,))}
-        self.partial_axes = {"weight": (ROW, *depth_axes(mesh))}
-        adopt_slices(self, dense)
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return F.embedding(positions, self.weight)
