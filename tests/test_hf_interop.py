@@ -41,6 +41,11 @@ CONFIGS = {
     "llama3_v4": transformers.LlamaConfig(**LLAMA, rope_parameters=LLAMA3),  # rewritten below
     "llama32_tied": transformers.LlamaConfig(**LLAMA, rope_parameters=LLAMA3,
                                              tie_word_embeddings=True),
+    # Qwen2: q/k/v biases; tied as the small Qwen2.5 models are, and untied as the 7B
+    "qwen2_tied": transformers.Qwen2Config(**LLAMA, tie_word_embeddings=True,
+                                           rope_parameters={"rope_type": "default",
+                                                            "rope_theta": 1e6}),
+    "qwen2": transformers.Qwen2Config(**LLAMA),
 }
 
 
@@ -175,7 +180,8 @@ def _logits_at(run: str, ids: torch.Tensor, degrees: dict) -> torch.Tensor | Non
         return model.full_logits(model(hidden, torch.arange(ids.shape[1])))
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied"])
+@pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied", "qwen2_tied",
+                                     "qwen2"])
 def test_logits_equal_transformers_at_tp2_and_pp2(hf, imported, variant):
     with torch.no_grad():
         expected = _reference(hf[variant])(IDS).logits
@@ -185,7 +191,8 @@ def test_logits_equal_transformers_at_tp2_and_pp2(hf, imported, variant):
             assert _max_difference(logits, expected) < 1e-5, degrees
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied"])
+@pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied", "qwen2_tied",
+                                     "qwen2"])
 def test_greedy_generation_equals_transformers(hf, variant):
     prompt = IDS[:, :6]
     theirs = _reference(hf[variant]).generate(prompt, attention_mask=torch.ones_like(prompt),
@@ -347,6 +354,8 @@ def _write_config(path: Path, base: str, **fields) -> Path:
     ("llama_gqa", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
      "\"rope_scaling\": rope type 'linear'"),
     ("llama_gqa", {"architectures": ["MistralForCausalLM"]}, '"architectures"'),
+    ("qwen2", {"use_sliding_window": True}, '"use_sliding_window": True'),
+    ("qwen2", {"hidden_act": "gelu"}, '"hidden_act"'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unsupported_configs_are_one_line_errors(base, fields, named, tmp_path, capsys):
     source = _write_config(tmp_path / "hf", base, **fields)
