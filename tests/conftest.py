@@ -18,3 +18,29 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_SRC, os.environ.get("P
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+from meshtrain.data.corpus import synthetic_corpus  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory):
+    """`corpus_file(size, seed)`: the path of a synthetic byte corpus, written once a session."""
+    written: dict[tuple[int, int], str] = {}
+
+    def make(size: int, seed: int) -> str:
+        if (size, seed) not in written:
+            path = tmp_path_factory.mktemp("data") / f"corpus_{size}_{seed}.txt"
+            path.write_bytes(synthetic_corpus(size, seed=seed).tobytes())
+            written[size, seed] = str(path)
+        return written[size, seed]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def corpus(corpus_file) -> str:
+    """The corpus the training tests share (layouts are compared on the same tokens)."""
+    return corpus_file(60_000, seed=0)

@@ -1,4 +1,6 @@
-"""Run a function on N gloo ranks, with ranks spawned once per world size and reused.
+"""The one way tests (and benchmarks) run ranks: a function on N gloo ranks, with ranks spawned
+once per world size and reused; and meshtrain's command line or a script under torchrun in a
+subprocess, for what only a real launch shows.
 
     results = run_on_ranks(2, check_something, arg)   # one result per rank
 
@@ -153,12 +155,29 @@ def dense_reference(cfg, vocab_size: int = 256):
 
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`python -m meshtrain ARGS` in a subprocess (one thread per rank it spawns)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True,
-                            text=True, timeout=240, env=env)
+                            text=True, timeout=240, env=_one_thread())
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def start_cli(*args: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """`python -m meshtrain ARGS` started, not waited for (to signal or kill it meanwhile)."""
+    return subprocess.Popen([sys.executable, "-m", "meshtrain", *args], env=_one_thread(),
+                            text=True, stdout=stdout, stderr=stderr)
+
+
+def run_torchrun(script: str, *args: str, nproc: int = 2,
+                 timeout: float = 180) -> subprocess.CompletedProcess:
+    """`script ARGS` on `nproc` local ranks under torchrun (torch's elastic launcher)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(nproc), script, *args], capture_output=True,
+                          text=True, timeout=timeout, env=_one_thread())
+
+
+def _one_thread() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def word_level_tokenizer(folder, words: int, special: str):

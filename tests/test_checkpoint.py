@@ -12,7 +12,6 @@ from meshtrain.checkpoints import checkpoint as ckpt
 from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from meshtrain.checkpoints.model_files import export_safetensors
 from meshtrain.config.run_config import build_config
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallel import named_full_tensors
 from meshtrain.training.trainer import Trainer
 
@@ -23,13 +22,6 @@ def _cfg(corpus, out):
                              "model": {"vocab_size": 259},  # not divisible by tp
                              "parallel": {"device": "cpu"},
                              "data": {"data": corpus}, "checkpoint": {"out": out}})
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(20_000, seed=1).tobytes())
-    return str(path)
 
 
 def _train_and_save(corpus, out, tp, dp, steps):

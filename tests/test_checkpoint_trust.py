@@ -20,20 +20,12 @@ from meshtrain.checkpoints.model_files import write_model_checkpoint
 from meshtrain.checkpoints.retention import keep_newest
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
 TRAIN = ["--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--micro-batch", "2",
          "--steps", "4", "--save-every", "1", "--eval-every", "0"]
 EMBEDDING = "model/embedding.word.weight"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(20_000, seed=1).tobytes())
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,6 @@ from meshtrain.cli.main import _train_config, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config import run_config as config
 from meshtrain.config.run_config import build_config, flag_fields
-from meshtrain.data.corpus import synthetic_corpus
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(30_000, seed=2).tobytes())
-    return str(path)
 
 
 def test_help_explains_every_flag(capsys):

@@ -26,7 +26,6 @@ from safetensors.torch import load_file
 from meshtrain.checkpoints.checkpoint import latest_checkpoint
 from meshtrain.checkpoints.model_files import export_safetensors
 from meshtrain.config.run_config import build_config
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.training.trainer import run_training
 
 GOLDEN = Path(__file__).parent / "golden" / "gpt_runs.json"
@@ -56,10 +55,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(40_000, seed=11).tobytes())
-    return str(path)
+def corpus(corpus_file) -> str:
+    """The recorded runs' own corpus (not the session's shared one)."""
+    return corpus_file(40_000, seed=11)
 
 
 def _train(corpus: str, out: str, parallel: dict, train: dict, model: dict) -> None:

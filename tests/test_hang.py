@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from harness import run_torchrun, start_cli
 
 from meshtrain.cli import main as cli
 from meshtrain.cli import parsers as cli_parsers
@@ -250,13 +251,6 @@ def _worker(mode: str, out: str) -> None:
             time.sleep(600)  # a rank that sleeps forever (its watchdog still runs)
 
 
-def _torchrun(mode: str, out: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", __file__, mode, str(out)],
-                          capture_output=True, text=True, timeout=120, env=env)
-
-
 @pytest.mark.parametrize("mode,expected", [
     ("mismatch", "rank 0 issued all_reduce [4] float32 and rank 1 issued all_gather [8] float32"
                  " as collective #2 on axis dp"),
@@ -265,7 +259,7 @@ def _torchrun(mode: str, out: Path) -> subprocess.CompletedProcess:
 ], ids=["mismatch", "sleep"])
 def test_watchdog_names_what_diverged(tmp_path, capsys, mode, expected):
     start = time.monotonic()
-    result = _torchrun(mode, tmp_path)
+    result = run_torchrun(__file__, mode, str(tmp_path), timeout=120)
     assert time.monotonic() - start < TIMEOUT + 30
     lines = [line for line in result.stderr.splitlines() if line.startswith("meshtrain: hang")]
     assert len(lines) == 1, result.stderr[-3000:]
@@ -299,13 +293,12 @@ def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[in
     """Start a 2-rank training run, send `fault` to `rank` after two steps; returns the exit
     code, stderr and the seconds from the fault to the line starting with `line_start`."""
     out, err = tmp_path / "run", tmp_path / "stderr"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     with err.open("w") as stderr:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "meshtrain", "train", "--nproc", "2", "--device", "cpu",
-             "--data", corpus, "--steps", "100000", "--micro-batch", "2", "--global-batch", "4",
-             "--seq-len", "32", "--log-every", "1", "--eval-every", "0", "--collective-timeout",
-             str(TIMEOUT), "--out", str(out)], stderr=stderr, stdout=subprocess.DEVNULL, env=env)
+        launcher = start_cli(
+            "train", "--nproc", "2", "--device", "cpu", "--data", corpus, "--steps", "100000",
+            "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32", "--log-every", "1",
+            "--eval-every", "0", "--collective-timeout", str(TIMEOUT), "--out", str(out),
+            stderr=stderr, stdout=subprocess.DEVNULL)
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + 120
@@ -325,15 +318,6 @@ def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[in
     finally:
         launcher.kill()
     return code, err.read_text(), named
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    from meshtrain.data.corpus import synthetic_corpus
-
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(30_000, seed=2).tobytes())
-    return str(path)
 
 
 def _meshtrain_lines(stderr: str) -> list[str]:

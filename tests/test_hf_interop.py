@@ -94,13 +94,6 @@ def imported(hf, tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in hf}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(20_000, seed=3).tobytes())
-    return str(path)
-
-
 def _reference(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
 

@@ -12,7 +12,7 @@ from harness import run_on_ranks, worker_mesh
 
 import meshtrain
 from meshtrain.config.run_config import build_config
-from meshtrain.data.corpus import synthetic_corpus, to_device
+from meshtrain.data.corpus import to_device
 from meshtrain.parallel.layers.expert import MoE
 from meshtrain.training.trainer import Trainer
 
@@ -42,13 +42,6 @@ def counted_reads():
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(20_000, seed=6).tobytes())
-    return str(path)
 
 
 def _cfg(corpus: str, model: dict | None = None, train: dict | None = None,

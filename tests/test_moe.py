@@ -8,7 +8,6 @@ from torch.testing import assert_close
 from meshtrain import ParallelMesh, preset
 from meshtrain.config.run_config import build_config
 from meshtrain.contracts import AuxiliaryOutputs
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather_objects
 from meshtrain.parallel.layers.expert import MoE, capacity, route
@@ -46,13 +45,6 @@ def test_switch_aux_loss_and_top1_weights():
     assert_close(r.weights[:, 0], probs.max(-1).values)  # Switch: not renormalised
     assert r.kept.all()
     assert_close(r.z_loss, torch.logsumexp(logits, -1).pow(2).mean())
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(30_000, seed=4).tobytes())
-    return str(path)
 
 
 def _cfg(corpus, top_k, model=None):

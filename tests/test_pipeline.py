@@ -11,7 +11,6 @@ from torch.testing import assert_close
 
 from meshtrain import ParallelMesh
 from meshtrain.config.run_config import build_config
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallel import named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather_objects
 from meshtrain.parallel.runtime.optim import global_grad_norm
@@ -27,13 +26,6 @@ from meshtrain.training.trainer import Trainer, run_training
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 FP64_TOL = {"rtol": 1e-10, "atol": 1e-13}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(30_000, seed=9).tobytes())
-    return str(path)
 
 
 def _cfg(corpus, schedule, steps=3, model=None):

@@ -8,19 +8,11 @@ import pytest
 from harness import run_on_ranks, worker_mesh
 from test_pipeline import _cfg
 
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallel.runtime.schedules import BACKWARD, FORWARD, gpipe, one_f_one_b, simulate
 from meshtrain.training.pipeline_trace import idle_report, write_trace
 from meshtrain.training.trainer import Trainer
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(30_000, seed=9).tobytes())
-    return str(path)
 
 
 def _traced_step(corpus, schedule, out):

@@ -11,16 +11,8 @@ from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
 
 from meshtrain.cli.auto_layout import choose_layout
 from meshtrain.config.run_config import build_config, validate
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.training.trainer import Trainer, run_training
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(40_000, seed=7).tobytes())
-    return str(path)
 
 
 def _cfg(corpus, out="/nonexistent", model=None, **train):

@@ -10,20 +10,12 @@ import pytest
 from harness import run_on_ranks, worker_mesh
 
 from meshtrain.config.run_config import build_config
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.errors import Code, SettingError
 from meshtrain.models import get_family, preset
 from meshtrain.models.qwen2 import Qwen2Config
 from meshtrain.training.trainer import Trainer
 
 QWEN = {"model": "qwen2-tiny"}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(30_000, seed=21).tobytes())
-    return str(path)
 
 
 def test_presets_have_the_published_shapes_and_biases():

@@ -12,7 +12,6 @@ from torch.testing import assert_close
 from meshtrain import ParallelMesh, preset
 from meshtrain.cli.flags import as_flags
 from meshtrain.config.run_config import build_config
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.runtime.optim import global_grad_norm
@@ -21,13 +20,6 @@ from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(30_000, seed=5).tobytes())
-    return str(path)
 
 
 def _cfg(corpus, parallel, dropout=0.0, model=None):

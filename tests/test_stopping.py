@@ -17,25 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_cli
+from harness import run_cli, start_cli
 from safetensors.torch import load_file
 
 from meshtrain.cli.main import _train_config, check_train, main
 from meshtrain.cli.parsers import build_parser
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.operations.run_lock import LOCK_FILE, RunLock, check_free
 
 STEPS = 100
 TINY = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "32", "--num-heads", "2",
         "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--eval-every", "0",
         "--log-every", "1", "--tp", "1"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(30_000, seed=2).tobytes())
-    return str(path)
 
 
 def _flags(corpus: str, out: Path, *more: str) -> list[str]:
@@ -51,12 +43,6 @@ def reference(corpus, tmp_path_factory) -> Path:
     (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 99.0}) + "\n")
     run_cli(*_flags(corpus, out, "--nproc", "2", "--auto-resume"))
     return out
-
-
-def _start(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "meshtrain", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -137,7 +123,7 @@ def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, r
                                              "run_id": "crashed"}))  # stale: taken over
 
     # SIGTERM as a scheduler sends it: to the launcher (twice) and to every rank, at once.
-    proc = _start(*_flags(corpus, out, "--nproc", "2"))
+    proc = start_cli(*_flags(corpus, out, "--nproc", "2"))
     _wait_for_step(out, 2, proc)
     ranks = _rank_pids(proc.pid)
     for pid in [proc.pid, proc.pid, *ranks.values()]:
@@ -151,7 +137,7 @@ def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, r
     assert (out / "checkpoints" / "latest").read_text() == f"step_{first:08d}"
 
     # SIGUSR1 to one rank: meshtrain's launcher hears of it and stops them all. Timed saves on.
-    proc = _start(*_flags(corpus, out, "--nproc", "2", "--resume",
+    proc = start_cli(*_flags(corpus, out, "--nproc", "2", "--resume",
                           "--save-every-minutes", "0.0001"))
     _wait_for_step(out, first + 2, proc)
     os.kill(_rank_pids(proc.pid)[1], signal.SIGUSR1)
@@ -164,7 +150,7 @@ def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, r
     assert [name for name in saved if first < int(name[5:]) < second], saved  # by the clock
 
     # Continue under restarts; SIGKILL rank 1 two steps after the next save at a multiple of 10.
-    proc = _start(*_flags(corpus, out, "--nproc", "2", "--max-restarts", "1", "--auto-resume",
+    proc = start_cli(*_flags(corpus, out, "--nproc", "2", "--max-restarts", "1", "--auto-resume",
                           "--save-every", "10"))
     kill_at = (second // 10 + 1) * 10 + 2
     assert kill_at < STEPS - 10

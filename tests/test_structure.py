@@ -97,3 +97,19 @@ def test_no_scheme_name_is_compared_outside_the_schemes(name):
                     else [operand]
                 assert not any(isinstance(v, ast.Constant) and v.value in names
                                for v in values), f"{name}:{node.lineno} compares a scheme name"
+
+
+def test_parallel_building_blocks_sit_below_the_runtime():
+    """Inside parallel/: communication < layers < schemes < runtime; nothing imports upwards."""
+    order = ["communication", "layers", "schemes", "runtime"]
+    upward = []
+    for name, targets in GRAPH.items():
+        parts = name.split(".")
+        if parts[:2] != ["meshtrain", "parallel"] or len(parts) < 4:
+            continue
+        for target in targets:
+            other = target.split(".")
+            if other[:2] == ["meshtrain", "parallel"] and len(other) >= 4 \
+                    and order.index(other[2]) > order.index(parts[2]):
+                upward.append(f"{name} -> {target}")
+    assert not upward, upward

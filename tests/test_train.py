@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from meshtrain import ParallelMesh
 from meshtrain.config.run_config import build_config
-from meshtrain.data.corpus import BatchSampler, synthetic_corpus
+from meshtrain.data.corpus import BatchSampler
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.runtime.optim import global_grad_norm, lr_at
 from meshtrain.parallelize import build_model
@@ -20,13 +20,6 @@ from meshtrain.training.trainer import Trainer, run_training
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 FP64_TOL = dict(rtol=1e-10, atol=1e-13)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(60_000, seed=0).tobytes())
-    return str(path)
 
 
 def _config(corpus: str, out: str, model=None, **train):
@@ -102,8 +95,9 @@ def _trajectory(corpus, out, tp, dp, extra=None, model=None):
 
 
 @pytest.mark.parametrize("model,layouts", [
-    (None, [(2, 1), (2, 2), (4, 2)]),  # tp 4 and dp 2 alone: test_model, the dp parity tests
-    (LLAMA, [(2, 2)])], ids=["gpt", "llama"])
+    (None, [(2, 1), (2, 2)]),  # tp 4 and dp 2 alone: test_model, the dp parity tests
+    pytest.param(None, [(4, 2)], marks=pytest.mark.extended),  # tp 4 x dp 2 (8 ranks)
+    (LLAMA, [(2, 2)])], ids=["gpt", "gpt-8-ranks", "llama"])
 def test_loss_trajectories_equal_across_layouts(corpus, tmp_path, model, layouts):
     reference = run_on_ranks(1, _trajectory, corpus, str(tmp_path), 1, 1, None, model)[0]
     assert reference[-1] < reference[0] - 0.5  # it learns
@@ -128,8 +122,9 @@ def _losses(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.extended), 0.2])
 def test_resume_is_bitwise_identical(corpus, tmp_path, dropout):
+    """(Without dropout the resume runs the same path less the RNG streams: extended.)"""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run_on_ranks(2, _run, corpus, str(whole), 2, 1, dropout=dropout)
     run_on_ranks(2, _run, corpus, str(parts), 2, 1, dropout=dropout, stop_at=10)

@@ -10,18 +10,10 @@ import torch
 from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
 
 from meshtrain.config.run_config import build_config, validate
-from meshtrain.data.corpus import synthetic_corpus
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.parallel import CommRecorder
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer, run_training
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(synthetic_corpus(40_000, seed=5).tobytes())
-    return str(path)
 
 
 def _cfg(corpus, out="/nonexistent", *, model=None, parallel=None, **train):
