@@ -157,7 +157,7 @@ def analytic_all_to_all(runner: Runner) -> dict:
     if mesh.ep.size == 1:
         return {"analytic": 0, "cross_bytes": 0, "sent": [], "served": []}
     t = trainer.cfg.train
-    if t.global_batch != t.micro_batch * mesh.dp.size:
+    if t.global_batch != trainer.plan.micro_batch * mesh.dp.size:
         raise ValueError("the routing kept is the last micro-batch's: use one per rank and step")
     h = model.cfg.hidden_size
     total = cross = 0
