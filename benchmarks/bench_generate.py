@@ -9,7 +9,7 @@ this process with one thread (`--threads`); the tp 2 ones in two long-lived gloo
 thread each, which load the model as `meshtrain sample` does (imported with `import_hf`, then
 `checkpoint_model`), so process start-up is never timed. Rounds alternate contenders
 (A B C D E A B C D E ...) so host noise hits them alike. Tokens/s counts new tokens of the
-whole batch.
+whole batch. The ranks are a RankPool of tests/harness.py, the harness the tests run ranks with.
 
     python benchmarks/bench_generate.py             # 4 layers, hidden 256, prompt 32 + 224 new
     python benchmarks/bench_generate.py --quick     # tiny sizes: a smoke run
@@ -19,15 +19,10 @@ whole batch.
 from __future__ import annotations
 
 import argparse
-import datetime
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,14 +30,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
-from rank_messages import collect, stop_workers
 
 import meshtrain
 from meshtrain.checkpoints.checkpoint import resolve_checkpoint
 from meshtrain.inference.generate import checkpoint_model, generate
 from meshtrain.interop.hf_io import import_hf
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import RankPool  # noqa: E402  (the one rank-spawning harness, tests' and ours)
+
 WORLD = 2
+CALL_TIMEOUT = 3600.0  # far above any call at full sizes; a hung collective fails sooner,
+# at the process-group timeout of the ranks (tests/harness.py)
 FAMILIES = ("gpt", "llama")
 CONTENDERS = {  # key: (name, ranks, use_cache)
     "cached": ("meshtrain, KV cache", 1, True),
@@ -126,52 +125,38 @@ def local_runs(setup: Setup, paths: dict) -> dict[tuple[str, str], Callable]:
     return runs
 
 
-def _worker(rank: int, port: int, setup: Setup, paths: dict, commands, results) -> None:
-    """One tp rank: load each family's imported run as `meshtrain sample` does, then run
-    (family, use_cache) commands until None; reports its time (and the tokens)."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
-    try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=3))
-        mesh = meshtrain.init_parallel(tp=WORLD, device="cpu")
-        models = {family: checkpoint_model(resolve_checkpoint(run), mesh)
-                  for family, (_, run) in paths.items()}
-        results.put(("ready", rank))
-        while (command := commands.get()) is not None:
-            family, use_cache = command
-            dist.barrier()
-            seconds, out = timed(generate, models[family], setup.prompt_ids(),
-                                 max_new_tokens=setup.new, use_cache=use_cache)
-            results.put(("done", rank, seconds, out))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
+_tp_models: dict[str, object] = {}  # in the rank processes only: family -> loaded tp model
+
+
+def _load_tp(paths: dict) -> None:
+    """On every tp rank: load each family's imported run as `meshtrain sample` does."""
+    mesh = meshtrain.init_parallel(tp=WORLD, device="cpu")
+    _tp_models.clear()
+    _tp_models.update((family, checkpoint_model(resolve_checkpoint(run), mesh))
+                      for family, (_, run) in paths.items())
+
+
+def _generate_tp(setup: Setup, family: str, use_cache: bool) -> tuple[float, torch.Tensor]:
+    """On every tp rank: this rank's time to generate after a barrier, and the tokens."""
+    dist.barrier()
+    return timed(generate, _tp_models[family], setup.prompt_ids(), max_new_tokens=setup.new,
+                 use_cache=use_cache)
 
 
 class Ranks:
-    """The two long-lived tp ranks."""
+    """The two long-lived tp ranks: a RankPool with each family's model loaded."""
 
     def __init__(self, setup: Setup, paths: dict):
-        ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.results, self.commands = ctx.Queue(), [ctx.Queue() for _ in range(WORLD)]
-        self.procs = [ctx.Process(target=_worker, daemon=True, args=(
-            r, port, setup, paths, self.commands[r], self.results)) for r in range(WORLD)]
-        for p in self.procs:
-            p.start()
-        collect(self.results, self.procs, "ready")
+        self.setup, self.pool = setup, RankPool(WORLD)
+        self.pool.run(_load_tp, paths, timeout=CALL_TIMEOUT)  # a failure closes the pool
 
     def run(self, family: str, use_cache: bool) -> tuple[float, torch.Tensor]:
         """The slowest rank's time, and rank 0's tokens."""
-        for q in self.commands:
-            q.put((family, use_cache))
-        done = collect(self.results, self.procs, "done")
+        done = self.pool.run(_generate_tp, self.setup, family, use_cache, timeout=CALL_TIMEOUT)
         return max(seconds for seconds, _ in done), done[0][1]
 
     def close(self) -> None:
-        stop_workers(self.commands, self.procs)
+        self.pool.close()
 
 
 def measure(setup: Setup, keys: list[str], rounds: int) -> dict[tuple[str, str], dict]:

@@ -16,7 +16,7 @@ Every contender takes the same global batch per step as the same micro-batches o
 sequences (the single process accumulates two of them), so expert capacity, routing and losses
 are comparable across layouts. Rounds alternate between contenders (A B C D A B C D ...) so that
 load from other work on the host hits all of them alike; the two ranks live in one long-lived
-process group, so process start-up is never timed.
+process group (tests/harness.py's RankPool), so process start-up is never timed.
 
     python benchmarks/bench_moe.py              # L=4 h=256 s=128 V=256 b=8, E=8 on 2 of 4 MLPs
     python benchmarks/bench_moe.py --quick      # tiny sizes: a smoke run of every contender
@@ -25,22 +25,17 @@ process group, so process start-up is never timed.
 from __future__ import annotations
 
 import argparse
-import datetime
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rank_messages import collect, stop_workers
 
 from meshtrain import ParallelMesh, init_parallel
 from meshtrain.config.run_config import RunConfig, build_config, validate
@@ -50,9 +45,13 @@ from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.expert import MoE
 from meshtrain.training.trainer import Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import RankPool  # noqa: E402  (the one rank-spawning harness, tests' and ours)
+
 WORLD = 2
 WARMUP = 2  # untimed steps per contender, in one round before the measured ones
-TIMEOUT = datetime.timedelta(minutes=3)  # a hung collective fails fast instead of eating the host
+CALL_TIMEOUT = 3600.0  # far above any call at full sizes; a hung collective fails sooner,
+# at the process-group timeout of the ranks (tests/harness.py)
 CORPUS_BYTES = 400_000
 LOSS_RTOL = 1e-4
 
@@ -158,7 +157,7 @@ def analytic_all_to_all(runner: Runner) -> dict:
     if mesh.ep.size == 1:
         return {"analytic": 0, "cross_bytes": 0, "sent": [], "served": []}
     t = trainer.cfg.train
-    if t.global_batch != t.micro_batch * mesh.dp.size:
+    if t.global_batch != trainer.plan.micro_batch * mesh.dp.size:
         raise ValueError("the routing kept is the last micro-batch's: use one per rank and step")
     h = model.cfg.hidden_size
     total = cross = 0
@@ -191,59 +190,23 @@ def time_steps(step: Callable[[], dict], n: int,
     return times, rows
 
 
-def _worker(rank: int, port: int, shape: Shape, data_path: str, out: str,
-            contenders: list[Contender], commands: mp.Queue, results: mp.Queue) -> None:
-    """One rank: build every ranked contender (in list order, so both ranks create the same
-    process groups in the same order), then run ("time", i, n) / ("probe", i) until None."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
-    try:
-        dist.init_process_group("gloo", timeout=TIMEOUT)
-        runners = [Runner(c, shape, data_path, out) for c in contenders]
-        results.put(("ready", rank, None))
-        while (command := commands.get()) is not None:
-            if command[0] == "time":
-                _, i, n = command
-                results.put(("time", rank, time_steps(runners[i].step, n, dist.barrier)))
-            else:
-                results.put(("probe", rank, runners[command[1]].probe()))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+_ranked_runners: list[Runner] = []  # in the rank processes only: the ranked contenders
 
 
-class Workers:
-    """The two long-lived rank processes shared by the ranked contenders."""
+def _build_ranked(shape: Shape, data_path: str, out: str, contenders: list[Contender]) -> None:
+    """On every rank: build every ranked contender (in list order, so both ranks create the
+    same process groups in the same order)."""
+    _ranked_runners[:] = [Runner(c, shape, data_path, out) for c in contenders]
 
-    def __init__(self, shape: Shape, data_path: str, out: str, contenders: list[Contender]):
-        ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(WORLD)]
-        self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, port, shape, data_path, out, contenders,
-                                        self.commands[r], self.results))
-                      for r in range(WORLD)]
-        for p in self.procs:
-            p.start()
 
-    def ask(self, command: tuple, kind: str) -> list:
-        """Send `command` to every rank; its `kind` replies, in rank order."""
-        for q in self.commands:
-            q.put(command)
-        return self.collect(kind)
+def _time_ranked(index: int, n: int) -> tuple[list[float], list[dict]]:
+    """On every rank: `n` steps of ranked contender `index`, each started after a barrier."""
+    return time_steps(_ranked_runners[index].step, n, dist.barrier)
 
-    def collect(self, kind: str) -> list:
-        """One `kind` message from every rank, in rank order; raise on a worker's error."""
-        return [payload[0] for payload in collect(self.results, self.procs, kind)]
 
-    def close(self) -> None:
-        stop_workers(self.commands, self.procs)
+def _probe_ranked(index: int) -> dict:
+    """On every rank: ranked contender `index`'s probe step."""
+    return _ranked_runners[index].probe()
 
 
 @dataclass
@@ -275,16 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_moe-") as tmp:
         data_path = str(Path(tmp, "corpus.txt"))
         Path(data_path).write_bytes(synthetic_corpus(CORPUS_BYTES).tobytes())
-        workers = Workers(shape, data_path, tmp, ranked)
-        try:
+        with RankPool(WORLD) as pool:
             torch.set_num_threads(2)
             local = {c: Runner(c, shape, data_path, tmp) for c in CONTENDERS if c.ranks == 1}
-            workers.collect("ready")  # the ranks have built theirs
+            pool.run(_build_ranked, shape, data_path, tmp, ranked, timeout=CALL_TIMEOUT)
 
             def run(c: Contender, n: int) -> tuple[list[float], list[dict]]:
                 if c.ranks == 1:
                     return time_steps(local[c].step, n, None)
-                per_rank = workers.ask(("time", ranked.index(c), n), "time")
+                per_rank = pool.run(_time_ranked, ranked.index(c), n, timeout=CALL_TIMEOUT)
                 times = [max(ts) for ts in zip(*(t for t, _ in per_rank), strict=True)]
                 return times, per_rank[0][1]  # the step ends when every rank has finished
 
@@ -298,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in results:  # after timing: the recorder and the checks stay out of it
                 c = r.contender
                 r.probes = [local[c].probe()] if c.ranks == 1 else \
-                    workers.ask(("probe", ranked.index(c)), "probe")
-        finally:
-            workers.close()
+                    pool.run(_probe_ranked, ranked.index(c), timeout=CALL_TIMEOUT)
     report(args, shape, results)
     return 0
 

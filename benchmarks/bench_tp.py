@@ -4,8 +4,9 @@ megatron-core) and data parallel (meshtrain's GradientReducer vs PyTorch DDP), a
 Every contender trains the same GPT-2 style model (same weights, same global batch, AdamW) for
 the same number of steps; repetitions alternate between contenders (A B C D A B C D ...) so that
 load from other work on the host hits all of them alike. Ranked contenders run in one long-lived
-two-process gloo group (one thread per rank), so process start-up is never timed; the
-single-process reference (two threads) runs in this process while the ranks wait on a queue.
+two-process gloo group (one thread per rank: tests/harness.py's RankPool), so process start-up
+is never timed; the single-process reference (two threads) runs in this process while the ranks
+wait for their next call.
 The data-parallel contenders give each rank half of the batch and average the gradients.
 
     python benchmarks/bench_tp.py                  # hidden 512, 4 layers, s=256, V=8192, b=8
@@ -20,35 +21,34 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import math
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rank_messages import collect, stop_workers
 from torch import nn
 
 import meshtrain
 from meshtrain.parallel.runtime.data_parallel import GradientReducer
 from meshtrain.parallelize import build_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import RankPool  # noqa: E402  (the one rank-spawning harness, tests' and ours)
+
 WORLD = 2
 LR = 1e-4
-TIMEOUT = datetime.timedelta(minutes=3)  # a hung collective fails fast instead of eating the host
+CALL_TIMEOUT = 3600.0  # far above any call at full sizes; a hung collective fails sooner,
+# at the process-group timeout of the ranks (tests/harness.py)
 LOSS_RTOL = 1e-4  # TESTING.md: fp32 loss trajectory across layouts
-MEMORY = -1  # a worker command's step count that asks for the step's memory figures instead
 
 Step = Callable[[], torch.Tensor]
 """One training step (zero grads, forward, backward, optimizer step); returns the loss."""
@@ -508,75 +508,30 @@ def matmul_peak(n: int, threads: int, reps: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def _worker(rank: int, port: int, shape: Shape, contenders: list[Contender],
-            commands: mp.Queue, results: mp.Queue) -> None:
-    """One rank: build every ranked contender, then run (contender, steps) commands until None."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
-    try:
-        dist.init_process_group("gloo", timeout=TIMEOUT)
-        steps: dict[int, Step] = {}
-        unavailable: dict[int, str] = {}
-        for i, contender in enumerate(contenders):
-            try:
-                steps[i] = contender.build(shape)
-            except Unavailable as exc:
-                unavailable[i] = str(exc)
-        results.put(("ready", rank, unavailable))
-        while (command := commands.get()) is not None:
-            i, n = command
-            if n == MEMORY:
-                results.put(("memory", rank, getattr(steps[i], "memory", {})))
-                continue
-            results.put(("times", rank, *time_steps(steps[i], n, dist.barrier)))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+_ranked_steps: dict[int, Step] = {}  # in the rank processes only: built contenders by index
 
 
-class Workers:
-    """The long-lived rank processes shared by all ranked contenders."""
+def _build_ranked(shape: Shape, contenders: list[Contender]) -> dict[int, str]:
+    """On every rank: build the ranked contenders in list order (so process groups are created
+    in the same order on all ranks); {index: why} of those that cannot run here."""
+    _ranked_steps.clear()
+    unavailable: dict[int, str] = {}
+    for i, contender in enumerate(contenders):
+        try:
+            _ranked_steps[i] = contender.build(shape)
+        except Unavailable as exc:
+            unavailable[i] = str(exc)
+    return unavailable
 
-    def __init__(self, shape: Shape, contenders: list[Contender]):
-        ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(WORLD)]
-        self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, port, shape, contenders, self.commands[r],
-                                        self.results))
-                      for r in range(WORLD)]
-        for p in self.procs:
-            p.start()
 
-    def wait_ready(self) -> dict[int, str]:
-        """Wait until every rank has built its contenders; {index: why} of those that cannot."""
-        return self._collect("ready")[0][0]
+def _time_ranked(index: int, n: int) -> tuple[list[float], list[float]]:
+    """On every rank: `n` steps of contender `index`, each started after a barrier."""
+    return time_steps(_ranked_steps[index], n, dist.barrier)
 
-    def _collect(self, kind: str) -> list[tuple]:
-        return collect(self.results, self.procs, kind)
 
-    def run(self, index: int, n: int) -> tuple[list[float], list[float]]:
-        """Per step, the slowest rank's time (the step ends when every rank has finished)."""
-        for q in self.commands:
-            q.put((index, n))
-        per_rank = self._collect("times")
-        times = [max(ts) for ts in zip(*(t for t, _ in per_rank), strict=True)]
-        return times, per_rank[0][1]
-
-    def memory(self, index: int) -> list[dict]:
-        """Each rank's `step.memory` (what a contender measured of its memory), if any."""
-        for q in self.commands:
-            q.put((index, MEMORY))
-        return [m for (m,) in self._collect("memory")]
-
-    def close(self) -> None:
-        stop_workers(self.commands, self.procs)
+def _ranked_memory(index: int) -> dict:
+    """On every rank: contender `index`'s `step.memory`, if it measured any."""
+    return getattr(_ranked_steps[index], "memory", {})
 
 
 @dataclass
@@ -620,17 +575,19 @@ def measure(args, shape: Shape, contenders: list[Contender]) -> tuple[list[Resul
     A single-process contender runs with its `threads` (default 2)."""
     ranked = [c for c in contenders if c.ranks == WORLD]
     local = [c for c in contenders if c.ranks == 1]
-    workers = Workers(shape, ranked)
-    try:
+    with RankPool(WORLD) as pool:
         torch.set_num_threads(2)
         local_steps = {id(c): c.build(shape) for c in local}
-        unavailable = workers.wait_ready()
+        unavailable = pool.run(_build_ranked, shape, ranked, timeout=CALL_TIMEOUT)[0]
 
         def run(c: Contender, n: int) -> tuple[list[float], list[float]]:
             if c.ranks == 1:
                 torch.set_num_threads(getattr(c, "threads", 2))
                 return time_steps(local_steps[id(c)], n, None)
-            return workers.run(ranked.index(c), n)
+            per_rank = pool.run(_time_ranked, ranked.index(c), n, timeout=CALL_TIMEOUT)
+            # per step, the slowest rank's time (the step ends when every rank has finished)
+            times = [max(ts) for ts in zip(*(t for t, _ in per_rank), strict=True)]
+            return times, per_rank[0][1]
 
         results = [Result(c, [], []) for c in contenders
                    if c.ranks == 1 or ranked.index(c) not in unavailable]
@@ -643,11 +600,10 @@ def measure(args, shape: Shape, contenders: list[Contender]) -> tuple[list[Resul
                     r.rounds.append(times)
         for r in results:
             if r.contender.ranks == WORLD:
-                r.memory = workers.memory(ranked.index(r.contender))
+                r.memory = pool.run(_ranked_memory, ranked.index(r.contender),
+                                    timeout=CALL_TIMEOUT)
             else:
                 r.memory = [getattr(local_steps[id(r.contender)], "memory", {})]
-    finally:
-        workers.close()
     return results, {ranked[i].name: why for i, why in unavailable.items()}
 
 

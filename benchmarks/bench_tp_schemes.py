@@ -14,22 +14,26 @@ the bytes each rank sends per step (CommRecorder's ring bytes, the mean over ran
 bytes per rank (parameters, gradients, optimizer states) and the bytes autograd saves for one
 micro-batch's backward per rank, each also as a fraction of the single process's. The losses
 of the first step must agree (fp32) - a contender that trains another model is not timed.
+The ranks are a RankPool of tests/harness.py, the harness the tests run ranks with.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
-from rank_messages import collect, stop_workers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import RankPool  # noqa: E402  (the one rank-spawning harness, tests' and ours)
+
+CALL_TIMEOUT = 3600.0  # far above any call at full sizes; a hung collective fails sooner,
+# at the process-group timeout of the ranks (tests/harness.py)
 
 SCHEMES = {4: [("1d", None), ("2d", None)], 8: [("1d", None), ("2.5d", 2), ("3d", None)]}
 LOSS_RTOL = 1e-4
@@ -66,26 +70,26 @@ def _measure(trainer, step: int) -> dict:
             "states": sum(states.values()), "activations": saved}
 
 
-def _worker(rank: int, world: int, port: int, args, corpus: str, commands, results) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+_rank_state: dict = {}  # in the rank processes only: "trainers" by scheme, their "out" folder
+
+
+def _build_schemes(args, corpus: str) -> None:
+    """On every rank: a Trainer per scheme of this world size, over one tp group each."""
     from meshtrain.parallel.runtime.process_groups import init_parallel
     from meshtrain.training.trainer import Trainer
 
-    trainers = {}
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            for scheme, depth in SCHEMES[world]:
-                cfg = _config(args, corpus, out, tp=world, scheme=scheme, depth=depth)
-                mesh = init_parallel(tp=world, tp_scheme=scheme, tp_depth=depth, device="cpu")
-                trainers[scheme] = Trainer.build(cfg, mesh)
-            results.put(("ready", rank))
-            while (command := commands.get()) is not None:
-                scheme, step = command
-                results.put(("step", rank, _measure(trainers[scheme], step)))
-    except Exception:  # reported to the parent, which stops the run
-        results.put(("error", rank, traceback.format_exc()))
+    world = args.ranks
+    out = _rank_state["out"] = tempfile.TemporaryDirectory()  # removed when the rank exits
+    trainers = _rank_state["trainers"] = {}
+    for scheme, depth in SCHEMES[world]:
+        cfg = _config(args, corpus, out.name, tp=world, scheme=scheme, depth=depth)
+        mesh = init_parallel(tp=world, tp_scheme=scheme, tp_depth=depth, device="cpu")
+        trainers[scheme] = Trainer.build(cfg, mesh)
+
+
+def _measure_scheme(scheme: str, step: int) -> dict:
+    """On every rank: `_measure` of this scheme's trainer."""
+    return _measure(_rank_state["trainers"][scheme], step)
 
 
 def _single(args, corpus: str):
@@ -105,8 +109,7 @@ def _summary(name: str, rows: list[dict], single: dict) -> str:
             f" ({rows[0]['activations'] / single['activations']:.3f}) |")
 
 
-def _mean_over_ranks(per_rank: list[tuple[dict]]) -> dict:
-    rows = [r for (r,) in per_rank]
+def _mean_over_ranks(rows: list[dict]) -> dict:
     return {key: max(r[key] for r in rows) if key == "seconds" else
             statistics.mean(r[key] for r in rows) for key in rows[0]}
 
@@ -125,37 +128,27 @@ def main() -> None:
     if args.quick:
         args.layers, args.hidden, args.heads, args.seq, args.repeats = 1, 32, 4, 16, 2
     from meshtrain.data.corpus import synthetic_corpus
-    from meshtrain.parallel.runtime.process_groups import free_port
 
     with tempfile.TemporaryDirectory() as data_dir:
         corpus = str(Path(data_dir) / "corpus.txt")
         Path(corpus).write_bytes(synthetic_corpus(200_000, seed=0).tobytes())
-        run(args, corpus, free_port())
+        run(args, corpus)
 
 
-def run(args, corpus: str, port: int) -> None:
+def run(args, corpus: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
     world = args.ranks
-    commands, results = [ctx.Queue() for _ in range(world)], ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, corpus, commands[r],
-                                               results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    torch.set_num_threads(1)
-    single_trainer = _single(args, corpus)
-    collect(results, procs, "ready")
-    schemes = [s for s, _ in SCHEMES[world]]
-    rows: dict[str, list[dict]] = {name: [] for name in ["single", *schemes]}
-    try:
+    with RankPool(world) as pool:
+        torch.set_num_threads(1)
+        single_trainer = _single(args, corpus)
+        pool.run(_build_schemes, args, corpus, timeout=CALL_TIMEOUT)
+        schemes = [s for s, _ in SCHEMES[world]]
+        rows: dict[str, list[dict]] = {name: [] for name in ["single", *schemes]}
         for step in range(args.repeats + 1):  # step 0 warms up and checks the losses
             rows["single"].append(_measure(single_trainer, step))
             for scheme in schemes:
-                for q in commands:
-                    q.put((scheme, step))
-                rows[scheme].append(_mean_over_ranks(collect(results, procs, "step")))
-    finally:
-        stop_workers(commands, procs)
+                rows[scheme].append(_mean_over_ranks(
+                    pool.run(_measure_scheme, scheme, step, timeout=CALL_TIMEOUT)))
     _report(args, world, rows)
 
 

@@ -7,7 +7,8 @@
 2. A tiny training step on two gloo ranks (one thread each) with nothing armed, the ring
    alone, or the ring and its watchdog thread, in blocks of steps whose order rotates
    (A B C, B C A, ...) so that load from other work on the host hits all alike; median step
-   time and collectives per step.
+   time and collectives per step. Each layout gets two fresh ranks (a RankPool of
+   tests/harness.py, the harness the tests run ranks with).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from meshtrain.config.run_config import RunConfig
 from meshtrain.mesh import MeshAxis
@@ -31,6 +32,11 @@ from meshtrain.parallel.communication.flight_recorder import FlightRecorder
 from meshtrain.parallel.runtime.process_groups import init_parallel
 from meshtrain.training.trainer import Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import RankPool  # noqa: E402  (the one rank-spawning harness, tests' and ours)
+
+CALL_TIMEOUT = 3600.0  # far above a run of the default blocks; a hung collective fails sooner,
+# at the process-group timeout of the ranks (tests/harness.py)
 SETTINGS = ("off", "ring", "watchdog")  # nothing armed; the ring alone; ring and watchdog
 
 
@@ -46,10 +52,9 @@ def bookkeeping_ns(calls: int = 200_000) -> float:
     return statistics.median(runs)
 
 
-def _rank(rank: int, port: int, layout: str, steps: int, blocks: int, results) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _rank(layout: str, steps: int, blocks: int) -> tuple[dict[str, float], int]:
+    """On each of the two ranks: median step milliseconds per setting, collectives per step."""
+    rank = dist.get_rank()
     cfg = RunConfig()
     cfg.parallel.device = "cpu"
     cfg.plan = dataclasses.replace(cfg.plan, tp=2 if layout == "tp2" else 1, micro_batch=2)
@@ -74,26 +79,13 @@ def _rank(rank: int, port: int, layout: str, steps: int, blocks: int, results) -
             if armed is not None:
                 per_step = sum(watch.recorder.seq.values()) // steps
                 armed.__exit__(None, None, None)
-    dist.destroy_process_group()
-    if rank == 0:
-        results.put((layout, {k: statistics.median(v) * 1e3 for k, v in times.items()},
-                     per_step))
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, per_step
 
 
 def step_overhead(layout: str, steps: int, blocks: int) -> tuple[dict, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, layout, steps, blocks, results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    _, medians, per_step = results.get(timeout=600)
-    for p in procs:
-        p.join()
-    return medians, per_step
+    """Rank 0's medians and collectives per step, on two ranks started for this layout."""
+    with RankPool(2) as pool:
+        return pool.run(_rank, layout, steps, blocks, timeout=CALL_TIMEOUT)[0]
 
 
 def main() -> None:

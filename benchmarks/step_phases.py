@@ -5,13 +5,13 @@
 bench_tp.py times whole steps and compares them; this splits meshtrain's contenders (the single
 process with 2 threads, dp=2 and tp=2 with one thread per rank) into phases, median over 4 steps
 after 2 warmup steps, to show what a 2-rank layout spends beyond the single process. List
-`single` twice to see the host's noise.
+`single` twice to see the host's noise. Each 2-rank layout runs on two fresh ranks (a RankPool
+of tests/harness.py, the harness the tests run ranks with).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 import sys
 import time
@@ -19,7 +19,7 @@ import time
 import bench_tp
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from harness import RankPool  # the tests' rank-spawning harness (bench_tp puts it on sys.path)
 
 import meshtrain
 from meshtrain.parallel.runtime.data_parallel import GradientReducer
@@ -60,40 +60,27 @@ def time_phases(model, ids, targets, reducer: GradientReducer | None = None,
     return {phase: statistics.median(values) for phase, values in times.items()}
 
 
-def _rank(rank: int, layout: str, port: int, results) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2")
-    dist.init_process_group("gloo")
+def _rank(layout: str) -> dict[str, float]:
+    """On each of the two ranks: its phases of `layout` (dp2 or tp2)."""
+    rank = dist.get_rank()
     ids, targets = bench_tp.make_batch(bench_tp.FULL)
     mesh = meshtrain.init_parallel(**{layout[:2]: 2}, device="cpu")
     model = meshtrain.build_model(bench_tp.FULL.config(), mesh, seed=0)
     if layout == "dp2":
         reducer = GradientReducer(list(model.parameters()), mesh.dp_cp)
-        phases = time_phases(model, ids.chunk(2)[rank], targets.chunk(2)[rank], reducer)
-    else:
-        phases = time_phases(model, ids, targets)
-    if rank == 0:
-        results.put(phases)
-    dist.destroy_process_group()
+        return time_phases(model, ids.chunk(2)[rank], targets.chunk(2)[rank], reducer)
+    return time_phases(model, ids, targets)
 
 
-def measure(layout: str, port: int) -> dict[str, float]:
+def measure(layout: str) -> dict[str, float]:
     if layout == "single":
         torch.set_num_threads(2)
         ids, targets = bench_tp.make_batch(bench_tp.FULL)
         model = meshtrain.build_model(bench_tp.FULL.config(), meshtrain.ParallelMesh.local(),
                                       seed=0)
         return time_phases(model, ids, targets)
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    ranks = [context.Process(target=_rank, args=(r, layout, port, results)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    phases = results.get()
-    for process in ranks:
-        process.join()
-    return phases
+    with RankPool(2) as pool:  # rank 0's phases
+        return pool.run(_rank, layout, timeout=bench_tp.CALL_TIMEOUT)[0]
 
 
 def main(layouts: list[str]) -> None:
@@ -101,8 +88,8 @@ def main(layouts: list[str]) -> None:
         sys.exit(f"usage: step_phases.py LAYOUT... with LAYOUT one of {', '.join(LAYOUTS)}")
     print(f"{bench_tp.FULL}; milliseconds, median of 4 steps")
     print(f"{'layout':8}" + "".join(f"{phase:>10}" for phase in PHASES))
-    for i, layout in enumerate(layouts):
-        phases = measure(layout, port=29611 + i)
+    for layout in layouts:
+        phases = measure(layout)
         print(f"{layout:8}" + "".join(f"{phases[phase]:10.1f}" for phase in PHASES))
 
 

@@ -51,6 +51,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 
 class RankPool:
+    """`world_size` gloo ranks that run functions until closed; `with RankPool(n) as pool:`
+    closes them on leaving (run_on_ranks keeps one pool per world size instead)."""
+
     def __init__(self, world_size: int):
         from meshtrain.parallel.runtime.process_groups import free_port
 
@@ -74,25 +77,35 @@ class RankPool:
         while len(results) < self.world_size:
             if any(not ok for ok, _ in results.values()):
                 deadline = min(deadline, time.monotonic() + 5.0)  # peers may be stuck waiting
+            wait = min(5.0, max(0.05, deadline - time.monotonic()))  # wake to see dead ranks
             try:
-                rank, ok, value = self.results.get(timeout=max(0.05, deadline - time.monotonic()))
+                rank, ok, value = self.results.get(timeout=wait)
                 results[rank] = (ok, value)
             except queue.Empty:
                 if time.monotonic() >= deadline or not all(p.is_alive() for p in self.procs):
                     break
         failures = {r: v for r, (ok, v) in results.items() if not ok}
         if failures or len(results) < self.world_size:
+            exited = [r for r, p in enumerate(self.procs) if not p.is_alive()]
             self.close(kill=True)
             if failures:
                 rank = min(failures)
                 raise AssertionError(f"rank {rank} of {self.world_size} failed:\n{failures[rank]}")
             missing = sorted(set(range(self.world_size)) - set(results))
+            died = f" (ranks {exited} exited)" if exited else ""
             raise TimeoutError(f"ranks {missing} of {self.world_size} did not finish"
-                               f" {fn.__name__} within {timeout}s")
+                               f" {fn.__name__} within {timeout}s{died}")
         return [results[r][1] for r in range(self.world_size)]
 
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self, kill: bool = False) -> None:
-        _pools.pop(self.world_size, None)
+        if _pools.get(self.world_size) is self:  # not another pool of run_on_ranks' cache
+            del _pools[self.world_size]
         if not kill:
             for q in self.tasks:
                 q.put(None)
