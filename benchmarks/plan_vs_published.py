@@ -18,8 +18,8 @@ import argparse
 import dataclasses
 import math
 
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.hardware import BUILT_IN, Hardware
-from meshtrain.planner.layout import Layout
 from meshtrain.planner.published import (
     best_prediction,
     format_report,
@@ -42,7 +42,7 @@ GRIDS = {
 MAX_ROUNDS = 4
 
 
-def log_errors(rows: list[dict], layouts: list[Layout], hardware: Hardware) -> list[float]:
+def log_errors(rows: list[dict], layouts: list[ParallelPlan], hardware: Hardware) -> list[float]:
     """log(predicted / published) of each row at a fixed layout."""
     errors = []
     for row, layout in zip(rows, layouts, strict=True):
@@ -51,7 +51,7 @@ def log_errors(rows: list[dict], layouts: list[Layout], hardware: Hardware) -> l
     return errors
 
 
-def loss(rows: list[dict], layouts: list[Layout], hardware: Hardware) -> float:
+def loss(rows: list[dict], layouts: list[ParallelPlan], hardware: Hardware) -> float:
     return sum(e * e for e in log_errors(rows, layouts, hardware))
 
 
