@@ -6,6 +6,7 @@ the CPU), and the `ParallelMesh` with the TP block arranged as its scheme's grid
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 
@@ -102,6 +103,10 @@ def _attempt_store(timeout: datetime.timedelta) -> dict:
 
 
 def destroy_parallel() -> None:
-    """Tear the default process group down (a process that skips this may abort on exit)."""
+    """Tear the process groups down while Python is still alive: `destroy_process_group` drops
+    torch's references, and a collection frees the groups meshes still hold (in reference
+    cycles, until now freed only as the interpreter exits, where gloo's worker threads can
+    abort the process: "terminate called without an active exception")."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
