@@ -47,7 +47,7 @@ def _losses(corpus, steps: int, degrees: dict, plan: dict) -> list[float]:
     return [trainer.train_step(step)["loss"] for step in range(steps)]
 
 
-STEPS = 6
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
