@@ -32,7 +32,7 @@ import torch.distributed as dist
 import transformers
 
 import meshtrain
-from meshtrain.checkpoints.checkpoint import resolve_checkpoint
+from meshtrain.checkpointing.checkpoint import resolve_checkpoint
 from meshtrain.inference.generate import checkpoint_model, generate
 from meshtrain.interop.hf_io import import_hf
 

@@ -9,8 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshtrain.checkpoints.checkpoint import latest_checkpoint
-from meshtrain.checkpoints.verify import read_manifest, sha256
+from meshtrain.checkpointing.checkpoint import latest_checkpoint
+from meshtrain.checkpointing.verify import read_manifest, sha256
 from meshtrain.cli.main import main
 
 

@@ -8,9 +8,9 @@ from harness import run_on_ranks, worker_mesh
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from meshtrain.checkpoints import checkpoint as ckpt
-from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from meshtrain.checkpoints.model_files import export_safetensors
+from meshtrain.checkpointing import checkpoint as ckpt
+from meshtrain.checkpointing.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.checkpointing.model_files import export_safetensors
 from meshtrain.config.run_config import build_config
 from meshtrain.parallel import named_full_tensors
 from meshtrain.training.trainer import Trainer

@@ -14,10 +14,10 @@ from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors import SafetensorError
 
 from meshtrain import ParallelMesh, preset
-from meshtrain.checkpoints import checkpoint as ckpt
-from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-from meshtrain.checkpoints.model_files import write_model_checkpoint
-from meshtrain.checkpoints.retention import keep_newest
+from meshtrain.checkpointing import checkpoint as ckpt
+from meshtrain.checkpointing.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.checkpointing.model_files import write_model_checkpoint
+from meshtrain.checkpointing.retention import keep_newest
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.parallelize import build_model
@@ -331,7 +331,7 @@ def test_export_out_is_checked(made_run, tmp_path, capsys, monkeypatch):
         yield from list(real(path, manifest))[:3]
         raise OSError(28, "No space left on device")
 
-    from meshtrain.checkpoints import model_files
+    from meshtrain.checkpointing import model_files
     from meshtrain.interop import hf_io
 
     real = model_files.model_tensors

@@ -23,8 +23,8 @@ import torch
 from harness import run_on_ranks
 from safetensors.torch import load_file
 
-from meshtrain.checkpoints.checkpoint import latest_checkpoint
-from meshtrain.checkpoints.model_files import export_safetensors
+from meshtrain.checkpointing.checkpoint import latest_checkpoint
+from meshtrain.checkpointing.model_files import export_safetensors
 from meshtrain.config.run_config import build_config
 from meshtrain.training.trainer import run_training
 

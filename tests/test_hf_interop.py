@@ -14,7 +14,11 @@ from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors.torch import load_file, save_file
 
 import meshtrain
-from meshtrain.checkpoints.checkpoint import checkpoint_config, load_checkpoint, resolve_checkpoint
+from meshtrain.checkpointing.checkpoint import (
+    checkpoint_config,
+    load_checkpoint,
+    resolve_checkpoint,
+)
 from meshtrain.cli.main import _train_config, check_train, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config.run_config import build_config

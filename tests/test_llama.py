@@ -11,7 +11,7 @@ import torch
 from harness import LLAMA, raises_as_flags, run_cli, run_on_ranks, worker_mesh
 
 from meshtrain import ParallelMesh, preset
-from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+from meshtrain.checkpointing.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.interop.hf_io import hf_state_dict

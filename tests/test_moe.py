@@ -205,7 +205,7 @@ def test_moe_checkpoint_moves_between_ep_degrees(corpus, tmp_path):
 
 
 def test_checkpoint_of_another_moe_shape_is_refused(corpus, tmp_path):
-    from meshtrain.checkpoints.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+    from meshtrain.checkpointing.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 
     run_on_ranks(2, _save_moe, corpus, tmp_path, 1, 2)
     path = latest_checkpoint(tmp_path / "checkpoints")

@@ -10,7 +10,7 @@ import torch
 from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors.torch import load_file
 
-from meshtrain.checkpoints.checkpoint import latest_checkpoint
+from meshtrain.checkpointing.checkpoint import latest_checkpoint
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, RunFailure

@@ -15,8 +15,8 @@ import torch
 from harness import LLAMA, raises_as_flags, run_cli, run_on_ranks, worker_mesh
 from safetensors.torch import load_file
 
-from meshtrain.checkpoints.model_files import export_safetensors
-from meshtrain.checkpoints.verify import resolve_checkpoint
+from meshtrain.checkpointing.model_files import export_safetensors
+from meshtrain.checkpointing.verify import resolve_checkpoint
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.memory import saved_activation_bytes

@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from meshtrain.checkpoints import resuming
-from meshtrain.checkpoints.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
+from meshtrain.checkpointing import resuming
+from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
 from meshtrain.cli.flags import as_flags
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config import run_config as config_mod
@@ -216,7 +216,7 @@ def _train_in_rank(cfg: config_mod.RunConfig, plan, lock: run_lock.RunLock | Non
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from meshtrain.checkpoints.model_files import export_safetensors
+    from meshtrain.checkpointing.model_files import export_safetensors
     from meshtrain.interop.hf_io import export_hf
 
     path = resolve_checkpoint(args.run)

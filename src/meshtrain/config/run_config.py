@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshtrain.checkpoints.checkpoint import CheckpointError, checkpoint_config
+from meshtrain.checkpointing.checkpoint import CheckpointError, checkpoint_config
 from meshtrain.config.settings import (
     CheckpointSettings,
     DataSettings,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshtrain.checkpoints.checkpoint import resolve_checkpoint
+from meshtrain.checkpointing.checkpoint import resolve_checkpoint
 from meshtrain.inference.generate import checkpoint_model, generate
 from meshtrain.interop.hf_io import HFModelDirectory, is_hf_directory
 from meshtrain.mesh import ParallelMesh

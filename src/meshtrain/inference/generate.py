@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoints.checkpoint import checkpoint_config, load_checkpoint
+from meshtrain.checkpointing.checkpoint import checkpoint_config, load_checkpoint
 from meshtrain.data.tokenization import Tokenizer
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import CausalLM

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from meshtrain.checkpoints.checkpoint import CheckpointError, read_manifest
-from meshtrain.checkpoints.model_files import (
+from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest
+from meshtrain.checkpointing.model_files import (
     model_entries,
     model_tensors,
     unwritable,
     write_model_checkpoint,
 )
-from meshtrain.checkpoints.safetensors_stream import DTYPES, Planned, write_safetensors
+from meshtrain.checkpointing.safetensors_stream import DTYPES, Planned, write_safetensors
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.interop.hf_mapping import HFMapping
 from meshtrain.models import FAMILIES, CausalLM, config_from_dict, family_of, get_family

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoints.checkpoint import (
+from meshtrain.checkpointing.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from meshtrain.checkpoints.checkpoint import latest_checkpoint, read_manifest
+from meshtrain.checkpointing.checkpoint import latest_checkpoint, read_manifest
 from meshtrain.config.run_config import RunConfig
 
 SCHEDULE_SETTINGS = ("steps", "lr", "min_lr", "warmup_steps")

@@ -30,8 +30,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from meshtrain.checkpoints.retention import keep_newest, remove_leftovers
-from meshtrain.checkpoints.verify import (
+from meshtrain.checkpointing.retention import keep_newest, remove_leftovers
+from meshtrain.checkpointing.verify import (
     FORMAT,
     METADATA,
     RECORD,
@@ -40,9 +40,9 @@ from meshtrain.checkpoints.verify import (
     read_manifest,
     sha256,
 )
-from meshtrain.checkpoints.verify import checkpoint_config as checkpoint_config
-from meshtrain.checkpoints.verify import latest_checkpoint as latest_checkpoint
-from meshtrain.checkpoints.verify import resolve_checkpoint as resolve_checkpoint
+from meshtrain.checkpointing.verify import checkpoint_config as checkpoint_config
+from meshtrain.checkpointing.verify import latest_checkpoint as latest_checkpoint
+from meshtrain.checkpointing.verify import resolve_checkpoint as resolve_checkpoint
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.sharding import (

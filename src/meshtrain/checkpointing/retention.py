@@ -12,7 +12,7 @@ import re
 import shutil
 from pathlib import Path
 
-from meshtrain.checkpoints.verify import STEP_NAME, latest_checkpoint
+from meshtrain.checkpointing.verify import STEP_NAME, latest_checkpoint
 
 LEFTOVER = re.compile(r"\.tmp_step_.+")
 POINTER_TMP = ".latest.tmp"

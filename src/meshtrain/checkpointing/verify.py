@@ -25,7 +25,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from meshtrain.checkpoints.safetensors_stream import CODES, DTYPES
+from meshtrain.checkpointing.safetensors_stream import CODES, DTYPES
 from meshtrain.models import TransformerConfig, config_from_dict, family_of, get_family
 
 FORMAT = "meshtrain-checkpoint-1"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoints.checkpoint import (
+from meshtrain.checkpointing.checkpoint import (
     FORMAT,
     CheckpointError,
     Reader,
@@ -22,8 +22,8 @@ from meshtrain.checkpoints.checkpoint import (
     read_manifest,
     step_dir,
 )
-from meshtrain.checkpoints.retention import remove_leftovers
-from meshtrain.checkpoints.safetensors_stream import Planned, write_safetensors
+from meshtrain.checkpointing.retention import remove_leftovers
+from meshtrain.checkpointing.safetensors_stream import Planned, write_safetensors
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import TransformerConfig
 
