@@ -373,7 +373,8 @@ def parse_setting(f: dataclasses.Field, text: str, *, where: str) -> Any:
         except ValueError:
             raise SettingError(Code.RANGE, f"{where} must be a number, got {text!r}") from None
     if kind.startswith("int"):
-        if not text.isdigit() or (int(text) < 1 and f.name != "zero") or int(text) > 1 << 20:
+        lowest = min(choices) if choices else 1  # zero's choices start at 0
+        if not text.isdigit() or not lowest <= int(text) <= 1 << 20:
             raise SettingError(Code.RANGE, f"{where} must be a positive integer")
         value = int(text)
     else:
