@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from meshtrain.checkpointing.model_files import export_safetensors
 from meshtrain.checkpointing.verify import resolve_checkpoint
-from meshtrain.cli.main import main
+from meshtrain.cli.main import _train_config, main
+from meshtrain.cli.parsers import build_parser
 from meshtrain.config.run_config import build_config
 from meshtrain.memory import saved_activation_bytes
 from meshtrain.parallel.runtime.plan import ParallelPlan
@@ -150,9 +151,12 @@ def test_grids_that_do_not_fit_are_refused_with_the_fix():
                                                                 global_batch=8, seq_len=16)
 
 
-def test_command_line_trains_at_2d_and_exports(corpus, tmp_path, capsys):
-    """The flags end to end (four ranks: eight-rank runs of the CLI cost a minute here; the
-    3d and 2.5d runs above go through the same Trainer)."""
+@pytest.mark.extended
+def test_command_line_trains_at_2d_and_exports(corpus, tmp_path):
+    """The flags end to end on four launched ranks (eight-rank runs of the CLI cost a minute
+    here). Extended: the default run trains every scheme through the same Trainer
+    (`test_trajectories_equal_the_1d_run`), launches ranks in test_cli.py, and parses these
+    flags below."""
     out = tmp_path / "run"
     run = run_cli("train", "--nproc", "4", "--tp", "4", "--tp-scheme", "2d", "--model",
                   "llama-tiny", "--num-layers", "1", "--device", "cpu", "--data", corpus,
@@ -163,8 +167,14 @@ def test_command_line_trains_at_2d_and_exports(corpus, tmp_path, capsys):
     assert sum('"loss"' in row for row in rows) == 2
     assert main(["export", str(out), "--out", str(tmp_path / "model.safetensors")]) == 0
     assert (tmp_path / "model.safetensors").stat().st_size > 0
-    capsys.readouterr()  # refused before any rank starts: in this process
+
+
+def test_command_line_takes_the_scheme_flags(corpus, tmp_path, capsys):
+    flags = ["train", "--tp", "4", "--tp-scheme", "2.5d", "--tp-depth", "1", "--device", "cpu",
+             "--data", corpus, "--out", str(tmp_path / "run")]
+    plan = _train_config(build_parser().parse_args(flags)).plan
+    assert (plan.tp, plan.tp_scheme, plan.tp_depth) == (4, "2.5d", 1)
     assert main(["train", "--nproc", "8", "--tp", "8", "--tp-scheme", "2d", "--device", "cpu",
-                 "--data", corpus, "--out", str(tmp_path / "bad")]) == 2
+                 "--data", corpus, "--out", str(tmp_path / "bad")]) == 2  # before any rank
     err = capsys.readouterr().err
     assert "--tp-scheme 2d arranges tp as a q^2 grid" in err and len(err.splitlines()) == 1

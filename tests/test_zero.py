@@ -55,11 +55,11 @@ def test_zero_stages_follow_plain_data_parallelism(corpus, degrees, parallel, mo
     moe = "moe_experts" in (model or {})
     offload = {k: v for k, v in parallel.items() if k == "offload_optimizer"}  # ZeRO only
     parallel = {k: v for k, v in parallel.items() if k not in offload}
-    reference = run_on_ranks(world, _rows, corpus, degrees, parallel, model)[0]
-    assert reference[-2][0] < reference[0][0] - 0.5  # it learns
+    reference = run_on_ranks(world, _rows, corpus, degrees, parallel, model, steps=4)[0]
+    assert reference[-2][0] < reference[0][0] - 0.3  # it learns
     for stage in (1, 2) if moe else (1, 2, 3):
         parallel_zero = parallel | offload | {"zero": stage}
-        rows = run_on_ranks(world, _rows, corpus, degrees, parallel_zero, model)[0]
+        rows = run_on_ranks(world, _rows, corpus, degrees, parallel_zero, model, steps=4)[0]
         _assert_same_trajectory(rows, reference)
 
 

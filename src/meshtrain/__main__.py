@@ -1,5 +1,3 @@
-import sys
+from meshtrain.cli.main import run
 
-from meshtrain.cli.main import main
-
-sys.exit(main())
+run()
