@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -46,6 +47,10 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
                 results.put((rank, True, fn(*args, **kwargs)))
             except BaseException:  # report anything, including assertion failures
                 results.put((rank, False, traceback.format_exc()))
+            # What a task leaves alive (cached meshes, imported modules) stays for good: out of
+            # the collector's reach, later tasks' collections stop walking it again and again.
+            gc.collect()
+            gc.freeze()
     finally:
         dist.destroy_process_group()
 
