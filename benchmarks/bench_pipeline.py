@@ -109,8 +109,11 @@ class MeshtrainPipeline(Contender):
         word = model.embedding.word.weight
 
         def forward_backward() -> torch.Tensor:
-            losses = run_schedule(actions, stage=lambda x, chunk: (model(x, chunk=chunk), 0.0),
-                                  loss_fn=model.cross_entropy, micro_batches=batches, mesh=mesh,
+            losses = run_schedule(actions,
+                                  stage=lambda x, chunk, batch: (model(x, chunk=chunk), 0.0),
+                                  loss_fn=lambda logits, batch: model.cross_entropy(logits,
+                                                                                    batch[1]),
+                                  micro_batches=batches, mesh=mesh,
                                   activation_shape=activation, dtype=torch.float32,
                                   num_chunks=v).losses
             comm.all_reduce(word.grad, mesh.axis("embed"))  # the tied embedding's two copies

@@ -26,6 +26,7 @@ from meshtrain.data.corpus import BatchSampler, load_corpus, split_tokens, synth
 from meshtrain.data.tokenization import train_bpe
 from meshtrain.interop.hf_io import HFModelDirectory, import_hf
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallelize import build_model, pipeline_stage
 from meshtrain.training.trainer import Trainer
@@ -50,6 +51,9 @@ CONFIGS = {
                                            rope_parameters={"rope_type": "default",
                                                             "rope_theta": 1e6}),
     "qwen2": transformers.Qwen2Config(**LLAMA),
+    # Mistral: a window of 8 on sequences of 24 (v0.1); v0.2/v0.3 configs have none
+    "mistral": transformers.MistralConfig(**LLAMA, sliding_window=8),
+    "mistral_v03": transformers.MistralConfig(**LLAMA, sliding_window=None),
 }
 
 
@@ -178,7 +182,7 @@ def _logits_at(run: str, ids: torch.Tensor, degrees: dict) -> torch.Tensor | Non
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied", "qwen2_tied",
-                                     "qwen2"])
+                                     "qwen2", "mistral"])
 def test_logits_equal_transformers_at_tp2_and_pp2(hf, imported, variant):
     with torch.no_grad():
         expected = _reference(hf[variant])(IDS).logits
@@ -188,8 +192,30 @@ def test_logits_equal_transformers_at_tp2_and_pp2(hf, imported, variant):
             assert _max_difference(logits, expected) < 1e-5, degrees
 
 
+def _context_parallel_logits(run: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This cp rank's positions and their logits (load-balanced chunks, true positions)."""
+    mesh = worker_mesh(cp=2)
+    path = resolve_checkpoint(run)
+    model = build_model(checkpoint_config(path), mesh).eval()
+    load_checkpoint(path, model=model, mesh=mesh)
+    mine = context_parallel_positions(ids.shape[1], 2, mesh.cp.rank)
+    with torch.no_grad():
+        return mine, model.full_logits(model(ids[:, mine], mine))
+
+
+def test_windowed_logits_equal_transformers_at_cp2(hf, imported):
+    """Mistral's window (8) on sequences of 24, split over two context-parallel ranks."""
+    with torch.no_grad():
+        expected = _reference(hf["mistral"])(IDS).logits
+    assert HFModelDirectory(hf["mistral"]).cfg.sliding_window == 8
+    assert HFModelDirectory(hf["mistral_v03"]).cfg.sliding_window is None
+    for mine, logits in run_on_ranks(2, _context_parallel_logits, str(imported["mistral"]),
+                                     IDS):
+        assert _max_difference(logits, expected[:, mine]) < 1e-5
+
+
 @pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied", "qwen2_tied",
-                                     "qwen2"])
+                                     "qwen2", "mistral"])
 def test_greedy_generation_equals_transformers(hf, variant):
     prompt = IDS[:, :6]
     theirs = _reference(hf[variant]).generate(prompt, attention_mask=torch.ones_like(prompt),
@@ -350,7 +376,7 @@ def _write_config(path: Path, base: str, **fields) -> Path:
      "\"rope_parameters\": rope type 'yarn'"),
     ("llama_gqa", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
      "\"rope_scaling\": rope type 'linear'"),
-    ("llama_gqa", {"architectures": ["MistralForCausalLM"]}, '"architectures"'),
+    ("llama_gqa", {"architectures": ["GemmaForCausalLM"]}, '"architectures"'),
     ("qwen2", {"use_sliding_window": True}, '"use_sliding_window": True'),
     ("qwen2", {"hidden_act": "gelu"}, '"hidden_act"'),
 ], ids=lambda v: v if isinstance(v, str) else None)

@@ -87,11 +87,11 @@ def _bytes_held_by_the_graph(corpus, stage):
     cfg = _cfg(corpus, steps=2, parallel={"zero": stage})
     trainer = Trainer.build(cfg, worker_mesh(dp=2))
     trainer.train_step(0)
-    inputs, targets = trainer.train_data.micro_batches(1, dp_rank=trainer.mesh.dp.rank,
-                                                       dp_size=2)[0]
+    batch = trainer.executor.local_slices(trainer.train_data.micro_batches(
+        1, dp_rank=trainer.mesh.dp.rank, dp_size=2))[0]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = trainer.executor.cross_entropy(inputs, targets)
+        loss = trainer.executor.cross_entropy(batch)
     storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in saved}
     held = sum(nbytes for _, nbytes in storages)
     loss.backward()  # the freed parameters come back for it

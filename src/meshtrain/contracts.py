@@ -1,6 +1,7 @@
 """What models and the parallel runtime agree on, defined below both: which part of the model
 a pipeline stage builds (`StageSpec`), what the strategy may know about parameters
-(`ParameterRoles`), and what layers report beside their output (`AuxiliaryOutputs`).
+(`ParameterRoles`), what layers report beside their output (`AuxiliaryOutputs`), and what one
+micro-batch hands the model (`MicroBatch`).
 
 `models/` builds to these and `parallel/` reads them, so neither imports the other's classes.
 """
@@ -8,6 +9,7 @@ a pipeline stage builds (`StageSpec`), what the strategy may know about paramete
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -52,3 +54,16 @@ class AuxiliaryOutputs:
     loss: torch.Tensor | float = 0.0
     routing: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per MoE layer, in forward order: tokens_per_expert [E], dropped, assigned, aux_loss."""
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch as this rank runs it: token ids and targets (this rank's share of each
+    sequence), the positions the model embeds (`[s]`, or `[b, s]` restarting at each document),
+    the document index of every token of the whole sequences (`[b, S]`; None: no document mask)
+    and the count the summed loss is divided by (None: this rank's non-ignored targets)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
+    documents: torch.Tensor | None = None
+    loss_tokens: torch.Tensor | None = None

@@ -16,7 +16,13 @@ from torch import nn
 from meshtrain.contracts import ParameterRoles, StageSpec
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import CausalLM, TransformerConfig, family_of
-from meshtrain.parallel.runtime.executor import LocalExecutor, PipeDreamExecutor, PipelineExecutor
+from meshtrain.parallel.runtime.executor import (
+    ONE_STREAM,
+    LocalExecutor,
+    Packing,
+    PipeDreamExecutor,
+    PipelineExecutor,
+)
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.schedules import model_chunk
 from meshtrain.parallel.runtime.sync import GradientSync, ReplicatedSync, ZeroSync
@@ -37,17 +43,19 @@ class ParallelModel:
 
 def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: ParallelMesh, *,
                 seed: int, seq_len: int, lr: float, weight_decay: float,
-                steps: int) -> ParallelModel:
+                steps: int, packing: Packing = ONE_STREAM) -> ParallelModel:
     """Build this rank's part of `model_cfg` laid out as `plan` (already validated, degrees
     those of `mesh`). `seq_len` sizes the pipeline's transfers; `lr` and `weight_decay` the
-    AdamW; `steps` is the run's last step (PipeDream-2BW lays out the whole run)."""
+    AdamW; `steps` is the run's last step (PipeDream-2BW lays out the whole run); `packing`
+    how the executor feeds packed documents."""
     stage = pipeline_stage(model_cfg.num_layers, plan, mesh)
     model = build_model(model_cfg, mesh, plan, seed=seed, stage=stage)
     factory = model.factory
     model.to(plan.dtype)
     roles = model.roles()
     sync = gradient_sync(model, roles, factory, plan, mesh, lr=lr, weight_decay=weight_decay)
-    executor = step_executor(model, factory, sync, plan, mesh, seq_len=seq_len, steps=steps)
+    executor = step_executor(model, factory, sync, plan, mesh, seq_len=seq_len, steps=steps,
+                             packing=packing)
     return ParallelModel(model, roles, factory, sync, executor)
 
 
@@ -90,13 +98,13 @@ def gradient_sync(model: nn.Module, roles: ParameterRoles, factory: LayerFactory
 
 def step_executor(model: CausalLM, factory: LayerFactory, sync: GradientSync,
                   plan: ParallelPlan, mesh: ParallelMesh, *, seq_len: int,
-                  steps: int) -> LocalExecutor:
+                  steps: int, packing: Packing = ONE_STREAM) -> LocalExecutor:
     if mesh.pp.size == 1:
-        return LocalExecutor(model, mesh, seq_len=seq_len)
+        return LocalExecutor(model, mesh, seq_len=seq_len, packing=packing)
     shape = factory.hidden_shape(plan.micro_batch, seq_len // mesh.cp.size,
                                  model.cfg.hidden_size)
     if plan.pp_schedule == "2bw":
         return PipeDreamExecutor(model, mesh, seq_len=seq_len, activation_shape=shape,
-                                 current=sync.masters.params, steps=steps)
+                                 current=sync.masters.params, steps=steps, packing=packing)
     return PipelineExecutor(model, mesh, seq_len=seq_len, schedule=plan.pp_schedule,
-                            activation_shape=shape)
+                            activation_shape=shape, packing=packing)

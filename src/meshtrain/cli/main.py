@@ -68,6 +68,7 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
 
     plan = config_mod.validate(cfg, world_size)
     corpus = corpus_of(cfg)
+    config_mod.check_packing(cfg, corpus.eod_id)
     vocab = corpus.vocab_size
     model = cfg.model_config(vocab)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:

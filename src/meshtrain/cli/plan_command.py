@@ -60,7 +60,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     if not result.ranked:
         if args.explain and not args.json:
-            print("\n".join(explain(result)))
+            print("\n".join(explain(result, request)))
         result.best()  # raises: why nothing fits
     shown = result.ranked[:args.top]
     if args.json:
@@ -68,7 +68,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print("\n".join(table(request, result, shown, seconds)))
         if args.explain:
-            print("\n".join(["", *explain(result)]))
+            print("\n".join(["", *explain(result, request)]))
     for warning in result.warnings:
         print(f"meshtrain: warning: {as_flags(warning)}", file=sys.stderr)
     return 0
@@ -160,9 +160,14 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
     return lines
 
 
-def explain(result: SearchResult) -> list[str]:
-    """Rejected layouts by reason, most frequent first, each with a few examples."""
-    lines = ["rejected layouts by reason:"]
+def explain(result: SearchResult, request: Request) -> list[str]:
+    """The attention mask the costs assume, then rejected layouts by reason, most frequent
+    first, each with a few examples."""
+    m, s = request.model, request.seq_len
+    span = m.attention_span(s)
+    lines = [f"attention: sliding window {m.sliding_window} of sequence {s}: attention FLOPs"
+             f" {span / s:.3g} of the causal mask's" if span < s else
+             f"attention: causal over the whole sequence ({s})", "rejected layouts by reason:"]
     for reason, items in sorted(result.rejected.items(), key=lambda kv: -len(kv[1])):
         lines.append(f"  {reason}: {len(items)}")
         for r in _examples(reason, items):

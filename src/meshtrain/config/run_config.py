@@ -289,11 +289,36 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
         raise SettingError(Code.SEQ_LEN_MAX, f"`seq_len` {t.seq_len} exceeds `max_seq_len`"
                                              f" {model.max_seq_len}: raise `max_seq_len` or"
                                              " shorten `seq_len`")
+    _validate_packing(cfg, plan)
     if p.trace and plan.pp_schedule == "2bw":
         raise ValueError("`trace` draws one flush step; a 2bw step overlaps its neighbours (no"
                          " flush): trace `pp_schedule` 1f1b instead")
     return plan.validate(model, world_size=world_size, global_batch=t.global_batch,
                          seq_len=t.seq_len)
+
+
+def _validate_packing(cfg: RunConfig, plan: ParallelPlan) -> None:
+    """Packed-document settings the layout can run (whether the data marks documents is
+    checked where it is read: `check_packing`)."""
+    d = cfg.data
+    if d.reset_positions and not d.document_mask:
+        raise ValueError("`reset_positions` restarts positions at documents that attention still"
+                         " crosses: add `document_mask`")
+    if d.document_mask and plan.batch_parts > 1:
+        raise ValueError(f"`document_mask` needs whole micro-batches on every rank; `tp_scheme`"
+                         f" {plan.tp_scheme} splits them {plan.batch_parts} ways: use"
+                         " `tp_scheme` 1d")
+
+
+def check_packing(cfg: RunConfig, eod_id: int | None) -> None:
+    """Refuse packed-document settings on data that records no end-of-document token."""
+    wanted = [name for name in ("document_mask", "reset_positions", "eod_mask_loss")
+              if getattr(cfg.data, name)]
+    if wanted and eod_id is None:
+        where = "the built-in corpus" if cfg.data.data is None else f"`data` {cfg.data.data}"
+        raise ValueError(f"`{wanted[0]}` needs documents, and {where} marks none (no eod_id):"
+                         " prepare the text with `meshtrain prepare`, which ends every document"
+                         f" with its end-of-document token, or drop `{wanted[0]}`")
 
 
 def _validate_restarts(cfg: RunConfig) -> None:

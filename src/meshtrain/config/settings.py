@@ -103,6 +103,13 @@ class DataSettings:
                                 " the Python standard library source")
     val_fraction: float = _f(0.05, "fraction of the tokens held out for evaluation (unused when"
                                    " the data has a prepared held-out file)")
+    document_mask: bool = _f(False, "attention stays within each document of a packed sequence"
+                                    " (documents end with the token file's eod_id, as meshtrain"
+                                    " prepare writes it)")
+    reset_positions: bool = _f(False, "positions restart at each document's first token (with"
+                                      " --document-mask; GPT's learned positions need it to see"
+                                      " each document as it would alone)")
+    eod_mask_loss: bool = _f(False, "no loss on predicting the end-of-document token")
 
 
 @dataclass(slots=True)

@@ -213,6 +213,7 @@ class Corpus:
     vocab_size: int
     held_out: np.ndarray | None = None  # the prepared validation split: whole documents
     tokenizer: Path | None = None  # the tokenizer.json that made the tokens; None: bytes
+    eod_id: int | None = None  # the token that ends each document; None: not recorded
 
     def splits(self, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
         """(train, validation): the prepared held-out split if any, else the tail (see
@@ -235,14 +236,14 @@ def load_corpus(path: str | Path) -> Corpus:
             raise _data_error(path, f"its validation file {meta['validation']} has vocab_size"
                                     f" {held_meta['vocab_size']}, not {meta['vocab_size']}:"
                                     " prepare both again together")
-    tokenizer = meta.get("tokenizer")
+    tokenizer, eod_id = meta.get("tokenizer"), meta.get("eod_id")
     if tokenizer in (None, "bytes"):
-        return Corpus(tokens, meta["vocab_size"], held_out)
+        return Corpus(tokens, meta["vocab_size"], held_out, None, eod_id)
     tokenizer = path.parent / tokenizer
     if not tokenizer.is_file():
         raise _data_error(path, f"{sidecar_of(path).name} names the tokenizer {tokenizer.name},"
                                 " which is missing: put it back beside the data or prepare again")
-    return Corpus(tokens, meta["vocab_size"], held_out, tokenizer)
+    return Corpus(tokens, meta["vocab_size"], held_out, tokenizer, eod_id)
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,8 @@
 config forms, tied or untied output layer) with the q/k/v biases, which `LlamaMapping` maps
 after their weights where the config has them.
 
-Refused: "use_sliding_window" true (meshtrain has no sliding-window attention yet). Exported
+Refused: "use_sliding_window" true (Qwen2 windows only the layers from "max_window_layers" on;
+meshtrain's windows cover every layer). Exported
 configs say so ("use_sliding_window": false) and leave Llama's bias fields out.
 """
 
@@ -22,7 +23,7 @@ class Qwen2Mapping(LlamaMapping):
 
     def config_fields(self, hf: dict) -> dict:
         expect(hf, "use_sliding_window", (False,), False,
-               "meshtrain has no sliding-window attention yet")
+               "Qwen2 windows the layers from max_window_layers on, meshtrain every layer")
         return super().config_fields(hf) | {"qkv_bias": True}
 
     def config_to_hf(self, cfg: Qwen2Config) -> dict:

@@ -17,6 +17,7 @@ from torch import nn
 
 from meshtrain.models.kv_cache import LayerCache
 from meshtrain.parallel.layers.expert import MoE
+from meshtrain.parallel.layers.masks import CAUSAL, AttentionMask
 from meshtrain.parallel.layers.rng import RNGTracker
 
 
@@ -105,15 +106,17 @@ class Rotary(nn.Module):
         self._inv_freq = {inv_freq.device: inv_freq.float()}
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        """fp32 angles `[s, d]` of the tokens at `positions` `[s]`."""
+        """fp32 angles `[s, d]` of the tokens at `positions` `[s]` (`[b, 1, s, d]` for
+        per-sequence positions `[b, s]`)."""
         device = positions.device
         if device not in self._inv_freq:
             self._inv_freq[device] = next(iter(self._inv_freq.values())).to(device)
-        angles = positions.float()[:, None] * self._inv_freq[device][None, :]
-        return torch.cat([angles, angles], dim=-1)
+        angles = positions.float()[..., None] * self._inv_freq[device]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles if positions.dim() == 1 else angles.unsqueeze(1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x `[b, heads, s, d]`, positions `[s]`."""
+        """x `[b, heads, s, d]`, positions `[s]` or `[b, s]`."""
         angles = self.angles(positions.to(x.device))
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         first, second = x.chunk(2, dim=-1)
@@ -151,14 +154,15 @@ class Attention(nn.Module):
         self.split, self.head_dim = split, head_dim
 
     def forward(self, x: torch.Tensor, rng: RNGTracker, positions: torch.Tensor | None,
-                cache: LayerCache | None = None):
+                cache: LayerCache | None = None, mask: AttentionMask = CAUSAL):
         # q, k, v cover the whole local sequence, also under sequence parallelism
         q, k, v = self.split(self.qkv(x), self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
+        k_start = 0
         if cache is not None:
-            k, v = cache.extend(k, v)
-        out = self.core(q, k, v, rng)
+            k, v, k_start = cache.extend(k, v)
+        out = self.core(q, k, v, rng, mask, k_start)
         b, _, s, _ = out.shape
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))  # proj input [b, s, h/tp]
 
@@ -198,8 +202,9 @@ class Block(nn.Module):
         self.routed = isinstance(mlp, MoE)
 
     def forward(self, x: torch.Tensor, rng: RNGTracker, positions: torch.Tensor | None,
-                aux, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + dropout(self.attn(self.ln1(x), rng, positions, cache), self.dropout,
+                aux, cache: LayerCache | None = None, mask: AttentionMask = CAUSAL
+                ) -> torch.Tensor:
+        x = x + dropout(self.attn(self.ln1(x), rng, positions, cache, mask), self.dropout,
                         self.training, rng, self.stream)
         hidden = self.ln2(x)
         out = self.mlp(hidden, aux) if self.routed else self.mlp(hidden)

@@ -22,6 +22,8 @@ from meshtrain.models.blocks import generator, init_linear
 from meshtrain.models.family import TransformerConfig
 from meshtrain.models.kv_cache import KVCache
 from meshtrain.parallel.layers.expert import MoE
+from meshtrain.parallel.layers.loss import IGNORE_INDEX
+from meshtrain.parallel.layers.masks import AttentionMask
 from meshtrain.parallel.layers.recompute import recomputed
 from meshtrain.parallel.layers.rng import RNGTracker
 from meshtrain.parallel.schemes.factory import LayerFactory
@@ -96,7 +98,8 @@ class CausalLM(nn.Module, ABC):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
                 chunk: int | None = None, aux: AuxiliaryOutputs | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states -> hidden states or local logits (last).
 
         `positions`: the sequence positions of the tokens in `x` (context parallelism holds a
@@ -105,7 +108,9 @@ class CausalLM(nn.Module, ABC):
         model chunk (an interleaved pipeline stage), with the embedding if it is the first and
         the head if it is the last; None runs them all. `aux` collects the auxiliary losses and
         statistics of MoE layers. `cache` (eval mode only; see `kv_cache`): the keys and values
-        of the tokens before `x`, which the new ones are appended to.
+        of the tokens before `x`, which the new ones are appended to. `documents`: `[b, S]`
+        the document of every token of the whole sequences (packed data): attention stays
+        within each; with the family's `sliding_window` it forms the `AttentionMask`.
         """
         aux = aux if aux is not None else AuxiliaryOutputs()
         chunks = range(len(self.stage.chunks)) if chunk is None else [chunk]
@@ -114,14 +119,16 @@ class CausalLM(nn.Module, ABC):
         if positions is None and x.dim() == 2:
             start = 0 if cache is None else cache.length
             positions = torch.arange(start, start + x.shape[1], device=x.device)
+        mask = AttentionMask(self.cfg.sliding_window, documents)
         if self.stage.has_embedding and chunks[0] == 0:
             x = self.embedding(x, positions, self.rng)
         for index in (i for c in chunks for i in self.stage.chunks[c]):
             block = self.layers[str(index)]
             if index in self._recomputed_layers and self.training:
-                x = recomputed(block, self.rng, x, self.rng, positions, aux)
+                x = recomputed(block, self.rng, x, self.rng, positions, aux, None, mask)
             else:
-                x = block(x, self.rng, positions, aux, None if cache is None else cache[index])
+                x = block(x, self.rng, positions, aux, None if cache is None else cache[index],
+                          mask)
         if self.stage.has_head and chunks[-1] == len(self.stage.chunks) - 1:
             x = self.output_layer.logits(self.final_norm(x))
         return x  # logits: [b, s, V_padded/tp]
@@ -144,7 +151,7 @@ class CausalLM(nn.Module, ABC):
         elif not 1 <= capacity <= cfg.max_seq_len:
             problem = f"its capacity must be 1 .. `max_seq_len` ({cfg.max_seq_len}), got {capacity}"
         else:
-            return KVCache(stage.layers, capacity)
+            return KVCache(stage.layers, capacity, window=cfg.sliding_window)
         raise ValueError(f"no key/value cache here: {problem} (generation caches whole models"
                          " at any 1D tp)")
 
@@ -153,13 +160,18 @@ class CausalLM(nn.Module, ABC):
         return self.head if self.head is not None else self.embedding.word
 
     def cross_entropy(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
-                      ignore_index: int = -100) -> torch.Tensor:
-        """Mean next-token cross-entropy over the non-ignored tokens (what metrics report)."""
+                      ignore_index: int = IGNORE_INDEX,
+                      loss_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy over the non-ignored tokens (what metrics report), or
+        their sum over `loss_tokens` (a count kept over the whole sequence when this rank holds
+        part of it)."""
         per_token = self.factory.loss(local_logits, targets, ignore_index=ignore_index)
+        if loss_tokens is not None:
+            return per_token.sum() / loss_tokens.clamp(min=1)
         return per_token.sum() / (targets != ignore_index).sum().clamp(min=1)
 
     def loss(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
-             aux: AuxiliaryOutputs | None = None, ignore_index: int = -100) -> torch.Tensor:
+             aux: AuxiliaryOutputs | None = None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         """Training loss: the cross-entropy plus the forward's auxiliary (MoE routing) losses."""
         ce = self.cross_entropy(local_logits, targets, ignore_index=ignore_index)
         return ce if aux is None else ce + aux.loss

@@ -40,6 +40,8 @@ class TransformerConfig(ABC):
     """Whether the query, key and value projections add a bias."""
     tie_word_embeddings: bool = True
     """Whether the output layer is the input embedding."""
+    sliding_window: int | None = None
+    """Each token attends the last `sliding_window` positions (itself included); None: all."""
     dropout: float = 0.0
     """Dropout on embeddings, attention probabilities and residual branches."""
     init_std: float = 0.02
@@ -102,6 +104,10 @@ class TransformerConfig(ABC):
             raise SettingError(Code.MODEL_SHAPE, (
                 f"`num_kv_heads` ({self.kv_heads}) must divide the number of heads"
                 f" ({self.num_heads}): each key/value head serves a group of them"))
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise SettingError(Code.RANGE, (
+                f"`sliding_window` must be positive (or unset for none), got"
+                f" {self.sliding_window}"))
         if not 0.0 <= self.dropout < 1.0:
             raise SettingError(Code.RANGE, (
                 f"`dropout` must be in [0, 1), got {self.dropout}"))
@@ -192,12 +198,24 @@ class TransformerConfig(ABC):
             + (self.num_layers - moe) * mlp + moe * (self.moe_top_k * mlp + h * self.moe_experts)
         return layers + self.vocab_size * h
 
+    def attention_span(self, seq_len: int) -> int:
+        """Keys per query the FLOP convention counts: the whole sequence under the causal mask
+        (Megatron-LM counts the masked half), the window where one is shorter."""
+        return min(seq_len, self.sliding_window or seq_len)
+
+    def attended_keys(self, seq_len: int) -> float:
+        """Keys a query attends on average (what a kernel skipping masked work computes):
+        (s + 1) / 2 under the causal mask, nearly the window W when W is much shorter than s."""
+        w = self.attention_span(seq_len)
+        return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs to train on one token (forward and backward, no recomputation), in the
         convention of Megatron-LM (Narayanan et al. 2021): 6 x the weights each token multiplies,
-        plus 12 x layers x seq_len x attention width for the scores and their use of the values
-        (the causal mask's skipped half is counted, as there)."""
-        attention = 12 * self.num_layers * seq_len * self.num_heads * self.head_dim
+        plus 12 x layers x `attention_span` x attention width for the scores and their use of
+        the values (the causal mask's skipped half is counted, as there)."""
+        attention = 12 * self.num_layers * self.attention_span(seq_len) * self.num_heads \
+            * self.head_dim
         return 6 * self.matmul_parameters_per_token() + attention
 
 

@@ -22,36 +22,49 @@ import torch
 
 class LayerCache:
     """One layer's keys and values `[b, kv heads/tp, t, d]`, in buffers of `capacity` tokens
-    that the first `extend` allocates (so they take the layer's dtype, device and heads)."""
+    that the first `extend` allocates (so they take the layer's dtype, device and heads). With
+    a sliding `window` it keeps only the last `window - 1` tokens, all a later query can see."""
 
-    def __init__(self, capacity: int):
-        self.capacity, self.length = capacity, 0
+    def __init__(self, capacity: int, window: int | None = None):
+        self.capacity, self.window, self.length = capacity, window, 0
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens' keys and values `[b, kv, s, d]`; returns all of them so far
-        (views of the buffers)."""
+    def extend(self, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Append the new tokens' keys and values `[b, kv, s, d]`; returns the keys and values
+        the new queries attend over and the sequence index of the first of them."""
         end = self.length + k.shape[-2]
         if end > self.capacity:
             raise ValueError(f"the key/value cache holds {self.capacity} tokens, {end} were"
                              " asked: make a larger one (at most `max_seq_len`)")
+        if self.window is not None:
+            return self._extend_window(k, v, end)
         if self.keys is None:
             shape = (*k.shape[:2], self.capacity, k.shape[-1])
             self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
         self.keys[:, :, self.length:end] = k
         self.values[:, :, self.length:end] = v
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.keys[:, :, :end], self.values[:, :, :end], 0
+
+    def _extend_window(self, k: torch.Tensor, v: torch.Tensor, end: int):
+        kept = 0 if self.keys is None else self.keys.shape[-2]
+        keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
+        values = v if self.values is None else torch.cat([self.values, v], dim=-2)
+        first, self.length = self.length - kept, end
+        drop = max(0, keys.shape[-2] - (self.window - 1))
+        self.keys, self.values = keys[:, :, drop:], values[:, :, drop:]
+        return keys, values, first
 
 
 class KVCache:
     """The caches of a model's layers (`cache[index]`), keyed by global layer index; `length`
     is how many tokens they hold, which is the position of the next token."""
 
-    def __init__(self, layers: Iterable[int], capacity: int):
+    def __init__(self, layers: Iterable[int], capacity: int, *, window: int | None = None):
         self.capacity = capacity
-        self.layers = {index: LayerCache(capacity) for index in layers}
+        self.layers = {index: LayerCache(capacity, window) for index in layers}
 
     def __getitem__(self, index: int) -> LayerCache:
         return self.layers[index]

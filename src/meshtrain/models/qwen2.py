@@ -3,8 +3,9 @@ SwiGLU, grouped-query attention) with a bias on the query, key and value project
 output projection and the MLP have none), rotary theta 10^6, and the output layer tied to the
 embedding at the small sizes.
 
-Sliding-window attention (`use_sliding_window`, off in every released Qwen2.5 model) is refused
-until meshtrain's attention takes masks other than causal.
+Qwen2's sliding windows (`use_sliding_window`, off in every released Qwen2.5 model) apply to
+the layers from `max_window_layers` on; meshtrain's windows (`sliding_window`, see Mistral) apply
+to every layer, so Qwen2's are refused.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Qwen2Config(LlamaConfig):
     rope_theta: float = 1000000.0
     qkv_bias: bool = True
     use_sliding_window: bool = False
-    """Qwen2's windowed attention on some layers: not implemented (refused when on)."""
+    """Qwen2's windowed attention on the upper layers: not implemented (refused when on)."""
 
     def validate(self) -> None:
         super().validate()
@@ -36,8 +37,8 @@ class Qwen2Config(LlamaConfig):
                                                        " drop it")
         if self.use_sliding_window:
             raise SettingError(Code.MODEL_UNSUPPORTED, (
-                "`use_sliding_window`: meshtrain attends over the whole causal context;"
-                " sliding-window attention needs attention masks, which it does not have yet:"
+                "`use_sliding_window`: Qwen2 slides its window on the layers from"
+                " max_window_layers on, and meshtrain windows every layer alike:"
                 " turn it off"))
 
 

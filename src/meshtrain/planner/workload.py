@@ -111,13 +111,24 @@ class Workload:
                                                      mlp / 2, mlp / 2))
         width = m.num_heads * m.head_dim
         ring = self.layout.cp > 1  # hand-written blocks: whole, eager softmax
-        core = 4 * tokens * self.seq_len * width / t * (1.0 if ring else CAUSAL_FRACTION)
+        core = 4 * tokens * self._keys_per_query(ring) * width / t
         replicated = 10 * h / (t if self.splits_hidden else 1)  # 2 norms in/out, 2 residual adds
         activation = (2 * matrices - 2) * f / t  # GELU: read + write; SwiGLU: 2 reads, 2 writes
         moved = tokens * (replicated + activation) * self.element_bytes
         if m.attention == "eager" or ring:
             moved += 4 * m.num_heads / t * tokens * self.seq_len * self.element_bytes
         return LayerWork(weight, core, moved, parameters / self.weight_parts)
+
+    def _keys_per_query(self, ring: bool) -> float:
+        """Keys each query's scores are computed for: half the sequence for a causal fused
+        kernel, the whole of it for the ring's whole blocks; under a sliding window the keys
+        it leaves (the ring skips blocks wholly outside it)."""
+        m, s = self.model, self.seq_len
+        if m.sliding_window is None or m.sliding_window >= s:
+            return s * (1.0 if ring else CAUSAL_FRACTION)
+        if ring:
+            return min(s, m.sliding_window + s / self.layout.cp)
+        return m.attended_keys(s)
 
     def head_matmul(self) -> float:
         return 2 * self.local_tokens * self.model.hidden_size * self.model.vocab_size \

@@ -23,7 +23,7 @@ from meshtrain.checkpointing.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from meshtrain.config.run_config import RunConfig
+from meshtrain.config.run_config import RunConfig, check_packing
 from meshtrain.data.corpus import (
     BYTE_VOCAB_SIZE,
     BatchSampler,
@@ -39,6 +39,7 @@ from meshtrain.operations.run_lock import RunLock
 from meshtrain.operations.stopping import SAVE_NOW, StopSignals, stop_signal
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.runtime.executor import Packing
 from meshtrain.parallel.runtime.optim import clip_grad_norm_, lr_at
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import init_parallel
@@ -93,9 +94,12 @@ class Trainer:
         train_tokens, val_tokens = corpus.splits(cfg.data.val_fraction)
         t = cfg.train
         plan = cfg.plan.with_degrees(mesh.degrees)
+        check_packing(cfg, corpus.eod_id)
+        d = cfg.data
+        packing = Packing(corpus.eod_id, d.document_mask, d.reset_positions, d.eod_mask_loss)
         parallel = parallelize(cfg.model_config(corpus.vocab_size), plan, mesh, seed=t.seed,
                                seq_len=t.seq_len, lr=t.lr, weight_decay=t.weight_decay,
-                               steps=t.stop_at or t.steps)
+                               steps=t.stop_at or t.steps, packing=packing)
         scaler = LossScaler(enabled=plan.precision == "fp16", growth_interval=t.loss_scale_window)
         sampler = dict(seq_len=t.seq_len, global_batch=t.global_batch,
                        micro_batch=plan.micro_batch, seed=t.seed)

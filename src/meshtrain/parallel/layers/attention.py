@@ -1,4 +1,5 @@
-"""The attention core: softmax(QK^T / sqrt(d))V over this rank's heads, causal.
+"""The attention core: softmax(QK^T / sqrt(d))V over this rank's heads, under an
+`AttentionMask` (causal; a sliding window; documents of packed sequences).
 
 It runs one of: torch's SDPA, an explicit eager path (whose saved tensors match the
 activation-memory formulas), ring attention or Ulysses all-to-all over the context-parallel axis.
@@ -8,7 +9,8 @@ attention (fewer key/value heads than query heads) runs natively in SDPA; the ot
 each key/value head for its query heads first.
 
 With a key/value cache (generation) the queries are the last of the keys' tokens: each query sees
-the keys up to its own position (the causal mask aligned to the bottom right).
+the keys up to its own position (the causal mask aligned to the bottom right). The keys start at
+sequence index `k_start` (a windowed cache drops the oldest).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.layers.context_parallel import ring_attention, ulysses_attention
+from meshtrain.parallel.layers.masks import CAUSAL, AttentionMask
 from meshtrain.parallel.layers.recompute import recomputed
 from meshtrain.parallel.layers.rng import TENSOR_PARALLEL, RNGTracker
 
@@ -30,22 +33,30 @@ CP_MODES = ("ring", "all2all")
 """The `cp_mode` choices: K/V blocks around a ring, or Ulysses' all-to-all over heads."""
 
 
-def eager_attention(q, k, v, p: float) -> torch.Tensor:
-    """Explicit causal attention `[b, a, s, d]`: saves the s x s probabilities (and mask). Keys
-    may be more than the queries (cached ones before them)."""
-    s, t = q.shape[-2], k.shape[-2]
+def eager_attention(q, k, v, p: float, mask: AttentionMask = CAUSAL,
+                    k_start: int = 0) -> torch.Tensor:
+    """Explicit attention `[b, a, s, d]` under `mask`: saves the s x s probabilities (and mask).
+    Keys may be more than the queries (cached ones before them, from sequence index
+    `k_start`)."""
+    q_pos, k_pos = _query_key_positions(q, k, k_start)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # [b, a/tp, s, t]
-    causal = torch.ones(s, t, dtype=torch.bool, device=q.device).triu_(1 + t - s)
-    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+    probs = scores.masked_fill(~mask.allowed(q_pos, k_pos), float("-inf")).softmax(dim=-1)
     if p > 0.0:
         probs = F.dropout(probs, p, training=True)
     return probs @ v
 
 
+def _query_key_positions(q, k, k_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence indices of the keys (from `k_start`) and of the queries (the last of them)."""
+    s, t = q.shape[-2], k.shape[-2]
+    k_pos = torch.arange(k_start, k_start + t, device=q.device)
+    return k_pos[t - s:], k_pos
+
+
 class AttentionCore(nn.Module):
-    """`core(q, k, v, rng)`: q `[b, a, s, d]`, k and v `[b, kv, t, d]` (kv divides a) for this
-    rank's heads and tokens -> `[b, a, s, d]`; t = s, or t > s with a key/value cache (whose
-    tokens come first). No parameters."""
+    """`core(q, k, v, rng, mask)`: q `[b, a, s, d]`, k and v `[b, kv, t, d]` (kv divides a) for
+    this rank's heads and tokens -> `[b, a, s, d]`; t = s, or t > s with a key/value cache
+    (whose tokens come first, from sequence index `k_start`). No parameters."""
 
     def __init__(self, *, dropout: float, eager: bool, cp_axis: MeshAxis, cp_mode: str,
                  recompute: bool):
@@ -54,41 +65,44 @@ class AttentionCore(nn.Module):
         self.cp_axis, self.cp_mode = cp_axis, cp_mode
         self.recompute = recompute
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rng: RNGTracker) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rng: RNGTracker,
+                mask: AttentionMask = CAUSAL, k_start: int = 0) -> torch.Tensor:
         def core(q, k, v):
             if not (self.dropout and self.training):  # nothing random: skip the RNG swap
-                return self._core(q, k, v)
+                return self._core(q, k, v, mask, k_start)
             with rng.fork(TENSOR_PARALLEL):
-                return self._core(q, k, v)
+                return self._core(q, k, v, mask, k_start)
 
         if self.recompute and self.training:
             return recomputed(core, rng, q, k, v)
         return core(q, k, v)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+              k_start: int) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         if self.cp_axis.size > 1:
             k, v = _repeat_heads(k, q), _repeat_heads(v, q)
             seq_len = q.shape[-2] * self.cp_axis.size
             if self.cp_mode == "ring":
-                return ring_attention(q, k, v, self.cp_axis, seq_len)
-            return ulysses_attention(q, k, v, self.cp_axis, seq_len, self._local)
-        return self._local(q, k, v, p)
+                return ring_attention(q, k, v, self.cp_axis, seq_len, mask)
+            return ulysses_attention(q, k, v, self.cp_axis, seq_len,
+                                     lambda q, k, v: self._local(q, k, v, mask))
+        return self._local(q, k, v, mask, p, k_start)
 
-    def _local(self, q, k, v, p: float = 0.0) -> torch.Tensor:
+    def _local(self, q, k, v, mask: AttentionMask, p: float = 0.0,
+               k_start: int = 0) -> torch.Tensor:
         if self.eager:
-            return eager_attention(q, _repeat_heads(k, q), _repeat_heads(v, q), p)
+            return eager_attention(q, _repeat_heads(k, q), _repeat_heads(v, q), p, mask, k_start)
         gqa = k.shape[1] != q.shape[1]
         s, t = q.shape[-2], k.shape[-2]
-        if s == t:
+        if mask.causal_only and s == t:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                   enable_gqa=gqa)
-        # cached keys: SDPA's is_causal aligns the mask to the top left, so pass it (one query
-        # sees every key and needs none)
-        mask = None if s == 1 else \
-            torch.ones(s, t, dtype=torch.bool, device=q.device).tril_(t - s)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+        if mask.causal_only and s == 1:  # one query sees every cached key
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)
+        # SDPA's is_causal aligns the mask to the top left and knows no window or documents
+        allowed = mask.allowed(*_query_key_positions(q, k, k_start))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p,
                                               enable_gqa=gqa)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm, regions
+from meshtrain.parallel.layers.masks import CAUSAL, AttentionMask
 from meshtrain.precision import wide_dtype
 
 
@@ -34,15 +35,37 @@ def context_parallel_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor
     return torch.cat([first, second])
 
 
-def _block_scores(q, k, q_pos, k_pos, scale):
-    """Scaled scores `[b, a, n, n]` with future keys masked to -inf."""
+def _block_scores(q, k, q_pos, k_pos, scale, mask: AttentionMask):
+    """Scaled scores `[b, a, rows, cols]` with the keys `mask` hides from each query at -inf."""
     scores = (q @ k.transpose(-2, -1)) * scale
-    return scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return scores.masked_fill(~mask.allowed(q_pos, k_pos), float("-inf"))
+
+
+def ring_sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor,
+                    mask: AttentionMask) -> list[tuple[slice, slice]]:
+    """The (query rows, key columns) of one ring step worth computing: the whole block, unless
+    the mask hides all of it (a window that ends before it)."""
+    n = len(q_pos)
+    return [(slice(0, n), slice(0, n))] if mask.visible_span(q_pos, k_pos) else []
+
+
+def _merge_block(q, k, v, q_pos, k_pos, scale, mask, out, lse):
+    """The running output and log-sum-exp of these queries after attending keys `k`."""
+    scores = _block_scores(q, k, q_pos, k_pos, scale, mask)
+    block_max = scores.amax(dim=-1)
+    block_max = torch.where(torch.isinf(block_max), 0.0, block_max)
+    probs = torch.exp(scores - block_max.unsqueeze(-1))  # unnormalised
+    block_lse = block_max + torch.log(probs.sum(dim=-1))
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new_lse), 0.0, new_lse)
+    out = out * torch.exp(lse - safe).unsqueeze(-1) \
+        + (probs @ v) * torch.exp(block_max - safe).unsqueeze(-1)
+    return out, new_lse
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis: MeshAxis, seq_len: int):
+    def forward(ctx, q, k, v, axis: MeshAxis, seq_len: int, mask: AttentionMask):
         # q, k, v: [b, a, n, d] for this rank's n tokens. The running output and log-sum-exp
         # are kept in fp32 whatever the input dtype (16-bit would lose digits at every step).
         ctx.dtype = q.dtype
@@ -56,29 +79,23 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.cat([k, v])
         for step in range(axis.size):
-            source = (axis.rank - step) % axis.size
+            k_pos = positions[(axis.rank - step) % axis.size]
             k_blk, v_blk = kv.chunk(2)
-            scores = _block_scores(q, k_blk, q_pos, positions[source], scale)
-            block_max = scores.amax(dim=-1)
-            block_max = torch.where(torch.isinf(block_max), 0.0, block_max)
-            probs = torch.exp(scores - block_max.unsqueeze(-1))  # unnormalised
-            block_lse = block_max + torch.log(probs.sum(dim=-1))
-            new_lse = torch.logaddexp(lse, block_lse)
-            safe = torch.where(torch.isinf(new_lse), 0.0, new_lse)
-            out = out * torch.exp(lse - safe).unsqueeze(-1) \
-                + (probs @ v_blk) * torch.exp(block_max - safe).unsqueeze(-1)
-            lse = new_lse
+            for rows, cols in ring_sub_blocks(q_pos, k_pos, mask):
+                out[:, :, rows], lse[:, :, rows] = _merge_block(
+                    q[:, :, rows], k_blk[:, :, cols], v_blk[:, :, cols], q_pos[rows],
+                    k_pos[cols], scale, mask, out[:, :, rows], lse[:, :, rows])
             if step < axis.size - 1:
                 kv = comm.ring_shift(kv, axis)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.axis, ctx.seq_len = axis, seq_len
+        ctx.axis, ctx.seq_len, ctx.mask = axis, seq_len, mask
         return out.to(ctx.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         grad_out = grad_out.to(q.dtype)
-        axis = ctx.axis
+        axis, mask = ctx.axis, ctx.mask
         scale = 1.0 / math.sqrt(q.shape[-1])
         positions = [context_parallel_positions(ctx.seq_len, axis.size, r).to(q.device)
                      for r in range(axis.size)]
@@ -88,27 +105,31 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.cat([k, v])
         grad_kv = torch.zeros_like(kv)
         for step in range(axis.size):
-            source = (axis.rank - step) % axis.size
+            k_pos = positions[(axis.rank - step) % axis.size]
             k_blk, v_blk = kv.chunk(2)
-            probs = torch.exp(_block_scores(q, k_blk, q_pos, positions[source], scale)
-                              - lse.unsqueeze(-1))
-            grad_v = probs.transpose(-2, -1) @ grad_out
-            grad_scores = probs * (grad_out @ v_blk.transpose(-2, -1) - delta)
-            grad_q += (grad_scores @ k_blk) * scale
-            grad_k = (grad_scores.transpose(-2, -1) @ q) * scale
-            grad_kv += torch.cat([grad_k, grad_v])
+            grad_k, grad_v = grad_kv.chunk(2)  # views: the sums land in grad_kv
+            for rows, cols in ring_sub_blocks(q_pos, k_pos, mask):
+                probs = torch.exp(_block_scores(q[:, :, rows], k_blk[:, :, cols], q_pos[rows],
+                                                k_pos[cols], scale, mask)
+                                  - lse[:, :, rows].unsqueeze(-1))
+                grad_v[:, :, cols] += probs.transpose(-2, -1) @ grad_out[:, :, rows]
+                grad_scores = probs * (grad_out[:, :, rows] @ v_blk[:, :, cols].transpose(-2, -1)
+                                       - delta[:, :, rows])
+                grad_q[:, :, rows] += (grad_scores @ k_blk[:, :, cols]) * scale
+                grad_k[:, :, cols] += (grad_scores.transpose(-2, -1) @ q[:, :, rows]) * scale
             if step < axis.size - 1:
                 kv = comm.ring_shift(kv, axis)
             # the gradient travels with its block; the last shift brings it home
             grad_kv = comm.ring_shift(grad_kv, axis)
         grad_k, grad_v = (g.to(ctx.dtype) for g in grad_kv.chunk(2))
-        return grad_q.to(ctx.dtype), grad_k, grad_v, None, None
+        return grad_q.to(ctx.dtype), grad_k, grad_v, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,
-                   seq_len: int) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole (cp-split) sequence."""
-    return _RingAttention.apply(q, k, v, axis, seq_len)
+                   seq_len: int, mask: AttentionMask = CAUSAL) -> torch.Tensor:
+    """Attention of this rank's queries over the whole (cp-split) sequence under `mask`; blocks
+    the mask hides whole (outside a window) are not computed."""
+    return _RingAttention.apply(q, k, v, axis, seq_len, mask)
 
 
 def _heads_to_sequence(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
@@ -136,8 +157,8 @@ def _sequence_to_heads(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,
                       seq_len: int, attend: Callable) -> torch.Tensor:
-    """Causal attention by all-to-all: `attend(q, k, v)` sees whole sequences in position order
-    for 1/cp of this rank's heads."""
+    """Attention by all-to-all: `attend(q, k, v)` (masked as it knows) sees whole sequences in
+    position order for 1/cp of this rank's heads."""
     order = torch.cat([context_parallel_positions(seq_len, axis.size, r)
                        for r in range(axis.size)]).to(q.device)  # gathered -> position
     to_natural = torch.argsort(order)

@@ -16,6 +16,9 @@ from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.precision import wide_dtype
 
+IGNORE_INDEX = -100
+"""The target id the loss skips (torch's and Hugging Face's convention)."""
+
 
 def _local_target_logits(shifted: torch.Tensor, targets: torch.Tensor, vocab_start: int):
     """Target logit where this rank owns the target (0 elsewhere), and the ownership mask."""
@@ -61,7 +64,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, *,
                                  mesh: ParallelMesh | MeshAxis,
-                                 ignore_index: int = -100) -> torch.Tensor:
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token cross-entropy (shape of `targets`, 0 where ignored) of vocab-split logits.
 
     Communicates over the TP axis only: exact and stable for logits of any magnitude.

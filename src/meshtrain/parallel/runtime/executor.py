@@ -4,7 +4,9 @@
 `PipelineExecutor` runs this rank's action list of a flush schedule (GPipe, 1F1B, interleaved);
 `PipeDreamExecutor` runs PipeDream-2BW's segments, which carry micro-batches across steps and
 keep two weight versions. Under context parallelism every executor feeds the model this rank's
-load-balanced slice of each sequence, with the true positions of its tokens.
+load-balanced slice of each sequence, with the true positions of its tokens. Packed documents
+(`Packing`) add each token's document for the attention mask, positions restarting at each
+document, or targets without the end-of-document token.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtrain.contracts import AuxiliaryOutputs
+from meshtrain.contracts import AuxiliaryOutputs, MicroBatch
 from meshtrain.data.corpus import to_device
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.layers.expert import RoutingStats
+from meshtrain.parallel.layers.loss import IGNORE_INDEX
+from meshtrain.parallel.layers.masks import document_ids, document_positions
 from meshtrain.parallel.runtime.pipeline import PipeDream2BW, ScheduleRun, run_schedule
 from meshtrain.parallel.runtime.schedules import (
     FORWARD,
@@ -36,6 +40,22 @@ from meshtrain.precision import wide_dtype
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class Packing:
+    """How documents packed into one sequence are seen (all off: one token stream). `eod_id`
+    ends a document; `document_mask` keeps attention within it; `reset_positions` restarts
+    the embedded positions at its first token; `eod_mask_loss` puts no loss on predicting it."""
+
+    eod_id: int | None = None
+    document_mask: bool = False
+    reset_positions: bool = False
+    eod_mask_loss: bool = False
+
+
+ONE_STREAM = Packing()
+"""No documents: the tokens are one stream (the default)."""
+
+
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean cross-entropy of this rank's micro-batches (every pipeline stage)
@@ -45,16 +65,32 @@ class StepResult:
 class LocalExecutor:
     """Micro-batches one after another; gradients accumulate, the last backward syncs."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int):
-        self.model, self.mesh = model, mesh
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int,
+                 packing: Packing = ONE_STREAM):
+        self.model, self.mesh, self.packing = model, mesh, packing
         self.loss_dtype = wide_dtype(next(model.parameters()).dtype)  # the logged loss's
         self.positions = context_parallel_positions(seq_len, mesh.cp.size, mesh.cp.rank)
         self.device_positions = self.positions.to(mesh.device)
 
-    def local_slices(self, batches: Batches) -> Batches:
+    def local_slices(self, batches: Batches) -> list[MicroBatch]:
         """This context-parallel rank's tokens of each (inputs, targets), on the device."""
-        return to_device([(x[:, self.positions], y[:, self.positions]) for x, y in batches],
-                         self.mesh.device)
+        mine = self.positions
+        moved = to_device([(x[:, mine], y[:, mine]) for x, y in batches], self.mesh.device)
+        packing = self.packing
+        if not (packing.document_mask or packing.eod_mask_loss):
+            return [MicroBatch(x, y, self.device_positions) for x, y in moved]
+        device, slices = self.mesh.device, []
+        for (x, y), (local_x, local_y) in zip(batches, moved, strict=True):
+            documents = document_ids(x, packing.eod_id) if packing.document_mask else None
+            positions = document_positions(documents)[:, mine].to(device) \
+                if packing.reset_positions else self.device_positions
+            loss_tokens = None
+            if packing.eod_mask_loss:  # the whole sequence's count, shared by the cp ranks
+                local_y = local_y.masked_fill(local_y == packing.eod_id, IGNORE_INDEX)
+                loss_tokens = ((y != packing.eod_id).sum() / self.mesh.cp.size).to(device)
+            slices.append(MicroBatch(local_x, local_y, positions, None if documents is None
+                                     else documents.to(device), loss_tokens))
+        return slices
 
     def forward_backward(self, step: int, batches: Callable[[int], Batches], sync, *,
                          loss_scale: float, timeline: list | None = None) -> StepResult:
@@ -62,27 +98,31 @@ class LocalExecutor:
         m = len(micro_batches)
         loss_sum = torch.zeros((), dtype=self.loss_dtype, device=self.mesh.device)
         routing = RoutingStats(self.mesh.device)
-        for i, (inputs, targets) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             sync.before_backward(i == m - 1)
             aux = AuxiliaryOutputs()
-            cross_entropy = self.cross_entropy(inputs, targets, aux)
+            cross_entropy = self.cross_entropy(batch, aux)
             ((cross_entropy + aux.loss) / m * loss_scale).backward()
             loss_sum += cross_entropy.detach().to(self.loss_dtype) / m
             routing.add(aux.routing)
         return StepResult(loss_sum, routing)
 
-    def cross_entropy(self, inputs: torch.Tensor, targets: torch.Tensor,
-                      aux: AuxiliaryOutputs | None = None) -> torch.Tensor:
+    def cross_entropy(self, batch: MicroBatch, aux: AuxiliaryOutputs | None = None
+                      ) -> torch.Tensor:
         """Mean cross-entropy of this rank's tokens (equal counts on every dp x cp rank, so
         averaging over them gives the global mean)."""
-        logits = self.model(inputs, self.device_positions, aux=aux)
-        return self.model.cross_entropy(logits, targets)
+        logits = self.model(batch.inputs, batch.positions, aux=aux, documents=batch.documents)
+        return self.batch_loss(logits, batch)
+
+    def batch_loss(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        """The cross-entropy of `batch`'s targets given the model's local logits."""
+        return self.model.cross_entropy(logits, batch.targets, loss_tokens=batch.loss_tokens)
 
     @torch.no_grad()
     def evaluate(self, batches: Batches) -> torch.Tensor:
         total = torch.zeros((), dtype=self.loss_dtype, device=self.mesh.device)
-        for inputs, targets in self.local_slices(batches):
-            total += self.cross_entropy(inputs, targets)
+        for batch in self.local_slices(batches):
+            total += self.cross_entropy(batch)
         return total / len(batches)
 
     def optimizer_step(self, apply: Callable[[], None]) -> None:
@@ -101,8 +141,8 @@ class PipelineExecutor(LocalExecutor):
     bytes per in-flight chunk, and `last_run` keeps the latest step's peaks."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int, schedule: str,
-                 activation_shape: tuple[int, ...]):
-        super().__init__(model, mesh, seq_len=seq_len)
+                 activation_shape: tuple[int, ...], packing: Packing = ONE_STREAM):
+        super().__init__(model, mesh, seq_len=seq_len, packing=packing)
         self.schedule, self.activation_shape = schedule, activation_shape
         self.count_saved_bytes = False
         self.last_run: ScheduleRun | None = None
@@ -117,9 +157,9 @@ class PipelineExecutor(LocalExecutor):
     def stage(self, routing: RoutingStats | None):
         """The stage function for `run_schedule`: one local chunk's forward and its extra loss;
         routing statistics go to `routing`."""
-        def run(x: torch.Tensor, chunk: int):
+        def run(x: torch.Tensor, chunk: int, batch: MicroBatch):
             aux = AuxiliaryOutputs()
-            out = self.model(x, self.device_positions, chunk=chunk, aux=aux)
+            out = self.model(x, batch.positions, chunk=chunk, aux=aux, documents=batch.documents)
             if routing is not None:
                 routing.add(aux.routing, chunk)
             return out, aux.loss
@@ -129,7 +169,7 @@ class PipelineExecutor(LocalExecutor):
             routing: RoutingStats, timeline: list | None, **schedule_options) -> StepResult:
         count = list(self.model.parameters()) if self.count_saved_bytes else None
         self.last_run = run_schedule(
-            actions, stage=self.stage(routing), loss_fn=self.model.cross_entropy,
+            actions, stage=self.stage(routing), loss_fn=self.batch_loss,
             micro_batches=micro_batches, mesh=self.mesh,
             activation_shape=self.activation_shape, dtype=next(self.model.parameters()).dtype,
             num_chunks=len(self.model.stage.chunks), num_micro_batches=m,
@@ -156,7 +196,7 @@ class PipelineExecutor(LocalExecutor):
     def evaluate(self, batches: Batches) -> torch.Tensor:
         forwards = [a for a in self.actions(len(batches))
                     if a.kind in (FORWARD, RECV_ACTIVATION, SEND_ACTIVATION)]
-        run = run_schedule(forwards, stage=self.stage(None), loss_fn=self.model.cross_entropy,
+        run = run_schedule(forwards, stage=self.stage(None), loss_fn=self.batch_loss,
                            micro_batches=self.local_slices(batches), mesh=self.mesh,
                            activation_shape=self.activation_shape,
                            dtype=next(self.model.parameters()).dtype,
@@ -171,9 +211,10 @@ class PipeDreamExecutor(PipelineExecutor):
     with the checkpoint's previous version."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int,
-                 activation_shape: tuple[int, ...], current: list[torch.Tensor], steps: int):
+                 activation_shape: tuple[int, ...], current: list[torch.Tensor], steps: int,
+                 packing: Packing = ONE_STREAM):
         super().__init__(model, mesh, seq_len=seq_len, schedule="1f1b",
-                         activation_shape=activation_shape)
+                         activation_shape=activation_shape, packing=packing)
         self.current, self.steps = current, steps
         self.pipedream: PipeDream2BW | None = None
         self.resumed_previous: list[torch.Tensor] | None = None

@@ -106,10 +106,12 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                  use_weights_of: Callable[[int], None] = lambda micro: None,
                  loss_scale: float = 1.0, count_saved_of=None,
                  carry: InFlight | None = None, timeline: list | None = None) -> ScheduleRun:
-    """Run this rank's actions. `stage(x, chunk)` runs local chunk `chunk` (of `num_chunks`)
-    and returns its output and its own extra loss for that micro-batch (MoE routing losses,
-    joining that backward; 0.0 for none); `micro_batches[i]` is micro-batch i's (ids, targets);
-    losses are divided by `num_micro_batches` (per optimizer step; default len(micro_batches)).
+    """Run this rank's actions. `stage(x, chunk, batch)` runs local chunk `chunk` (of
+    `num_chunks`) on micro-batch `batch` and returns its output and its own extra loss for that
+    micro-batch (MoE routing losses, joining that backward; 0.0 for none); `micro_batches[i]`
+    is micro-batch i (a `contracts.MicroBatch`, or any sequence whose first item is its token
+    ids); `loss_fn(logits, batch)` is its loss, divided by `num_micro_batches` (per optimizer
+    step; default len(micro_batches)).
 
     `before_backward(i)` lets the caller mark the last backward of a step (data-parallel
     reduction); `use_weights_of(i)`, called before each forward and backward, lets the caller
@@ -178,18 +180,18 @@ class _Runner:
         comm.recv(buffer, self.axis, self.previous, tag=self.tag(i, g - 1, self.forward_tag))
         self.state.inputs[key] = buffer.requires_grad_(torch.is_grad_enabled())
 
-    def _compute(self, x: torch.Tensor, key: tuple[int, int], targets: torch.Tensor | None):
-        """One local chunk's forward, and the loss if `targets` are given (last chunk)."""
-        out, self.state.extra[key] = self.stage(x, key[1])
-        return out if targets is None else self.loss_fn(out, targets.to(self.mesh.device)) / self.m
+    def _compute(self, x: torch.Tensor, key: tuple[int, int], batch, last: bool):
+        """One local chunk's forward, and the loss if it is the `last` chunk."""
+        out, self.state.extra[key] = self.stage(x, key[1], batch)
+        return self.loss_fn(out, batch) / self.m if last else out
 
     def forward(self, i: int, g: int, key: tuple[int, int]) -> None:
         state, run = self.state, self.result
         self.use_weights_of(i)
-        ids, targets = self.micro_batches[i]
+        batch = self.micro_batches[i]
         compute = functools.partial(self._compute,
-                                    ids.to(self.mesh.device) if g == 0 else state.inputs[key],
-                                    key, targets if g == self.last else None)
+                                    batch[0].to(self.mesh.device) if g == 0 else state.inputs[key],
+                                    key, batch, g == self.last)
         if self.count_saved_of is None:
             state.outputs[key], state.saved[key] = compute(), 0
         else:

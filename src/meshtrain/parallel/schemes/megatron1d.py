@@ -74,7 +74,7 @@ class Megatron1D(LayerFactory):
     def hidden_positions(self, positions: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             return positions
-        return positions.chunk(self.mesh.tp.size)[self.mesh.tp.rank]
+        return positions.chunk(self.mesh.tp.size, dim=-1)[self.mesh.tp.rank]
 
     @property
     def hidden_stream(self) -> str:

@@ -1,0 +1,29 @@
+"""Mistral and Hugging Face's MistralForCausalLM: Llama's mapping (names, rotary settings in
+both config forms, tied or untied output layer) plus "sliding_window", which v0.2 and v0.3
+configs set to null (imported as windowless). Mistral has no bias fields in its config, so an
+export leaves Llama's out.
+"""
+
+from __future__ import annotations
+
+from meshtrain.interop.hf_llama import LlamaMapping
+from meshtrain.models.mistral import MistralConfig
+
+
+class MistralMapping(LlamaMapping):
+    family = "mistral"
+    architecture = "MistralForCausalLM"
+    model_type = "mistral"
+    config_class = MistralConfig
+
+    def config_fields(self, hf: dict) -> dict:
+        return super().config_fields(hf) | {"sliding_window": hf.get("sliding_window")}
+
+    def config_to_hf(self, cfg: MistralConfig) -> dict:
+        hf = super().config_to_hf(cfg)
+        for llama_only in ("attention_bias", "mlp_bias"):
+            del hf[llama_only]
+        return hf | {"sliding_window": cfg.sliding_window}
+
+
+MAPPING = MistralMapping()

@@ -1,0 +1,246 @@
+"""Attention masks: the mask rule (causal, sliding window, documents) against brute force; every
+attention path (eager, SDPA, ring and all-to-all context parallelism, the windowed key/value
+cache) against a dense masked reference; packed documents giving each token the loss it has in
+its document alone at tp 2, cp 2 (ring and all-to-all) and pp 2; refusals before any rank starts.
+"""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import run_on_ranks, worker_mesh
+
+from meshtrain.config.run_config import build_config, check_packing, validate
+from meshtrain.mesh import ParallelMesh
+from meshtrain.models import preset
+from meshtrain.parallel.layers.attention import AttentionCore
+from meshtrain.parallel.layers.context_parallel import context_parallel_positions
+from meshtrain.parallel.layers.masks import AttentionMask, document_ids, document_positions
+from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallelize import build_model
+from meshtrain.training.trainer import Trainer
+
+EOD = 256
+
+
+def test_documents_end_with_their_end_of_document_token():
+    ids = torch.tensor([[5, EOD, 1, 7, EOD, EOD, 3]])
+    documents = document_ids(ids, EOD)
+    assert documents.tolist() == [[0, 0, 1, 1, 1, 2, 3]]
+    assert document_positions(documents).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+
+
+def _random_documents(rows: int, length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.rand(rows, length, generator=g) < 0.25
+    starts[:, 0] = False
+    return torch.cumsum(starts.int(), dim=-1)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 40])
+def test_the_mask_is_the_rule_it_states(window):
+    documents = _random_documents(2, 12, seed=window or 0)
+    mask = AttentionMask(window, documents)
+    positions = torch.arange(12)
+    allowed = mask.allowed(positions, positions)
+    for b in range(2):
+        for i in range(12):
+            for j in range(12):
+                rule = j <= i and (window is None or i - j < window) \
+                    and documents[b, i] == documents[b, j]
+                assert bool(allowed[b, 0, i, j]) == rule
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):  # a block it calls invisible has no visible pair
+        q, k = (torch.randperm(12, generator=g)[:4] for _ in range(2))
+        if not mask.visible_span(q, k):
+            assert not AttentionMask(window).allowed(q, k).any()
+
+
+def _dense(q, k, v, mask: AttentionMask):
+    """softmax(QK^T/sqrt(d) masked)V, the reference (key/value heads repeated)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    positions = torch.arange(q.shape[-2])
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask.allowed(positions, positions), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def _qkv(seed: int, s: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, s, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, s, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v
+
+
+MASKS = [(None, False), (5, False), (None, True), (5, True)]
+
+
+@pytest.mark.parametrize("window,documents", MASKS)
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "sdpa"])
+def test_local_kernels_follow_the_mask(window, documents, eager):
+    q, k, v = _qkv(0)
+    mask = AttentionMask(window, _random_documents(2, 16, 3) if documents else None)
+    core = AttentionCore(dropout=0.0, eager=eager, cp_axis=ParallelMesh.local().cp,
+                         cp_mode="ring", recompute=False)
+    assert torch.allclose(core(q, k, v, None, mask), _dense(q, k, v, mask), atol=1e-12)
+
+
+def _context_parallel(cp_mode: str, window, documents: bool):
+    """This rank's share of the output and of q/k/v's gradients, against the dense reference."""
+    mesh = worker_mesh(cp=2)
+    full = [t.requires_grad_() for t in _qkv(1)]
+    mask = AttentionMask(window, _random_documents(2, 16, 4) if documents else None)
+    reference = _dense(*full, mask)
+    reference.pow(2).sum().backward()
+    mine = context_parallel_positions(16, 2, mesh.cp.rank)
+    local = [t.detach()[:, :, mine].clone().requires_grad_() for t in full]
+    core = AttentionCore(dropout=0.0, eager=False, cp_axis=mesh.cp, cp_mode=cp_mode,
+                         recompute=False)
+    out = core(*local, None, mask)
+    out.pow(2).sum().backward()
+    errors = [(out - reference[:, :, mine]).abs().max().item()]
+    errors += [(t.grad - f.grad[:, :, mine]).abs().max().item()
+               for t, f in zip(local, full, strict=True)]
+    return max(errors)
+
+
+@pytest.mark.parametrize("window,documents", MASKS)
+@pytest.mark.parametrize("cp_mode", ["ring", "all2all"])
+def test_context_parallel_attention_follows_the_mask(cp_mode, window, documents):
+    assert max(run_on_ranks(2, _context_parallel, cp_mode, window, documents)) < 1e-12
+
+
+def test_a_windowed_cache_keeps_the_window_and_generates_the_same_logits():
+    cfg = preset("mistral-tiny", num_layers=2, sliding_window=5)
+    model = build_model(cfg, ParallelMesh.local(), seed=2).eval()
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(ids)
+        for prompt in (2, 7):  # shorter and longer than the window
+            cache = model.kv_cache(20)
+            steps = [model(ids[:, :prompt], cache=cache)]
+            steps += [model(ids[:, i:i + 1], cache=cache) for i in range(prompt, 20)]
+            assert torch.allclose(torch.cat(steps, dim=1), whole, atol=1e-5)
+            assert cache.length == 20 and cache[0].keys.shape[-2] == 4  # the window less one
+
+
+DOCS = [[5, 9, 3, 15], [10, 10, 12]]  # per row: document lengths, each ending with EOD
+
+
+def _packed_ids() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for lengths in DOCS:
+        row = []
+        for n in lengths:
+            row += torch.randint(0, EOD, (n - 1,), generator=g).tolist() + [EOD]
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+def _per_token_losses(family: str, degrees: dict, plan: dict):
+    """Per-token losses of the packed rows at this layout (documents masked, positions reset),
+    as (this rank's positions, losses `[b, s/cp]`)."""
+    mesh = worker_mesh(**degrees)
+    cfg = preset(family, vocab_size=EOD + 1, num_layers=2, sliding_window=None)
+    model = build_model(cfg, mesh, ParallelPlan(**degrees, **plan), seed=3).eval()
+    ids = _packed_ids()
+    targets = torch.roll(ids, -1, dims=1)
+    documents = document_ids(ids, EOD)
+    mine = context_parallel_positions(ids.shape[1], mesh.cp.size, mesh.cp.rank)
+    with torch.no_grad():
+        logits = model(ids[:, mine], document_positions(documents)[:, mine],
+                       documents=documents)
+        losses = model.factory.loss(logits, targets[:, mine], ignore_index=-100)
+    return mine, losses
+
+
+def _alone(family: str) -> torch.Tensor:
+    """Each document run alone by one process: the per-token losses `[b, s]` of the rows."""
+    cfg = preset(family, vocab_size=EOD + 1, num_layers=2, sliding_window=None)
+    model = build_model(cfg, ParallelMesh.local(), seed=3).eval()
+    ids = _packed_ids()
+    targets = torch.roll(ids, -1, dims=1)
+    rows = []
+    for b, lengths in enumerate(DOCS):
+        ends = np.cumsum([0, *lengths])
+        with torch.no_grad():
+            rows.append(torch.cat([F.cross_entropy(model(ids[b:b + 1, lo:hi])[0, :, :EOD + 1],
+                                                   targets[b, lo:hi], reduction="none")
+                                   for lo, hi in zip(ends[:-1], ends[1:], strict=True)]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("family", ["tiny", "llama-tiny"], ids=["gpt", "llama"])
+@pytest.mark.parametrize("degrees,plan", [
+    ({"tp": 2}, {}), ({"cp": 2}, {"cp_mode": "ring"}), ({"cp": 2}, {"cp_mode": "all2all"})],
+    ids=["tp2", "cp2-ring", "cp2-all2all"])
+def test_a_packed_batch_gives_each_token_its_loss_alone(family, degrees, plan):
+    expected = _alone(family)
+    packed = torch.empty_like(expected)
+    for mine, losses in run_on_ranks(2, _per_token_losses, family, degrees, plan):
+        packed[:, mine] = losses
+    assert (packed - expected).abs().max().item() < 1e-6
+
+
+@pytest.fixture(scope="module")
+def documents_file(tmp_path_factory) -> str:
+    """A token file of byte documents, each ending with the end-of-document id 256."""
+    text = bytes(np.frombuffer(b"the cat sat. a dog ran far away. birds sing", np.uint8))
+    g = np.random.default_rng(0)
+    tokens = []
+    while len(tokens) < 20_000:
+        start, length = g.integers(0, len(text) - 8), g.integers(3, 40)
+        tokens += list(text[start:start + length]) + [EOD]
+    path = tmp_path_factory.mktemp("docs") / "docs.bin"
+    np.asarray(tokens, dtype="<u2").tofile(path)
+    path.with_name("docs.bin.json").write_text(json.dumps(
+        {"dtype": "uint16", "vocab_size": EOD + 1, "eod_id": EOD, "tokenizer": "bytes"}))
+    return str(path)
+
+
+PACKED = {"document_mask": True, "reset_positions": True, "eod_mask_loss": True}
+
+
+def _cfg(data: str, model: str = "llama-tiny", **parallel):
+    return build_config({}, {"model": {"model": model, "num_layers": 2}, "train": {
+        "steps": 4, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "seed": 5,
+        "eval_every": 0, "warmup_steps": 1}, "parallel": {"device": "cpu"} | parallel,
+        "data": {"data": data} | PACKED, "checkpoint": {"out": "/nonexistent"}})
+
+
+def _trajectory(data: str, model: str, degrees: dict, parallel: dict) -> list[float]:
+    cfg = _cfg(data, model, **parallel)
+    cfg.plan = dataclasses.replace(cfg.plan, **degrees)
+    trainer = Trainer.build(cfg, worker_mesh(**degrees))
+    return [trainer.train_step(step)["loss"] for step in range(4)]
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"], ids=["gpt", "llama"])
+def test_packed_training_is_the_same_run_at_pp2_tp2_and_cp2(documents_file, model):
+    reference = run_on_ranks(1, _trajectory, documents_file, model, {"dp": 1}, {})[0]
+    for degrees, parallel in [({"pp": 2, "dp": 1}, {"pp": 2}), ({"tp": 2, "dp": 1}, {}),
+                              ({"cp": 2, "dp": 1}, {"cp": 2})]:
+        losses = run_on_ranks(2, _trajectory, documents_file, model, degrees, parallel)[-1]
+        rel = max(abs(a - b) / b for a, b in zip(losses, reference, strict=True))
+        assert rel < 1e-5, (degrees, rel)
+
+
+def test_packing_settings_are_refused_where_they_cannot_run(corpus, documents_file):
+    cfg = _cfg(corpus)
+    with pytest.raises(ValueError, match="`document_mask` needs documents, and `data` .* marks"
+                                         " none"):
+        check_packing(cfg, None)
+    check_packing(_cfg(documents_file), EOD)
+    cfg.data.document_mask = False
+    with pytest.raises(ValueError, match="`reset_positions` restarts positions"):
+        validate(cfg, 1)
+    cfg = _cfg(documents_file, tp=4, tp_scheme="2d", nproc=4)
+    with pytest.raises(ValueError, match="`tp_scheme` 2d splits them 2 ways"):
+        validate(cfg, 4)
+
