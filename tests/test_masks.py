@@ -18,7 +18,10 @@ from meshtrain.config.run_config import build_config, check_packing, validate
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import preset
 from meshtrain.parallel.layers.attention import AttentionCore
-from meshtrain.parallel.layers.context_parallel import context_parallel_positions
+from meshtrain.parallel.layers.context_parallel import (
+    context_parallel_positions,
+    ring_sub_blocks,
+)
 from meshtrain.parallel.layers.masks import AttentionMask, document_ids, document_positions
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallelize import build_model
@@ -244,3 +247,23 @@ def test_packing_settings_are_refused_where_they_cannot_run(corpus, documents_fi
     with pytest.raises(ValueError, match="`tp_scheme` 2d splits them 2 ways"):
         validate(cfg, 4)
 
+
+def _counted(seq_len: int, cp: int, mask: AttentionMask) -> list[int]:
+    """Score elements each rank's ring computes over its steps (`ring_sub_blocks`)."""
+    positions = [context_parallel_positions(seq_len, cp, r) for r in range(cp)]
+    return [sum(len(positions[r][rows]) * len(positions[(r - step) % cp][cols])
+                for step in range(cp)
+                for rows, cols in ring_sub_blocks(positions[r], positions[(r - step) % cp], mask))
+            for r in range(cp)]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_ring_attention_computes_only_the_sub_blocks_the_mask_leaves(cp):
+    """Under the causal mask a rank computes 3/4 of its own block and half of each other one
+    (whole blocks: cp of them), the same on every rank; a window skips more."""
+    s = 64 * cp
+    n = s // cp
+    counts = _counted(s, cp, AttentionMask())
+    assert counts == [n * n * (3 / 4 + (cp - 1) / 2)] * cp
+    windowed = _counted(s, cp, AttentionMask(window=n // 2))
+    assert max(windowed) < min(counts)

@@ -43,10 +43,18 @@ def _block_scores(q, k, q_pos, k_pos, scale, mask: AttentionMask):
 
 def ring_sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor,
                     mask: AttentionMask) -> list[tuple[slice, slice]]:
-    """The (query rows, key columns) of one ring step worth computing: the whole block, unless
-    the mask hides all of it (a window that ends before it)."""
+    """The (query rows, key columns) of one ring step worth computing. Both sides hold two
+    chunks; a chunk of queries needs the key chunks the mask leaves visible to it (under the
+    causal mask: both on its own step for the late chunk, one chunk or none otherwise), and
+    the two query chunks are computed together when they need the same keys. The skipped
+    scores are all masked, so the result is what the whole block gives, for about half the work
+    at large cp."""
     n = len(q_pos)
-    return [(slice(0, n), slice(0, n))] if mask.visible_span(q_pos, k_pos) else []
+    halves = (slice(0, n // 2), slice(n // 2, n))
+    needs = [[k for k in halves if mask.visible_span(q_pos[q], k_pos[k])] for q in halves]
+    groups = [(slice(0, n), needs[0])] if needs[0] == needs[1] else list(zip(halves, needs,
+                                                                              strict=True))
+    return [(rows, keys[0] if len(keys) == 1 else slice(0, n)) for rows, keys in groups if keys]
 
 
 def _merge_block(q, k, v, q_pos, k_pos, scale, mask, out, lse):
