@@ -10,6 +10,8 @@ from harness import LLAMA, dense_reference, run_cli, run_on_ranks, worker_mesh
 from torch.testing import assert_close
 
 from meshtrain import ParallelMesh
+from meshtrain.cli.main import _train_config, main
+from meshtrain.cli.parsers import build_parser
 from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import BatchSampler
 from meshtrain.parallel import CommRecorder, named_full_tensors
@@ -151,6 +153,34 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(60, **kw) == pytest.approx(0.55)
     assert lr_at(110, **kw) == pytest.approx(0.1)
     assert lr_at(500, **kw) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("schedule,at_60,at_100", [
+    ("linear", 0.55, 0.19), ("constant", 1.0, 1.0), ("wsd", 1.0, 0.28)])
+def test_other_lr_schedules_after_the_same_warmup(schedule, at_60, at_100):
+    """wsd with decay fraction 0.2: constant to step 90, then linear to min_lr at 110."""
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110, schedule=schedule)
+    assert lr_at(0, **kw) == pytest.approx(0.1) and lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(at_60)
+    assert lr_at(90, **kw) == pytest.approx(1.0 if schedule != "linear" else 0.28)
+    assert lr_at(100, **kw) == pytest.approx(at_100 if schedule != "wsd" else 0.55)
+    assert lr_at(110, **kw) == pytest.approx(0.1 if schedule != "constant" else 1.0)
+
+
+def test_the_lr_schedule_is_a_setting_the_run_logs(corpus, tmp_path, capsys):
+    flags = ["train", "--lr-schedule", "wsd", "--lr-decay-fraction", "0.5", "--data", corpus,
+             "--out", str(tmp_path / "run")]
+    cfg = _train_config(build_parser().parse_args(flags))
+    assert (cfg.train.lr_schedule, cfg.train.lr_decay_fraction) == ("wsd", 0.5)
+    assert main(["train", "--lr-schedule", "step", "--data", corpus, "--out",
+                 str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "--lr-schedule must be cosine, linear, constant or wsd, got 'step'" in err
+    cfg = _config(corpus, str(tmp_path / "wsd"), steps=6, warmup_steps=2, lr_schedule="wsd",
+                  lr_decay_fraction=0.5, eval_every=0)
+    run_on_ranks(1, run_training, cfg)
+    lrs = [row["lr"] for row in read_metrics(tmp_path / "wsd" / "metrics.jsonl") if "lr" in row]
+    assert lrs == pytest.approx([1.5e-3, 3e-3, 3e-3, 3e-3, 3e-3, 1.65e-3])  # decay: steps 4, 5
 
 
 def _check_clip_counts_once():

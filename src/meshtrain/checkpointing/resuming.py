@@ -15,7 +15,7 @@ from pathlib import Path
 from meshtrain.checkpointing.checkpoint import latest_checkpoint, read_manifest
 from meshtrain.config.run_config import RunConfig
 
-SCHEDULE_SETTINGS = ("steps", "lr", "min_lr", "warmup_steps")
+SCHEDULE_SETTINGS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay_fraction")
 
 
 class RunComplete(Exception):

@@ -29,8 +29,9 @@ from meshtrain.config.settings import (
     TrainSettings,
 )
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
-from meshtrain.errors import Code, SettingError
+from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.models import TransformerConfig, preset
+from meshtrain.parallel.runtime.optim import LR_SCHEDULES
 from meshtrain.parallel.runtime.plan import ParallelPlan, parse_setting
 from meshtrain.parallel.runtime.process_groups import check_local_devices
 
@@ -356,6 +357,11 @@ def _validate_train(t: TrainSettings) -> None:
         raise ValueError(f"`min_lr` ({t.min_lr}) must not exceed `lr` ({t.lr})")
     if t.weight_decay < 0 or t.clip_grad < 0:
         raise ValueError("`weight_decay` and `clip_grad` must be >= 0")
+    if t.lr_schedule not in LR_SCHEDULES:
+        raise SettingError(Code.CHOICE, f"`lr_schedule` must be {alternatives(LR_SCHEDULES)},"
+                                        f" got {t.lr_schedule!r}")
+    if not 0.0 < t.lr_decay_fraction <= 1.0:
+        raise ValueError(f"`lr_decay_fraction` must be in (0, 1], got {t.lr_decay_fraction}")
     if t.loss_scale_window < 1:
         raise ValueError(f"`loss_scale_window` must be positive, got {t.loss_scale_window}")
     if t.seed < 0:

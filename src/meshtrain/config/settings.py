@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from meshtrain.models import PRESETS
 from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
+from meshtrain.parallel.runtime.optim import LR_SCHEDULES
 
 
 def _f(default, help: str, **kw):
@@ -80,8 +81,13 @@ class TrainSettings:
     global_batch: int = _f(16, "sequences per optimizer step, over all data-parallel ranks")
     seq_len: int = _f(128, "tokens per sequence")
     lr: float = _f(3e-3, "peak learning rate")
-    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
+    min_lr: float = _f(3e-4, "learning rate at the end of the decay")
     warmup_steps: int = _f(20, "linear warmup steps")
+    lr_schedule: str = _f("cosine", "after warmup: cosine or linear decay to --min-lr, constant,"
+                                    " or wsd (warmup-stable-decay: constant, then a linear"
+                                    " decay over the last --lr-decay-fraction of the steps)",
+                          choices=LR_SCHEDULES)
+    lr_decay_fraction: float = _f(0.2, "wsd: the fraction of the steps after warmup that decay")
     weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases and LayerNorms)")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
     max_nonfinite_steps: int = _f(1, "stop (exit code 5, nothing saved) after this many"

@@ -60,7 +60,8 @@ class LayerCache:
 
 class KVCache:
     """The caches of a model's layers (`cache[index]`), keyed by global layer index; `length`
-    is how many tokens they hold, which is the position of the next token."""
+    is how many tokens have run through them, which is the position of the next token (a
+    windowed cache holds fewer)."""
 
     def __init__(self, layers: Iterable[int], capacity: int, *, window: int | None = None):
         self.capacity = capacity

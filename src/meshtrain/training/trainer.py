@@ -121,7 +121,8 @@ class Trainer:
         non-finite step then ends the run before anything is saved)."""
         t, mesh, sync = self.cfg.train, self.mesh, self.sync
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
-                   total_steps=t.steps)
+                   total_steps=t.steps, schedule=t.lr_schedule,
+                   decay_fraction=t.lr_decay_fraction)
         self.model.train()
         sync.zero_grad()
         result = self.executor.forward_backward(step, self._micro_batches, sync,

@@ -29,14 +29,31 @@ def build_adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: floa
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup to `lr`, then cosine
-    decay to `min_lr` at `total_steps`."""
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+"""The `lr_schedule` choices after the linear warmup: cosine or linear decay to `min_lr` at the
+last step, constant `lr`, or warmup-stable-decay (constant, then linear decay to `min_lr` over
+the last `lr_decay_fraction` of the steps after warmup)."""
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
+          schedule: str = "cosine", decay_fraction: float = 0.2) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup to `lr`, then
+    `schedule` (one of `LR_SCHEDULES`) down to `min_lr` at `total_steps`."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
     decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    start = warmup_steps
+    if schedule == "wsd":
+        decay_steps = max(1, round(decay_fraction * decay_steps))
+        start = total_steps - decay_steps
+        if step < start:
+            return lr
+    progress = min(1.0, (step - start) / decay_steps)
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    return lr - (lr - min_lr) * progress
 
 
 def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
