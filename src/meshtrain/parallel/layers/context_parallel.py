@@ -57,6 +57,13 @@ def ring_sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor,
     return [(rows, keys[0] if len(keys) == 1 else slice(0, n)) for rows, keys in groups if keys]
 
 
+def _ring_positions(seq_len: int, cp: int, device) -> tuple[list, list]:
+    """Every rank's token positions on the host (to plan sub-blocks without a device sync) and
+    on the device (to mask scores)."""
+    planned = [context_parallel_positions(seq_len, cp, r) for r in range(cp)]
+    return planned, [p.to(device) for p in planned]
+
+
 def _merge_block(q, k, v, q_pos, k_pos, scale, mask, out, lse):
     """The running output and log-sum-exp of these queries after attending keys `k`."""
     scores = _block_scores(q, k, q_pos, k_pos, scale, mask)
@@ -80,16 +87,16 @@ class _RingAttention(torch.autograd.Function):
         wide = wide_dtype(q.dtype)
         q, k, v = q.to(wide), k.to(wide), v.to(wide)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        positions = [context_parallel_positions(seq_len, axis.size, r).to(q.device)
-                     for r in range(axis.size)]
+        planned, positions = _ring_positions(seq_len, axis.size, q.device)
         q_pos = positions[axis.rank]
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.cat([k, v])
         for step in range(axis.size):
-            k_pos = positions[(axis.rank - step) % axis.size]
+            source = (axis.rank - step) % axis.size
+            k_pos = positions[source]
             k_blk, v_blk = kv.chunk(2)
-            for rows, cols in ring_sub_blocks(q_pos, k_pos, mask):
+            for rows, cols in ring_sub_blocks(planned[axis.rank], planned[source], mask):
                 out[:, :, rows], lse[:, :, rows] = _merge_block(
                     q[:, :, rows], k_blk[:, :, cols], v_blk[:, :, cols], q_pos[rows],
                     k_pos[cols], scale, mask, out[:, :, rows], lse[:, :, rows])
@@ -105,18 +112,18 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.to(q.dtype)
         axis, mask = ctx.axis, ctx.mask
         scale = 1.0 / math.sqrt(q.shape[-1])
-        positions = [context_parallel_positions(ctx.seq_len, axis.size, r).to(q.device)
-                     for r in range(axis.size)]
+        planned, positions = _ring_positions(ctx.seq_len, axis.size, q.device)
         q_pos = positions[axis.rank]
         delta = (grad_out * out).sum(dim=-1, keepdim=True)  # [b, a, n, 1]
         grad_q = torch.zeros_like(q)
         kv = torch.cat([k, v])
         grad_kv = torch.zeros_like(kv)
         for step in range(axis.size):
-            k_pos = positions[(axis.rank - step) % axis.size]
+            source = (axis.rank - step) % axis.size
+            k_pos = positions[source]
             k_blk, v_blk = kv.chunk(2)
             grad_k, grad_v = grad_kv.chunk(2)  # views: the sums land in grad_kv
-            for rows, cols in ring_sub_blocks(q_pos, k_pos, mask):
+            for rows, cols in ring_sub_blocks(planned[axis.rank], planned[source], mask):
                 probs = torch.exp(_block_scores(q[:, :, rows], k_blk[:, :, cols], q_pos[rows],
                                                 k_pos[cols], scale, mask)
                                   - lse[:, :, rows].unsqueeze(-1))
