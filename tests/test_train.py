@@ -12,7 +12,7 @@ from torch.testing import assert_close
 from meshtrain import ParallelMesh
 from meshtrain.cli.main import _train_config, main
 from meshtrain.cli.parsers import build_parser
-from meshtrain.config.run_config import build_config
+from meshtrain.config.run_config import build_config, validate
 from meshtrain.data.corpus import BatchSampler
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.runtime.optim import global_grad_norm, lr_at
@@ -165,6 +165,23 @@ def test_other_lr_schedules_after_the_same_warmup(schedule, at_60, at_100):
     assert lr_at(90, **kw) == pytest.approx(1.0 if schedule != "linear" else 0.28)
     assert lr_at(100, **kw) == pytest.approx(at_100 if schedule != "wsd" else 0.55)
     assert lr_at(110, **kw) == pytest.approx(0.1 if schedule != "constant" else 1.0)
+
+
+def _optimizer_hyperparameters(corpus, zero):
+    cfg = _config(corpus, "/nonexistent", steps=2, adam_beta1=0.8, adam_beta2=0.99,
+                  adam_eps=1e-6)
+    cfg.plan = dataclasses.replace(cfg.plan, zero=zero)
+    group = Trainer.build(cfg, worker_mesh(dp=2)).sync.optimizer.param_groups[0]
+    return group["betas"], group["eps"]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_adam_betas_and_epsilon_are_settings(corpus, zero):
+    for betas, eps in run_on_ranks(2, _optimizer_hyperparameters, corpus, zero):
+        assert betas == (0.8, 0.99) and eps == 1e-6
+    cfg = _config(corpus, "/nonexistent", adam_beta2=1.0)
+    with pytest.raises(ValueError, match="`adam_beta2` must be in \\[0, 1\\), got 1.0"):
+        validate(cfg, 1)
 
 
 def test_the_lr_schedule_is_a_setting_the_run_logs(corpus, tmp_path, capsys):

@@ -23,6 +23,7 @@ from meshtrain.parallel.runtime.executor import (
     PipeDreamExecutor,
     PipelineExecutor,
 )
+from meshtrain.parallel.runtime.optim import BETAS, EPS
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.schedules import model_chunk
 from meshtrain.parallel.runtime.sync import GradientSync, ReplicatedSync, ZeroSync
@@ -43,17 +44,19 @@ class ParallelModel:
 
 def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: ParallelMesh, *,
                 seed: int, seq_len: int, lr: float, weight_decay: float,
-                steps: int, packing: Packing = ONE_STREAM) -> ParallelModel:
+                steps: int, packing: Packing = ONE_STREAM, betas: tuple[float, float] = BETAS,
+                eps: float = EPS) -> ParallelModel:
     """Build this rank's part of `model_cfg` laid out as `plan` (already validated, degrees
     those of `mesh`). `seq_len` sizes the pipeline's transfers; `lr` and `weight_decay` the
-    AdamW; `steps` is the run's last step (PipeDream-2BW lays out the whole run); `packing`
-    how the executor feeds packed documents."""
+    AdamW (with `betas` and `eps`); `steps` is the run's last step (PipeDream-2BW lays out
+    the whole run); `packing` how the executor feeds packed documents."""
     stage = pipeline_stage(model_cfg.num_layers, plan, mesh)
     model = build_model(model_cfg, mesh, plan, seed=seed, stage=stage)
     factory = model.factory
     model.to(plan.dtype)
     roles = model.roles()
-    sync = gradient_sync(model, roles, factory, plan, mesh, lr=lr, weight_decay=weight_decay)
+    sync = gradient_sync(model, roles, factory, plan, mesh, lr=lr, weight_decay=weight_decay,
+                         betas=betas, eps=eps)
     executor = step_executor(model, factory, sync, plan, mesh, seq_len=seq_len, steps=steps,
                              packing=packing)
     return ParallelModel(model, roles, factory, sync, executor)
@@ -82,10 +85,11 @@ def pipeline_stage(num_layers: int, plan: ParallelPlan, mesh: ParallelMesh) -> S
 
 def gradient_sync(model: nn.Module, roles: ParameterRoles, factory: LayerFactory,
                   plan: ParallelPlan, mesh: ParallelMesh, *, lr: float,
-                  weight_decay: float) -> GradientSync:
+                  weight_decay: float, betas: tuple[float, float] = BETAS,
+                  eps: float = EPS) -> GradientSync:
     common = dict(partial=factory.partial_gradients(model, exclude=roles.experts),
                   bucket_bytes=int(plan.bucket_mb * 2**20), grad_dtype=plan.gradient_dtype,
-                  lr=lr, weight_decay=weight_decay)
+                  lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     if plan.zero:
         return ZeroSync(model, roles, mesh, stage=plan.zero,
                         offload=plan.offload_optimizer == "cpu", **common)

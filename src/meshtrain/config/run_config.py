@@ -360,6 +360,11 @@ def _validate_train(t: TrainSettings) -> None:
     if t.lr_schedule not in LR_SCHEDULES:
         raise SettingError(Code.CHOICE, f"`lr_schedule` must be {alternatives(LR_SCHEDULES)},"
                                         f" got {t.lr_schedule!r}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(t, name) < 1.0:
+            raise ValueError(f"`{name}` must be in [0, 1), got {getattr(t, name)}")
+    if not (math.isfinite(t.adam_eps) and t.adam_eps > 0):
+        raise ValueError(f"`adam_eps` must be a positive number, got {t.adam_eps}")
     if not 0.0 < t.lr_decay_fraction <= 1.0:
         raise ValueError(f"`lr_decay_fraction` must be in (0, 1], got {t.lr_decay_fraction}")
     if t.loss_scale_window < 1:

@@ -88,6 +88,9 @@ class TrainSettings:
                                     " decay over the last --lr-decay-fraction of the steps)",
                           choices=LR_SCHEDULES)
     lr_decay_fraction: float = _f(0.2, "wsd: the fraction of the steps after warmup that decay")
+    adam_beta1: float = _f(0.9, "AdamW's first-moment decay")
+    adam_beta2: float = _f(0.95, "AdamW's second-moment decay")
+    adam_eps: float = _f(1e-8, "AdamW's epsilon, added to the second moment's square root")
     weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases and LayerNorms)")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
     max_nonfinite_steps: int = _f(1, "stop (exit code 5, nothing saved) after this many"

@@ -99,7 +99,8 @@ class Trainer:
         packing = Packing(corpus.eod_id, d.document_mask, d.reset_positions, d.eod_mask_loss)
         parallel = parallelize(cfg.model_config(corpus.vocab_size), plan, mesh, seed=t.seed,
                                seq_len=t.seq_len, lr=t.lr, weight_decay=t.weight_decay,
-                               steps=t.stop_at or t.steps, packing=packing)
+                               steps=t.stop_at or t.steps, packing=packing,
+                               betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
         scaler = LossScaler(enabled=plan.precision == "fp16", growth_interval=t.loss_scale_window)
         sampler = dict(seq_len=t.seq_len, global_batch=t.global_batch,
                        micro_batch=plan.micro_batch, seed=t.seed)

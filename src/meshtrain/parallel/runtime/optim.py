@@ -14,9 +14,12 @@ from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.sharding import primary_parameters
 from meshtrain.precision import wide_dtype
 
+BETAS, EPS = (0.9, 0.95), 1e-8
+"""AdamW's defaults here (GPT-3's and Megatron-LM's usual betas)."""
+
 
 def build_adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float,
-                betas=(0.9, 0.95), eps: float = 1e-8,
+                betas: tuple[float, float] = BETAS, eps: float = EPS,
                 no_decay: set[int] | None = None) -> torch.optim.AdamW:
     """Decay matrices and embeddings; never biases or LayerNorm parameters (all 1-D). ZeRO's
     flat pieces are 1-D whatever they came from: `no_decay` then names them (ids)."""
