@@ -4,6 +4,7 @@ memory budget, fixed fields, the printed commands, JSON and bad input; `train --
 import dataclasses
 import itertools
 import json
+import re
 import shlex
 import tomllib
 
@@ -250,7 +251,11 @@ def test_plan_table_and_explain(capsys):
     code, out, _ = _run(capsys, "--gpus", "16", "--num-heads", "6", "--explain")
     assert code == 0
     lines = out.splitlines()
-    assert "on 16 x a100-40g" in lines[1] and "layout(s) predicted" in lines[1]
+    assert "on 16 x a100-40g" in lines[1] and "this machine's" not in lines[1]
+    counts = re.search(r"(\d+) layout\(s\) considered .*: (\d+) fit, (\d+) over memory,"
+                       r" (\d+) invalid", lines[1])
+    total, fit, over, invalid = map(int, counts.groups())
+    assert total == fit + over + invalid and fit > 0 and invalid > 0  # the header adds up
     rows = [line for line in lines if line.lstrip().startswith(("1 ", "2 "))]
     assert len(rows) == 2 and "tp=" in rows[0]
     assert "rejected layouts by reason:" in lines
@@ -278,12 +283,27 @@ def test_plan_layout_over_budget_warns(capsys):
     (["--gpus", "8", "--layout", "tp=3"], "does not divide --gpus 8"),
     (["--gpus", "8", "--layout", "wide=2"], "is not KEY=VALUE"),
     (["--gpus", "8", "--hidden-size", "49152", "--num-layers", "200"], "no layout fits"),
+    (["--gpus", "8", "--hidden-size", "49152", "--num-layers", "200"],
+     "planned for 8 x a100-40g (40 GiB each): choose the devices you will train on with"
+     " --hardware"),
     (["--json"], "--gpus is required"),
 ])
 def test_plan_bad_input_is_one_line(capsys, args, message):
     code, out, err = _run(capsys, *args)
     assert code == 2 and out == ""
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("model,seq_len", [("gpt2", 1024), ("llama-tiny", 256)])
+def test_plan_defaults_name_the_profile_and_take_the_models_sequence(capsys, monkeypatch, model,
+                                                                     seq_len):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # this machine: no GPU
+    assert main(["plan", "--model", model, "--gpus", "4", "--top", "1"]) == 0
+    header = capsys.readouterr().out.splitlines()
+    assert f"seq {seq_len}," in header[0]
+    assert "cpu-gloo" in header[1] and "this machine's profile, no --hardware given" in header[1]
+    assert main(["plan", "--model", model, "--gpus", "4", "--max-seq-len", "512", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq_len"] == 512
 
 
 def test_plan_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch, capsys):

@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from meshtrain.checkpointing.checkpoint import latest_checkpoint
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
+from meshtrain.config.settings import LoggingSettings
 from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, RunFailure
-from meshtrain.training.metrics import MetricsLog, read_metrics
+from meshtrain.training.metrics import MetricsLog, metric_sinks, read_metrics
 from meshtrain.training.trainer import Trainer
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--seq-len", "16",
@@ -166,15 +167,19 @@ def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, monkeypatch):
 def test_tensorboard_forgets_the_steps_after_the_resumed_one(tmp_path):
     event_accumulator = pytest.importorskip(
         "tensorboard.backend.event_processing.event_accumulator")  # an optional dependency
-    log = MetricsLog(tmp_path / "metrics.jsonl")
+    def sinks(resume_step):
+        return metric_sinks(tmp_path, LoggingSettings(run_name="r"), resume_step=resume_step,
+                            config={})
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", sinks=sinks(None))
     for step in range(1, 5):
         log.write({"step": step, "loss": float(step)})
     log.close()
-    log = MetricsLog(tmp_path / "metrics.jsonl", resume_step=2)  # steps 3 and 4 run again
+    log = MetricsLog(tmp_path / "metrics.jsonl", resume_step=2, sinks=sinks(2))  # 3, 4 again
     for step in (3, 4):
         log.write({"step": step, "loss": 10.0 * step})
     log.close()
-    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard" / "r"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [
         (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -249,13 +250,26 @@ def test_metrics_rows_wait_for_flush(tmp_path):
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 4
 
 
-def test_progress_lines_every_log_interval_without_a_terminal(corpus, tmp_path):
+def test_progress_lines_checkpoints_profile_and_wandb_of_a_run_without_a_terminal(
+        corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # nothing leaves the machine
     out = tmp_path / "run"
     result = run_cli("train", "--data", corpus, "--model", "tiny", "--num-layers", "1",
                      "--steps", "5", "--log-every", "2", "--eval-every", "0", "--seq-len", "16",
-                     "--device", "cpu", "--out", str(out))
+                     "--device", "cpu", "--out", str(out), "--save-every", "2",
+                     "--profile-steps", "2:3", "--wandb-project", "p", "--run-name", "first")
     lines = [line for line in result.stderr.splitlines() if line.startswith("train: step")]
     assert [line.split(",")[0] for line in lines] == \
         ["train: step 2/5", "train: step 4/5", "train: step 5/5"], result.stderr
+    assert all(re.search(r"tokens/s, [\d.e+-]+ TFLOP/s per rank, ETA \d:\d\d:\d\d$", line)
+               for line in lines), lines
     assert "\r" not in result.stderr  # no bar redraws in a log
     assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    saved = [line for line in result.stderr.splitlines() if "saved checkpoint" in line]
+    assert saved == [f"meshtrain: saved checkpoint {out}/checkpoints/step_0000000{n}"
+                     for n in (2, 4)]  # the last one the closing line names
+    trace = json.loads((out / "profile" / "rank0.json").read_text())
+    assert trace["traceEvents"] and "profiled steps 2-3" in result.stderr
+    run_id = (out / "wandb" / "run_id").read_text()
+    [record] = (out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    assert b"first" in record.read_bytes() and b"tokens_per_s" in record.read_bytes()

@@ -9,6 +9,7 @@ machines, run the same command under torchrun.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -18,11 +19,12 @@ from pathlib import Path
 from meshtrain.checkpointing import resuming
 from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
 from meshtrain.cli.flags import as_flags
-from meshtrain.cli.parsers import build_parser
+from meshtrain.cli.parsers import parse_command_line
 from meshtrain.config import run_config as config_mod
 from meshtrain.mesh import resolve_degrees
 from meshtrain.operations import endings, run_lock, stopping
 from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_PEER_FAILED, RunFailure
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import check_local_devices
 
 
@@ -193,12 +195,21 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         return _train_in_rank(cfg, plan, mine, args.debug)
     with run_lock.RunLock(cfg.checkpoint.out) as held:  # this process launches: it holds it
         if world > 1 or cfg.parallel.max_restarts:
-            layout = ", ".join(f"{k}={v}" for k, v in plan.degrees.items() if v > 1) or "dp=1"
-            print(f"meshtrain: {world} ranks ({layout}), writing to {cfg.checkpoint.out}",
-                  file=sys.stderr)
+            print(f"meshtrain: {world} ranks ({_layout_text(plan)}), writing to"
+                  f" {cfg.checkpoint.out}", file=sys.stderr)
             return _launch(world, [*argv, "--out", cfg.checkpoint.out],
                            max_restarts=cfg.parallel.max_restarts, run_id=held.run_id)
         return _train_in_rank(cfg, plan, None, args.debug)
+
+
+def _layout_text(plan: ParallelPlan) -> str:
+    """The layout as a `--layout` spec: dp, and every setting that differs from a run's
+    default (degrees above 1, the scheme, the schedule, ZeRO, precision, ...)."""
+    run_defaults = ParallelPlan(**{f.name: f.metadata["run_default"]
+                                   for f in dataclasses.fields(ParallelPlan)})
+    defaults = dict(run_defaults.spec_items())
+    return ", ".join(f"{key}={value}" for key, value in plan.spec_items(run_defaults)
+                     if key == "dp" or value != defaults.get(key))
 
 
 def _train_in_rank(cfg: config_mod.RunConfig, plan, lock: run_lock.RunLock | None,
@@ -309,7 +320,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     commands = {"train": lambda: cmd_train(args, argv), "export": lambda: cmd_export(args),
                 "import-hf": lambda: cmd_import_hf(args), "prepare": lambda: cmd_prepare(args),
                 "doctor": lambda: cmd_doctor(args),

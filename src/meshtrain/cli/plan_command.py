@@ -23,7 +23,7 @@ from meshtrain.data.corpus import write_atomic
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
 from meshtrain.planner.costs import Prediction
-from meshtrain.planner.hardware import Hardware, load_hardware
+from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
 from meshtrain.planner.search import OVER_BUDGET, SearchResult, search
 from meshtrain.planner.workload import ELEMENT_BYTES
 
@@ -38,6 +38,7 @@ class Request:
     model: TransformerConfig
     model_flags: list[str]
     hardware: Hardware
+    hardware_given: bool  # False: this machine's profile, which the header names as such
     gpus: int
     seq_len: int
     global_batch: int
@@ -61,7 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not result.ranked:
         if args.explain and not args.json:
             print("\n".join(explain(result, request)))
-        result.best()  # raises: why nothing fits
+        _none_fits(result, request)
     shown = result.ranked[:args.top]
     if args.json:
         print(json.dumps(to_json(request, result, shown, explain=args.explain)))
@@ -74,6 +75,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _none_fits(result: SearchResult, request: Request) -> None:
+    """Raise why no layout fits, naming the hardware planned for and how to choose another."""
+    hw = request.hardware
+    try:
+        result.best()
+    except ValueError as why:
+        mine = "" if request.hardware_given else ", this machine's profile"
+        raise ValueError(f"{why}; planned for {request.gpus} x {hw.name} ({hw.hbm_gib:g} GiB"
+                         f" each{mine}): choose the devices you will train on with `hardware`"
+                         f" ({', '.join(BUILT_IN)} or a calibrated FILE.toml) or plan more"
+                         " `gpus`") from None
+
+
 def _request(args: argparse.Namespace) -> Request:
     if args.gpus is None:
         raise ValueError("`gpus` is required: the number of devices to plan for")
@@ -82,19 +96,20 @@ def _request(args: argparse.Namespace) -> Request:
     given = {key.split(".", 1)[1]: value for key, value in vars(args).items()
              if key.startswith("model.")}
     cfg = config_mod.RunConfig(model=settings.ModelSettings(**given))
-    cfg.train.seq_len, cfg.train.global_batch = args.seq_len, args.global_batch
     base = preset(cfg.model.model or config_mod.DEFAULT_PRESET)
+    seq_len = args.seq_len or cfg.model.max_seq_len or base.max_seq_len
+    cfg.train.seq_len, cfg.train.global_batch = seq_len, args.global_batch
     model = cfg.model_config(cfg.model.vocab_size or base.vocab_size)
-    if args.seq_len > model.max_seq_len:
-        raise ValueError(f"`seq_len` {args.seq_len} exceeds `max_seq_len` {model.max_seq_len}:"
+    if seq_len > model.max_seq_len:
+        raise ValueError(f"`seq_len` {seq_len} exceeds `max_seq_len` {model.max_seq_len}:"
                          " raise `max_seq_len` or shorten `seq_len`")
     hardware = load_hardware(args.hardware) if args.hardware else default_hardware("auto")
     precision = args.precision or hardware.default_precision
     if precision not in ELEMENT_BYTES:
         raise ValueError(f"`precision` must be one of {', '.join(ELEMENT_BYTES)}, got"
                          f" {precision!r}")
-    return Request(model, _model_flags(given, model), hardware, args.gpus, args.seq_len,
-                   args.global_batch, precision)
+    return Request(model, _model_flags(given, model), hardware, bool(args.hardware), args.gpus,
+                   seq_len, args.global_batch, precision)
 
 
 def _model_flags(given: dict[str, object], model: TransformerConfig) -> list[str]:
@@ -138,12 +153,17 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
     """The header, then per layout one row of numbers and its command."""
     hw, m = request.hardware, request.model
     fit = sum(p.memory_gib <= hw.hbm_gib for p in result.ranked)
+    over = len(result.ranked) - fit + len(result.rejected.get(OVER_BUDGET, ()))
+    invalid = sum(len(items) for reason, items in result.rejected.items()
+                  if reason != OVER_BUDGET)
+    mine = "" if request.hardware_given else "; this machine's profile, no --hardware given"
     lines = [f"{' '.join(request.model_flags)}: {m.num_parameters() / 1e9:.4g}B parameters,"
              f" seq {request.seq_len}, global batch {request.global_batch}, {request.precision}",
              f"on {request.gpus} x {hw.name} ({hw.hbm_gib:g} GiB,"
-             f" {hw.peak_for(request.precision):g} TFLOP/s peak, {hw.gpus_per_node} per node):"
-             f" {result.evaluated} layout(s) predicted in {seconds:.1f} s, {fit} fit,"
-             f" {sum(map(len, result.rejected.values()))} rejected (--explain: why)", ""]
+             f" {hw.peak_for(request.precision):g} TFLOP/s peak, {hw.gpus_per_node} per"
+             f" node{mine}):"
+             f" {fit + over + invalid} layout(s) considered in {seconds:.1f} s: {fit} fit,"
+             f" {over} over memory, {invalid} invalid (--explain: why)", ""]
     widths = [3, 9, 9, 8, 8, 9, 7, 7, 8, 7, 7, 7, 8]
     lines.append("".join(c.rjust(w) for c, w in zip(COLUMNS, widths, strict=True))
                  + "  layout (step s = compute + comm + bubble; GiB = params + ... + buffers)")

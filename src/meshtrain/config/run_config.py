@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.util
 import math
 import os
 import tomllib
@@ -24,6 +25,7 @@ from meshtrain.checkpointing.checkpoint import CheckpointError, checkpoint_confi
 from meshtrain.config.settings import (
     CheckpointSettings,
     DataSettings,
+    LoggingSettings,
     ModelSettings,
     ParallelSettings,
     TrainSettings,
@@ -48,6 +50,7 @@ class RunConfig:
     train: TrainSettings = field(default_factory=TrainSettings)
     data: DataSettings = field(default_factory=DataSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
     plan: ParallelPlan = field(default_factory=lambda: RUN_PLAN)
     """The layout: its fields are settings of the tables their `section` names."""
 
@@ -175,7 +178,8 @@ def flag_fields() -> list[tuple[str, dataclasses.Field]]:
     plan_fields = dataclasses.fields(ParallelPlan)
     return [(name, f) for name, cls in (("model", ModelSettings), ("parallel", ParallelSettings),
                                          ("train", TrainSettings), ("data", DataSettings),
-                                         ("checkpoint", CheckpointSettings))
+                                         ("checkpoint", CheckpointSettings),
+                                         ("logging", LoggingSettings))
             for f in (*dataclasses.fields(cls),
                       *(f for f in plan_fields if f.metadata["section"] == name))]
 
@@ -283,6 +287,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
         raise ValueError(f"`collective_timeout` must be a positive number of seconds, got"
                          f" {p.collective_timeout}")
     _validate_restarts(cfg)
+    _validate_logging(cfg.logging, t.stop_at or t.steps)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ValueError(f"`val_fraction` must be in (0, 1), got {cfg.data.val_fraction}")
     model = cfg.model_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
@@ -296,6 +301,28 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                          " flush): trace `pp_schedule` 1f1b instead")
     return plan.validate(model, world_size=world_size, global_batch=t.global_batch,
                          seq_len=t.seq_len)
+
+
+def _validate_logging(log: LoggingSettings, steps: int) -> None:
+    """Profiler steps within the run; the W&B package present when a project is named."""
+    if log.profile_steps is not None:
+        profile_window(log.profile_steps, steps)
+    if log.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError("`wandb_project` needs the wandb package: pip install"
+                         " 'meshtrain[wandb]' (or drop `wandb_project`)")
+
+
+def profile_window(spec: str, steps: int) -> range:
+    """The 1-based steps `profile_steps` ("A:B") names, checked against the run's `steps`."""
+    first, _, last = spec.partition(":")
+    try:
+        window = range(int(first), int(last or first) + 1)
+    except ValueError:
+        window = range(0)
+    if not window or window.start < 1 or window.stop - 1 > steps:
+        raise ValueError(f"`profile_steps` {spec!r} must be A:B with 1 <= A <= B <= the run's"
+                         f" {steps} steps, e.g. 5:7")
+    return window
 
 
 def _validate_packing(cfg: RunConfig, plan: ParallelPlan) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from meshtrain.models import PRESETS
 from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
 from meshtrain.parallel.runtime.optim import LR_SCHEDULES
+from meshtrain.parallel.runtime.process_groups import DEVICE_KINDS
 
 
 def _f(default, help: str, **kw):
@@ -18,8 +19,8 @@ def _f(default, help: str, **kw):
 
 @dataclass(slots=True)
 class ModelSettings:
-    model: str | None = _f(None, f"model preset: {', '.join(PRESETS)} (default: tiny, or with"
-                                 " --init-from the checkpoint's model)", flag="--model")
+    model: str | None = _f(None, f"model preset: {', '.join(PRESETS)} (default: tiny)",
+                           flag="--model")
     num_layers: int | None = _f(None, "override the preset's number of transformer layers")
     hidden_size: int | None = _f(None, "override the preset's hidden size")
     num_heads: int | None = _f(None, "override the preset's number of attention heads")
@@ -55,7 +56,8 @@ class ParallelSettings:
     max_restarts: int = _f(0, "restart every rank up to N times after one fails (meshtrain's"
                               " launcher; needs --auto-resume); under torchrun use its own"
                               " --max-restarts")
-    device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank")
+    device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank",
+                     choices=DEVICE_KINDS)
     collective_timeout: float = _f(600.0, "seconds a rank may wait in one collective before the"
                                           " run is declared hung: the ranks dump their last"
                                           " collectives to --out/hang and the run exits with"
@@ -138,3 +140,18 @@ class CheckpointSettings:
     keep_last: int = _f(0, "after each save keep only the newest N checkpoints, deleting older"
                            " ones (0: keep all); the one the latest pointer names is never"
                            " deleted")
+
+
+@dataclass(slots=True)
+class LoggingSettings:
+    run_name: str | None = _f(None, "the run's name in every logger: the W&B run's name and"
+                                    " the TensorBoard folder --out/tensorboard/NAME (default:"
+                                    " the --out folder's name)")
+    wandb_project: str | None = _f(None, "also log metrics to this Weights & Biases project"
+                                         " (needs pip install 'meshtrain[wandb]'; WANDB_MODE="
+                                         "offline keeps them on this machine for wandb sync);"
+                                         " a resumed run continues the same W&B run")
+    profile_steps: str | None = _f(None, "record steps A to B (A:B, 1-based, inclusive) with"
+                                         " torch.profiler: one trace per rank in"
+                                         " --out/profile/rank<R>.json, readable in"
+                                         " ui.perfetto.dev")

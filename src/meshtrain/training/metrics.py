@@ -1,15 +1,19 @@
-"""What a run reports: a progress bar on rank 0, metrics.jsonl (and TensorBoard if installed)."""
+"""What a run reports: a progress bar on rank 0, metrics.jsonl, TensorBoard (when installed)
+and W&B (when asked for)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from meshtrain.config.settings import LoggingSettings
 from meshtrain.data.corpus import write_atomic
 from meshtrain.operations.failures import writing
 
@@ -24,7 +28,8 @@ def read_scalars(scalars: dict[str, torch.Tensor]) -> dict[str, float]:
 class MetricsLog:
     """Appends one JSON object per row to `metrics.jsonl` (rank 0 only), in batches: rows wait
     in memory until `flush` (the loop flushes every `log_every` steps, at checkpoints and at the
-    end), so a step costs no file write.
+    end), so a step costs no file write. Each row also goes to the `sinks` (TensorBoard, W&B:
+    see `metric_sinks`).
 
     On resume from step N, rows after N (written after the checkpoint by an interrupted run) are
     dropped so the file reads as one uninterrupted run, and so are lines that do not parse (a
@@ -32,14 +37,13 @@ class MetricsLog:
     `RunFailure` naming the file, not a traceback.
     """
 
-    def __init__(self, path: Path, *, resume_step: int | None = None):
-        self.path, self.damaged = path, 0
+    def __init__(self, path: Path, *, resume_step: int | None = None, sinks: tuple = ()):
+        self.path, self.damaged, self.sinks = path, 0, sinks
         with writing(path):
             if resume_step is not None and path.exists():
                 self._truncate(resume_step)
             self._file = open(path, "a")
         self._pending: list[str] = []
-        self._tensorboard = _tensorboard_writer(path.parent / "tensorboard", resume_step)
 
     def _truncate(self, resume_step: int) -> None:
         kept = []
@@ -57,35 +61,83 @@ class MetricsLog:
 
     def write(self, row: dict) -> None:
         self._pending.append(json.dumps(row) + "\n")
-        if self._tensorboard is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tensorboard.add_scalar(key, value, row["step"])
+        scalars = {key: value for key, value in row.items()
+                   if key != "step" and isinstance(value, int | float)}
+        for sink in self.sinks:
+            sink.log(scalars, row["step"])
 
     def flush(self) -> None:
         with writing(self.path):
             self._file.write("".join(self._pending))
             self._file.flush()
         self._pending.clear()
-        if self._tensorboard is not None:
-            self._tensorboard.flush()
+        for sink in self.sinks:
+            sink.flush()
 
     def close(self) -> None:
         self.flush()
         self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for sink in self.sinks:
+            sink.close()
 
 
-def _tensorboard_writer(log_dir: Path, resume_step: int | None):
-    """A writer that, on resume from step N, hides the events an interrupted run wrote after N
-    (TensorBoard's `purge_step`), as metrics.jsonl drops its rows."""
-    try:
+def metric_sinks(out: Path, settings: LoggingSettings, *, resume_step: int | None,
+                 config: dict) -> tuple:
+    """Where rows go besides metrics.jsonl, named `run_name` (default: `out`'s name):
+    TensorBoard under out/tensorboard/NAME when the package is installed, and W&B when
+    `wandb_project` is set (`config`: the run's settings, recorded with it)."""
+    name = settings.run_name or out.resolve().name
+    sinks = []
+    if importlib.util.find_spec("tensorboard") is not None:
+        sinks.append(_TensorBoard(out / "tensorboard" / name, resume_step))
+    if settings.wandb_project is not None:
+        sinks.append(_WandB(out, name, settings.wandb_project, config))
+    return tuple(sinks)
+
+
+class _TensorBoard:
+    """Scalars as TensorBoard events; on resume from step N the events an interrupted run wrote
+    after N are hidden (`purge_step`), as metrics.jsonl drops its rows."""
+
+    def __init__(self, log_dir: Path, resume_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
-        return None
-    purge = None if resume_step is None else resume_step + 1
-    return SummaryWriter(str(log_dir), purge_step=purge)
+
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    """A Weights & Biases run whose id is kept in out/wandb/run_id, so a resumed (or restarted)
+    run goes on logging to the same W&B run."""
+
+    def __init__(self, out: Path, name: str, project: str, config: dict):
+        import wandb
+
+        id_file = out / "wandb" / "run_id"
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        if not id_file.exists():
+            write_atomic(id_file, uuid.uuid4().hex[:12].encode())
+        self.run = wandb.init(project=project, name=name, id=id_file.read_text().strip(),
+                              resume="allow", dir=str(out), config=config)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def flush(self) -> None:
+        """W&B sends in the background."""
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -95,18 +147,26 @@ def read_metrics(path: Path) -> list[dict]:
 class Progress:
     """Progress over optimizer steps showing loss and tokens/s (silent off rank 0): a tqdm bar
     on a terminal; otherwise (a log file, a scheduler's capture) one line every `interval`
-    steps instead of carriage-return redraws."""
+    steps instead of carriage-return redraws, with the model TFLOP/s per rank (`flops_per_token`
+    in Megatron-LM's convention, over `ranks`) and an ETA from the mean step time so far."""
 
-    def __init__(self, *, total: int, initial: int, enabled: bool, interval: int = 1):
+    def __init__(self, *, total: int, initial: int, enabled: bool, interval: int = 1,
+                 flops_per_token: float = 0.0, ranks: int = 1):
         self.enabled, self.total, self.interval = enabled, total, interval
+        self.flops_per_rank = flops_per_token / ranks
         self.lines = enabled and not sys.stderr.isatty()
         self._bar = tqdm(total=total, initial=initial, disable=not enabled or self.lines,
                          unit="step", dynamic_ncols=True, file=sys.stderr, desc="train")
+        self._initial, self._started = initial, time.perf_counter()
 
     def update(self, *, step: int, loss: float, tokens_per_s: float) -> None:
         if self.lines and (step % self.interval == 0 or step == self.total):
+            per_step = (time.perf_counter() - self._started) / max(1, step - self._initial)
+            eta = _clock(per_step * (self.total - step))
+            tflops = tokens_per_s * self.flops_per_rank / 1e12
             print(f"train: step {step}/{self.total}, loss {loss:.4f}, {tokens_per_s:,.0f}"
-                  " tokens/s", file=sys.stderr, flush=True)
+                  f" tokens/s, {tflops:.3g} TFLOP/s per rank, ETA {eta}", file=sys.stderr,
+                  flush=True)
         self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
         self._bar.update(1)
 
@@ -116,6 +176,12 @@ class Progress:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss, as tqdm writes its ETA."""
+    seconds = round(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class StepTimer:

@@ -23,7 +23,7 @@ from meshtrain.checkpointing.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from meshtrain.config.run_config import RunConfig, check_packing
+from meshtrain.config.run_config import RunConfig, check_packing, profile_window
 from meshtrain.data.corpus import (
     BYTE_VOCAB_SIZE,
     BatchSampler,
@@ -45,9 +45,17 @@ from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import init_parallel
 from meshtrain.parallelize import ParallelModel, parallelize
 from meshtrain.precision import LossScaler
-from meshtrain.training.metrics import MetricsLog, Progress, StepTimer, read_metrics, read_scalars
+from meshtrain.training.metrics import (
+    MetricsLog,
+    Progress,
+    StepTimer,
+    metric_sinks,
+    read_metrics,
+    read_scalars,
+)
 from meshtrain.training.pipeline_trace import gather_timeline, write_trace
 from meshtrain.training.plots import plot_loss_curve
+from meshtrain.training.profiling import StepProfiler
 
 STATE_KEYS = ("parameters", "gradients", "optimizer_states")
 
@@ -314,20 +322,30 @@ class _Run:
                 if trainer.tokenizer is not None:  # `meshtrain sample RUN` decodes with it
                     write_atomic(out / TOKENIZER_FILE, trainer.tokenizer.read_bytes())
             resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
-            self.log = MetricsLog(out / "metrics.jsonl", resume_step=start if resuming else None)
+            resume_step = start if resuming else None
+            sinks = metric_sinks(out, cfg.logging, resume_step=resume_step, config=cfg.to_dict())
+            self.log = MetricsLog(out / "metrics.jsonl", resume_step=resume_step, sinks=sinks)
         self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0,
-                                 interval=t.log_every)
+                                 interval=t.log_every, ranks=mesh.world_size,
+                                 flops_per_token=trainer.model.cfg.flops_per_token(t.seq_len))
         if self.log is not None and self.log.damaged:
             self.progress.write(f"meshtrain: dropped {self.log.damaged} damaged line(s) of"
                                 f" {self.log.path} (a write cut short)")
         trace = cfg.parallel.trace  # a pipeline's warm step (the CLI says when there is none)
         self.traced = min(start + 1, self.stop - 1) if trace and mesh.pp.size > 1 else None
+        window = profile_window(cfg.logging.profile_steps, self.stop) \
+            if cfg.logging.profile_steps else range(0)
+        self.profiler = StepProfiler(window, out, mesh.rank, mesh.device)
         self.timer, self.rows = StepTimer(), []
         self.nonfinite_run = 0  # consecutive steps with an inf/NaN loss or gradient norm
 
     def step(self, step: int) -> None:
         trainer, t = self.trainer, self.cfg.train
+        self.profiler.before(step + 1)
         row = self._traced(step) if step == self.traced else trainer.train_step(step)
+        if (trace := self.profiler.after(step + 1)) is not None:
+            self.progress.write(f"meshtrain: profiled steps {self.profiler.window.start}-"
+                                f"{step + 1}: one trace per rank, e.g. {trace} (ui.perfetto.dev)")
         request = row.pop("request", 0.0)
         self._stop_if_nonfinite(row)
         if step == self.start:
@@ -354,6 +372,8 @@ class _Run:
         if saving:
             path = trainer.save(self.out, done)
             self.last_save = time.monotonic()
+            if done < self.stop and not stopping:  # the end and a stop say so themselves
+                self.progress.write(f"meshtrain: saved checkpoint {path}")
         if stopping:
             self.progress.close()
             raise RunFailure(f"stopped by {stopping.name} after step {done}; checkpoint"
@@ -392,8 +412,9 @@ class _Run:
         if idle:
             per_stage = ", ".join(f"{r['idle_measured']:.1%} vs {r['idle_simulated']:.1%}"
                                   for r in idle["stages"])
-            self.progress.write(f"meshtrain: pipeline timeline of step {step + 1} in"
-                                f" {trace / 'pipeline.json'}; idle per stage, measured vs"
+            files = ["pipeline.json", "pipeline_idle.json"] + ["pipeline.png"] * idle["png"]
+            self.progress.write(f"meshtrain: pipeline timeline of step {step + 1} in {trace}:"
+                                f" {', '.join(files)}; idle per stage, measured vs"
                                 f" simulated: {per_stage}")
         return row
 

@@ -26,9 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEVICE_KINDS = ("auto", "cpu", "cuda")
+
+
 def resolve_device(kind: str = "auto") -> torch.device:
     """This local rank's device: "auto" is CUDA when available, else the CPU."""
-    if kind not in ("auto", "cpu", "cuda"):
+    if kind not in DEVICE_KINDS:
         raise ValueError(f"`device` must be auto, cpu or cuda, got {kind!r}")
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")

@@ -1,0 +1,57 @@
+"""What a run logs besides metrics.jsonl: W&B (offline here: nothing leaves the machine) under
+the run's name, continued by a resumed run; `profile_steps` and `wandb_project` checked before
+any work."""
+
+import importlib.util
+
+import pytest
+
+from meshtrain.cli.main import main
+from meshtrain.config.run_config import profile_window
+from meshtrain.config.settings import LoggingSettings
+from meshtrain.training.metrics import MetricsLog, metric_sinks
+
+
+def _wandb_log(out, resume_step):
+    sinks = metric_sinks(out, LoggingSettings(run_name="r", wandb_project="p"),
+                         resume_step=resume_step, config={"train": {"lr": 0.5}})
+    return MetricsLog(out / "metrics.jsonl", resume_step=resume_step, sinks=sinks)
+
+
+def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = _wandb_log(tmp_path, None)
+    for step in (1, 2):
+        log.write({"step": step, "loss": 4.0 / step})
+    log.close()
+    run_id = (tmp_path / "wandb" / "run_id").read_text()
+    log = _wandb_log(tmp_path, 2)
+    log.write({"step": 3, "loss": 1.25})
+    log.close()
+    assert (tmp_path / "wandb" / "run_id").read_text() == run_id
+    records = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [r.name for r in records] == [f"run-{run_id}.wandb"] * 2  # both parts, one run id
+    assert all(b"loss" in r.read_bytes() for r in records)
+
+
+@pytest.mark.parametrize("spec", ["3", "0:2", "4:2", "2:9", "a:b"])
+def test_profile_steps_outside_the_run_are_refused_before_any_work(capsys, tmp_path, spec):
+    if spec == "3":  # one step, as A:A
+        assert profile_window(spec, 5) == profile_window("3:3", 5) == range(3, 4)
+        return
+    code = main(["train", "--steps", "8", "--profile-steps", spec, "--out", str(tmp_path / "r")])
+    assert code == 2 and not (tmp_path / "r").exists()
+    err = capsys.readouterr().err
+    assert err == (f"meshtrain: error: --profile-steps {spec!r} must be A:B with 1 <= A <= B <="
+                   " the run's 8 steps, e.g. 5:7\n")
+
+
+def test_wandb_without_its_package_names_the_extra(capsys, monkeypatch, tmp_path):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else found(name, *a))
+    assert main(["train", "--wandb-project", "p", "--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == ("meshtrain: error: --wandb-project needs the wandb"
+                                       " package: pip install 'meshtrain[wandb]' (or drop"
+                                       " --wandb-project)\n")
