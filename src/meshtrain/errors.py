@@ -69,6 +69,8 @@ class Code(Enum):
     MODEL_SHAPE = "model shape cannot be built"
     MODEL_UNSUPPORTED = "model feature not implemented"
     MOE_TOP_K = "MoE top-k exceeds the experts"
+    # the data
+    DATA_BLEND = "data_path is not a blend of compatible files"
 
 
 class SettingError(ValueError):

@@ -4,7 +4,10 @@
 and starts fresh otherwise (what restarted workers need). The run's end (`stop_at`, else
 `steps`) must lie past the checkpoint's step, except that `auto_resume` at exactly that step
 means the run is complete. A changed `steps` or learning-rate setting is allowed and announced:
-the schedule follows the new values from the resumed step on.
+the schedule follows the new values from the resumed step on. So is changed data (`data`,
+`data_path`): each step's batch depends only on the seed, the step and the data, so the steps
+from the resumed one on draw from the new data, as Megatron-LM continues a changed `--data-path`
+from the samples already consumed (how a later phase, such as an annealing mix, is trained).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from meshtrain.checkpointing.checkpoint import latest_checkpoint, read_manifest
 from meshtrain.config.run_config import RunConfig
 
 SCHEDULE_SETTINGS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay_fraction")
+DATA_SETTINGS = ("data", "data_path")
 
 
 class RunComplete(Exception):
@@ -54,18 +58,32 @@ def checkpoint_to_resume(cfg: RunConfig) -> tuple[Path, int] | None:
                      " train on")
 
 
-def schedule_changes(cfg: RunConfig, path: Path, step: int) -> str | None:
-    """The line announcing changed schedule settings against the checkpoint's config.toml
-    (None when none changed or the checkpoint has no config)."""
+def changes(cfg: RunConfig, path: Path, step: int) -> list[str]:
+    """The lines announcing changed schedule and data settings against the checkpoint's
+    config.toml (none when nothing changed or the checkpoint has no config)."""
     try:
-        saved = tomllib.loads((path / "config.toml").read_text()).get("train", {})
+        saved = tomllib.loads((path / "config.toml").read_text())
     except (OSError, tomllib.TOMLDecodeError):
-        return None
-    changed = [(name, saved[name], getattr(cfg.train, name)) for name in SCHEDULE_SETTINGS
-               if name in saved and saved[name] != getattr(cfg.train, name)]
-    if not changed:
-        return None
-    parts = [f"`{name}` changed from {old} to {new}" for name, old, new in changed]
-    values = "value" if len(changed) == 1 else "values"
-    return (f"{', '.join(parts)} on resume: the learning-rate schedule follows the new {values}"
-            f" from step {step} on")
+        return []
+    train, lines = saved.get("train", {}), []
+    # a schedule setting an older config lacks is not compared; data settings left out were unset
+    schedule = _changed(train, cfg.train, [name for name in SCHEDULE_SETTINGS if name in train])
+    if schedule:
+        values = "value" if len(schedule) == 1 else "values"
+        lines.append(f"{', '.join(schedule)} on resume: the learning-rate schedule follows the"
+                     f" new {values} from step {step} on")
+    if data := _changed(saved.get("data", {}), cfg.data, DATA_SETTINGS):
+        lines.append(f"{', '.join(data)} on resume: the batches from step {step} on are drawn"
+                     " from the new data")
+    return lines
+
+
+def _changed(saved: dict, settings, names) -> list[str]:
+    """"`name` changed from OLD to NEW" for each of `names` whose value differs from the saved
+    one (a list as its items joined by spaces, as flags take it)."""
+    def shown(value) -> str:
+        return "unset" if value is None else " ".join(value) if isinstance(value, list) \
+            else str(value)
+
+    return [f"`{name}` changed from {shown(saved.get(name))} to {shown(getattr(settings, name))}"
+            for name in names if saved.get(name) != getattr(settings, name)]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.config.run_config import RunConfig
-from meshtrain.data.corpus import BYTE_VOCAB_SIZE, load_corpus
+from meshtrain.data.blend import load_data
+from meshtrain.data.corpus import BYTE_VOCAB_SIZE
 from meshtrain.parallel.runtime.plan import ParallelPlan, parse_spec, spec_key
 from meshtrain.planner.costs import Prediction
 from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
@@ -68,8 +69,9 @@ def choose_layout(cfg: RunConfig, world_size: int, given: set[tuple[str, str]]) 
             raise ValueError(f"`{name}` belongs to one layout: drop it with `layout` (the"
                              " planner splits layers evenly and recomputes all or none)")
     hardware = load_hardware(p.hardware) if p.hardware else default_hardware(p.device)
-    vocab = cfg.model.vocab_size or (BYTE_VOCAB_SIZE if cfg.data.data is None
-                                     else load_corpus(cfg.data.data).vocab_size)
+    d = cfg.data
+    vocab = cfg.model.vocab_size or (BYTE_VOCAB_SIZE if d.data is None and d.data_path is None
+                                     else load_data(d.data, d.data_path).vocab_size)
     model = cfg.model_config(vocab)
     result = search(model, hardware, gpus=world_size, seq_len=t.seq_len,
                     global_batch=t.global_batch, precision=cfg.plan.precision,

@@ -65,7 +65,6 @@ def _given_settings(args: argparse.Namespace) -> set[tuple[str, str]]:
 def check_train(cfg: config_mod.RunConfig, world_size: int):
     """Everything that can be checked before a rank starts: settings, data, output, resume;
     returns the validated `ParallelPlan`."""
-    from meshtrain.data.corpus import TokenDataset
     from meshtrain.training.trainer import corpus_of
 
     plan = config_mod.validate(cfg, world_size)
@@ -79,8 +78,9 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     if model.vocab_size < vocab:
         raise ValueError(f"--init-from: the model's vocabulary {model.vocab_size} is smaller"
                          f" than the data's {vocab}: use data of its tokenizer")
-    for split in corpus.splits(cfg.data.val_fraction):
-        TokenDataset(split, seq_len=cfg.train.seq_len)  # raises if a split is too short
+    t = cfg.train
+    corpus.samplers(cfg.data.val_fraction, seq_len=t.seq_len, global_batch=t.global_batch,
+                    micro_batch=plan.micro_batch, seed=t.seed)  # refuses a split too short
     out = _writable_out(Path(cfg.checkpoint.out))
     run_lock.check_free(out, run_lock.own_run_id())
     has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
@@ -91,7 +91,7 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     if resumed is not None:
         path, step = resumed
         read_manifest(path, model, verify_files=hashed)
-        if note := resuming.schedule_changes(cfg, path, step):
+        for note in resuming.changes(cfg, path, step):
             _notice(note)
     elif has_run and not cfg.checkpoint.auto_resume:
         raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"

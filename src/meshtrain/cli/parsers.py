@@ -105,6 +105,9 @@ def _add_setting_flag(p, section: str, f: dataclasses.Field) -> None:
     choices = f.metadata.get("choices")
     if kind.startswith("bool"):
         p.add_argument(flag, dest=dest, action="store_true", help=text)
+    elif kind.startswith("list") and "nargs" in f.metadata:  # all values after one flag
+        p.add_argument(flag, dest=dest, nargs=f.metadata["nargs"], help=text,
+                       metavar=f.metadata["metavar"])
     elif kind.startswith("list"):
         p.add_argument(flag, dest=dest, action="append", help=text, metavar="KEY=VALUE")
     else:

@@ -30,6 +30,7 @@ from meshtrain.config.settings import (
     ParallelSettings,
     TrainSettings,
 )
+from meshtrain.data.blend import parse_data_path
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.models import TransformerConfig, preset
@@ -241,10 +242,11 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
             return tuple(value)
         return parse_setting(f, value if isinstance(value, str) else repr(value),
                              where=f"`{f.name}`")
-    if kind.startswith("list"):  # KEY=VALUE items: a repeated flag or a TOML list
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    if kind.startswith("list"):  # flag values or a TOML list; numbers (weights) as their text
+        if not isinstance(value, list) or not all(isinstance(v, str | int | float)
+                                                  and not isinstance(v, bool) for v in value):
             raise ValueError(f"{name} must be a list of strings, got {value!r}")
-        return value
+        return [v if isinstance(v, str) else repr(v) for v in value]
     if kind.startswith("bool"):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
@@ -288,8 +290,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                          f" {p.collective_timeout}")
     _validate_restarts(cfg)
     _validate_logging(cfg.logging, t.stop_at or t.steps)
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ValueError(f"`val_fraction` must be in (0, 1), got {cfg.data.val_fraction}")
+    _validate_data(cfg.data)
     model = cfg.model_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
     if t.seq_len > model.max_seq_len:
         raise SettingError(Code.SEQ_LEN_MAX, f"`seq_len` {t.seq_len} exceeds `max_seq_len`"
@@ -325,6 +326,19 @@ def profile_window(spec: str, steps: int) -> range:
     return window
 
 
+def _validate_data(d: DataSettings) -> None:
+    """The data settings' own values (the files are read, and checked, before any rank starts:
+    `Blend`)."""
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ValueError(f"`val_fraction` must be in (0, 1), got {d.val_fraction}")
+    if d.data is not None and d.data_path is not None:
+        raise SettingError(Code.DATA_BLEND, "`data` and `data_path` exclude each other: put"
+                                            " every file in `data_path` (one FILE, or W1 FILE1"
+                                            " W2 FILE2 ...) and drop `data`")
+    if d.data_path is not None:
+        parse_data_path(d.data_path)
+
+
 def _validate_packing(cfg: RunConfig, plan: ParallelPlan) -> None:
     """Packed-document settings the layout can run (whether the data marks documents is
     checked where it is read: `check_packing`)."""
@@ -343,7 +357,11 @@ def check_packing(cfg: RunConfig, eod_id: int | None) -> None:
     wanted = [name for name in ("document_mask", "reset_positions", "eod_mask_loss")
               if getattr(cfg.data, name)]
     if wanted and eod_id is None:
-        where = "the built-in corpus" if cfg.data.data is None else f"`data` {cfg.data.data}"
+        d, where = cfg.data, "the built-in corpus"
+        if d.data is not None:
+            where = f"`data` {d.data}"
+        elif d.data_path is not None:
+            where = f"`data_path` {' '.join(d.data_path)}"
         raise ValueError(f"`{wanted[0]}` needs documents, and {where} marks none (no eod_id):"
                          " prepare the text with `meshtrain prepare`, which ends every document"
                          f" with its end-of-document token, or drop `{wanted[0]}`")

@@ -112,6 +112,13 @@ class DataSettings:
     data: str | None = _f(None, "text file (byte tokens) or .bin of uint16/uint32 tokens with a"
                                 " .bin.json sidecar (as meshtrain prepare writes); default:"
                                 " the Python standard library source")
+    data_path: list[str] | None = _f(None, "blend token files by weight instead of --data, as"
+                                           " Megatron-LM's --data-path: W1 FILE1 W2 FILE2 ..."
+                                           " (weights normalized; one FILE alone is that file);"
+                                           " after every step each file has given its weight's"
+                                           " share of the sequences, within one; the files"
+                                           " share vocab_size, tokenizer and eod_id",
+                                     nargs="+", metavar="W FILE")
     val_fraction: float = _f(0.05, "fraction of the tokens held out for evaluation (unused when"
                                    " the data has a prepared held-out file)")
     document_mask: bool = _f(False, "attention stays within each document of a packed sequence"

@@ -112,8 +112,20 @@ def synthetic_corpus(num_bytes: int = 200_000, seed: int = 0) -> np.ndarray:
     return np.frombuffer("".join(out).encode("ascii")[:num_bytes], dtype=np.uint8)
 
 
-def _data_error(path: Path, problem: str) -> ValueError:
-    return ValueError(f"`data` {path}: {problem}")
+class DataFileError(ValueError):
+    """A data file that cannot be used, named with the setting that gave it (`data` unless
+    `named` says another): the same problem reads right for `data` and for `data_path`."""
+
+    def __init__(self, path: Path, problem: str, setting: str = "data"):
+        super().__init__(f"`{setting}` {path}: {problem}")
+        self.path, self.problem = path, problem
+
+    def named(self, setting: str) -> DataFileError:
+        return DataFileError(self.path, self.problem, setting)
+
+
+def _data_error(path: Path, problem: str) -> DataFileError:
+    return DataFileError(path, problem)
 
 
 def sidecar_of(path: Path) -> Path:
@@ -256,15 +268,16 @@ def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.nda
 
 
 class TokenDataset:
-    """Every window of `seq_len + 1` consecutive tokens, addressed by its start offset."""
+    """Every window of `seq_len + 1` consecutive tokens, addressed by its start offset. `name`
+    says in messages where the tokens came from."""
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int):
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, name: str = "`data`"):
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be a 1-D array, got shape {tokens.shape}")
         if seq_len < 1:
             raise SettingError(Code.RANGE, f"`seq_len` must be positive, got {seq_len}")
         if len(tokens) < seq_len + 1:
-            raise ValueError(f"`data` is too short for `seq_len` {seq_len}: a split of"
+            raise ValueError(f"{name} is too short for `seq_len` {seq_len}: a split of"
                              f" {len(tokens)} tokens cannot hold {seq_len + 1}; use more data,"
                              f" a smaller `seq_len` or another `val_fraction`")
         self.tokens, self.seq_len = tokens, seq_len
@@ -278,10 +291,18 @@ class TokenDataset:
 
     def batch(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, int64 `[len(starts), seq_len]` each."""
+        return as_pair(self.windows(starts))
+
+    def windows(self, starts: np.ndarray) -> np.ndarray:
+        """The windows at `starts`, int64 `[len(starts), seq_len + 1]`."""
         assert 0 <= starts.min() and starts.max() < len(self), "start offset out of range"
-        seqs = torch.from_numpy(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)]
-                                .astype(np.int64))  # [b, s + 1]
-        return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        return self.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int64)
+
+
+def as_pair(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows `[b, seq_len + 1]` as (inputs, next-token targets), `[b, seq_len]` each."""
+    seqs = torch.from_numpy(windows)
+    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
 def check_batch_sizes(*, global_batch: int, micro_batch: int, dp: int) -> None:
@@ -312,15 +333,19 @@ class BatchSampler:
     """Global batches of random windows of `tokens`, each a pure function of (seed, step).
 
     Build one per split (see `split_tokens`): `micro_batches` for training, `eval_batches` for
-    evaluation; the two draw from separate seed streams.
+    evaluation; the two draw from separate seed streams. `name` says in messages where the
+    tokens came from. Subclasses draw a batch otherwise (`_draw`) and share the rest.
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, micro_batch: int,
-                 seed: int):
+                 seed: int, name: str = "`data`"):
+        self._set_sizes(global_batch=global_batch, micro_batch=micro_batch, seed=seed)
+        self.data = TokenDataset(tokens, seq_len=seq_len, name=name)
+
+    def _set_sizes(self, *, global_batch: int, micro_batch: int, seed: int) -> None:
         check_batch_sizes(global_batch=global_batch, micro_batch=micro_batch, dp=1)
         if seed < 0:
             raise ValueError(f"`seed` must be non-negative, got {seed}")
-        self.data = TokenDataset(tokens, seq_len=seq_len)
         self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
 
     def micro_batches(self, step: int, *, dp_rank: int,
@@ -328,7 +353,7 @@ class BatchSampler:
         """This DP rank's micro-batches of optimizer step `step` (0-based), as (inputs, targets)
         int64 `[micro_batch, seq_len]`: rank r gets micro-batches r*m .. (r+1)*m - 1."""
         assert step >= 0, step
-        return self._rank_share([self.seed, _TRAIN, step], dp_rank, dp_size)
+        return self._rank_share(_TRAIN, step, dp_rank, dp_size)
 
     def eval_batches(self, num_batches: int, *, dp_rank: int,
                      dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -337,18 +362,22 @@ class BatchSampler:
         if num_batches < 1:
             raise SettingError(Code.RANGE, f"`eval_batches` must be positive, got {num_batches}")
         return [mb for i in range(num_batches)
-                for mb in self._rank_share([self.seed, _EVAL, i], dp_rank, dp_size)]
+                for mb in self._rank_share(_EVAL, i, dp_rank, dp_size)]
 
-    def _rank_share(self, entropy: list[int], dp_rank: int,
+    def _rank_share(self, stream: int, index: int, dp_rank: int,
                     dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The global batch drawn from `entropy`, as micro-batches: this rank's run of them."""
+        """Global batch `index` of `stream`, as micro-batches: this rank's run of them."""
         check_batch_sizes(global_batch=self.global_batch, micro_batch=self.micro_batch,
                           dp=dp_size)
         assert 0 <= dp_rank < dp_size, (dp_rank, dp_size)
+        per_rank = self.global_batch // dp_size
+        return self._draw(stream, index, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+
+    def _draw(self, stream: int, index: int,
+              mine: slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The micro-batches of the sequences `mine` of global batch `index` of `stream`."""
         # Raw PCG64 output is stable across numpy versions (Generator methods may change); the
         # modulo bias is below len(data) / 2**64.
-        raw = np.random.PCG64(entropy).random_raw(self.global_batch)
-        starts = (raw % np.uint64(len(self.data))).astype(np.int64)
-        per_rank = self.global_batch // dp_size
-        mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        return [self.data.batch(chunk) for chunk in mine.reshape(-1, self.micro_batch)]
+        raw = np.random.PCG64([self.seed, stream, index]).random_raw(self.global_batch)
+        starts = (raw % np.uint64(len(self.data))).astype(np.int64)[mine]
+        return [self.data.batch(chunk) for chunk in starts.reshape(-1, self.micro_batch)]

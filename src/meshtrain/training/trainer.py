@@ -24,14 +24,8 @@ from meshtrain.checkpointing.checkpoint import (
     save_checkpoint,
 )
 from meshtrain.config.run_config import RunConfig, check_packing, profile_window
-from meshtrain.data.corpus import (
-    BYTE_VOCAB_SIZE,
-    BatchSampler,
-    Corpus,
-    load_corpus,
-    stdlib_corpus,
-    write_atomic,
-)
+from meshtrain.data.blend import Blend, load_data
+from meshtrain.data.corpus import BatchSampler, write_atomic
 from meshtrain.data.tokenization import TOKENIZER_FILE
 from meshtrain.mesh import ParallelMesh
 from meshtrain.operations.failures import EXIT_NONFINITE, EXIT_STOPPED, RunFailure, writing
@@ -60,12 +54,10 @@ from meshtrain.training.profiling import StepProfiler
 STATE_KEYS = ("parameters", "gradients", "optimizer_states")
 
 
-def corpus_of(cfg: RunConfig) -> Corpus:
-    """The `data` file's tokens (and what was prepared with them), or the embedded
-    standard-library corpus."""
-    if cfg.data.data is None:
-        return Corpus(stdlib_corpus(), BYTE_VOCAB_SIZE)
-    return load_corpus(cfg.data.data)
+def corpus_of(cfg: RunConfig) -> Blend:
+    """The run's data: the `data_path` blend, the `data` file's tokens (and what was prepared
+    with them), or the embedded standard-library corpus."""
+    return load_data(cfg.data.data, cfg.data.data_path)
 
 
 @dataclasses.dataclass
@@ -99,7 +91,6 @@ class Trainer:
     def build(cls, cfg: RunConfig, mesh: ParallelMesh) -> Trainer:
         """The run's settings laid out on `mesh` (its degrees override the settings')."""
         corpus = corpus_of(cfg)
-        train_tokens, val_tokens = corpus.splits(cfg.data.val_fraction)
         t = cfg.train
         plan = cfg.plan.with_degrees(mesh.degrees)
         check_packing(cfg, corpus.eod_id)
@@ -110,10 +101,10 @@ class Trainer:
                                steps=t.stop_at or t.steps, packing=packing,
                                betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
         scaler = LossScaler(enabled=plan.precision == "fp16", growth_interval=t.loss_scale_window)
-        sampler = dict(seq_len=t.seq_len, global_batch=t.global_batch,
-                       micro_batch=plan.micro_batch, seed=t.seed)
-        return cls(cfg, mesh, plan, parallel, BatchSampler(train_tokens, **sampler),
-                   BatchSampler(val_tokens, **sampler), scaler, corpus.tokenizer)
+        train_data, eval_data = corpus.samplers(d.val_fraction, seq_len=t.seq_len,
+                                                global_batch=t.global_batch,
+                                                micro_batch=plan.micro_batch, seed=t.seed)
+        return cls(cfg, mesh, plan, parallel, train_data, eval_data, scaler, corpus.tokenizer)
 
     def _micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.train_data.micro_batches(step, dp_rank=self.mesh.dp.rank,
