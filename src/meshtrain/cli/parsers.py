@@ -141,18 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_input_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="text files (one document each), folders (their files, recursively, in"
-                        " sorted order) and .jsonl files (one document per line)")
+                        " sorted order; the JSON metadata of a folder that datasets'"
+                        " save_to_disk wrote is left out), .jsonl files and .json files in JSON"
+                        " lines (one document per line), .parquet and .arrow files (one document"
+                        " per row; they need pip install 'meshtrain[datasets]')")
     p.add_argument("--text-field", default="text",
-                   help="the JSONL field holding a document's text (default: text)")
+                   help="the JSONL field or table column holding a document's text"
+                        " (default: text)")
     p.add_argument("--on-error", default="fail",
-                   help="bad input (unreadable file, invalid JSON line, missing field, non-UTF-8"
-                        " bytes): fail stops with one line, skip counts it and goes on"
-                        " (default: fail)")
+                   help="bad input (unreadable file, invalid JSON line, missing field or column,"
+                        " a null or non-string value, non-UTF-8 bytes): fail stops with one"
+                        " line, skip counts it and goes on (default: fail)")
 
 
 def _prepare_parser(sub) -> None:
     p = sub.add_parser("prepare", parents=DEBUG,
-                       help="tokenize text, folders and JSONL into a token file",
+                       help="tokenize text, folders, JSONL, Parquet and Arrow (saved Hugging"
+                            " Face datasets) into a token file",
                        description="Tokenize documents into FILE.bin + FILE.bin.json for `train"
                                    " --data`, an end-of-document token after each document.")
     _add_input_arguments(p)
