@@ -1,9 +1,11 @@
 """`meshtrain prepare`: documents to token files, end-of-document tokens, dtypes, the held-out
-split and training on it, byte-identical output for any number of workers, bad input, bounded
-memory, and a run that samples with the tokenizer its data was prepared with."""
+split and training on it, byte-identical output for any number of workers, saved Hugging Face
+datasets (Parquet, Arrow), bad input, bounded memory, and a run that samples with the tokenizer
+its data was prepared with."""
 
 import json
 import re
+import sys
 import tracemalloc
 
 import numpy as np
@@ -14,6 +16,7 @@ from meshtrain import ParallelMesh
 from meshtrain.cli.flags import as_flags
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
+from meshtrain.data import tables
 from meshtrain.data.corpus import encode, load_corpus, synthetic_corpus
 from meshtrain.data.prepare import prepare
 from meshtrain.data.tokenization import EOD_TOKEN, HFTokenizer, train_bpe
@@ -127,6 +130,85 @@ def _files(folder):
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
+def _table(path, columns, *, arrow_file=False):
+    """A Parquet file (row groups of 3) or an Arrow IPC stream (batches of 3, as
+    `datasets.save_to_disk` writes) or IPC file, written by pyarrow alone."""
+    pa = pytest.importorskip("pyarrow")
+    from pyarrow import ipc, parquet
+
+    table = pa.table(columns)
+    if path.suffix == ".parquet":
+        parquet.write_table(table, path, row_group_size=3)
+        return
+    with (ipc.new_file if arrow_file else ipc.new_stream)(str(path), table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=3):
+            writer.write_batch(batch)
+
+
+def _saved_dataset(root, texts):
+    """The layout of `DatasetDict.save_to_disk`: dataset_dict.json, and per split two Arrow
+    shards beside their JSON metadata."""
+    root.mkdir()
+    (root / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    split = root / "train"
+    split.mkdir()
+    for shard, part in enumerate((texts[:5], texts[5:])):
+        _table(split / f"data-0000{shard}-of-00002.arrow", {"text": part})
+    for name in ("dataset_info.json", "state.json"):
+        (split / name).write_text(json.dumps({"_data_files": [], "text": "meta"}, indent=2))
+
+
+def test_saved_datasets_read_as_their_jsonl(tmp_path, monkeypatch):
+    """Parquet, a saved dataset's folder, an Arrow IPC file and JSON lines in a .json file give
+    the bytes JSONL of the same texts gives: rows numbered as lines (an empty one too) for the
+    held-out split, long rows cut into pieces as text files are, for one worker or two."""
+    monkeypatch.setattr(tables, "ROWS_PER_CHUNK", 4)  # chunks across batches and row groups
+    texts = [f"doc {i} é" for i in range(11)]
+    texts[3], texts[7] = "", "a long row, cut\nafter a line end " * 9
+    lines = "".join(json.dumps({"text": text}) + "\n" for text in texts)
+    (tmp_path / "docs.jsonl").write_text(lines)
+    (tmp_path / "lines.json").write_text(lines)
+    _table(tmp_path / "docs.parquet", {"id": list(range(11)), "text": texts})
+    _table(tmp_path / "docs.arrow", {"text": texts}, arrow_file=True)
+    _saved_dataset(tmp_path / "saved", texts)
+    formats = ["docs.parquet", "saved", "docs.arrow", "lines.json"]
+    outputs = []
+    for inputs, workers in [(["docs.jsonl"], 1), *(([f], 1) for f in formats),
+                            (["docs.jsonl"] * 4, 1), (formats, 2)]:
+        folder = tmp_path / f"out{len(outputs)}"
+        folder.mkdir()
+        prepare([tmp_path / name for name in inputs], out=folder / "d.bin", workers=workers,
+                val_fraction=0.25, progress=False, batch_bytes=64)
+        outputs.append(_files(folder))
+    assert load_corpus(tmp_path / "out0" / "d.bin").held_out.tolist() == \
+        _byte_tokens([texts[7]])  # record 3, the empty row, is held out with nothing in it
+    assert all(output == outputs[0] for output in outputs[1:5]), [sorted(o) for o in outputs]
+    assert outputs[-1] == outputs[-2]  # four inputs in two workers: the bytes of one in one
+
+
+def test_json_is_json_lines_only_when_its_first_line_is_an_object(tmp_path):
+    pretty = '{\n  "text": "whole"\n}\n'
+    (tmp_path / "a.json").write_text('{"text": "one"}\n{"text": "two"}')
+    (tmp_path / "b.json").write_text(pretty)
+    prepare([tmp_path], out=tmp_path / "out" / "d.bin", workers=1, progress=False)
+    assert load_corpus(tmp_path / "out" / "d.bin").tokens.tolist() == \
+        _byte_tokens(["one", "two", pretty])
+
+
+def test_tables_without_pyarrow_fail_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("text")
+    (tmp_path / "in" / "data.parquet").write_bytes(b"unread")
+    with raises_as_flags(r"^\S+/data.parquet: .parquet and .arrow files need the pyarrow library:"
+                         r" pip install 'meshtrain\[datasets\]' \(from a clone: pip install -e"
+                         r" '.\[datasets\]'\)$"):
+        prepare([tmp_path / "in"], out=tmp_path / "out" / "d.bin", progress=False)
+    assert main(["prepare", str(tmp_path / "in"), "--out", str(tmp_path / "out" / "d.bin")]) == 2
+    assert "pip install 'meshtrain[datasets]'" in capsys.readouterr().err
+    assert not any((tmp_path / "out").iterdir())
+
+
 def test_same_bytes_for_any_number_of_workers(tmp_path, bpe):
     _documents(tmp_path, count=12)
     jsonl = tmp_path / "more.jsonl"
@@ -179,6 +261,25 @@ def test_train_evaluates_on_the_held_out_split(tmp_path):
     assert trainer.model.cfg.vocab_size == 257 and trainer.tokenizer is None
 
 
+def _table_bytes(suffix, columns, *, cut=0):
+    """A function writing a Parquet or Arrow file of `columns` (called in the test, so that
+    without pyarrow those cases are skipped), returning its bytes less the last `cut`."""
+    def write(folder):
+        path = folder / f"table{suffix}"
+        _table(path, columns() if callable(columns) else columns)
+        data = path.read_bytes()
+        return data[:len(data) - cut]
+    return write
+
+
+def _not_utf8_strings():
+    pa = pytest.importorskip("pyarrow")
+
+    offsets = pa.py_buffer(np.array([0, 2, 4], dtype=np.int32).tobytes())
+    values = pa.py_buffer(b"oka\xff")  # "ok", then "a" and a byte no UTF-8 text holds
+    return {"text": pa.Array.from_buffers(pa.string(), 2, [None, offsets, values])}
+
+
 # (file name, content, kind, message, its good documents) of each bad input prepare recognises
 BAD_INPUTS = [
     ("bad.jsonl", b'{"text": "ok"}\n{oops\n', "invalid JSON",
@@ -193,6 +294,16 @@ BAD_INPUTS = [
      "bad.jsonl:1: field 'text' holds a lone surrogate at character 0, not text", []),
     ("bad.txt", b"fine\n" * 10 + b"\xfe", "not UTF-8", "bad.txt: not UTF-8 at byte 50", []),
     ("gone.txt", None, "unreadable", r"gone.txt: cannot read \(No such file or directory\)", []),
+    ("bad.parquet", _table_bytes(".parquet", {"text": ["ok", None]}), "without text",
+     "bad.parquet: row 1: no string field 'text'", ["ok"]),
+    ("bad.parquet", _table_bytes(".parquet", {"body": ["x"]}), "without text",
+     r"bad.parquet: no column 'text' \(its columns: body\)", []),
+    ("bad.arrow", _table_bytes(".arrow", {"text": [3]}), "without text",
+     "bad.arrow: row 0: no string field 'text'", []),
+    ("bad.arrow", _table_bytes(".arrow", _not_utf8_strings), "not UTF-8",
+     "bad.arrow: row 1: not UTF-8 at byte 1 of 'text'", ["ok"]),
+    ("bad.parquet", _table_bytes(".parquet", {"text": ["ok"]}, cut=20), "unreadable",
+     r"bad.parquet: cannot read \(.+\)", []),
 ]
 
 
@@ -205,6 +316,8 @@ def test_bad_input_fails_whole_or_is_skipped_and_counted(tmp_path, name, content
     (folder / "a_good.txt").write_text("good")
     if content is None:
         (folder / name).symlink_to(tmp_path / "nowhere")  # listed, but cannot be opened
+    elif callable(content):
+        (folder / name).write_bytes(content(tmp_path))
     else:
         (folder / name).write_bytes(content)
     out = tmp_path / "out" / "d.bin"
@@ -260,6 +373,23 @@ def test_memory_is_bounded_by_the_batches_not_the_corpus(tmp_path):
     for workers in (1, 2):
         assert peaks[24, workers] < 3 << 20, peaks  # a quarter of the corpus at most
         assert peaks[24, workers] < 1.3 * peaks[6, workers], peaks  # 4x the corpus: flat
+
+
+def test_a_compressed_table_is_batched_by_its_text(tmp_path):
+    """Rows of a Parquet file stand for far fewer file bytes than they hold: batches are measured
+    on the text, so the memory held stays flat when the table grows 4x."""
+    pa = pytest.importorskip("pyarrow")
+    from pyarrow import parquet
+
+    path, peaks = tmp_path / "t.parquet", {}
+    for rows in (200, 800):
+        parquet.write_table(pa.table({"text": ["the same words again " * 200] * rows}), path)
+        tracemalloc.start()
+        prepare([path], out=tmp_path / "d.bin", workers=1, progress=False, batch_bytes=1 << 15)
+        peaks[rows] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert path.stat().st_size < 1 << 15 < load_corpus(tmp_path / "d.bin").tokens.size // 100
+    assert peaks[800] < 1.3 * peaks[200], peaks
 
 
 def test_train_then_sample_with_the_runs_tokenizer(tmp_path, bpe, capsys):

@@ -38,7 +38,8 @@ DEBUG = [_debug_parent()]
 
 
 def command(sub, name: str, **kw) -> argparse.ArgumentParser:
-    """A subcommand's parser: `--debug`, and defaults stated by `HelpFormatter`."""
+    """A subcommand's parser: `--debug`, and defaults stated by `HelpFormatter`. Choices are
+    shown as metavars and checked by the library, whose refusal is one line."""
     return sub.add_parser(name, parents=DEBUG, formatter_class=HelpFormatter, **kw)
 
 
@@ -190,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed for top-k sampling")
     s.add_argument("--nproc", type=int, default=1, help="local ranks to spawn")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    s.add_argument("--device", default="auto", choices=DEVICE_KINDS,
+    s.add_argument("--device", default="auto", metavar="{" + ",".join(DEVICE_KINDS) + "}",
                    help="auto (CUDA when available), cpu or cuda")
     d = command(sub, "doctor",
                 help="say what diverged in a hung run, from its dumps")
@@ -206,17 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_input_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="text files (one document each), folders (their files, recursively, in"
-                        " sorted order) and .jsonl files (one document per line)")
+                        " sorted order; the JSON metadata of a folder that datasets'"
+                        " save_to_disk wrote is left out), .jsonl files and .json files in JSON"
+                        " lines (one document per line), .parquet and .arrow files (one document"
+                        " per row; they need pip install 'meshtrain[datasets]')")
     p.add_argument("--text-field", default="text",
-                   help="the JSONL field holding a document's text")
-    p.add_argument("--on-error", default="fail", choices=ON_ERROR,
-                   help="bad input (unreadable file, invalid JSON line, missing field, non-UTF-8"
-                        " bytes): fail stops with one line, skip counts it and goes on")
+                   help="the JSONL field or table column holding a document's text")
+    p.add_argument("--on-error", default="fail", metavar="{" + ",".join(ON_ERROR) + "}",
+                   help="bad input (unreadable file, invalid JSON line, missing field or column,"
+                        " a null or non-string value, non-UTF-8 bytes): fail stops with one"
+                        " line, skip counts it and goes on")
 
 
 def _prepare_parser(sub) -> None:
     p = command(sub, "prepare",
-                help="tokenize text, folders and JSONL into a token file",
+                help="tokenize text, folders, JSONL, Parquet and Arrow (saved Hugging Face"
+                     " datasets) into a token file",
                 description="Tokenize documents into FILE.bin + FILE.bin.json, the token file"
                             " `meshtrain train` reads, an end-of-document token after each"
                             " document.")

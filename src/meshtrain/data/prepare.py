@@ -1,4 +1,4 @@
-"""`meshtrain prepare`: text files, folders and JSONL files -> a token file `X.bin` + `X.bin.json`
+"""`meshtrain prepare`: text files, folders, JSONL, Parquet and Arrow files -> a token file `X.bin`
 (see `corpus.load_corpus`), the end-of-document token after every document, and optionally a
 held-out split of whole documents in `X.val.bin`.
 
@@ -146,10 +146,12 @@ def _held_out_rule(val_fraction: float, val_docs: int | None, files: list[Path])
 
 
 def _batches(pieces: Iterable[Piece], batch_bytes: int) -> Iterator[list[Piece]]:
+    """Batches of about `batch_bytes` of text: measured on the text, not on the input bytes a
+    piece stands for, which for a compressed Parquet file are far fewer."""
     batch, size = [], 0
     for piece in pieces:
         batch.append(piece)
-        size += piece.size
+        size += len(piece.text or "")
         if size >= batch_bytes:
             yield batch
             batch, size = [], 0
