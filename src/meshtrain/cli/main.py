@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from meshtrain.checkpointing import resuming
 from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
 from meshtrain.cli.flags import as_flags
@@ -23,6 +25,7 @@ from meshtrain.cli.parsers import parse_command_line
 from meshtrain.config import run_config as config_mod
 from meshtrain.mesh import resolve_degrees
 from meshtrain.operations import endings, run_lock, stopping
+from meshtrain.operations.cpu_threads import threads_per_rank
 from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_PEER_FAILED, RunFailure
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import check_local_devices
@@ -132,7 +135,6 @@ def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
         for name in list(logging.root.manager.loggerDict):  # each module's logger has its level
             if name.startswith("torch.distributed.elastic"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     launch_args = get_args_parser().parse_args(
         ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
          f"--rdzv-id={run_id or uuid.uuid4().hex}", f"--nproc-per-node={nproc}",
@@ -189,6 +191,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.parallel.trace and plan.pp == 1 and int(os.environ.get("RANK", "0")) == 0:
         print("meshtrain: --trace records pipeline timelines; with --pp 1 it writes nothing",
               file=sys.stderr)
+    threads = threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                               cfg.parallel.threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the ranks meshtrain launches inherit it
+    torch.set_num_threads(threads)
     if env_world is not None:  # a rank: under torchrun rank 0 takes the lock for the world
         mine = None if stopping.under_meshtrain_launcher() else run_lock.RunLock(
             cfg.checkpoint.out, run_lock.own_run_id())

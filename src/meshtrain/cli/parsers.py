@@ -50,7 +50,7 @@ _MOVED = {"precision": ("precision", "grad_dtype", "loss_scale_window"),
           "optimizer": ("lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay_fraction",
                         "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "clip_grad"),
           "logging": ("log_every", "trace"),
-          "operations": ("nproc", "max_restarts", "device", "collective_timeout",
+          "operations": ("nproc", "threads", "max_restarts", "device", "collective_timeout",
                          "max_nonfinite_steps")}
 _GROUP_ORDER = ("model", "data", "parallel layout", "precision", "training", "optimizer",
                 "checkpoints", "logging", "operations")

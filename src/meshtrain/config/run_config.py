@@ -279,6 +279,8 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     t, p = cfg.train, cfg.parallel
     if p.nproc is not None and p.nproc < 1:
         raise ValueError(f"`nproc` must be positive, got {p.nproc}")
+    if p.threads is not None and p.threads < 1:
+        raise ValueError(f"`threads` must be positive, got {p.threads}")
     plan = cfg.plan.resolved(world_size)
     check_local_devices(p.device, int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size)))
     _validate_train(t)

@@ -53,6 +53,9 @@ class ModelSettings:
 class ParallelSettings:
     nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp, degrees not"
                                  " given being 1); omit under torchrun")
+    threads: int | None = _f(None, "CPU threads per rank (default: OMP_NUM_THREADS when set,"
+                                   " else the cores idle at start shared by the local ranks,"
+                                   " so a busy machine does not stall the run)")
     max_restarts: int = _f(0, "restart every rank up to N times after one fails (meshtrain's"
                               " launcher; needs --auto-resume); under torchrun use its own"
                               " --max-restarts")
