@@ -85,8 +85,9 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
 
 
 def _meshtrain_lines(err: str) -> list[str]:
+    """What a run said besides its launch line and its periodic checkpoints."""
     return [line for line in err.splitlines() if line.startswith("meshtrain:")
-            and "ranks (dp=2), writing to" not in line]
+            and not line.startswith(("meshtrain: 2 ranks (", "meshtrain: saved checkpoint"))]
 
 
 def _losses(out: Path) -> dict[int, float]:
