@@ -128,7 +128,6 @@ DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named)
     "piece-absolute": (lambda ck: _edit_pieces(ck, lambda e: e["pieces"][0].update(
         file="/etc/passwd")), "manifest.json", "not a plain file name"),
     "link-leaving": (_link_outside, RANK, "a link leaving the checkpoint directory"),
-    "latest-elsewhere": (_latest_elsewhere, "latest", "not a step_NNNNNNNN directory"),
     "overlapping-pieces": (lambda ck: _edit_pieces(ck, lambda e: e["pieces"].append(
         {**e["pieces"][0], "key": "other", "offset": 8, "length": 8})), "manifest.json",
         f"pieces of {EMBEDDING} overlap at rows 8..16"),
@@ -187,6 +186,33 @@ def test_damage_is_refused_in_one_line(case, run, corpus, capsys):
     damage(_latest(run))
     for line in _refusals(run, corpus, capsys):
         assert re.search(file, line) and re.search(problem, line), line
+
+
+@pytest.mark.parametrize("pointer", ["missing", "elsewhere", "newest-damaged"])
+def test_resume_takes_the_newest_complete_checkpoint_when_latest_is_lost(pointer, run, corpus,
+                                                                          capsys):
+    latest = run / "checkpoints" / "latest"
+    if pointer == "missing":
+        latest.unlink()
+    elif pointer == "elsewhere":
+        _latest_elsewhere(_latest(run))
+        assert main(["export", str(run), "--out", str(run.parent / "m.safetensors")]) == 2
+        assert "not a step_NNNNNNNN directory" in capsys.readouterr().err  # export: refused
+    else:
+        latest.write_text("garbage")
+        _flip(_latest(run) / RANK)
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(rows + [json.dumps({"step": 3, "loss": 9.0})]))
+    assert main(["train", *TRAIN, "--data", corpus, "--out", str(run), "--resume"]) == 0
+    resumed = "step_00000001" if pointer == "newest-damaged" else "step_00000002"
+    why = "missing" if pointer == "missing" else "damaged"
+    assert (f"meshtrain: {latest} was {why}: resuming from {resumed}, the newest complete"
+            " checkpoint (the latest pointer now names it)") in capsys.readouterr().err
+    step = int(resumed[5:])
+    aside = run / f"metrics.after_step_{step}.jsonl"
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == \
+        [*range(step + 1, 3), 3]  # the interrupted run's later rows, kept
+    assert latest.read_text() == "step_00000004"
 
 
 def _old_format(ck: Path) -> None:

@@ -173,8 +173,13 @@ def publish(tmp: Path, final: Path, *, manifest: dict, train_state: dict,
     files = manifest["files"] | {name: sha256(tmp / name) for name in texts}
     _fsync_write(tmp / RECORD, json.dumps({"format": RECORD_FORMAT, "files": files}, indent=1))
     tmp.rename(final)
-    _fsync_write(final.parent / ".latest.tmp", final.name)
-    os.replace(final.parent / ".latest.tmp", final.parent / "latest")
+    point_latest_at(final)
+
+
+def point_latest_at(checkpoint: Path) -> None:
+    """Make `latest` name `checkpoint` (write + rename: a reader sees the old or the new)."""
+    _fsync_write(checkpoint.parent / ".latest.tmp", checkpoint.name)
+    os.replace(checkpoint.parent / ".latest.tmp", checkpoint.parent / "latest")
 
 
 def _keep_newest(root: Path, keep_last: int) -> None:

@@ -1,13 +1,15 @@
 """Which checkpoint a run continues from, and the rules a resumed run's settings must follow.
 
 `resume` demands a checkpoint; `auto_resume` takes the newest complete one when there is one
-and starts fresh otherwise (what restarted workers need). The run's end (`stop_at`, else
-`steps`) must lie past the checkpoint's step, except that `auto_resume` at exactly that step
-means the run is complete. A changed `steps` or learning-rate setting is allowed and announced:
-the schedule follows the new values from the resumed step on. So is changed data (`data`,
-`data_path`): each step's batch depends only on the seed, the step and the data, so the steps
-from the resumed one on draw from the new data, as Megatron-LM continues a changed `--data-path`
-from the samples already consumed (how a later phase, such as an annealing mix, is trained).
+and starts fresh otherwise (what restarted workers need). Both follow the `latest` pointer, or,
+when it is missing or damaged, the newest checkpoint that verifies whole (`repair_latest`). The
+run's end (`stop_at`, else `steps`) must lie past the checkpoint's step, except that
+`auto_resume` at exactly that step means the run is complete. A changed `steps` or
+learning-rate setting is allowed and announced: the schedule follows the new values from the
+resumed step on. So is changed data (`data`, `data_path`): each step's batch depends only on
+the seed, the step and the data, so the steps from the resumed one on draw from the new data, as
+Megatron-LM continues a changed `--data-path` from the samples already consumed (how a later
+phase, such as an annealing mix, is trained).
 """
 
 from __future__ import annotations
@@ -15,11 +17,52 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from meshtrain.checkpointing.checkpoint import latest_checkpoint, read_manifest
+from meshtrain.checkpointing.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    point_latest_at,
+    read_manifest,
+)
+from meshtrain.checkpointing.retention import checkpoint_age
+from meshtrain.checkpointing.verify import STEP_NAME
 from meshtrain.config.run_config import RunConfig
 
 SCHEDULE_SETTINGS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay_fraction")
 DATA_SETTINGS = ("data", "data_path")
+
+
+def repair_latest(root: Path) -> str | None:
+    """When `latest` in `root` is missing or damaged but complete checkpoints are there: point it
+    at the newest one that verifies whole (hashes included) and return the line saying so, so a
+    resume never starts over beside saved work. None when `latest` is sound or nothing verifies
+    (a damaged pointer is then refused as before)."""
+    if not root.is_dir():
+        return None
+    try:
+        if latest_checkpoint(root) is not None:
+            return None
+        why = "missing"
+    except CheckpointError as damage:
+        why, refusal = "damaged", damage
+    else:
+        refusal = None
+    for candidate in sorted(_step_dirs(root), key=lambda d: checkpoint_age(d.name),
+                            reverse=True):
+        try:
+            read_manifest(candidate)
+        except CheckpointError:
+            continue
+        point_latest_at(candidate)
+        return (f"{root / 'latest'} was {why}: resuming from {candidate.name}, the newest"
+                " complete checkpoint (the latest pointer now names it)")
+    if refusal is not None:
+        raise refusal
+    return None
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    return [d for d in root.iterdir()
+            if STEP_NAME.fullmatch(d.name) and d.is_dir() and not d.is_symlink()]
 
 
 class RunComplete(Exception):

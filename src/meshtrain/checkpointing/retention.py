@@ -31,7 +31,7 @@ def remove_leftovers(root: Path) -> None:
             entry.unlink()
 
 
-def _age(name: str) -> tuple[int, int]:
+def checkpoint_age(name: str) -> tuple[int, int]:
     """Sort key, oldest first: the step, then the re-save number (`step_N` before `step_N.1`)."""
     match = STEP_NAME.fullmatch(name)
     return int(match.group(1)), int(match.group(2) or 0)
@@ -47,7 +47,7 @@ def keep_newest(root: Path, keep_last: int) -> list[str]:
     complete = sorted((entry for entry in root.iterdir()
                        if STEP_NAME.fullmatch(entry.name) and entry.is_dir()
                        and not entry.is_symlink() and (entry / "manifest.json").is_file()),
-                      key=lambda entry: _age(entry.name))
+                      key=lambda entry: checkpoint_age(entry.name))
     doomed = [entry for entry in complete[:-keep_last]
               if latest is None or entry.name != latest.name]
     for entry in doomed:

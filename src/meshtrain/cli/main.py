@@ -87,6 +87,9 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     out = _writable_out(Path(cfg.checkpoint.out))
     run_lock.check_free(out, run_lock.own_run_id())
     has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
+    if cfg.checkpoint.resume or cfg.checkpoint.auto_resume:
+        if note := resuming.repair_latest(out / "checkpoints"):
+            _notice(note)
     resumed = resuming.checkpoint_to_resume(cfg)  # raises RunComplete when nothing is left
     # Hash the files where a damaged checkpoint is one line before spawning; ranks that
     # meshtrain's launcher spawned after doing so check metadata only (their load hashes again).

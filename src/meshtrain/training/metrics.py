@@ -31,14 +31,16 @@ class MetricsLog:
     end), so a step costs no file write. Each row also goes to the `sinks` (TensorBoard, W&B:
     see `metric_sinks`).
 
-    On resume from step N, rows after N (written after the checkpoint by an interrupted run) are
-    dropped so the file reads as one uninterrupted run, and so are lines that do not parse (a
-    write cut short by a crash or a full disk): `damaged` counts them. A failed write is a
+    On resume from step N, rows after N (written after the checkpoint by an interrupted run) move
+    to metrics.after_step_N.jsonl (`kept_aside`), so the file reads as one uninterrupted run and
+    nothing is lost; lines that do not parse (a write cut short by a crash or a full disk) are
+    dropped: `damaged` counts them. A failed write is a
     `RunFailure` naming the file, not a traceback.
     """
 
     def __init__(self, path: Path, *, resume_step: int | None = None, sinks: tuple = ()):
         self.path, self.damaged, self.sinks = path, 0, sinks
+        self.kept_aside: Path | None = None
         with writing(path):
             if resume_step is not None and path.exists():
                 self._truncate(resume_step)
@@ -46,7 +48,9 @@ class MetricsLog:
         self._pending: list[str] = []
 
     def _truncate(self, resume_step: int) -> None:
-        kept = []
+        """Keep the rows up to `resume_step`; the later ones go, in order, to `kept_aside`
+        (metrics.after_step_N.jsonl), never deleted."""
+        kept, later = [], []
         for line in self.path.read_text(errors="replace").splitlines():
             try:
                 row = json.loads(line)
@@ -55,8 +59,14 @@ class MetricsLog:
                 continue
             if isinstance(row, dict) and row.get("step", 0) <= resume_step:
                 kept.append(line)
+            elif isinstance(row, dict):
+                later.append(line)
             else:
-                self.damaged += not isinstance(row, dict)
+                self.damaged += 1
+        if later:
+            self.kept_aside = self.path.with_name(f"metrics.after_step_{resume_step}.jsonl")
+            with open(self.kept_aside, "a") as aside:
+                aside.write("".join(line + "\n" for line in later))
         write_atomic(self.path, "".join(line + "\n" for line in kept).encode())
 
     def write(self, row: dict) -> None:

@@ -319,6 +319,9 @@ class _Run:
         self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0,
                                  interval=t.log_every, ranks=mesh.world_size,
                                  flops_per_token=trainer.model.cfg.flops_per_token(t.seq_len))
+        if self.log is not None and self.log.kept_aside is not None:
+            self.progress.write(f"meshtrain: the rows after step {start} of the interrupted run"
+                                f" are kept in {self.log.kept_aside}")
         if self.log is not None and self.log.damaged:
             self.progress.write(f"meshtrain: dropped {self.log.damaged} damaged line(s) of"
                                 f" {self.log.path} (a write cut short)")
