@@ -20,6 +20,7 @@ import torch
 from harness import run_cli, start_cli
 from safetensors.torch import load_file
 
+from meshtrain.checkpointing.checkpoint import latest_checkpoint
 from meshtrain.cli.main import _train_config, check_train, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.operations.run_lock import LOCK_FILE, RunLock, check_free
@@ -112,6 +113,41 @@ def test_auto_resume_on_a_fresh_out_starts_fresh(reference):
     losses = _losses(reference)
     assert sorted(losses) == list(range(1, STEPS + 1)) and 99.0 not in losses.values()
     assert not (reference / LOCK_FILE).exists()  # released at the end
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.extended  # the launcher's path of SIGTERM (the test below) with another signal
+def test_sighup_to_the_launcher_stops_as_sigterm(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = start_cli(*_flags(corpus, out, "--nproc", "2"))
+    _wait_for_step(out, 2, proc)
+    os.kill(proc.pid, signal.SIGHUP)  # a closed terminal
+    code, err = _finish(proc)
+    first = max(_losses(out))
+    assert code == 3 and _meshtrain_lines(err) == [
+        f"meshtrain: stopped by SIGHUP after step {first}; checkpoint step_{first:08d} saved;"
+        " continue with --resume (or --auto-resume)"], err[-3000:]
+
+
+def test_no_rank_outlives_its_launcher(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = start_cli(*_flags(corpus, out, "--nproc", "2"))
+    _wait_for_step(out, 2, proc)
+    ranks = _rank_pids(proc.pid)
+    assert len(ranks) == 2
+    os.kill(proc.pid, signal.SIGKILL)  # an OOM kill: the ranks stop after a checkpoint, exit
+    proc.communicate()
+    deadline = time.monotonic() + 20
+    while any(map(_alive, ranks.values())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, ranks.values())), "a rank outlived its launcher"
+    assert latest_checkpoint(out / "checkpoints").name >= "step_00000002"
 
 
 def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, reference,

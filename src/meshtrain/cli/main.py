@@ -127,7 +127,7 @@ def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
             run_id: str | None = None) -> int:
     """Run `python -m meshtrain <argv>` as `nproc` local ranks with torch's elastic launcher
     (standalone rendezvous under `run_id`, which the ranks see as TORCHELASTIC_RUN_ID). Stop
-    signals are meshtrain's (`stopping.LauncherSignals`); torch's agent keeps SIGHUP/SIGQUIT."""
+    signals are meshtrain's (`stopping.LauncherSignals`); torch's agent keeps SIGQUIT."""
     import uuid
 
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -142,7 +142,7 @@ def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
         ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
          f"--rdzv-id={run_id or uuid.uuid4().hex}", f"--nproc-per-node={nproc}",
          f"--max-restarts={max_restarts}", f"--shutdown-timeout={stopping.shutdown_timeout()}",
-         "--signals-to-handle=SIGHUP,SIGQUIT", "-m", "meshtrain"])
+         "--signals-to-handle=SIGQUIT", "-m", "meshtrain"])
     launch_args.training_script_args = argv  # kept from the launcher's own option parsing
     with stopping.LauncherSignals(nproc) as signals:
         try:

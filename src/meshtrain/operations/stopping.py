@@ -1,5 +1,6 @@
-"""Graceful stop: SIGTERM, SIGINT or SIGUSR1 ends a run after the current step with a checkpoint,
-the same step on every rank, and exit code EXIT_STOPPED.
+"""Graceful stop: SIGTERM, SIGINT, SIGHUP or SIGUSR1 ends a run after the current step with a
+checkpoint, the same step on every rank, and exit code EXIT_STOPPED; so does the death of the
+launcher that started the ranks (no rank outlives it).
 
 On a rank a signal only records a request (`StopSignals.request`). `Trainer.train_step`
 all-reduces the requests (MAX over the world) with the step's other scalars, so every rank reads
@@ -27,7 +28,8 @@ from pathlib import Path
 
 from meshtrain.operations.failures import EXIT_OK, EXIT_PEER_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+PARENT_POLL_S = 0.5  # how often a launched rank checks that its launcher still lives
 DUPLICATE_WINDOW_S = 3.0  # a repeat of a stop signal within this counts once
 AGREE_DEADLINE_S = 30.0  # plus two of the longest step: time for every rank to reach the decision
 SHUTDOWN_TIMEOUT_S = 600  # the launcher's wait for the ranks' save before it kills them
@@ -45,6 +47,11 @@ def stop_signal(request: float) -> signal.Signals | None:
 
 def under_meshtrain_launcher() -> bool:
     return LAUNCHER_PID in os.environ
+
+
+def launched() -> bool:
+    """Started by a launcher: meshtrain's, or torch's elastic agent (torchrun)."""
+    return under_meshtrain_launcher() or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def report_exit(code: int) -> None:
@@ -88,6 +95,22 @@ class StopSignals:
         folder = os.environ.get(EXIT_DIR)
         if folder:  # meshtrain's launcher forwards a late signal to this process id
             Path(folder, f"rank_{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+        if launched():
+            threading.Thread(target=self._watch_parent, args=(os.getppid(),),
+                             name="meshtrain-parent", daemon=True).start()
+
+    def _watch_parent(self, parent: int) -> None:
+        """A launched rank dies with its launcher: once the launcher is gone (this process was
+        handed to another parent; a SIGKILL, an OOM kill, a closed terminal), stop as on SIGHUP:
+        a checkpoint after the current step when the ranks agree, else exit by the deadline."""
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        pipe = self._pipe
+        try:
+            if pipe is not None:  # still armed: the run has not ended by itself
+                os.write(pipe[1], bytes([signal.SIGHUP]))  # as if the signal had come
+        except OSError:  # disarmed meanwhile
+            pass
 
     def disarm(self) -> None:
         if self._pipe is None:
