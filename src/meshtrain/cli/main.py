@@ -26,7 +26,12 @@ from meshtrain.config import run_config as config_mod
 from meshtrain.mesh import resolve_degrees
 from meshtrain.operations import endings, run_lock, stopping
 from meshtrain.operations.cpu_threads import threads_per_rank
-from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_PEER_FAILED, RunFailure
+from meshtrain.operations.failures import (
+    EXIT_BAD_INPUT,
+    EXIT_PEER_FAILED,
+    EXIT_STOPPED,
+    RunFailure,
+)
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import check_local_devices
 
@@ -151,7 +156,8 @@ def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
             return signals.outcome()
         except ChildFailedError as failure:
             return signals.explain(endings.launch_failure(failure.failures))
-    return 0
+        # Stopped ranks exit 0 to the agent (a stop is no failure to restart) and report 3.
+        return EXIT_STOPPED if EXIT_STOPPED in signals.codes().values() else 0
 
 
 def _in_rank(fn, debug: bool = False) -> int:
@@ -234,6 +240,8 @@ def _train_in_rank(cfg: config_mod.RunConfig, plan, lock: run_lock.RunLock | Non
     finally:
         signals.disarm()
     stopping.report_exit(code)
+    if code == EXIT_STOPPED and stopping.under_meshtrain_launcher():
+        return 0  # torch's agent would restart a rank that exits non-zero (`_launch` says 3)
     return code
 
 
