@@ -211,11 +211,12 @@ def test_launcher_names_the_rank_that_died(capsys):
     assert capsys.readouterr().err == ""  # those ranks printed their own line
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "inf"])
-def test_collective_timeout_must_be_positive(capsys, value):
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "0.001"])
+def test_collective_timeout_must_be_at_least_a_second(capsys, value):
     assert cli.main(["train", "--collective-timeout", value, "--device", "cpu"]) == 2
-    assert capsys.readouterr().err.startswith("meshtrain: error: --collective-timeout must be a"
-                                              " positive number of seconds")
+    assert capsys.readouterr().err == (
+        "meshtrain: error: --collective-timeout must be a number of seconds from 1 (below, a"
+        f" collective of a healthy run times out), got {float(value)}\n")
 
 
 def test_every_subcommand_accepts_debug():

@@ -287,6 +287,8 @@ def test_plan_layout_over_budget_warns(capsys):
      "planned for 8 x a100-40g (40 GiB each): choose the devices you will train on with"
      " --hardware"),
     (["--json"], "--gpus is required"),
+    (["--gpus", "8", "--seq-len", "0"], "--seq-len must be positive, got 0"),
+    (["--gpus", "8", "--global-batch", "-1"], "--global-batch must be positive, got -1"),
 ])
 def test_plan_bad_input_is_one_line(capsys, args, message):
     code, out, err = _run(capsys, *args)
@@ -376,3 +378,19 @@ def test_default_hardware_follows_the_cuda_device(monkeypatch, name, profile):
         assert default_hardware("auto").name == profile
     # --device cpu plans for the CPU even with CUDA present.
     assert default_hardware("cpu") is BUILT_IN["cpu-gloo"]
+
+
+@pytest.mark.parametrize("field,value,bound", [
+    ("peak_tflops", "nan", "(0, inf)"), ("hbm_gib", "inf", "(0, inf)"),
+    ("intra_node_gbytes_per_s", "-5.0", "(0, inf)"), ("collective_latency_s", "-1e-05",
+                                                      "[0, inf)"),
+    ("overlap_efficiency", "1.5", "[0, 1]"), ("matmul_efficiency", "0.0", "(0, inf)")])
+def test_a_hardware_file_with_impossible_numbers_is_refused(capsys, tmp_path, field, value,
+                                                           bound):
+    text = BUILT_IN["a100-40g"].to_toml()
+    path = tmp_path / "hw.toml"
+    path.write_text(re.sub(rf"^{field} = .*$", f"{field} = {value}", text, flags=re.M))
+    assert main(["plan", "--gpus", "8", "--hardware", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"meshtrain: error: --hardware file {path}: {field} must be a number in {bound}, got"
+        f" {float(value)!r}; fix the file or calibrate again\n")

@@ -102,10 +102,28 @@ def test_every_rank_sees_a_nan_that_one_rank_made(corpus, degrees):
         assert rows == [(0, 0, False), (1, 1, True)], rows
 
 
-def test_an_infinite_learning_rate_is_refused_before_training(corpus, tmp_path, capsys):
-    line = _refused(capsys, "train", *TINY, "--lr", "inf", "--data", corpus,
-                    "--out", str(tmp_path / "run"))
-    assert line == "meshtrain: error: --lr must be a finite number, got inf"
+@pytest.mark.parametrize("flags,line", [
+    (["--lr", "inf"], "--lr must be a finite number (an fp32 one, at most 3.4e+38), got inf"),
+    (["--lr", "1e308"], "--lr must be a finite number (an fp32 one, at most 3.4e+38), got"
+                        " 1e+308"),  # finite in Python, inf as the optimizer's fp32
+    (["--moe-experts", "2", "--moe-capacity-factor", "nan"],
+     "--moe-capacity-factor must be > 0, got nan"),
+    (["--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
+    (["--bucket-mb", "inf"], "--bucket-mb must be positive, got inf"),
+], ids=["lr-inf", "lr-overflows-fp32", "capacity-nan", "bucket-nan", "bucket-inf"])
+def test_numbers_no_run_can_use_are_refused_before_training(corpus, tmp_path, capsys, flags,
+                                                             line):
+    refused = _refused(capsys, "train", *TINY, *flags, "--data", corpus,
+                       "--out", str(tmp_path / "run"))
+    assert refused == f"meshtrain: error: {line}" and not (tmp_path / "run").exists()
+
+
+def test_an_empty_out_is_refused_not_taken_for_the_current_directory(corpus, tmp_path, capsys,
+                                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _refused(capsys, "train", *TINY, "--data", corpus, "--out", "")
+    assert line.startswith("meshtrain: error: --out is empty, which would write the run into the"
+                           " current directory") and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("name,content,problem", [
@@ -183,3 +201,11 @@ def test_tensorboard_forgets_the_steps_after_the_resumed_one(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [
         (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "nan"], ["--temperature", "inf"],
+                                   ["--temperature", "0"], ["--top-k", "-1"]])
+def test_sample_refuses_settings_that_sample_nothing_before_reading(capsys, tmp_path, flags):
+    line = _refused(capsys, "sample", str(tmp_path / "no-run"), *flags)
+    assert line == ("meshtrain: error: --max-new-tokens must be positive, --top-k >= 0 and"
+                    " --temperature a finite number > 0")  # before the checkpoint is looked for

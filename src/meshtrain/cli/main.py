@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import gc
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -265,8 +266,9 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.max_new_tokens < 1 or args.top_k < 0 or args.temperature <= 0:
-        raise ValueError("--max-new-tokens must be positive, --top-k >= 0, --temperature > 0")
+    if args.max_new_tokens < 1 or args.top_k < 0 or not 0 < args.temperature < math.inf:
+        raise ValueError("--max-new-tokens must be positive, --top-k >= 0 and --temperature a"
+                         " finite number > 0")
     if args.tp < 1 or args.nproc < 1:
         raise ValueError("--tp and --nproc must be positive")
     resolve_degrees(int(os.environ.get("WORLD_SIZE", args.nproc)), tp=args.tp)

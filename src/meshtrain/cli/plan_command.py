@@ -91,13 +91,15 @@ def _none_fits(result: SearchResult, request: Request) -> None:
 def _request(args: argparse.Namespace) -> Request:
     if args.gpus is None:
         raise ValueError("`gpus` is required: the number of devices to plan for")
-    if args.top < 1:
-        raise ValueError(f"`top` must be positive, got {args.top}")
+    for name in ("top", "seq_len", "global_batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"`{name}` must be positive, got {getattr(args, name)}")
     given = {key.split(".", 1)[1]: value for key, value in vars(args).items()
              if key.startswith("model.")}
     cfg = config_mod.RunConfig(model=settings.ModelSettings(**given))
     base = preset(cfg.model.model or config_mod.DEFAULT_PRESET)
-    seq_len = args.seq_len or cfg.model.max_seq_len or base.max_seq_len
+    seq_len = args.seq_len if args.seq_len is not None else \
+        cfg.model.max_seq_len or base.max_seq_len
     cfg.train.seq_len, cfg.train.global_batch = seq_len, args.global_batch
     model = cfg.model_config(cfg.model.vocab_size or base.vocab_size)
     if seq_len > model.max_seq_len:

@@ -39,6 +39,8 @@ from meshtrain.parallel.runtime.plan import ParallelPlan, parse_setting
 from meshtrain.parallel.runtime.process_groups import check_local_devices
 
 DEFAULT_PRESET = "tiny"
+FP32_MAX = 3.4028234663852886e38
+MIN_COLLECTIVE_TIMEOUT_S = 1.0
 RUN_PLAN = ParallelPlan(**{f.name: f.metadata["run_default"]
                            for f in dataclasses.fields(ParallelPlan)})
 """A run's layout before any setting: the plan's defaults, and the run's where they differ."""
@@ -218,6 +220,9 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
                 else:
                     setattr(getattr(cfg, section), key, value)
     cfg.plan = dataclasses.replace(cfg.plan, **layout)
+    if cfg.checkpoint.out is not None and not cfg.checkpoint.out.strip():
+        raise ValueError("`out` is empty, which would write the run into the current directory:"
+                         " name a directory, or leave `out` out for runs/<date-time>")
     if cfg.checkpoint.out is None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         if "RANK" in os.environ and not run_id:
@@ -287,9 +292,10 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     if cfg.checkpoint.keep_last < 0:
         raise ValueError(f"`keep_last` must be >= 0 (0 keeps every checkpoint), got"
                          f" {cfg.checkpoint.keep_last}")
-    if not 0 < p.collective_timeout < 1e7:
-        raise ValueError(f"`collective_timeout` must be a positive number of seconds, got"
-                         f" {p.collective_timeout}")
+    if not MIN_COLLECTIVE_TIMEOUT_S <= p.collective_timeout < 1e7:
+        raise ValueError(f"`collective_timeout` must be a number of seconds from"
+                         f" {MIN_COLLECTIVE_TIMEOUT_S:g} (below, a collective of a healthy run"
+                         f" times out), got {p.collective_timeout}")
     _validate_restarts(cfg)
     _validate_logging(cfg.logging, t.stop_at or t.steps)
     _validate_data(cfg.data)
@@ -395,9 +401,10 @@ def _validate_train(t: TrainSettings) -> None:
             raise ValueError(f"`{name}` must be >= 0, got {getattr(t, name)}")
     if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
         raise ValueError(f"`stop_at` must be between 1 and `steps` ({t.steps}), got {t.stop_at}")
-    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
-        if not math.isfinite(getattr(t, name)):
-            raise ValueError(f"`{name}` must be a finite number, got {getattr(t, name)}")
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):  # finite as fp32 values too
+        if not abs(getattr(t, name)) <= FP32_MAX:
+            raise ValueError(f"`{name}` must be a finite number (an fp32 one, at most"
+                             f" {FP32_MAX:.3g}), got {getattr(t, name)}")
     if t.lr < 0 or t.min_lr < 0:
         raise ValueError(f"`lr` and `min_lr` must be >= 0, got {t.lr} and {t.min_lr}")
     if t.min_lr > t.lr:

@@ -10,6 +10,7 @@ checkpoints ask these, never a family's attribute names.
 from __future__ import annotations
 
 import importlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -129,11 +130,11 @@ class TransformerConfig(ABC):
                 f" {self.moe_experts}: use more experts or a smaller k"))
         if self.moe_every < 1:
             raise SettingError(Code.RANGE, f"`moe_every` must be positive, got {self.moe_every}")
-        if self.moe_capacity_factor <= 0:
+        if not 0 < self.moe_capacity_factor < math.inf:
             raise SettingError(Code.RANGE, (
                 f"`moe_capacity_factor` must be > 0, got"
                 f" {self.moe_capacity_factor}"))
-        if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
+        if not (0 <= self.moe_aux_loss_coef < math.inf and 0 <= self.moe_z_loss_coef < math.inf):
             raise SettingError(Code.RANGE, "`moe_aux_loss_coef` and `moe_z_loss_coef` must be >= 0")
 
     def is_moe_layer(self, layer: int) -> bool:

@@ -8,6 +8,7 @@ writes one for the machine it runs on). Bandwidths are per device, one direction
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,34 @@ def load_hardware(name_or_file: str) -> Hardware:
                          f" fields are {', '.join(sorted(known))}")
     values.setdefault("name", path.stem)
     try:
-        return Hardware(**values)
+        hardware = Hardware(**values)
     except TypeError as e:
         raise ValueError(f"`hardware` file {path} lacks a field: {e}") from None
+    for name, (low, high, low_included) in _RANGES.items():
+        value = getattr(hardware, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                (low <= value if low_included else low < value) and value <= high
+                and math.isfinite(value)):
+            closing = "]" if high < math.inf else ")"
+            bound = f"{'[' if low_included else '('}{low:g}, {high:g}{closing}"
+            raise ValueError(f"`hardware` file {path}: {name} must be a number in {bound}, got"
+                             f" {value!r}; fix the file or calibrate again")
+    if hardware.default_precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"`hardware` file {path}: default_precision must be fp32, bf16 or"
+                         f" fp16, got {hardware.default_precision!r}")
+    return hardware
+
+
+_POSITIVE = (0.0, math.inf, False)
+_RANGES = {  # field: (low, high, low included); a NaN is in no range
+    **dict.fromkeys(("peak_tflops", "hbm_gib", "gpus_per_node", "intra_node_gbytes_per_s",
+                     "inter_node_gbytes_per_s", "hbm_gbytes_per_s",
+                     "attention_backward_ratio", "reduce_scatter_factor", "matmul_efficiency",
+                     "memory_efficiency", "network_efficiency"), _POSITIVE),
+    **dict.fromkeys(("fp32_peak_tflops", "collective_latency_s", "layer_overhead_s",
+                     "matmul_half_gflop"),
+                    (0.0, math.inf, True)),
+    "overlap_efficiency": (0.0, 1.0, True),
+}
+"""What a profile's numbers may be (infinities and NaN never). Efficiencies are only bounded
+below: a calibration measures its peak and may fit a little over it."""

@@ -14,6 +14,7 @@ flags.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,7 +222,7 @@ class ParallelPlan:
             raise SettingError(Code.GRAD_DTYPE, (
                 f"`grad_dtype` {self.grad_dtype} must be fp32 or the `precision`"
                 f" dtype ({self.precision})"))
-        if int(self.bucket_mb * 2**20) < 1:
+        if not math.isfinite(self.bucket_mb) or int(self.bucket_mb * 2**20) < 1:
             raise SettingError(Code.RANGE, f"`bucket_mb` must be positive, got {self.bucket_mb}")
 
     def _validate_execution(self, model, seq_len: int) -> None:
