@@ -75,3 +75,26 @@ def test_bad_schedule_settings():
         pipedream_2bw(4, 2, 3)
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate([[Action(BACKWARD, 0)], [Action(FORWARD, 1)]])
+
+
+# Recorded from the simulator before it learnt I and W (commit c32dbb5), on uneven chunk costs:
+# forward 1 + g/4 and backward 2 + (g mod 3)/2 on global chunk g. (makespan, busy, peak)
+BEFORE_SPLIT = {
+    ("gpipe", 3, 5, 1): (29.25, [15.0, 18.75, 22.5], [5, 5, 5]),
+    ("1f1b", 4, 8, 1): (45.75, [24.0, 30.0, 36.0, 30.0], [4, 3, 2, 1]),
+    ("2bw", 4, 8, 1): (81.75, [48.0, 60.0, 72.0, 60.0], [4, 3, 2, 1]),
+    ("interleaved", 4, 8, 2): (87.75, [60.0, 72.0, 72.0, 72.0], [11, 9, 7, 5]),
+    ("interleaved", 2, 8, 3): (107.5, [96.0, 102.0], [7, 5]),
+}
+
+
+@pytest.mark.parametrize("key", BEFORE_SPLIT)
+def test_existing_schedules_simulate_as_before_the_split_backward(key):
+    name, p, m, v = key
+    schedule = {"gpipe": lambda: gpipe(p, m), "1f1b": lambda: one_f_one_b(p, m),
+                "2bw": lambda: pipedream_2bw(p, m, 2),
+                "interleaved": lambda: interleaved(p, m, v)}[name]()
+    sim = simulate(schedule, v=v, forward_cost=[1 + 0.25 * g for g in range(p * v)],
+                   backward_cost=[2 + 0.5 * (g % 3) for g in range(p * v)])
+    assert (sim.makespan, sim.busy, sim.peak_in_flight) == BEFORE_SPLIT[key]
+    assert sim.peak_activations == [n / v for n in sim.peak_in_flight]

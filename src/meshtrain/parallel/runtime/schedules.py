@@ -4,7 +4,9 @@ A schedule is, per pipeline rank, a plain list of `Action`s: forward or backward
 local model chunk), the sends and receives around them, and the optimizer step. Generators:
 GPipe (all forwards, then all backwards), 1F1B / PipeDream-Flush (warm-up, one forward one
 backward, cool-down), Megatron's interleaved 1F1B (v model chunks per rank: rank s holds model
-chunks s, s + p, ...), and PipeDream-2BW (1F1B across optimizer steps with no flush).
+chunks s, s + p, ...), and PipeDream-2BW (1F1B across optimizer steps with no flush). The
+zero-bubble generators (`zero_bubble.py`) split the backward into `I` and `W` (below) and may
+place chunks in a V.
 
 `simulate` replays the lists with a cost per action and returns each rank's busy time, the
 makespan and the peak number of micro-batches (chunks) whose activations a rank holds, so bubble
@@ -14,7 +16,7 @@ lists on a real model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
@@ -22,6 +24,11 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
 PipeDream-2BW."""
 
 FORWARD, BACKWARD = "F", "B"
+INPUT_GRAD, WEIGHT_GRAD = "I", "W"
+"""The backward split in two (Qi et al., "Zero Bubble Pipeline Parallelism", arXiv 2401.10241):
+`I` computes the gradient of the chunk's input, which the previous chunk waits for (the critical
+path); `W` computes the chunk's weight gradients, which nothing else waits for, so a schedule
+may put it in a bubble. `B` stays the fused backward (I then W at once) of the other schedules."""
 RECV_ACTIVATION, SEND_ACTIVATION = "recv_act", "send_act"
 RECV_GRAD, SEND_GRAD = "recv_grad", "send_grad"
 OPTIMIZER_STEP = "step"
@@ -34,24 +41,42 @@ class Action:
     chunk: int = 0  # local model chunk on this rank (0 without interleaving)
 
 
+Placement = Callable[[int, int, int], int]
+"""(rank, local chunk, p) -> global model chunk: where a schedule puts the model's chunks."""
+
+
 def model_chunk(rank: int, chunk: int, p: int) -> int:
-    """Global index of a rank's local chunk: rank s holds model chunks s, s + p, s + 2p, ..."""
+    """Global index of a rank's local chunk: rank s holds model chunks s, s + p, s + 2p, ...
+    (the looped placement of every schedule but ZB-V)."""
     return chunk * p + rank
 
 
-def _with_communication(compute: list[Action], rank: int, p: int, v: int) -> list[Action]:
-    """Insert receives before and sends after each compute action that crosses stages."""
+def v_shape_chunk(rank: int, chunk: int, p: int) -> int:
+    """ZB-V's placement of two chunks per rank: rank r holds global chunks r and 2p - 1 - r, so
+    the forward runs down ranks 0..p-1 and back up p-1..0, and rank 0 holds the first chunk and
+    the last (the loss). Rank p - 1 holds the middle two: that boundary stays on one rank."""
+    if chunk not in (0, 1):
+        raise ValueError(f"the V placement has two chunks per rank, got local chunk {chunk}")
+    return rank if chunk == 0 else 2 * p - 1 - rank
+
+
+def _with_communication(compute: list[Action], rank: int, p: int, v: int,
+                        placement: Placement = model_chunk) -> list[Action]:
+    """Insert receives before and sends after each compute action that crosses chunks: around
+    forwards the activation, around `B` or `I` the input gradient (`W` sends nothing). Every
+    chunk boundary gets its pair, also one inside a rank (ZB-V's turn on rank p - 1, or any
+    boundary at p = 1): a runtime may hand that tensor over in memory instead."""
     last = p * v - 1
     out: list[Action] = []
     for a in compute:
-        g = model_chunk(rank, a.chunk, p)
+        g = placement(rank, a.chunk, p)
         if a.kind == FORWARD:
             if g > 0:
                 out.append(Action(RECV_ACTIVATION, a.micro, a.chunk))
             out.append(a)
             if g < last:
                 out.append(Action(SEND_ACTIVATION, a.micro, a.chunk))
-        elif a.kind == BACKWARD:
+        elif a.kind in (BACKWARD, INPUT_GRAD):
             if g < last:
                 out.append(Action(RECV_GRAD, a.micro, a.chunk))
             out.append(a)
@@ -147,24 +172,39 @@ def pipedream_2bw(p: int, m: int, steps: int) -> list[list[Action]]:
 class Simulation:
     makespan: float
     busy: list[float]  # per rank
-    peak_in_flight: list[int]  # per rank: forwarded and not yet backwarded (micro, chunk)s
+    peak_in_flight: list[int]  # per rank: forwarded (micro, chunk)s whose B or W is not done
     timeline: list[list[tuple[Action, float, float]]]  # per rank: (action, start, end)
+    chunks_per_rank: int = 1
 
     def idle_fraction(self, rank: int) -> float:
         return 1.0 - self.busy[rank] / self.makespan
 
+    @property
+    def peak_activations(self) -> list[float]:
+        """`peak_in_flight` in whole-stage units: a chunk holds 1/v of a stage's layers, so
+        schedules with different chunk counts compare on one memory scale."""
+        return [n / self.chunks_per_rank for n in self.peak_in_flight]
+
 
 def simulate(schedule: list[list[Action]], *, forward_cost: float | Sequence[float] = 1.0,
-             backward_cost: float | Sequence[float] = 2.0, v: int = 1) -> Simulation:
-    """Run every rank's list in order; a forward waits for the previous model chunk's forward
-    of the same micro-batch, a backward for the next chunk's backward. A number is a cost per
-    whole stage (a chunk of an interleaved schedule costs 1/v of it); a sequence gives each
-    model chunk's own cost, in global chunk order (uneven stages, the head on the last one).
-    Communication is free."""
+             backward_cost: float | Sequence[float] = 2.0, v: int = 1,
+             input_grad_cost: float | Sequence[float] | None = None,
+             weight_grad_cost: float | Sequence[float] | None = None,
+             placement: Placement = model_chunk) -> Simulation:
+    """Run every rank's list in order; an action waits for its input (`_input_ready`). A number
+    is a cost per whole stage (a chunk of an interleaved schedule costs 1/v of it); a sequence
+    gives each model chunk's own cost, in global chunk order (uneven stages, the head on the
+    last one). `I` and `W` cost half of `backward_cost` each unless given. A chunk's
+    activations count as held from its forward until its `B` or `W`: the weight gradient still
+    needs them. `placement` maps (rank, local chunk) to the global chunk (`v_shape_chunk` for
+    ZB-V). Communication is free."""
     p = len(schedule)
     last = p * v - 1
-    forward = _chunk_costs(forward_cost, p, v)
     backward = _chunk_costs(backward_cost, p, v)
+    costs = {FORWARD: _chunk_costs(forward_cost, p, v), BACKWARD: backward,
+             INPUT_GRAD: _half_unless_given(input_grad_cost, backward, p, v),
+             WEIGHT_GRAD: _half_unless_given(weight_grad_cost, backward, p, v)}
+    held = {FORWARD: 1, BACKWARD: -1, WEIGHT_GRAD: -1}
     done: dict[tuple[str, int, int], float] = {}  # (kind, micro, global chunk) -> end time
     position = [0] * p
     clock = [0.0] * p
@@ -177,26 +217,18 @@ def simulate(schedule: list[list[Action]], *, forward_cost: float | Sequence[flo
         for s in range(p):
             while position[s] < len(schedule[s]):
                 a = schedule[s][position[s]]
-                g = model_chunk(s, a.chunk, p)
-                ready = clock[s]
-                if a.kind == FORWARD and g > 0:
-                    dep = done.get((FORWARD, a.micro, g - 1))
-                elif a.kind == BACKWARD:
-                    dep = done.get((FORWARD, a.micro, g)) if g == last \
-                        else done.get((BACKWARD, a.micro, g + 1))
-                else:
-                    dep = ready  # communication and steps: no cost, no dependency of their own
+                g = placement(s, a.chunk, p)
+                dep = _input_ready(a, g, last, done)
                 if dep is None:
                     break
-                start = max(ready, dep)
-                cost = forward[g] if a.kind == FORWARD else backward[g] \
-                    if a.kind == BACKWARD else 0.0
+                start = max(clock[s], dep)
+                cost = costs[a.kind][g] if a.kind in costs else 0.0
                 clock[s] = start + cost
                 busy[s] += cost
-                if a.kind in (FORWARD, BACKWARD):
+                if a.kind in costs:
                     done[(a.kind, a.micro, g)] = clock[s]
                     timeline[s].append((a, start, clock[s]))
-                    in_flight[s] += 1 if a.kind == FORWARD else -1
+                    in_flight[s] += held.get(a.kind, 0)
                     peak[s] = max(peak[s], in_flight[s])
                 position[s] += 1
                 remaining -= 1
@@ -205,7 +237,29 @@ def simulate(schedule: list[list[Action]], *, forward_cost: float | Sequence[flo
             stuck = {s: schedule[s][position[s]] for s in range(p)
                      if position[s] < len(schedule[s])}
             raise RuntimeError(f"schedule deadlocks: ranks wait on {stuck}")
-    return Simulation(max(clock), busy, peak, timeline)
+    return Simulation(max(clock), busy, peak, timeline, v)
+
+
+def _input_ready(a: Action, g: int, last: int, done: dict) -> float | None:
+    """When action `a` on global chunk `g` may start as far as other actions go (None: not
+    yet): a forward after the previous chunk's forward of its micro-batch; `B` or `I` after the
+    next chunk's input gradient (its `B` or `I`), or on the last chunk after its own forward;
+    `W` after its own `I`. Communication and steps cost nothing and wait for nothing."""
+    if a.kind == FORWARD:
+        return done.get((FORWARD, a.micro, g - 1)) if g > 0 else 0.0
+    if a.kind in (BACKWARD, INPUT_GRAD):
+        if g == last:
+            return done.get((FORWARD, a.micro, g))
+        return done.get((INPUT_GRAD, a.micro, g + 1), done.get((BACKWARD, a.micro, g + 1)))
+    if a.kind == WEIGHT_GRAD:
+        return done.get((INPUT_GRAD, a.micro, g))
+    return 0.0
+
+
+def _half_unless_given(cost: float | Sequence[float] | None, backward: list[float], p: int,
+                       v: int) -> list[float]:
+    """`I` and `W` costs per chunk: as given, else half the fused backward's each."""
+    return [b / 2 for b in backward] if cost is None else _chunk_costs(cost, p, v)
 
 
 def _chunk_costs(cost: float | Sequence[float], p: int, v: int) -> list[float]:
