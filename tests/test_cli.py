@@ -32,6 +32,18 @@ def test_config_file_then_flags(tmp_path):
     assert again.to_dict() == cfg.to_dict()  # the resolved config round-trips through TOML
 
 
+@pytest.mark.parametrize("overrides", [{}, {"model": {"model": "llama-tiny", "num_layers": 3}},
+                                       {"parallel": {"tp": 2}, "train": {"seq_len": 512}}])
+def test_config_toml_names_what_the_run_decided_and_reads_back_the_same(overrides):
+    cfg = build_config({}, overrides)
+    plan, model = cfg.plan.resolved(4), cfg.model_config(256)
+    saved = tomllib.loads(cfg.resolved(model, plan).to_toml())
+    assert saved["model"]["model"] == (cfg.model.model or "tiny")
+    assert saved["parallel"]["dp"] == plan.dp and saved["model"]["vocab_size"] == 256
+    again = build_config(saved, {})
+    assert again.model_config(256) == model and again.plan == plan
+
+
 def test_degrees_not_given_are_one_and_dp_fills_the_world(corpus):
     from meshtrain.cli.main import check_train
 
@@ -168,6 +180,8 @@ def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     assert any("eval_loss" in r for r in rows)
     saved = tomllib.loads((out / "config.toml").read_text())
     assert saved["parallel"]["tp"] == 2 and saved["train"]["steps"] == 6
+    assert (saved["model"]["model"], saved["model"]["vocab_size"], saved["model"]["max_seq_len"],
+            saved["parallel"]["dp"]) == ("tiny", 256, 256, 1)  # what the run decided
 
     # An earlier run in --out without --resume is refused, before any rank starts (so here).
     capsys.readouterr()

@@ -57,6 +57,16 @@ class RunConfig:
     plan: ParallelPlan = field(default_factory=lambda: RUN_PLAN)
     """The layout: its fields are settings of the tables their `section` names."""
 
+    def resolved(self, model: TransformerConfig, plan: ParallelPlan) -> RunConfig:
+        """This config with what the run decided where the settings left it open: the model
+        preset (unless `init_from` names the model), its vocabulary and positions, and the
+        degrees (dp filled in), so config.toml names them."""
+        m = self.model
+        name = m.model if self.checkpoint.init_from else m.model or DEFAULT_PRESET
+        model_settings = dataclasses.replace(m, model=name, vocab_size=model.vocab_size,
+                                             max_seq_len=model.max_seq_len)
+        return dataclasses.replace(self, model=model_settings, plan=plan)
+
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name != "plan"}

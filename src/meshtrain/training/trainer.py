@@ -9,6 +9,7 @@ roles) and never asks which strategy or model family it runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -78,6 +79,11 @@ class Trainer:
     @property
     def model(self):
         return self.parallel.model
+
+    @functools.cached_property
+    def config_toml(self) -> str:
+        """The run's settings as it runs them (config.toml, and in every checkpoint)."""
+        return self.cfg.resolved(self.model.cfg, self.plan).to_toml()
 
     @property
     def sync(self):
@@ -220,7 +226,7 @@ class Trainer:
         values, states, optimizer_step = self.sync.export()
         return save_checkpoint(out / "checkpoints", step, model=self.model, mesh=self.mesh,
                                train_state={"step": step, "loss_scaler": self.scaler.state_dict()},
-                               config_toml=self.cfg.to_toml(), values=values, states=states,
+                               config_toml=self.config_toml, values=values, states=states,
                                optimizer_step=optimizer_step,
                                previous=self.executor.saved_state(),
                                keep_last=self.cfg.checkpoint.keep_last)
@@ -309,7 +315,7 @@ class _Run:
         if mesh.rank == 0:
             with writing(out):
                 out.mkdir(parents=True, exist_ok=True)
-                (out / "config.toml").write_text(cfg.to_toml())
+                (out / "config.toml").write_text(trainer.config_toml)
                 if trainer.tokenizer is not None:  # `meshtrain sample RUN` decodes with it
                     write_atomic(out / TOKENIZER_FILE, trainer.tokenizer.read_bytes())
             resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
