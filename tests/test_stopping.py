@@ -88,7 +88,8 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
 def _meshtrain_lines(err: str) -> list[str]:
     """What a run said besides its launch line and its periodic checkpoints."""
     return [line for line in err.splitlines() if line.startswith("meshtrain:")
-            and not line.startswith(("meshtrain: 2 ranks (", "meshtrain: saved checkpoint"))]
+            and not line.startswith(("meshtrain: 2 ranks (", "meshtrain: saved checkpoint",
+                                     "meshtrain: resuming from "))]
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -197,6 +198,8 @@ def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, r
     code, err = _finish(proc)
     assert code == 0, err[-3000:]
     assert err.count("model states on rank 0") == 2  # it did restart
+    assert f"meshtrain: restart 1 of the ranks after one failed: resumed at step {kill_at - 2}" \
+        in err
     _assert_same_run(out, reference)
 
 

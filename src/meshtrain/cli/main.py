@@ -103,6 +103,7 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     if resumed is not None:
         path, step = resumed
         read_manifest(path, model, verify_files=hashed)
+        _notice(f"resuming from {path} (step {step})")
         for note in resuming.changes(cfg, path, step):
             _notice(note)
     elif has_run and not cfg.checkpoint.auto_resume:

@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -287,6 +289,11 @@ def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None) -> list
     out = Path(cfg.checkpoint.out)
     resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
     start = trainer.resume(out) if resuming else 0
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts and mesh.rank == 0:  # the agent restarted every rank after one failed
+        where = f"resumed at step {start}" if start else "no checkpoint yet: started over"
+        print(f"meshtrain: restart {restarts} of the ranks after one failed: {where}",
+              file=sys.stderr, flush=True)
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
     run = _Run(cfg, trainer, out, start, stop)
