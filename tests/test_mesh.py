@@ -72,3 +72,18 @@ def test_one_gpu_per_local_rank(monkeypatch):
     check_local_devices("cpu", 4)
     with pytest.raises(ValueError, match="2 local ranks need 2 GPUs but 1 are visible"):
         check_local_devices("auto", 2)
+
+
+def test_a_script_that_forgets_destroy_parallel_still_tears_the_groups_down_at_exit():
+    """Gloo's threads abort the process ("terminate called without an active exception") when
+    the groups die in the interpreter's own teardown: `init_parallel` tears them down at exit
+    (benchmarks/bench_clean_exit.py counts the aborts over many 4-rank runs)."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, torch.distributed as dist, meshtrain\n"
+              "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"
+              "meshtrain.init_parallel(device='cpu')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == "initialized at exit: False\n", done.stderr

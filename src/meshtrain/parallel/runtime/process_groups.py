@@ -5,6 +5,7 @@ the CPU), and the `ParallelMesh` with the TP block arranged as its scheme's grid
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import os
@@ -73,6 +74,8 @@ def init_parallel(
     grid = tp_grid(tp_scheme, tp, tp_depth)
     device = resolve_device(device)
     if not dist.is_initialized():
+        atexit.unregister(destroy_parallel)  # (once, however often a process starts a world)
+        atexit.register(destroy_parallel)  # a script that forgets it still exits cleanly
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
