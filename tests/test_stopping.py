@@ -217,7 +217,7 @@ def test_resume_rules(capsys, corpus, reference):
         (["--resume"], f"--steps {STEPS} is at or below the step of the checkpoint to resume"
                        f" (step_{STEPS:08d}, step {STEPS}): raise --steps past {STEPS}"),
         (["--resume", "--steps", "50"], "--steps 50 is at or below"),
-        (["--auto-resume", "--steps", "300", "--stop-at", "80"], "--stop-at 80 is at or below"),
+        (["--auto-resume", "--steps", "300", "--stop-at", "40"], "--stop-at 40 is at or below"),
         (["--resume", "--auto-resume"], "--resume and --auto-resume exclude each other"),
         (["--nproc", "2", "--max-restarts", "1"], "--max-restarts restarts the ranks with the"
                                                   " same flags: add --auto-resume"),
