@@ -7,6 +7,7 @@ import hashlib
 import json
 import re
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,16 @@ def test_resume_takes_the_newest_complete_checkpoint_when_latest_is_lost(pointer
     assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == \
         [*range(step + 1, 3), 3]  # the interrupted run's later rows, kept
     assert latest.read_text() == "step_00000004"
+
+
+def test_a_finished_run_names_its_settings_and_is_not_trained_over(made_run, corpus, capsys):
+    saved = tomllib.loads((made_run / "config.toml").read_text())
+    assert (saved["model"]["model"], saved["model"]["vocab_size"], saved["parallel"]["dp"],
+            saved["train"]["steps"]) == ("tiny", 256, 1, 4)  # what the run decided, too
+    capsys.readouterr()  # an earlier run in --out without --resume: refused, nothing written
+    assert main(["train", *TRAIN, "--data", corpus, "--out", str(made_run)]) == 2
+    refused = capsys.readouterr().err
+    assert "holds an earlier run" in refused and len(refused.strip().splitlines()) == 1
 
 
 def _old_format(ck: Path) -> None:

@@ -167,6 +167,7 @@ def test_bad_files_are_one_line(capsys, tmp_path):
                                                             "--config", str(unknown)])
 
 
+@pytest.mark.extended  # the README's commands run this path in the default suite (test_docs.py)
 def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     common = ["--device", "cpu", "--data", corpus, "--seq-len", "32", "--global-batch", "4",

@@ -272,4 +272,4 @@ def test_progress_lines_checkpoints_profile_and_wandb_of_a_run_without_a_termina
     assert trace["traceEvents"] and "profiled steps 2-3" in result.stderr
     run_id = (out / "wandb" / "run_id").read_text()
     [record] = (out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
-    assert b"first" in record.read_bytes() and b"tokens_per_s" in record.read_bytes()
+    assert b"first" in record.read_bytes()  # the run, under its name (rows: test_run_logging)
