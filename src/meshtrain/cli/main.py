@@ -9,7 +9,6 @@ machines, run the same command under torchrun.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import logging
 import math
@@ -222,10 +221,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 def _layout_text(plan: ParallelPlan) -> str:
     """The layout as a `--layout` spec: dp, and every setting that differs from a run's
     default (degrees above 1, the scheme, the schedule, ZeRO, precision, ...)."""
-    run_defaults = ParallelPlan(**{f.name: f.metadata["run_default"]
-                                   for f in dataclasses.fields(ParallelPlan)})
-    defaults = dict(run_defaults.spec_items())
-    return ", ".join(f"{key}={value}" for key, value in plan.spec_items(run_defaults)
+    defaults = dict(config_mod.RUN_PLAN.spec_items())
+    return ", ".join(f"{key}={value}" for key, value in plan.spec_items(config_mod.RUN_PLAN)
                      if key == "dp" or value != defaults.get(key))
 
 
