@@ -75,9 +75,10 @@ def _check(corpus, tp, pp, schedule, cp=1, parallel=None, model=None):
         assert trainer.train_step(step)["loss"] == pytest.approx(
             reference.train_step(step)["loss"], rel=1e-4)
     assert trainer.evaluate() == pytest.approx(reference.evaluate(), rel=1e-4)
-    # the two copies of the tied embedding stay equal
+    # the two copies of the tied embedding stay equal (zb-v's rank 0 holds both ends: one)
     tied = trainer.parallel.roles.tied
-    assert len(tied) == (mesh.pp.rank in (0, pp - 1) and cfg.model_config(256).tie_embeddings)
+    assert len(tied) == (mesh.pp.rank in (0, pp - 1) and schedule != "zb-v"
+                         and cfg.model_config(256).tie_embeddings)
     if tied:
         copies = all_gather_objects(tied[0].detach().unsqueeze(0), mesh.axis("embed"))
         assert torch.equal(copies[0], copies[-1])
@@ -232,9 +233,9 @@ def _save_pp(corpus, out, pp, parallel=None):
     return merged
 
 
-def _load_pp(corpus, out, pp, step=1, model=None):
+def _load_pp(corpus, out, pp, step=1, model=None, schedule="1f1b"):
     world = torch.distributed.get_world_size()
-    trainer = Trainer.build(_cfg(corpus, "1f1b", model=model),
+    trainer = Trainer.build(_cfg(corpus, schedule, model=model),
                             worker_mesh(tp=1, pp=pp, dp=world // pp))
     assert trainer.resume(out) == step
     merged = {}

@@ -44,6 +44,10 @@ class ParameterRoles:
     units: list[tuple[nn.Module, list[nn.Parameter]]]
     """What ZeRO-3 gathers at once, in forward order: the model's own parameters (embedding,
     final norm, output layer), then each transformer block's."""
+    reused: list[nn.Parameter] = field(default_factory=list)
+    """Used by two model chunks of this rank (the tied embedding when one rank holds the first
+    chunk and the last, as zb-v's rank 0 does): its gradient arrives in two backward passes per
+    micro-batch, so it is reduced after the step's last backward (in `wait()`)."""
 
 
 @dataclass

@@ -65,6 +65,9 @@ class Code(Enum):
     TWO_BW_MICRO_BATCHES = "2bw: fewer micro-batches than pp"
     TWO_BW_PRECISION = "2bw needs fp32"
     TWO_BW_MOE = "2bw with MoE"
+    ZERO_BUBBLE_PP = "zero-bubble schedule without pp > 1"
+    ZERO_BUBBLE_SCHEME = "zero-bubble schedule with a grid tp scheme"
+    ZB_V_LAYERS = "zb-v: fewer layers than 2 x pp"
     # the model alone
     MODEL_SHAPE = "model shape cannot be built"
     MODEL_UNSUPPORTED = "model feature not implemented"

@@ -25,7 +25,7 @@ from meshtrain.parallel.runtime.executor import (
 )
 from meshtrain.parallel.runtime.optim import BETAS, EPS
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.runtime.schedules import model_chunk
+from meshtrain.parallel.runtime.schedules import schedule_placement
 from meshtrain.parallel.runtime.sync import GradientSync, ReplicatedSync, ZeroSync
 from meshtrain.parallel.schemes.factory import LayerFactory
 from meshtrain.parallel.schemes.registry import layer_factory
@@ -73,14 +73,15 @@ def build_model(model_cfg: TransformerConfig, mesh: ParallelMesh, plan: Parallel
 
 def pipeline_stage(num_layers: int, plan: ParallelPlan, mesh: ParallelMesh) -> StageSpec:
     """This rank's layers: one range per model chunk (global chunks s, s + p, ... under the
-    interleaved schedule), the embedding on the first stage and the output layer on the last."""
+    interleaved schedule, s and 2p - 1 - s under zb-v), the embedding before the first global
+    chunk and the output layer after the last, on whichever rank holds them."""
     pp = mesh.pp
     if pp.size == 1:  # a one-rank reference ignores the plan's split
         return StageSpec((range(num_layers),))
-    chunks = plan.stage_layers(num_layers)
-    return StageSpec(tuple(chunks[model_chunk(pp.rank, c, pp.size)]
-                           for c in range(plan.virtual_stages)),
-                     has_embedding=pp.rank == 0, has_head=pp.rank == pp.size - 1)
+    chunks, place = plan.stage_layers(num_layers), schedule_placement(plan.pp_schedule)
+    mine = [place(pp.rank, c, pp.size) for c in range(plan.chunks_per_rank)]
+    return StageSpec(tuple(chunks[g] for g in mine), has_embedding=mine[0] == 0,
+                     has_head=mine[-1] == len(chunks) - 1)
 
 
 def gradient_sync(model: nn.Module, roles: ParameterRoles, factory: LayerFactory,

@@ -191,7 +191,11 @@ class CausalLM(nn.Module, ABC):
         blocks = list(self.layers.values())
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         own = [p for p in self.parameters() if id(p) not in in_blocks]
+        # one rank holding the lookup and the output layer in different chunks (zb-v)
+        reused = [self.embedding.word.weight] if self.cfg.tie_embeddings \
+            and stage.has_embedding and stage.has_head and len(stage.chunks) > 1 else []
         return ParameterRoles(
             tied=tied, counted_elsewhere={id(p) for p in tied if not stage.has_embedding},
             experts=experts,
-            units=[(self, own), *((block, list(block.parameters())) for block in blocks)])
+            units=[(self, own), *((block, list(block.parameters())) for block in blocks)],
+            reused=reused)

@@ -4,7 +4,8 @@ embedding and output layer (`factory.Megatron1D` builds models from them).
 Each layer is built from the dense layer it replaces: a layer created under seed S holds exactly
 this rank's slice of the dense layer created under seed S, so a model starts from the same
 weights at every tp. `from_dense` shards an existing module; `to_dense` gathers it back.
-Each layer describes how its parameters are split in `shards` (see `sharding.py`).
+Each layer describes how its parameters are split in `shards` (see `sharding.py`). Under a
+zero-bubble schedule every layer's weight gradient may be deferred (`weight_grads.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm, regions
 from meshtrain.parallel.layers.sharding import GridPosition, Shard, shard_tensor, unshard_tensor
 from meshtrain.parallel.layers.vocab import mask_padding, partial_lookup
+from meshtrain.parallel.layers.weight_grads import WeightGradients, now_or_later
 
 
 def _check_divisible(what: str, size: int, tp: int, blocks: int = 1) -> None:
@@ -60,17 +62,47 @@ def _column_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weights) -> tuple:
     return (*grad_weights, *grad_biases)
 
 
-class _ColumnParallelLinearFn(torch.autograd.Function):
-    """f fused with the matmul: identity forward; backward launches the input gradient's
-    all-reduce over TP and computes the weight gradient while it is in flight. `params` are
-    the weights, then the biases (if any), of one or more layers applied to the same input
-    (`ColumnParallelGroup`): joined inside, so the joined weight is never saved."""
+class _LinearFn(torch.autograd.Function):
+    """`F.linear` whose weight gradient a split backward may defer: the local matmul of the
+    paths with no communication fused in (tp 1, the sequence-parallel row layer and output
+    layer). Used only when `weight_grads` is given."""
 
     @staticmethod
-    def forward(ctx, x, axis: MeshAxis, num_weights: int, *params):
+    def forward(ctx, x, weight_grads: WeightGradients, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.weight_grads, ctx.params, ctx.has_bias = weight_grads, (weight, bias), bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grads = now_or_later(ctx.weight_grads, ctx.params, lambda: (
+            *_column_grads(ctx, grad, x, [weight]), *(() if ctx.has_bias else (None,))))
+        return grad @ weight, None, *grads
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            weight_grads: WeightGradients | None) -> torch.Tensor:
+    """F.linear, through `_LinearFn` when the weight gradient may be deferred."""
+    if weight_grads is None:
+        return F.linear(x, weight, bias)
+    return _LinearFn.apply(x, weight_grads, weight, bias)
+
+
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    """f fused with the matmul: identity forward; backward launches the input gradient's
+    all-reduce over TP and computes the weight gradient while it is in flight (or defers it:
+    `weight_grads`). `params` are the weights, then the biases (if any), of one or more layers
+    applied to the same input (`ColumnParallelGroup`): joined inside, so the joined weight is
+    never saved."""
+
+    @staticmethod
+    def forward(ctx, x, axis: MeshAxis, num_weights: int,
+                weight_grads: WeightGradients | None, *params):
         weights, biases = _split_params(num_weights, params)
         ctx.save_for_backward(x, *weights)
         ctx.axis, ctx.has_bias = axis, bool(biases)
+        ctx.weight_grads, ctx.params = weight_grads, params
         return F.linear(x, _joined(weights), _joined(biases) if biases else None)
 
     @staticmethod
@@ -80,10 +112,11 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad @ _joined(weights)
             work = comm.all_reduce(grad_x, ctx.axis, async_op=True)
-        params = _column_grads(ctx, grad, x, weights)
+        params = now_or_later(ctx.weight_grads, ctx.params,
+                              lambda: _column_grads(ctx, grad, x, weights))
         if work is not None:
             work.wait()
-        return grad_x, None, None, *params
+        return grad_x, None, None, None, *params
 
 
 def _column_parallel(x: torch.Tensor, axis: MeshAxis, sequence_parallel: bool,
@@ -91,20 +124,22 @@ def _column_parallel(x: torch.Tensor, axis: MeshAxis, sequence_parallel: bool,
     """`layers`' outputs of `x`, joined along the last dimension: one input communication."""
     params = [layer.weight for layer in layers]
     params += [layer.bias for layer in layers if layer.bias is not None]
+    weight_grads = layers[0].weight_grads
     if sequence_parallel:  # x: [b, s/tp, in]
-        return _SequenceParallelLinear.apply(x, axis, len(layers), *params)
+        return _SequenceParallelLinear.apply(x, axis, len(layers), weight_grads, *params)
     if axis.size > 1 or len(layers) > 1:  # (several layers: do not save their joined weight)
-        return _ColumnParallelLinearFn.apply(x, axis, len(layers), *params)
-    return F.linear(x, layers[0].weight, layers[0].bias)
+        return _ColumnParallelLinearFn.apply(x, axis, len(layers), weight_grads, *params)
+    return _linear(x, layers[0].weight, layers[0].bias, weight_grads)
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
     """The matmul fused with g: the partial product is all-reduced in place (no copy);
-    backward is local."""
+    backward is local (its weight gradient deferred under `weight_grads`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, axis: MeshAxis):
+    def forward(ctx, x, weight, axis: MeshAxis, weight_grads: WeightGradients | None):
         ctx.save_for_backward(x, weight)
+        ctx.weight_grads, ctx.params = weight_grads, (weight,)
         y = F.linear(x, weight)
         comm.all_reduce(y, axis)
         return y
@@ -113,8 +148,9 @@ class _RowParallelLinearFn(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-        return grad_x, grad_weight, None
+        grad_weight, = now_or_later(ctx.weight_grads, ctx.params, lambda: (
+            grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]),))
+        return grad_x, grad_weight, None, None
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -126,23 +162,29 @@ class _SequenceParallelLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, axis: MeshAxis, num_weights: int, *params):
+    def forward(ctx, x, axis: MeshAxis, num_weights: int,
+                weight_grads: WeightGradients | None, *params):
         weights, biases = _split_params(num_weights, params)
         ctx.save_for_backward(x, *weights)
         ctx.axis, ctx.has_bias = axis, bool(biases)
+        ctx.weight_grads, ctx.params = weight_grads, params
         return F.linear(comm.all_gather(x, axis, dim=1), _joined(weights),
                         _joined(biases) if biases else None)
 
     @staticmethod
     def backward(ctx, grad):
         x, *weights = ctx.saved_tensors
-        full = comm.all_gather(x, ctx.axis, dim=1)  # [b, s, in]
         grad_x = comm.reduce_scatter(grad @ _joined(weights), ctx.axis, dim=1)
-        return grad_x, None, None, *_column_grads(ctx, grad, full, weights)
+        # deferred, the all-gather runs at the weight-gradient action
+        params = now_or_later(ctx.weight_grads, ctx.params, lambda: _column_grads(
+            ctx, grad, comm.all_gather(x, ctx.axis, dim=1), weights))  # [b, s, in]
+        return grad_x, None, None, None, *params
 
 
 class _TensorParallelModule(nn.Module):
     shards: dict[str, Shard]
+    weight_grads: WeightGradients | None = None
+    """Set by a split-backward schedule (`weight_grads.defer_weight_gradients`)."""
 
     @classmethod
     def _like(cls, dense: nn.Linear, *, mesh, **options):
@@ -292,12 +334,12 @@ class RowParallelLinear(_TensorParallelModule):
         if not self.input_is_parallel:
             x = regions.scatter_to_tensor_parallel_region(x, self.tp_axis)
         if self.sequence_parallel:  # summed and split along the sequence: [b, s/tp, out]
-            y = regions.reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight),
-                                                                self.tp_axis)
-        elif self.tp_axis.size > 1:
-            y = _RowParallelLinearFn.apply(x, self.weight, self.tp_axis)  # summed partials
+            y = regions.reduce_scatter_to_sequence_parallel_region(
+                _linear(x, self.weight, None, self.weight_grads), self.tp_axis)
+        elif self.tp_axis.size > 1:  # summed partials
+            y = _RowParallelLinearFn.apply(x, self.weight, self.tp_axis, self.weight_grads)
         else:
-            y = F.linear(x, self.weight)
+            y = _linear(x, self.weight, None, self.weight_grads)
         return y if self.bias is None else y + self.bias
 
 
@@ -352,11 +394,12 @@ class VocabParallelEmbedding(_TensorParallelModule):
         """
         if self.sequence_parallel:
             hidden = regions.gather_from_sequence_parallel_region(hidden, self.tp_axis)
-            logits = F.linear(hidden, self.weight)
+            logits = _linear(hidden, self.weight, None, self.weight_grads)
         elif self.tp_axis.size > 1:  # f fused: the all-reduce overlaps the weight gradient
-            logits = _ColumnParallelLinearFn.apply(hidden, self.tp_axis, 1, self.weight)
+            logits = _ColumnParallelLinearFn.apply(hidden, self.tp_axis, 1, self.weight_grads,
+                                                   self.weight)
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = _linear(hidden, self.weight, None, self.weight_grads)
         return mask_padding(logits, self.num_embeddings, self.vocab_start)
 
 

@@ -77,7 +77,9 @@ class _Bucket:
 class GradientReducer:
     """Average the gradients of `params` over `axis` (dp, or dp x cp), bucket by bucket.
 
-    `scale` multiplies the averaged gradients (experts: see Trainer). Usage per optimizer step:
+    `scale` multiplies the averaged gradients (experts: see Trainer). `late` parameters get
+    their gradient in several backward passes (`ParameterRoles.reused`): they have buckets of
+    their own, reduced in `wait()`. Usage per optimizer step:
     `zero_grad()`; for each micro-batch set `sync = (last micro-batch)` before its backward;
     after the last backward `wait()`. The optimizer must not set grads to None (call
     `reducer.zero_grad()` instead of `optimizer.zero_grad()`).
@@ -85,7 +87,7 @@ class GradientReducer:
 
     def __init__(self, params: list[nn.Parameter], axis: MeshAxis, *,
                  bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32,
-                 scale: float = 1.0):
+                 scale: float = 1.0, late: list[nn.Parameter] = ()):
         if bucket_bytes <= 0:
             raise ValueError(f"`bucket_mb` must be positive, got {bucket_bytes / 2**20}")
         self.axis = axis
@@ -95,8 +97,13 @@ class GradientReducer:
         self.params = params
         as_grads = all(p.dtype == grad_dtype for p in params)
         itemsize = torch.empty((), dtype=grad_dtype).element_size()
+        self.late = {id(p) for p in late}
+        groups = reverse_buckets([p for p in params if id(p) not in self.late], bucket_bytes,
+                                 itemsize)
+        groups += reverse_buckets([p for p in params if id(p) in self.late], bucket_bytes,
+                                  itemsize)
         self.buckets = [_Bucket(group, grad_dtype, group[0].device, as_grads=as_grads)
-                        for group in reverse_buckets(params, bucket_bytes, itemsize)]
+                        for group in groups]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         if axis.size > 1 or not as_grads:
             for p in params:
@@ -111,7 +118,7 @@ class GradientReducer:
         if not bucket.as_grads:  # accumulate in the bucket's dtype, free the 16-bit gradient
             bucket.views[id(param)].add_(param.grad)
             param.grad = None
-        if not self.sync or self.axis.size == 1:
+        if not self.sync or self.axis.size == 1 or id(param) in self.late:
             return
         bucket.pending -= 1
         if bucket.pending == 0:

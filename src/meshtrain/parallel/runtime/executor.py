@@ -1,7 +1,8 @@
 """Running one optimizer step's micro-batches on this rank, and evaluation.
 
 `LocalExecutor` runs forward and backward of each micro-batch in turn (no pipeline);
-`PipelineExecutor` runs this rank's action list of a flush schedule (GPipe, 1F1B, interleaved);
+`PipelineExecutor` runs this rank's action list of a flush schedule (GPipe, 1F1B, interleaved,
+and the zero-bubble ZB-H1 and ZB-V, whose split backward it sets up);
 `PipeDreamExecutor` runs PipeDream-2BW's segments, which carry micro-batches across steps and
 keep two weight versions. Under context parallelism every executor feeds the model this rank's
 load-balanced slice of each sequence, with the true positions of its tokens. Packed documents
@@ -25,16 +26,20 @@ from meshtrain.parallel.layers.context_parallel import context_parallel_position
 from meshtrain.parallel.layers.expert import RoutingStats
 from meshtrain.parallel.layers.loss import IGNORE_INDEX
 from meshtrain.parallel.layers.masks import document_ids, document_positions
+from meshtrain.parallel.layers.weight_grads import defer_weight_gradients
 from meshtrain.parallel.runtime.pipeline import PipeDream2BW, ScheduleRun, run_schedule
 from meshtrain.parallel.runtime.schedules import (
     FORWARD,
     RECV_ACTIVATION,
     SEND_ACTIVATION,
+    SPLIT_BACKWARD,
     Action,
     gpipe,
     interleaved,
     one_f_one_b,
+    schedule_placement,
 )
+from meshtrain.parallel.runtime.zero_bubble import zb_h1, zb_v
 from meshtrain.precision import wide_dtype
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -146,13 +151,18 @@ class PipelineExecutor(LocalExecutor):
         self.schedule, self.activation_shape = schedule, activation_shape
         self.count_saved_bytes = False
         self.last_run: ScheduleRun | None = None
+        self.placement = schedule_placement(schedule)
+        self.weight_grads = defer_weight_gradients(model) if schedule in SPLIT_BACKWARD \
+            else None
 
     def actions(self, num_micro_batches: int) -> list[Action]:
         """This rank's actions for one flush step (2BW evaluates with 1F1B's forwards)."""
         p, s, m = self.mesh.pp.size, self.mesh.pp.rank, num_micro_batches
         if self.schedule == "interleaved":
             return interleaved(p, m, len(self.model.stage.chunks))[s]
-        return (gpipe if self.schedule == "gpipe" else one_f_one_b)(p, m)[s]
+        generator = {"gpipe": gpipe, "zb-h1": zb_h1, "zb-v": zb_v}.get(self.schedule,
+                                                                      one_f_one_b)
+        return generator(p, m)[s]
 
     def stage(self, routing: RoutingStats | None):
         """The stage function for `run_schedule`: one local chunk's forward and its extra loss;
@@ -174,7 +184,9 @@ class PipelineExecutor(LocalExecutor):
             activation_shape=self.activation_shape, dtype=next(self.model.parameters()).dtype,
             num_chunks=len(self.model.stage.chunks), num_micro_batches=m,
             before_backward=lambda i: sync.before_backward(i % m == m - 1),
-            loss_scale=loss_scale, count_saved_of=count, timeline=timeline, **schedule_options)
+            loss_scale=loss_scale, count_saved_of=count, timeline=timeline,
+            placement=self.placement, weight_grads=self.weight_grads,
+            params=self.model.parameters(), **schedule_options)
         return StepResult(self._summed(self.last_run.losses), routing)
 
     def _summed(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -200,7 +212,7 @@ class PipelineExecutor(LocalExecutor):
                            micro_batches=self.local_slices(batches), mesh=self.mesh,
                            activation_shape=self.activation_shape,
                            dtype=next(self.model.parameters()).dtype,
-                           num_chunks=len(self.model.stage.chunks))
+                           num_chunks=len(self.model.stage.chunks), placement=self.placement)
         return self._summed(run.losses)
 
 

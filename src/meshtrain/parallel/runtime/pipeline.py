@@ -8,7 +8,16 @@ chunk lives on rank s - 1, or on rank p - 1 for rank 0's later chunks (the wrap-
 next on rank s + 1, or rank 0. Sends are asynchronous and waited at the end of the step (under
 2BW, one step later); receives block just before the compute that needs them, so any schedule
 the simulator accepts runs without deadlock. Shapes are known ahead (`[micro, s, h]`), so no
-handshake precedes a transfer.
+handshake precedes a transfer. Under zb-v (`schedules.v_shape_chunk`) the previous and next
+chunk's rank follow the V, and the boundary in the V's turn, inside rank p - 1, is handed over
+in memory.
+
+The split backward (zb-h1, zb-v): `I` runs the chunk's backward for its input gradient only,
+while the layers queue their weight-gradient work (`layers/weight_grads.py`); parameters of
+other layers (norms, biases, the router) get their gradients computed then but kept aside.
+`W` runs the queue and accumulates everything through autograd, so data-parallel and ZeRO-1
+reductions fire after a parameter's last `W`, as they do after a fused backward. The first
+global chunk sends no input gradient: its `I` does nothing and its `W` is the fused backward.
 
 Matching transfers: every (micro-batch, stage boundary, direction) has its own tag (gloo matches
 on it). NCCL ignores tags and matches the transfers between two ranks in issue order, so
@@ -34,15 +43,19 @@ from meshtrain.errors import Code, SettingError
 from meshtrain.memory import saved_activation_bytes
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.weight_grads import WeightGradients, accumulate, run_deferred
 from meshtrain.parallel.runtime.schedules import (
     BACKWARD,
     FORWARD,
+    INPUT_GRAD,
     OPTIMIZER_STEP,
     RECV_ACTIVATION,
     RECV_GRAD,
     SEND_ACTIVATION,
     SEND_GRAD,
+    WEIGHT_GRAD,
     Action,
+    Placement,
     model_chunk,
     pipedream_2bw,
 )
@@ -87,11 +100,13 @@ class InFlight:
     (PipeDream-2BW) carries it from one optimizer step to the next."""
 
     inputs: dict = field(default_factory=dict)  # received activations
+    handed: dict = field(default_factory=dict)  # transfers inside this rank, by tag
     outputs: dict = field(default_factory=dict)  # forward outputs (losses on the last chunk)
     grads: dict = field(default_factory=dict)  # received gradients
     extra: dict = field(default_factory=dict)  # the chunk's own extra loss per forward
     saved: dict = field(default_factory=dict)  # bytes autograd holds per in-flight chunk
     sends: list = field(default_factory=list)  # (work, tensor): the tensor lives until waited
+    weight_work: dict = field(default_factory=dict)  # split backward: what each W runs
 
     def wait_sends(self) -> None:
         for work, _ in self.sends:
@@ -105,7 +120,9 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                  before_backward: Callable[[int], None] = lambda micro: None,
                  use_weights_of: Callable[[int], None] = lambda micro: None,
                  loss_scale: float = 1.0, count_saved_of=None,
-                 carry: InFlight | None = None, timeline: list | None = None) -> ScheduleRun:
+                 carry: InFlight | None = None, timeline: list | None = None,
+                 placement: Placement = model_chunk,
+                 weight_grads: WeightGradients | None = None, params=()) -> ScheduleRun:
     """Run this rank's actions. `stage(x, chunk, batch)` runs local chunk `chunk` (of
     `num_chunks`) on micro-batch `batch` and returns its output and its own extra loss for that
     micro-batch (MoE routing losses, joining that backward; 0.0 for none); `micro_batches[i]`
@@ -122,6 +139,8 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     post them only after the optimizer step), and `carry.wait_sends()` drains the last ones.
     `timeline`, when given, gets one (kind, micro, chunk, start, end) per action, in
     `time.perf_counter()` seconds (see `pipeline_trace.py`).
+    `placement` maps local chunks to global ones (`schedules.v_shape_chunk` for zb-v); a list
+    with `I` and `W` actions needs the layers' `weight_grads` and the stage's `params`.
     """
     state = carry or InFlight()
     earlier_sends, state.sends = state.sends, []
@@ -129,7 +148,8 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                      activation_shape=activation_shape, dtype=dtype, num_chunks=num_chunks,
                      m=num_micro_batches or len(micro_batches),
                      before_backward=before_backward, use_weights_of=use_weights_of,
-                     loss_scale=loss_scale, count_saved_of=count_saved_of, state=state)
+                     loss_scale=loss_scale, count_saved_of=count_saved_of, state=state,
+                     placement=placement, weight_grads=weight_grads, params=list(params))
     for a in actions:
         start = time.perf_counter()
         runner.run(a)
@@ -147,12 +167,14 @@ class _Runner:
 
     def __init__(self, *, stage, loss_fn, micro_batches, mesh: ParallelMesh,
                  activation_shape, dtype, num_chunks: int, m: int, before_backward,
-                 use_weights_of, loss_scale: float, count_saved_of, state: InFlight):
+                 use_weights_of, loss_scale: float, count_saved_of, state: InFlight,
+                 placement: Placement, weight_grads: WeightGradients | None, params: list):
         self.stage, self.loss_fn, self.micro_batches = stage, loss_fn, micro_batches
         self.mesh, self.activation_shape, self.dtype = mesh, activation_shape, dtype
         self.axis, self.grad_axis = mesh.pp, mesh.axis("pp_grad")
-        p, s = mesh.pp.size, mesh.pp.rank
-        self.previous, self.following = (s - 1) % p, (s + 1) % p
+        p = mesh.pp.size
+        self.placement, self.weight_grads, self.params = placement, weight_grads, params
+        self.owner = {placement(r, c, p): r for r in range(p) for c in range(num_chunks)}
         self.last = p * num_chunks - 1
         self.m, self.loss_scale, self.count_saved_of = m, loss_scale, count_saved_of
         self.before_backward, self.use_weights_of = before_backward, use_weights_of
@@ -164,10 +186,11 @@ class _Runner:
         self.handlers = {RECV_ACTIVATION: self.recv_activation, FORWARD: self.forward,
                          SEND_ACTIVATION: self.send_activation, RECV_GRAD: self.recv_grad,
                          BACKWARD: self.backward, SEND_GRAD: self.send_grad,
+                         INPUT_GRAD: self.input_grad, WEIGHT_GRAD: self.weight_grad,
                          OPTIMIZER_STEP: lambda i, g, key: None}
 
     def run(self, a: Action) -> None:
-        g = model_chunk(self.mesh.pp.rank, a.chunk, self.mesh.pp.size)
+        g = self.placement(self.mesh.pp.rank, a.chunk, self.mesh.pp.size)
         self.handlers[a.kind](a.micro, g, (a.micro, a.chunk))
 
     def tag(self, i: int, boundary: int, kind: int) -> int:
@@ -175,10 +198,24 @@ class _Runner:
         kind: 0 activation, 1 gradient, 2 evaluation activation)."""
         return 3 * (i * (self.last + 1) + boundary) + kind
 
-    def recv_activation(self, i: int, g: int, key: tuple[int, int]) -> None:
+    def _send(self, tensor: torch.Tensor, axis, to_chunk: int, tag: int) -> None:
+        """To the rank holding global chunk `to_chunk`, or in memory when that is this one."""
+        if self.owner[to_chunk] == self.mesh.pp.rank:
+            self.state.handed[tag] = tensor
+        else:
+            self.state.sends.append((comm.send(tensor, axis, self.owner[to_chunk], tag=tag),
+                                     tensor))
+
+    def _recv(self, axis, from_chunk: int, tag: int) -> torch.Tensor:
+        if self.owner[from_chunk] == self.mesh.pp.rank:
+            return self.state.handed.pop(tag)
         buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.mesh.device)
-        comm.recv(buffer, self.axis, self.previous, tag=self.tag(i, g - 1, self.forward_tag))
-        self.state.inputs[key] = buffer.requires_grad_(torch.is_grad_enabled())
+        comm.recv(buffer, axis, self.owner[from_chunk], tag=tag)
+        return buffer
+
+    def recv_activation(self, i: int, g: int, key: tuple[int, int]) -> None:
+        received = self._recv(self.axis, g - 1, self.tag(i, g - 1, self.forward_tag))
+        self.state.inputs[key] = received.requires_grad_(torch.is_grad_enabled())
 
     def _compute(self, x: torch.Tensor, key: tuple[int, int], batch, last: bool):
         """One local chunk's forward, and the loss if it is the `last` chunk."""
@@ -205,32 +242,55 @@ class _Runner:
     def send_activation(self, i: int, g: int, key: tuple[int, int]) -> None:
         outputs = self.state.outputs
         tensor = outputs[key].detach() if torch.is_grad_enabled() else outputs.pop(key)
-        self.state.sends.append((comm.send(tensor, self.axis, self.following,
-                                           tag=self.tag(i, g, self.forward_tag)), tensor))
+        self._send(tensor, self.axis, g + 1, self.tag(i, g, self.forward_tag))
 
     def recv_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
-        grad = torch.empty(self.activation_shape, dtype=self.dtype, device=self.mesh.device)
-        comm.recv(grad, self.grad_axis, self.following, tag=self.tag(i, g, 1))
-        self.state.grads[key] = grad
+        self.state.grads[key] = self._recv(self.grad_axis, g + 1, self.tag(i, g, 1))
 
-    def backward(self, i: int, g: int, key: tuple[int, int]) -> None:
+    def _roots(self, g: int, key: tuple[int, int]) -> tuple[list, list]:
+        """What a chunk's backward starts from: the loss (last chunk) or the output with the
+        received gradient, and the chunk's own extra loss."""
         state, m, scale = self.state, self.m, self.loss_scale
-        self.use_weights_of(i)
-        self.before_backward(i)
         own = state.extra.pop(key)
         if g == self.last:
-            ((state.outputs.pop(key) + own / m) * scale).backward()
-        elif isinstance(own, torch.Tensor):
-            torch.autograd.backward([state.outputs.pop(key), own * (scale / m)],
-                                    [state.grads.pop(key), None])
+            return [(state.outputs.pop(key) + own / m) * scale], [None]
+        if isinstance(own, torch.Tensor):
+            return [state.outputs.pop(key), own * (scale / m)], [state.grads.pop(key), None]
+        return [state.outputs.pop(key)], [state.grads.pop(key)]
+
+    def backward(self, i: int, g: int, key: tuple[int, int]) -> None:
+        self.use_weights_of(i)
+        self.before_backward(i)
+        torch.autograd.backward(*self._roots(g, key))
+        del self.state.saved[key]
+
+    def input_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
+        """The input gradient only; what the weights need waits for this chunk's `W`."""
+        if g == 0:  # nothing to send: the W runs the whole backward
+            self.state.weight_work[key] = None
+            return
+        x = self.state.inputs[key]
+        roots, root_grads = self._roots(g, key)
+        with self.weight_grads.deferred() as queued:
+            grads = torch.autograd.grad(roots, [x, *self.params], root_grads, allow_unused=True)
+        x.grad = grads[0]
+        kept = [(p, grad) for p, grad in zip(self.params, grads[1:], strict=True)
+                if grad is not None]
+        self.state.weight_work[key] = (queued, kept)
+
+    def weight_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
+        self.before_backward(i)
+        work = self.state.weight_work.pop(key)
+        if work is None:
+            torch.autograd.backward(*self._roots(g, key))
         else:
-            state.outputs.pop(key).backward(state.grads.pop(key))
-        del state.saved[key]
+            queued, kept = work
+            accumulate(kept + run_deferred(queued))
+        del self.state.saved[key]
 
     def send_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
         tensor = self.state.inputs.pop(key).grad
-        self.state.sends.append((comm.send(tensor, self.grad_axis, self.previous,
-                                           tag=self.tag(i, g - 1, 1)), tensor))
+        self._send(tensor, self.grad_axis, g - 1, self.tag(i, g - 1, 1))
 
 
 class PipeDream2BW:

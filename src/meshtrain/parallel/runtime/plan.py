@@ -26,7 +26,7 @@ from meshtrain.mesh import resolve_degrees
 from meshtrain.parallel.layers.attention import CP_MODES
 from meshtrain.parallel.layers.recompute import RECOMPUTE
 from meshtrain.parallel.runtime.pipeline import stage_layers
-from meshtrain.parallel.runtime.schedules import PP_SCHEDULES
+from meshtrain.parallel.runtime.schedules import PP_SCHEDULES, SPLIT_BACKWARD
 from meshtrain.parallel.runtime.zero import OFFLOAD_TARGETS, ZERO_STAGES
 from meshtrain.parallel.schemes.registry import SCHEMES, tp_grid, tp_scheme
 from meshtrain.parallel.schemes.scheme import TPScheme
@@ -78,9 +78,11 @@ class ParallelPlan:
                                      " core) or full (whole layers)", spec="recompute",
                              searched=True, choices=RECOMPUTE)
     pp_schedule: str = _layout("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over"
-                                       " virtual stages model chunks per rank) or 2bw"
+                                       " virtual stages model chunks per rank), 2bw"
                                        " (PipeDream-2BW: no flush, weights updated one step"
-                                       " late)", spec="schedule", searched=True,
+                                       " late), zb-h1 or zb-v (zero bubble: weight gradients"
+                                       " fill the bubbles; zb-v runs two chunks per rank in a"
+                                       " V)", spec="schedule", searched=True,
                                choices=PP_SCHEDULES)
     tp_scheme: str = _layout("1d", "tensor-parallel scheme: 1d (Megatron), 2d (SUMMA on a q x q"
                                    " grid, tp = q^2), 2.5d (q x q x depth) or 3d (q x q x q)",
@@ -92,7 +94,7 @@ class ParallelPlan:
                            choices=CP_MODES)
     pp_layers: tuple[int, ...] | None = _layout(
         None, "layers per pipeline stage, comma-separated (e.g. 3,5); with virtual stages one"
-              " count per model chunk (pp x v of them); default: an even split")
+              " count per model chunk (pp x v of them; 2 x pp under zb-v); default: an even split")
     offload_optimizer: str = _layout("none", "none, or cpu: keep ZeRO's fp32 master shard, its"
                                              " gradient and the Adam moments in host memory"
                                              " and step there (needs zero >= 1)",
@@ -187,9 +189,15 @@ class ParallelPlan:
     def micro_batches_per_step(self, global_batch: int) -> int:
         return global_batch // (self.micro_batch * self.degrees["dp"])
 
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks each pipeline rank holds: `virtual_stages`, two under zb-v."""
+        return 2 if self.pp_schedule == "zb-v" and self.pp > 1 else self.virtual_stages
+
     def stage_layers(self, num_layers: int) -> list[range]:
-        """Every pipeline stage's (model chunk's, under interleaving) layers, in order."""
-        return stage_layers(num_layers, self.pp * self.virtual_stages,
+        """Every pipeline stage's (model chunk's, under interleaving or zb-v) layers, in
+        order."""
+        return stage_layers(num_layers, self.pp * self.chunks_per_rank,
                             list(self.pp_layers) if self.pp_layers is not None else None)
 
     def validate(self, model, *, world_size: int, global_batch: int,
@@ -293,6 +301,8 @@ class ParallelPlan:
                 " every stage needs at least one"))
         if self.pp_schedule == "2bw":
             self._validate_2bw(model, m)
+        if self.pp_schedule in SPLIT_BACKWARD:
+            self._validate_zero_bubble(model)
         if v < 1:
             raise SettingError(Code.RANGE, f"`virtual_stages` must be >= 1, got {v}")
         if v > 1 and self.pp_schedule != "interleaved":
@@ -318,6 +328,21 @@ class ParallelPlan:
                     f" {v}, or explicit `pp_layers`"))
         if self.pp_layers is not None:
             self.stage_layers(model.num_layers)
+
+    def _validate_zero_bubble(self, model) -> None:
+        schedule = self.pp_schedule
+        if self.pp == 1:
+            raise SettingError(Code.ZERO_BUBBLE_PP, f"`pp_schedule` {schedule} needs `pp` > 1")
+        if not self.scheme.allows("split_backward"):  # its layers cannot defer W
+            raise SettingError(Code.ZERO_BUBBLE_SCHEME, (
+                f"`pp_schedule` {schedule} splits the backward of 1d tensor-parallel layers"
+                f" only, not of `tp_scheme` {self.tp_scheme}'s grid layers: use `tp_scheme` 1d or"
+                " `pp_schedule` 1f1b"))
+        if schedule == "zb-v" and 2 * self.pp > model.num_layers:
+            raise SettingError(Code.ZB_V_LAYERS, (
+                f"`pp_schedule` zb-v gives each of the `pp` {self.pp} ranks two model chunks:"
+                f" the model's {model.num_layers} layers are fewer than {2 * self.pp}; lower"
+                " `pp` or use zb-h1"))
 
     def _validate_2bw(self, model, m: int) -> None:
         if self.pp == 1:

@@ -19,9 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
-"""The `pp_schedule` choices: flush schedules GPipe, 1F1B and interleaved 1F1B, and
-PipeDream-2BW."""
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw", "zb-h1", "zb-v")
+"""The `pp_schedule` choices: flush schedules GPipe, 1F1B and interleaved 1F1B, PipeDream-2BW,
+and the zero-bubble flush schedules ZB-H1 and ZB-V (`zero_bubble.py`), which split each
+backward into input- and weight-gradient parts."""
+SPLIT_BACKWARD = ("zb-h1", "zb-v")
+"""The schedules that run `I` and `W` instead of a fused `B`."""
 
 FORWARD, BACKWARD = "F", "B"
 INPUT_GRAD, WEIGHT_GRAD = "I", "W"
@@ -58,6 +61,11 @@ def v_shape_chunk(rank: int, chunk: int, p: int) -> int:
     if chunk not in (0, 1):
         raise ValueError(f"the V placement has two chunks per rank, got local chunk {chunk}")
     return rank if chunk == 0 else 2 * p - 1 - rank
+
+
+def schedule_placement(schedule: str) -> Placement:
+    """Where `schedule` puts a rank's chunks: ZB-V in a V, every other schedule looped."""
+    return v_shape_chunk if schedule == "zb-v" else model_chunk
 
 
 def _with_communication(compute: list[Action], rank: int, p: int, v: int,

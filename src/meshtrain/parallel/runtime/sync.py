@@ -107,7 +107,7 @@ class ReplicatedSync(GradientSync):
         params, experts = list(model.parameters()), roles.experts
         self.reducers = [GradientReducer([p for p in params if id(p) not in experts],
                                          mesh.dp_cp, bucket_bytes=bucket_bytes,
-                                         grad_dtype=grad_dtype)]
+                                         grad_dtype=grad_dtype, late=roles.reused)]
         if experts:
             self.reducers.append(GradientReducer(
                 [p for p in params if id(p) in experts], mesh.axis("edp"),
@@ -187,7 +187,8 @@ class ZeroSync(GradientSync):
         experts = roles.experts
         common = dict(stage=stage, bucket_bytes=bucket_bytes, grad_dtype=grad_dtype,
                       offload=offload)
-        deferred = (roles.tied[0], mesh.axis("embed")) if roles.tied else None
+        deferred = (roles.tied[0], mesh.axis("embed")) if roles.tied else \
+            (roles.reused[0], None) if roles.reused else None
         dense = ZeroDataParallel([[q for q in params if id(q) not in experts]
                                   for _, params in roles.units],
                                  mesh.dp_cp, **common, deferred=deferred)

@@ -52,14 +52,15 @@ class ZeroDataParallel:
     after the last backward, `grad(p)` (this rank's reduced piece of p's gradient, None if it
     owns none); then `step_pieces()` to hand to the optimizer, and `finish_step()` after it.
     `deferred` is a parameter whose local gradient must first be summed over another axis
-    (the tied embedding held by two pipeline stages): its bucket is reduced in `wait()`.
+    (the tied embedding held by two pipeline stages), or (axis None) that gets its gradient in
+    two backward passes (`ParameterRoles.reused`): its bucket is reduced in `wait()`.
     Stage 3 also needs `attach(units)` to gather parameters around computation.
     """
 
     def __init__(self, units: list[list[nn.Parameter]], axis: MeshAxis, *, stage: int,
                  bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32,
                  scale: float = 1.0, offload: bool = False,
-                 deferred: tuple[nn.Parameter, MeshAxis] | None = None):
+                 deferred: tuple[nn.Parameter, MeshAxis | None] | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"`zero` must be 0, 1, 2 or 3, got {stage}")
         self.axis, self.stage, self.scale = axis, stage, scale
@@ -163,7 +164,7 @@ class ZeroDataParallel:
         for b in self.buckets:
             if b.as_grads:
                 check_grad_views(b.params, b.grad_flat)
-        if self.deferred is not None and self.deferred.grad_flat is not None:
+        if self.deferred_axis is not None and self.deferred.grad_flat is not None:
             comm.all_reduce(self.deferred.grad_flat, self.deferred_axis)
         if self.sync:
             for b in self.buckets:  # stage 1: not launched; 2, 3: a bucket not yet reduced

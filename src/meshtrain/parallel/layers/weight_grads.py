@@ -1,0 +1,93 @@
+"""The split backward of the zero-bubble schedules: weight gradients computed later.
+
+A zero-bubble pipeline runs each chunk's backward in two actions: `I` computes the gradient of
+the chunk's input, which the previous chunk waits for, and `W` the weight gradients, which
+nobody waits for, so the schedule may put them in a bubble. The layers that hold the large
+weights (the linear layers of `tensor.py`, and with them the experts and the vocabulary output
+layer) ask a `WeightGradients` whether to compute their weight gradient now or to hand the work
+over: while the executor runs an `I` it is `deferring`, and each such backward returns only its
+input gradient and queues a function that computes the weight gradients from the tensors it
+keeps (the layer's input and output gradient). The executor runs the queue at the `W`.
+
+Layers hold a reference (`weight_grads`, None unless a split-backward schedule installed one
+with `defer_weight_gradients`), so nothing global decides it, and every other schedule takes
+the unchanged fused path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+WeightWork = tuple[Sequence[torch.Tensor | None], Callable[[], tuple]]
+"""(parameters, a function returning their gradients in that order)."""
+
+
+class WeightGradients:
+    """Deferred weight-gradient work: `deferred()` collects it for one `I`."""
+
+    def __init__(self) -> None:
+        self._queue: list[WeightWork] | None = None
+
+    @property
+    def deferring(self) -> bool:
+        return self._queue is not None
+
+    def now_or_later(self, params: Sequence[torch.Tensor | None],
+                     compute: Callable[[], tuple]) -> tuple:
+        """`compute()` (the gradients of `params`), or, inside `deferred()`, Nones for them
+        and the work queued."""
+        if self._queue is None:
+            return compute()
+        self._queue.append((params, compute))
+        return (None,) * len(params)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[list[WeightWork]]:
+        """Queue the weight-gradient work of the backwards run inside into the list yielded."""
+        queue: list[WeightWork] = []
+        self._queue = queue
+        try:
+            yield queue
+        finally:
+            self._queue = None
+
+
+def now_or_later(weight_grads: WeightGradients | None, params: Sequence[torch.Tensor | None],
+                 compute: Callable[[], tuple]) -> tuple:
+    """A layer backward's weight gradients: now, unless a split backward defers them."""
+    if weight_grads is None:
+        return compute()
+    return weight_grads.now_or_later(params, compute)
+
+
+def run_deferred(work: list[WeightWork]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, gradient) of every queued function, run in queue order (as backward runs
+    them: without recording a graph)."""
+    pairs = []
+    with torch.no_grad():
+        for params, compute in work:
+            pairs += [(p, g) for p, g in zip(params, compute(), strict=True) if p is not None]
+    return pairs
+
+
+def accumulate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add the gradients into the parameters' `.grad` through autograd's own accumulation, so
+    the post-accumulate hooks of data-parallel reduction fire as after a fused backward (a
+    parameter listed twice is summed first and accumulated once)."""
+    if pairs:
+        params, grads = zip(*pairs, strict=True)
+        torch.autograd.backward(list(params), list(grads))
+
+
+def defer_weight_gradients(model: nn.Module) -> WeightGradients:
+    """Give every layer of `model` that declares a `weight_grads` attribute (the layers that
+    can defer) one `WeightGradients` to consult."""
+    weight_grads = WeightGradients()
+    for module in model.modules():
+        if hasattr(module, "weight_grads"):
+            module.weight_grads = weight_grads
+    return weight_grads
