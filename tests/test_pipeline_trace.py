@@ -1,5 +1,5 @@
-"""The pipeline timeline (--trace): one box per forward and backward, in dependency order, and
-idle fractions that agree with the simulator when fed its own timeline."""
+"""The pipeline timeline (--trace): one box per forward and backward (or I and W), in dependency
+order, and idle fractions that agree with the simulator when fed its own timeline."""
 
 import importlib.util
 import json
@@ -8,7 +8,15 @@ import pytest
 from harness import run_on_ranks, worker_mesh
 from test_pipeline import _cfg
 
-from meshtrain.parallel.runtime.schedules import BACKWARD, FORWARD, gpipe, one_f_one_b, simulate
+from meshtrain.parallel.runtime.schedules import (
+    BACKWARD,
+    FORWARD,
+    gpipe,
+    one_f_one_b,
+    simulate,
+    v_shape_chunk,
+)
+from meshtrain.parallel.runtime.zero_bubble import zb_h1, zb_v
 from meshtrain.training.pipeline_trace import idle_report, write_trace
 from meshtrain.training.trainer import Trainer
 
@@ -53,10 +61,45 @@ def test_trace_of_a_real_pipeline_step(corpus, tmp_path, schedule):
     for row in idle["stages"]:
         assert row["idle_measured"] == pytest.approx(1 - row["busy_ms"] / makespan)
         assert 0 < row["idle_measured"] < 1
-        # equal simulated stages: both flush schedules idle (p - 1) / (m + p - 1)
-        assert row["idle_simulated"] == pytest.approx((p - 1) / (m + p - 1))
+        # the simulator runs each stage's own measured times: its busy time is the stage's
+        simulated = idle["makespan_ms"]["simulated"]
+        assert row["idle_simulated"] == pytest.approx(1 - row["busy_ms"] / simulated)
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert report["png"] == has_matplotlib == (tmp_path / "pipeline.png").is_file()
+
+
+@pytest.mark.parametrize("schedule,actions", [("zb-h1", zb_h1), ("zb-v", zb_v)])
+def test_trace_shows_the_split_backward(corpus, tmp_path, schedule, actions):
+    """Zero-bubble steps: each stage's boxes are its F, I and W actions in the schedule's
+    order (zb-v: chunk 1 labelled micro.1), never overlapping; the idle report times I and W."""
+    run_on_ranks(2, _traced_step, corpus, schedule, tmp_path)
+    p, m = 2, 4
+    trace = json.loads((tmp_path / "pipeline.json").read_text())
+    boxes = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
+    for s in range(p):
+        mine = sorted((e for e in boxes if e["pid"] == s), key=lambda e: e["ts"])
+        expected = [(f"{a.kind}{a.micro}", a.chunk) for a in actions(p, m)[s]
+                    if a.kind in "FIW"]
+        assert [(e["name"], e["args"]["chunk"]) for e in mine] == expected
+        for before, after in zip(mine, mine[1:], strict=False):
+            assert after["ts"] >= before["ts"] + before["dur"]
+    idle = json.loads((tmp_path / "pipeline_idle.json").read_text())
+    assert idle["input_grad_ms"] > 0 and idle["weight_grad_ms"] > 0 and idle["backward_ms"] == 0
+    assert all(0 < row["idle_measured"] < 1 for row in idle["stages"])
+
+
+def test_idle_of_a_zb_v_timeline_is_the_simulators():
+    """The V placement reaches the simulator: fed its own zb-v timeline (I and W each half a
+    backward), the report reproduces the simulated idle fractions."""
+    sim = simulate(zb_v(4, 8), forward_cost=0.002, backward_cost=0.004, v=2,
+                   placement=v_shape_chunk)
+    stages = [[(a.kind, a.micro, a.chunk, start, end) for a, start, end in stage]
+              for stage in sim.timeline]
+    report = idle_report(stages, v_shape_chunk)
+    assert report["makespan_ms"]["simulated"] == pytest.approx(1e3 * sim.makespan)
+    for s, row in enumerate(report["stages"]):
+        assert row["idle_measured"] == pytest.approx(sim.idle_fraction(s))
+        assert row["idle_simulated"] == pytest.approx(sim.idle_fraction(s))
 
 
 def _simulated_events(p, m):

@@ -23,11 +23,22 @@ from pathlib import Path
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm
-from meshtrain.parallel.runtime.schedules import BACKWARD, FORWARD, OPTIMIZER_STEP, Action, simulate
+from meshtrain.parallel.runtime.schedules import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    OPTIMIZER_STEP,
+    WEIGHT_GRAD,
+    Action,
+    Placement,
+    model_chunk,
+    schedule_placement,
+    simulate,
+)
 from meshtrain.training.plots import plot_pipeline_timeline
 
 Event = tuple[str, int, int, float, float]  # kind, micro-batch, local chunk, start s, end s
-COMPUTE = (FORWARD, BACKWARD)
+COMPUTE = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
 def gather_timeline(events: list[Event], origin: float, axis: MeshAxis) -> list[list[Event]]:
@@ -44,38 +55,53 @@ def gather_timeline(events: list[Event], origin: float, axis: MeshAxis) -> list[
     return stages
 
 
-def idle_report(stages: list[list[Event]]) -> dict:
+def idle_report(stages: list[list[Event]], placement: Placement = model_chunk) -> dict:
     """Measured idle fraction per stage (1 - busy / makespan, where busy is the stage's
-    forwards and backwards and the makespan runs from the step's first forward to its last
-    backward on any stage), next to `simulate` on the same action lists with the run's mean
-    forward and backward times (simulated stages are equal and communication is free)."""
+    forwards and backwards, or input- and weight-gradient actions, and the makespan runs from
+    the step's first forward to its last backward on any stage), next to `simulate` on the
+    same action lists with each model chunk's mean time of each kind (so unequal stages
+    idle as measured; communication is free); `placement` is the schedule's
+    (`schedules.schedule_placement`)."""
     compute = [[e for e in stage if e[0] in COMPUTE] for stage in stages]
     begin = min(e[3] for stage in compute for e in stage)
     makespan = max(e[4] for stage in compute for e in stage) - begin
     v = 1 + max(e[2] for stage in compute for e in stage)  # model chunks per rank
 
     def mean(kind: str, events) -> float:
-        return statistics.fmean(end - start for k, _, _, start, end in events if k == kind)
+        times = [end - start for k, _, _, start, end in events if k == kind]
+        return statistics.fmean(times) if times else 0.0
 
     everywhere = [e for stage in compute for e in stage]
-    forward, backward = mean(FORWARD, everywhere), mean(BACKWARD, everywhere)
+    p = len(stages)
+    by_chunk: list[list[Event]] = [[] for _ in range(p * v)]
+    for s, stage in enumerate(compute):
+        for e in stage:
+            by_chunk[placement(s, e[2], p)].append(e)
+
+    def costs(kind: str) -> list[float]:  # each global chunk's own mean: unequal stages
+        return [mean(kind, events) for events in by_chunk]
+
     schedule = [[Action(kind, i, c) for kind, i, c, _, _ in stage if kind != OPTIMIZER_STEP]
                 for stage in stages]
-    # simulate's costs are per whole stage; an interleaved chunk costs 1/v of them
-    sim = simulate(schedule, forward_cost=forward * v, backward_cost=backward * v, v=v)
+    sim = simulate(schedule, forward_cost=costs(FORWARD), backward_cost=costs(BACKWARD), v=v,
+                   input_grad_cost=costs(INPUT_GRAD), weight_grad_cost=costs(WEIGHT_GRAD),
+                   placement=placement)
     rows = []
     for s, stage in enumerate(compute):
         busy = sum(end - start for *_, start, end in stage)
         rows.append({"stage": s, "busy_ms": 1e3 * busy,
-                     "forward_ms": 1e3 * mean(FORWARD, stage),
-                     "backward_ms": 1e3 * mean(BACKWARD, stage),
+                     **{f"{name}_ms": 1e3 * mean(kind, stage) for kind, name in _KINDS},
                      "idle_measured": 1.0 - busy / makespan,
                      "idle_simulated": sim.idle_fraction(s)})
     return {"num_stages": len(stages), "chunks_per_stage": v,
             "num_micro_batches": sum(e[0] == FORWARD for e in compute[0]) // v,
-            "forward_ms": 1e3 * forward, "backward_ms": 1e3 * backward,
+            **{f"{name}_ms": 1e3 * mean(kind, everywhere) for kind, name in _KINDS},
             "makespan_ms": {"measured": 1e3 * makespan, "simulated": 1e3 * sim.makespan},
             "stages": rows}
+
+
+_KINDS = ((FORWARD, "forward"), (BACKWARD, "backward"), (INPUT_GRAD, "input_grad"),
+          (WEIGHT_GRAD, "weight_grad"))
 
 
 def chrome_trace(stages: list[list[Event]], meta: dict) -> dict:
@@ -103,7 +129,7 @@ def write_trace(out_dir: Path, stages: list[list[Event]], meta: dict) -> dict:
     """Write pipeline.json, pipeline_idle.json and (with matplotlib) pipeline.png into
     `out_dir`; returns the idle report with `png` telling whether the picture was drawn."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = meta | idle_report(stages)
+    report = meta | idle_report(stages, schedule_placement(meta.get("schedule", "1f1b")))
     (out_dir / "pipeline.json").write_text(json.dumps(chrome_trace(stages, meta)))
     idle = ", ".join(f"{r['idle_measured']:.0%}" for r in report["stages"])
     title = " ".join(f"{k}={v}" for k, v in meta.items()) + f"; idle per stage {idle}"

@@ -44,7 +44,8 @@ def plot_loss_curve(rows: list[dict], out_file: Path) -> bool:
 
 
 def plot_pipeline_timeline(stages: list[list[tuple]], out_file: Path, *, title: str) -> bool:
-    """One row per pipeline stage, one box per forward/backward labelled with its micro-batch;
+    """One row per pipeline stage, one box per forward/backward (or input- and weight-gradient
+    half of a split backward) labelled with its micro-batch;
     white is idle. `stages` holds (kind, micro, chunk, start s, end s) events per stage.
     Returns False when matplotlib is missing."""
     fig = _figure(10, 0.7 * len(stages) + 1.3)
@@ -52,7 +53,9 @@ def plot_pipeline_timeline(stages: list[list[tuple]], out_file: Path, *, title: 
         return False
     from matplotlib.patches import Patch
 
-    colours = {"F": "#4c72b0", "B": "#55a868"}
+    colours = {"F": "#4c72b0", "B": "#55a868", "I": "#55a868", "W": "#c4a35a"}
+    names = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+    shown = {kind for stage in stages for kind, *_ in stage if kind in colours}
     ax = fig.subplots()
     for s, stage in enumerate(stages):
         for kind, micro, chunk, start, end in stage:
@@ -67,8 +70,8 @@ def plot_pipeline_timeline(stages: list[list[tuple]], out_file: Path, *, title: 
     ax.invert_yaxis()  # stage 0 on top, as in the papers' figures
     ax.set_xlabel("time since the step's start (ms)")
     ax.set_title(title, fontsize=9)
-    ax.legend(handles=[Patch(color=colours["F"], label="forward"),
-                       Patch(color=colours["B"], label="backward")],
+    ax.legend(handles=[Patch(color=colours[kind], label=names[kind])
+                       for kind in colours if kind in shown],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
