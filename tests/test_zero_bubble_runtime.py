@@ -40,19 +40,21 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
     return merged
 
 
-def _against_1f1b(corpus, schedule, tp, pp, parallel, model, steps=3):
-    """The issue's criterion: the same loss trajectory (1e-5) and weights (1e-6) as 1F1B on
-    the same mesh (ZeRO keeps gradient pieces, so weights, not gradients, are compared)."""
+def _against_1f1b(corpus, schedule, tp, pp, parallel, model, steps=3,
+                  reference=("1f1b", {})):
+    """The issue's criterion: the same loss trajectory (1e-5) and weights (1e-6) as 1F1B (or
+    `reference`'s schedule and plan fields) on the same mesh (ZeRO keeps gradient pieces, so
+    weights, not gradients, are compared)."""
     world = torch.distributed.get_world_size()
     mesh = worker_mesh(tp=tp, pp=pp, dp=world // (tp * pp))
-    runs = {}
-    for name in (schedule, "1f1b"):
+    runs = []
+    for name, fields in ((schedule, parallel), (reference[0], parallel | reference[1])):
         cfg = _cfg(corpus, name, steps=steps, model=model)
-        cfg.plan = dataclasses.replace(cfg.plan, **parallel)
+        cfg.plan = dataclasses.replace(cfg.plan, **fields)
         trainer = Trainer.build(cfg, mesh)
         losses = [trainer.train_step(step)["loss"] for step in range(steps)]
-        runs[name] = losses, _weights(trainer)
-    (losses, weights), (ref_losses, ref_weights) = runs[schedule], runs["1f1b"]
+        runs.append((losses, _weights(trainer)))
+    (losses, weights), (ref_losses, ref_weights) = runs
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert weights.keys() == ref_weights.keys()
     for name, tensor in weights.items():
@@ -69,6 +71,18 @@ def _against_1f1b(corpus, schedule, tp, pp, parallel, model, steps=3):
     (1, 2, {"precision": "bf16"}, LLAMA)], ids=str)
 def test_zero_bubble_layouts_match_1f1b(corpus, schedule, tp, world, parallel, model):
     run_on_ranks(world, _against_1f1b, corpus, schedule, tp, 2, parallel, model)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_recomputation_replays_dropout_exactly(corpus, schedule):
+    """Dropout on: the masks recomputation replays in an I (or the first chunk's W) are the
+    forward's, so a recomputed run equals the same schedule without recomputation; zb-h1 also
+    equals 1f1b, whose forwards draw in the same order (zb-v's V draws in another)."""
+    dropout = {"dropout": 0.1}
+    run_on_ranks(2, _against_1f1b, corpus, schedule, 1, 2, {"recompute": "full"}, dropout, 3,
+                 (schedule, {"recompute": "none"}))
+    if schedule == "zb-h1":
+        run_on_ranks(2, _against_1f1b, corpus, schedule, 1, 2, {"recompute": "full"}, dropout)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
