@@ -22,12 +22,15 @@ from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.training.trainer import Trainer
 
 SCHEDULES = ["zb-h1", "zb-v"]
+EXTENDED = pytest.mark.extended  # paths the default cases beside them already run
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("tp,pp,world,model", [
-    (1, 2, 2, None), (1, 4, 4, {"num_layers": 8}), (2, 2, 4, LLAMA), (1, 2, 4, None),
-    (1, 4, 4, LLAMA | {"num_layers": 8, "tie_word_embeddings": True})], ids=str)
+    (1, 2, 2, None), (2, 2, 4, LLAMA),
+    (1, 4, 4, LLAMA | {"num_layers": 8, "tie_word_embeddings": True}),
+    pytest.param(1, 4, 4, {"num_layers": 8}, marks=EXTENDED),
+    pytest.param(1, 2, 4, None, marks=EXTENDED)], ids=str)
 def test_zero_bubble_matches_single_process(corpus, schedule, tp, pp, world, model):
     run_on_ranks(world, _check, corpus, tp, pp, schedule, 1, None, model)
 
@@ -64,11 +67,11 @@ def _against_1f1b(corpus, schedule, tp, pp, parallel, model, steps=3,
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("tp,world,parallel,model", [
     (2, 4, {"sequence_parallel": True}, None),
-    (2, 4, {"sequence_parallel": True}, LLAMA),
     (1, 4, {"zero": 1}, None),
-    (2, 8, {"zero": 1, "sequence_parallel": True}, LLAMA),
-    (1, 2, {"recompute": "full"}, None),
-    (1, 2, {"precision": "bf16"}, LLAMA)], ids=str)
+    (1, 2, {"precision": "bf16"}, LLAMA),
+    pytest.param(2, 4, {"sequence_parallel": True}, LLAMA, marks=EXTENDED),
+    pytest.param(2, 8, {"zero": 1, "sequence_parallel": True}, LLAMA, marks=EXTENDED),
+    pytest.param(1, 2, {"recompute": "full"}, None, marks=EXTENDED)], ids=str)
 def test_zero_bubble_layouts_match_1f1b(corpus, schedule, tp, world, parallel, model):
     run_on_ranks(world, _against_1f1b, corpus, schedule, tp, 2, parallel, model)
 
@@ -86,7 +89,8 @@ def test_recomputation_replays_dropout_exactly(corpus, schedule):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("ep,world,model", [(1, 2, None), (2, 4, LLAMA)], ids=str)
+@pytest.mark.parametrize("ep,world,model", [pytest.param(1, 2, None, marks=EXTENDED),
+                                            (2, 4, LLAMA)], ids=str)
 def test_zero_bubble_with_experts(corpus, schedule, ep, world, model):
     run_on_ranks(world, _check_moe, corpus, 2, ep, {"pp_schedule": schedule}, model)
 
