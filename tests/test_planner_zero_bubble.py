@@ -1,16 +1,19 @@
 """The planner's zero-bubble schedules: the split backward's I and W costs, the bubble and memory
-they are predicted with, the V placement's ranks."""
+they are predicted with, the V placement's ranks, the search choosing them and their
+refusals."""
 
 import dataclasses
 
 import pytest
 
+from meshtrain.errors import Code
 from meshtrain.models import preset
 from meshtrain.parallel.runtime import schedules, zero_bubble
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.costs import chunk_costs, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline, split_backward
+from meshtrain.planner.search import search
 from meshtrain.planner.workload import Workload
 
 IDEAL = Hardware(name="ideal", peak_tflops=100.0, hbm_gib=80, gpus_per_node=8,
@@ -107,3 +110,26 @@ def test_activations_are_1f1bs_p_stages(schedule):
     zb = predict(SMALL_VOCAB, ParallelPlan(dp=1, pp=4, pp_schedule=schedule), hw, **kw)
     assert zb.memory.activations == pytest.approx(base.memory.activations)
     assert zb.bubble_s < base.bubble_s
+
+
+def test_the_search_picks_a_zero_bubble_schedule_when_bubbles_dominate():
+    """Four stages, eight micro-batches, no communication: the step is compute and bubble."""
+    kw = {"gpus": 4, "seq_len": 1024, "global_batch": 8, "precision": "bf16",
+          "fixed": {"pp": 4, "mb": 1}}
+    found = search(SMALL_VOCAB, IDEAL, **kw).best()
+    without = search(SMALL_VOCAB, IDEAL, **kw, schedules=("1f1b", "interleaved")).best()
+    one_f_one_b = predict(SMALL_VOCAB, ParallelPlan(dp=1, pp=4), IDEAL, seq_len=1024,
+                          global_batch=8)
+    assert found.layout.pp_schedule == "zb-v" and without.layout.pp_schedule == "interleaved"
+    assert found.step_time_s < without.step_time_s
+    assert found.bubble_s < one_f_one_b.bubble_s / 3
+
+
+def test_refused_zero_bubble_layouts_are_grouped_by_their_code():
+    model = dataclasses.replace(GPT, num_layers=4)
+    found = search(model, BUILT_IN["a100-40g"], gpus=8, seq_len=1024, global_batch=16,
+                   precision="bf16", fixed={"schedule": "zb-v"})
+    for code, layout in ((Code.ZERO_BUBBLE_PP, "pp=1"), (Code.ZB_V_LAYERS, "pp=4"),
+                         (Code.ZERO_BUBBLE_SCHEME, "scheme=")):
+        assert any(layout in r.layout.spec(found.base) for r in found.rejected[code.value])
+    assert found.ranked and {p.layout.pp for p in found.ranked} == {2}
