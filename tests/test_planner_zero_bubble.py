@@ -1,11 +1,13 @@
 """The planner's zero-bubble schedules: the split backward's I and W costs, the bubble and memory
-they are predicted with, the V placement's ranks, the search choosing them and their
-refusals."""
+they are predicted with, the V placement's ranks, the search choosing them, their refusals, and
+`meshtrain plan --layout schedule=zb-v`."""
 
 import dataclasses
+import re
 
 import pytest
 
+from meshtrain.cli.main import main
 from meshtrain.errors import Code
 from meshtrain.models import preset
 from meshtrain.parallel.runtime import schedules, zero_bubble
@@ -133,3 +135,21 @@ def test_refused_zero_bubble_layouts_are_grouped_by_their_code():
                          (Code.ZERO_BUBBLE_SCHEME, "scheme=")):
         assert any(layout in r.layout.spec(found.base) for r in found.rejected[code.value])
     assert found.ranked and {p.layout.pp for p in found.ranked} == {2}
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "zb-h1"])
+def test_plan_layout_explains_a_zero_bubble_layout(capsys, schedule):
+    spec = f"tp=1,pp=4,dp=2,mb=1,zero=1,sp=0,recompute=none,schedule={schedule}"
+    args = ["plan", "--model", "gpt2", "--num-layers", "8", "--seq-len", "1024",
+            "--global-batch", "16", "--hardware", "a100-40g", "--gpus", "8", "--layout", spec]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and re.search(r"1 layout\(s\) considered .*: 1 fit", out)
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("1 "))
+    step, compute, comm, bubble = map(float, row.split()[1:5])
+    expected = predict(GPT, ParallelPlan(dp=2, pp=4, zero=1, pp_schedule=schedule),
+                       BUILT_IN["a100-40g"], seq_len=1024, global_batch=16)
+    assert step == pytest.approx(expected.step_time_s, rel=1e-3)
+    assert (compute, comm, bubble) == pytest.approx(
+        (expected.compute_s, expected.exposed_comm_s, expected.bubble_s), rel=1e-2)
+    assert f"schedule={schedule}" in row and f"--pp-schedule {schedule}" in out
