@@ -10,6 +10,7 @@ from meshtrain.memory import zero_formula_bytes
 from meshtrain.planner import published
 from meshtrain.planner.hardware import BUILT_IN
 from meshtrain.planner.published import (
+    MEGATRON_SCHEDULES,
     best_prediction,
     convention_flops,
     fixed_fields,
@@ -97,6 +98,7 @@ def test_every_row_is_predicted_and_the_median_meets_the_goal(results):
     assert [r.row["id"] for r in results] == list(ROWS)
     assert all(math.isfinite(r.predicted) and r.predicted > 0 for r in results)
     assert all(r.prediction.memory_gib <= BUILT_IN[r.row["hardware"]].hbm_gib for r in results)
+    assert {r.prediction.layout.pp_schedule for r in results} <= set(MEGATRON_SCHEDULES)
     median, worst = summary(results)
     assert median <= 0.075  # 6.8% with the fitted built-in profiles (docs/benchmarks.md)
     assert worst <= 0.34  # 33.0%: DeepSpeed's ZeRO-3 530B row, diagnosed in the report

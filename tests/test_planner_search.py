@@ -130,7 +130,8 @@ def test_fixed_degrees_must_match_the_devices():
 
 def test_2bw_only_when_asked_for():
     pipelined = _search(fixed={"tp": 1}, precision="fp32")
-    assert {p.layout.pp_schedule for p in pipelined.ranked} == {"1f1b", "interleaved"}
+    assert {p.layout.pp_schedule for p in pipelined.ranked} == {"1f1b", "interleaved", "zb-h1",
+                                                                "zb-v"}
     asked = _search(fixed={"tp": 1, "pp": 2, "schedule": "2bw"}, precision="fp32")
     assert asked.ranked and {p.layout.pp_schedule for p in asked.ranked} == {"2bw"}
 
@@ -167,7 +168,8 @@ def _fitting(model, hardware, gpus, base: ParallelPlan, mbs, **kw) -> list[Predi
     found = []
     for mb, zero, sp, recompute, (schedule, vp) in itertools.product(
             mbs, (0, 1, 2, 3), (False, True), RECOMPUTE,
-            (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4))):
+            (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1),
+             ("zb-v", 1))):
         lay = dataclasses.replace(base, micro_batch=mb, zero=zero, sequence_parallel=sp,
                                   recompute=recompute, pp_schedule=schedule, virtual_stages=vp)
         try:

@@ -152,7 +152,8 @@ COLUMNS = ("#", "step s", "compute", "comm", "bubble", "TFLOP/s", "MFU", "GiB", 
 
 def table(request: Request, result: SearchResult, shown: list[Prediction],
           seconds: float) -> list[str]:
-    """The header, then per layout one row of numbers and its command."""
+    """The header, then per layout one row of numbers and its command; a space at least
+    before each cell (a small model's seconds, 0.000953, fill their column)."""
     hw, m = request.hardware, request.model
     fit = sum(p.memory_gib <= hw.hbm_gib for p in result.ranked)
     over = len(result.ranked) - fit + len(result.rejected.get(OVER_BUDGET, ()))
@@ -167,7 +168,7 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
              f" {fit + over + invalid} layout(s) considered in {seconds:.1f} s: {fit} fit,"
              f" {over} over memory, {invalid} invalid (--explain: why)", ""]
     widths = [3, 9, 9, 8, 8, 9, 7, 7, 8, 7, 7, 7, 8]
-    lines.append("".join(c.rjust(w) for c, w in zip(COLUMNS, widths, strict=True))
+    lines.append("".join((" " + c).rjust(w) for c, w in zip(COLUMNS, widths, strict=True))
                  + "  layout (step s = compute + comm + bubble; GiB = params + ... + buffers)")
     for rank, p in enumerate(shown, 1):
         gib = p.memory.gib()
@@ -176,7 +177,7 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
                  f"{p.mfu:.1%}", f"{p.memory_gib:.1f}",
                  *(f"{gib[k]:.1f}" for k in ("parameters", "gradients", "optimizer_states",
                                              "activations", "buffers"))]
-        lines.append("".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+        lines.append("".join((" " + c).rjust(w) for c, w in zip(cells, widths, strict=True))
                      + f"  {short_spec(p.layout, result.base)}")
         lines.append(f"     {train_command(request, p)}")
     return lines

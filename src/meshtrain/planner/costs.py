@@ -12,7 +12,9 @@ the forward and backward they feed. A scheme that splits the hidden states (2d/2
 layer and output-layer traffic (`TPScheme.layer_traffic`, `output_traffic`) charged whole, none
 of it hidden, on links as wide as the TP block; 2.5d's depth all-reduce of weight gradients once
 a step, exposed. The pipeline runs meshtrain's own schedule through the simulator
-(`schedules.simulate`) on those per-chunk costs. Memory is `memory_model.py`'s.
+(`schedules.simulate`) on those per-chunk costs; the zero-bubble schedules split each backward
+into `I` and `W`, `W` the weight-gradient matmuls (`pipeline_model.split_backward`), and lose the
+overlap the fused backward gave the input-gradient all-reduces. Memory is `memory_model.py`'s.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.runtime.schedules import SPLIT_BACKWARD
 from meshtrain.parallel.schemes.scheme import Traffic
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware
 from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
-from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
+from meshtrain.planner.pipeline_model import ChunkCost, rank_chunks, run_pipeline
 from meshtrain.planner.workload import GRAD_BYTES, Workload
 
 GIB = 2**30
@@ -112,25 +115,40 @@ def _hidden(hardware: Hardware, comm: float, window: float) -> float:
 
 
 def chunk_costs(work: Workload, hardware: Hardware) -> list[ChunkCost]:
-    """Forward and backward cost of one micro-batch through each global model chunk."""
+    """Forward and backward cost of one micro-batch through each global model chunk, with
+    the activation sent to the next chunk and the gradient to the previous one where that
+    chunk is on another rank (zb-v's turn, inside rank pp - 1, is handed over in memory).
+    Under a split backward (zb-h1, zb-v) the first chunk runs fused at its `W` (it sends no
+    input gradient: the runtime's `I` does nothing there), so its whole backward is
+    `weight_grad`."""
     lay = work.layout
     ranges = lay.stage_layers(work.model.num_layers)
+    split = lay.pp_schedule in SPLIT_BACKWARD
+    owner = {g: r for r in range(lay.pp)
+             for g in rank_chunks(lay.pp_schedule, lay.pp, lay.chunks_per_rank, r)}
+    send = coll.send(hardware, work.boundary_bytes, 2 * lay.tp * lay.cp * lay.dp)
+    after = [send if owner[g] != owner[g + 1] else 0.0 for g in range(len(ranges) - 1)] + [0.0]
     costs = []
     for g, layers in enumerate(ranges):
-        parts = [_layer_cost(work, hardware, i) for i in layers]
+        parts = [_layer_cost(work, hardware, i, split=split and g > 0) for i in layers]
         if g == 0:
             parts.append(_embedding_cost(work, hardware))
         if g == len(ranges) - 1:
             parts.append(_head_cost(work, hardware))
-        send = coll.send(hardware, work.boundary_bytes, 2 * lay.tp * lay.cp * lay.dp)
-        total = ChunkCost(*(sum(p[k] for p in parts) for k in range(5)))
+        total = ChunkCost(*(sum(p[k] for p in parts) for k in range(len(ChunkCost._fields))))
+        if split and g == 0:
+            total = total._replace(weight_grad=total.backward,
+                                   weight_grad_comm=total.backward_comm)
         costs.append(total._replace(
-            forward_comm=total.forward_comm + (send if g < len(ranges) - 1 else 0.0),
-            backward_comm=total.backward_comm + (send if g > 0 else 0.0)))
+            forward_comm=total.forward_comm + after[g],
+            backward_comm=total.backward_comm + (after[g - 1] if g > 0 else 0.0)))
     return costs
 
 
-def _layer_cost(work: Workload, hw: Hardware, index: int) -> ChunkCost:
+def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False) -> ChunkCost:
+    """One layer; its weight half (`weight_grad`): one matmul per weight matmul of the
+    forward, and one layer's host overhead of the backward's two. `split`: the layer defers
+    its weight gradients (`_tensor_parallel_comm` says what that exposes)."""
     lay, p = work.layout, work.precision
     w = work.layer(index)
     weights = [_matmul(hw, f, p) for f in w.weight_matmuls]
@@ -139,8 +157,8 @@ def _layer_cost(work: Workload, hw: Hardware, index: int) -> ChunkCost:
     ratio = 2.0 if lay.cp > 1 else hw.attention_backward_ratio  # ring: hand-written autograd
     backward = 2 * (forward - hw.layer_overhead_s - core) + ratio * core \
         + 2 * hw.layer_overhead_s
-    tp_forward, tp_backward = _grid_comm(hw, work.layer_traffic(), lay.tp) \
-        if lay.scheme.splits_hidden else _tensor_parallel_comm(work, hw, weights)
+    tp_forward, tp_backward, tp_weight = (*_grid_comm(hw, work.layer_traffic(), lay.tp), 0.0) \
+        if lay.scheme.splits_hidden else _tensor_parallel_comm(work, hw, weights, split)
     cp_forward, cp_backward = _context_parallel_comm(work, hw, core)
     forward_comm, backward_comm = tp_forward + cp_forward, tp_backward + cp_backward
     if lay.recompute == "selective":
@@ -148,22 +166,26 @@ def _layer_cost(work: Workload, hw: Hardware, index: int) -> ChunkCost:
     elif lay.recompute == "full":
         backward += forward
         backward_comm += forward_comm
-    return ChunkCost(forward, forward_comm, backward, backward_comm, w.parameters)
+    return ChunkCost(forward, forward_comm, backward, backward_comm, w.parameters,
+                     sum(weights) + hw.layer_overhead_s, tp_weight)
 
 
-def _tensor_parallel_comm(work: Workload, hw: Hardware,
-                          weights: list[float]) -> tuple[float, float]:
-    """Megatron 1D: two all-reduces a layer each way (SP: an all-gather and a reduce-scatter
-    each); backward's all-reduces of the QKV and first MLP inputs run behind those matmuls'
-    weight gradients."""
+def _tensor_parallel_comm(work: Workload, hw: Hardware, weights: list[float],
+                          split: bool) -> tuple[float, float, float]:
+    """Megatron 1D, forward, backward and of it what runs at `W`: two all-reduces a layer each
+    way (SP: an all-gather and a reduce-scatter each); backward's all-reduces of the QKV and
+    first MLP inputs run behind those matmuls' weight gradients, unless `split` defers them
+    (the all-reduce is then waited for at once); SP's backward gathers the QKV and first MLP
+    inputs again for their weight gradients, under `split` at the `W`."""
     t = work.layout.tp
     n = work.activation_bytes
     if work.layout.sequence_parallel:
         gather, scatter = coll.all_gather(hw, n, t, t), coll.reduce_scatter(hw, n, t, t)
-        # backward gathers the QKV and first MLP inputs again for their weight gradients
-        return 2 * (gather + scatter), 2 * (2 * gather + scatter)
+        return 2 * (gather + scatter), 2 * (2 * gather + scatter), 2 * gather if split else 0.0
     one = coll.all_reduce(hw, n, t, t)
-    return 2 * one, _hidden(hw, one, weights[0]) + _hidden(hw, one, weights[2])
+    if split:
+        return 2 * one, 2 * one, 0.0
+    return 2 * one, _hidden(hw, one, weights[0]) + _hidden(hw, one, weights[2]), 0.0
 
 
 def _grid_comm(hw: Hardware, traffic: Traffic, tp: int) -> tuple[float, float]:
@@ -194,11 +216,11 @@ def _embedding_cost(work: Workload, hw: Hardware) -> ChunkCost:
     t = lay.tp
     if lay.scheme.splits_hidden:
         moved = _elementwise(hw, n / t)
-        return ChunkCost(moved, 0.0, moved, 0.0, work.embedding_parameters())
+        return ChunkCost(moved, 0.0, moved, 0.0, work.embedding_parameters(), moved)
     comm = coll.reduce_scatter(hw, n, t, t) if lay.sequence_parallel \
         else coll.all_reduce(hw, n, t, t)
     moved = _elementwise(hw, n)
-    return ChunkCost(moved, comm, moved, 0.0, work.embedding_parameters())
+    return ChunkCost(moved, comm, moved, 0.0, work.embedding_parameters(), moved)
 
 
 def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
@@ -215,12 +237,12 @@ def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
     held = 0.0 if m.tie_embeddings and lay.pp == 1 else work.embedding_parameters()
     if grid:
         forward_comm, backward_comm = _grid_comm(hw, work.head_traffic(), t)
-        return ChunkCost(forward, forward_comm, backward, backward_comm, held)
+        return ChunkCost(forward, forward_comm, backward, backward_comm, held, matmul)
     stats = 3 * coll.all_reduce(hw, work.local_tokens * 4, t, t)
     gather = coll.all_gather(hw, work.activation_bytes, t, t) if lay.sequence_parallel \
         else coll.all_reduce(hw, work.activation_bytes, t, t)  # SP: gather; else f's backward
     return ChunkCost(forward, stats + (gather if lay.sequence_parallel else 0.0), backward,
-                     gather, held)
+                     gather, held, matmul)
 
 
 def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:

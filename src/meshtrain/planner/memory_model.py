@@ -6,7 +6,11 @@ parameter, divided over dp x cp by ZeRO (stage 1: K; 2: g + K; 3: everything:
 `memory.zero_formula_bytes`), of the parameters a rank holds (1/tp of a layer's, 1/q^2 under
 2.5d's replication over depth: `Workload.weight_parts`); activations = the family's per-layer
 bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp, `Workload.layer_activation_bytes`) x the
-layers of each (micro-batch, chunk) the schedule keeps in flight (the simulator's peak);
+layers of each (micro-batch, chunk) the schedule keeps in flight (the simulator's peak, a split
+backward's counted until its `W`: ZB-H1 and ZB-V hold p stages' worth on every rank, 1F1B's on
+its first; what a pending `W` keeps, its linear layers' inputs and output gradients, is taken
+as the activations it replaces), chunks where the schedule places them (zb-v: rank 0 holds the
+embedding and the output layer);
 buffers = fp32 logits and their gradient on the last stage, the gradient bucket being reduced,
 ZeRO-3's two gathered layers, pipeline send/receive buffers and, under full recomputation, one
 layer's recomputed activations.

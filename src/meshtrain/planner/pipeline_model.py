@@ -3,6 +3,10 @@
 Long steps are simulated at a capped number of micro-batches and extended at the busiest rank's
 per-micro-batch rate: once a schedule reaches its steady state every further micro-batch adds
 exactly that rank's work (checked against the uncapped simulation in the tests).
+
+The zero-bubble schedules (zb-h1, zb-v) run each chunk's backward as `I` and `W`
+(`split_backward`), zb-v on two chunks per rank placed in a V (`schedules.v_shape_chunk`): rank 0
+then holds the first global chunk and the last.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from meshtrain.parallel.runtime import schedules
+from meshtrain.parallel.runtime import schedules, zero_bubble
 from meshtrain.parallel.runtime.plan import ParallelPlan
 
 
@@ -24,6 +28,11 @@ class ChunkCost(NamedTuple):
     backward: float
     backward_comm: float
     parameters: float
+    weight_grad: float = 0.0
+    """Of `backward`: what a split backward runs at `W` (the weight-gradient matmuls)."""
+    weight_grad_comm: float = 0.0
+    """Of `backward_comm`: what a split backward runs at `W` (sequence parallelism's
+    all-gathers of the inputs the weight gradients need)."""
 
 
 @dataclass(frozen=True)
@@ -32,52 +41,81 @@ class PipelineRun:
     busy: list[float]
     """Per pipeline rank: compute and critical-path communication over the step."""
     peak_in_flight: list[int]
-    """Per pipeline rank: most (micro-batch, chunk) pairs whose activations it holds."""
+    """Per pipeline rank: most (micro-batch, chunk) pairs whose activations it holds (from
+    the forward until the `B`, or under a split backward the `W`)."""
     pp: int
-    virtual_stages: int
+    chunks_per_rank: int
     micro_batches: int
+    schedule: str
 
     def chunks_of(self, rank: int) -> list[int]:
-        """Global chunk indices a pipeline rank holds (rank s: s, s + pp, ...)."""
-        return [schedules.model_chunk(rank, c, self.pp) for c in range(self.virtual_stages)]
+        return rank_chunks(self.schedule, self.pp, self.chunks_per_rank, rank)
+
+
+def rank_chunks(schedule: str, p: int, v: int, rank: int) -> list[int]:
+    """Global chunk indices a pipeline rank holds, in the schedule's placement (looped: s,
+    s + p, ...; zb-v: s and 2p - 1 - s)."""
+    place = schedules.schedule_placement(schedule)
+    return [place(rank, c, p) for c in range(v)]
+
+
+def split_backward(chunks: list[ChunkCost]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each global chunk's `I` and `W` cost. `W` is the backward's weight half as `costs.py`
+    counts it (a linear layer's weight gradient is one matmul the size of its input
+    gradient's, so about half of its backward); `I` is the rest: the input-gradient matmuls,
+    attention, elementwise work, recomputation, and the communication, which stays on `I`
+    because the previous chunk waits for it (only what the weight gradients alone need moves
+    to `W`). The first global chunk sends no input gradient: its `I` does nothing and its `W`
+    is the fused backward (`costs.chunk_costs` gives it weight_grad = backward)."""
+    weight = tuple(c.weight_grad + c.weight_grad_comm for c in chunks)
+    whole = (c.backward + c.backward_comm for c in chunks)
+    return tuple(b - w for b, w in zip(whole, weight, strict=True)), weight
 
 
 def run_pipeline(chunks: list[ChunkCost], layout: ParallelPlan, micro_batches: int) -> PipelineRun:
-    p, v, m = layout.pp, layout.virtual_stages, micro_batches
+    p, v, m = layout.pp, layout.chunks_per_rank, micro_batches
+    schedule = layout.pp_schedule
     forward = tuple(c.forward + c.forward_comm for c in chunks)
     backward = tuple(c.backward + c.backward_comm for c in chunks)
     if p == 1:
         busy = m * (forward[0] + backward[0])
-        return PipelineRun(busy, [busy], [1], 1, 1, m)
-    if layout.pp_schedule == "2bw":
+        return PipelineRun(busy, [busy], [1], 1, 1, m, schedule)
+    if schedule == "2bw":
         one = _simulate("2bw", p, v, m, forward, backward, steps=1)
         two = _simulate("2bw", p, v, m, forward, backward, steps=2)
         busy = [b2 - b1 for b1, b2 in zip(one.busy, two.busy, strict=True)]
-        return PipelineRun(two.makespan - one.makespan, busy, two.peak_in_flight, p, v, m)
+        return PipelineRun(two.makespan - one.makespan, busy, two.peak_in_flight, p, v, m,
+                           schedule)
+    halves = split_backward(chunks) if schedule in schedules.SPLIT_BACKWARD else (None, None)
     cap = p * max(8, 2 * v + 2)
-    simulated = _simulate(layout.pp_schedule, p, v, min(m, cap), forward, backward)
-    per_micro = [sum(forward[g] + backward[g] for g in range(r, p * v, p)) for r in range(p)]
+    simulated = _simulate(schedule, p, v, min(m, cap), forward, backward, *halves)
+    per_micro = [sum(forward[g] + backward[g] for g in rank_chunks(schedule, p, v, r))
+                 for r in range(p)]
     extra = max(m - cap, 0)
     busy = [b + extra * rate for b, rate in zip(simulated.busy, per_micro, strict=True)]
     return PipelineRun(simulated.makespan + extra * max(per_micro), busy,
-                       simulated.peak_in_flight, p, v, m)
+                       simulated.peak_in_flight, p, v, m, schedule)
 
 
 @functools.lru_cache(maxsize=4096)
 def _simulate(schedule: str, p: int, v: int, m: int, forward: tuple[float, ...],
-              backward: tuple[float, ...], steps: int = 1) -> schedules.Simulation:
-    return schedules.simulate(_schedule(schedule, p, v, m, steps), forward_cost=list(forward),
-                              backward_cost=list(backward), v=v)
+              backward: tuple[float, ...], input_grad: tuple[float, ...] | None = None,
+              weight_grad: tuple[float, ...] | None = None,
+              steps: int = 1) -> schedules.Simulation:
+    return schedules.simulate(
+        _schedule(schedule, p, v, m, steps), forward_cost=list(forward),
+        backward_cost=list(backward), v=v, placement=schedules.schedule_placement(schedule),
+        input_grad_cost=None if input_grad is None else list(input_grad),
+        weight_grad_cost=None if weight_grad is None else list(weight_grad))
 
 
 @functools.lru_cache(maxsize=256)
 def _schedule(schedule: str, p: int, v: int, m: int, steps: int) -> list[list[schedules.Action]]:
     """The action lists (costs aside): a search simulates the same shape with many costs, and
     building the lists is a third of a simulation. `simulate` only reads them."""
-    if schedule == "gpipe":
-        return schedules.gpipe(p, m)
-    if schedule == "1f1b":
-        return schedules.one_f_one_b(p, m)
     if schedule == "interleaved":
         return schedules.interleaved(p, m, v)
-    return schedules.pipedream_2bw(p, m, steps)
+    if schedule == "2bw":
+        return schedules.pipedream_2bw(p, m, steps)
+    return {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b, "zb-h1": zero_bubble.zb_h1,
+            "zb-v": zero_bubble.zb_v}[schedule](p, m)

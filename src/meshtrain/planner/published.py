@@ -36,6 +36,10 @@ MATERIALIZED_SOFTMAX_SOURCES = ("readme2020", "narayanan2021", "korthikanti2022"
 softmax reads and writes the s x s scores, which the cost model charges as `eager` attention.
 Megatron-Core's H100 table and MegaScale (2024) ran flash attention (`sdpa`)."""
 
+MEGATRON_SCHEDULES = ("1f1b", "interleaved")
+"""What the search may choose for a row that leaves its schedule out: the runs are Megatron's,
+which has no zero-bubble schedule."""
+
 SEARCHED = {"micro_batch": "mb", "virtual_stages": "vp", "zero": "zero", "schedule": "schedule"}
 """Row keys some rows state and others leave to the search, and their `--layout` spec keys."""
 
@@ -130,7 +134,7 @@ def best_prediction(row: dict, hardware: Hardware) -> Prediction:
         raise ValueError(f"row {row['id']}: `tp` x `pp` x `dp` is not its `gpus` {row['gpus']}")
     found = search(row_model(row), hardware, gpus=row["gpus"], seq_len=row["seq"],
                    global_batch=row["global_batch"], precision=hardware.default_precision,
-                   fixed=fixed_fields(row))
+                   fixed=fixed_fields(row), schedules=MEGATRON_SCHEDULES)
     return found.best()
 
 

@@ -5,9 +5,10 @@ divisors of the devices up to MAX_PP (deeper pipelines are slow to simulate: fix
 cp divisors while every rank keeps CP_MIN_TOKENS of the sequence (shorter ring blocks only add
 latency); dp the rest; ep (MoE models) divisors of dp x cp that divide the experts; micro-batch
 divisors of the per-dp batch up to MAX_MICRO_BATCH; schedules 1f1b and interleaved, virtual
-stages the divisors of layers / pp from 2 to MAX_VIRTUAL_STAGES (gpipe only when fixed: it does
-1F1B's work holding every micro-batch's activations, and the simulator never finds it faster;
-2bw only when fixed: its delayed update changes what is trained); sp with tp > 1; ZeRO 0-3;
+stages the divisors of layers / pp from 2 to MAX_VIRTUAL_STAGES, and zb-h1 and zb-v where they
+run (1d tensor parallelism; zb-v: 2 x pp layers at least); gpipe only when fixed (it does
+1F1B's work holding every micro-batch's activations, and the simulator never finds it faster),
+2bw only when fixed (its delayed update changes what is trained); sp with tp > 1; ZeRO 0-3;
 recompute none, selective, full; the tensor-parallel schemes tp forms a grid for
 (`scheme_space.py`: 1d, 2d, 2.5d at each depth, 3d; a grid's micro-batches split evenly over
 its batch split, up to MAX_MICRO_BATCH sequences per rank), each scheme its own degree
@@ -20,10 +21,12 @@ micro-batch is not tried at a larger one; a degree combination whose most memory
 over budget is rejected whole. Heuristically: micro-batches and virtual stages are swept
 upwards until the step time rises (larger matmuls and a smaller bubble speed it up, then the
 pipeline fill and point-to-point traffic slow it); every degree combination is screened with
-1f1b, sp on and ZeRO from stage 1, and only the REFINE_AT_MOST within REFINE_MARGIN of the best
-screened time are refined over every schedule, virtual stages, sp and ZeRO stage. Measured
-(CPU seconds, this 2-core host): GPT-3 175B on 3072 A100s 4 s, on 1024 5 s; Llama 3 70B at 8k
-tokens on 512 H100s 4.5 s; GPT-2 on 8 GPUs 0.03 s.
+zb-h1 where it runs (else 1f1b), sp on and ZeRO from stage 1, and only the REFINE_AT_MOST
+within REFINE_MARGIN of the best screened time are refined over every schedule, virtual
+stages, sp and ZeRO stage. Measured (CPU seconds, this 2-core host, global batch 1536, 1536
+and 512): GPT-3 175B on 3072 A100s 4.7 s, on 1024 6.1 s; Llama 3 70B at 8k tokens on 512 H100s
+5.3 s (1.4-1.9x the search before the zero-bubble schedules, most of it their simulations);
+GPT-2 on 8 GPUs 0.04 s.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from meshtrain.errors import SettingError
 from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.layers.recompute import RECOMPUTE
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan
+from meshtrain.parallel.runtime.schedules import SPLIT_BACKWARD
 from meshtrain.parallel.runtime.zero import ZERO_STAGES
 from meshtrain.parallel.schemes.registry import tp_scheme
 from meshtrain.planner import costs
@@ -49,6 +53,8 @@ MAX_MICRO_BATCH = 8
 MAX_VIRTUAL_STAGES = 8
 REFINE_MARGIN = 0.1
 REFINE_AT_MOST = 3
+SEARCHED_SCHEDULES = ("1f1b", "interleaved", *SPLIT_BACKWARD)
+"""What an unfixed search chooses among (gpipe and 2bw only when fixed: the docstring above)."""
 OVER_BUDGET = "memory over budget"
 DEGREES = ("tp", "pp", "dp", "cp")
 
@@ -103,13 +109,16 @@ class SearchResult:
 
 def search(model: TransformerConfig, hardware: Hardware, *, gpus: int, seq_len: int,
            global_batch: int, precision: str, fixed: dict[str, object] | None = None,
-           cost: Cost = costs.predict) -> SearchResult:
+           cost: Cost = costs.predict, schedules: tuple[str, ...] = SEARCHED_SCHEDULES
+           ) -> SearchResult:
     """Rank the layouts of `model` on `gpus` devices of `hardware`; `fixed` (a parsed `--layout`
     spec: `ParallelPlan` fields by name or spec key) pins fields, the searched ones and any
     other (`precision` overrides `precision`). A spec that leaves one candidate is evaluated
-    even over budget."""
+    even over budget. `schedules`: the pipeline schedules an unfixed search chooses among
+    (`published.py` leaves out the zero-bubble ones, which the runs it compares with did not
+    have)."""
     run = _Search(model, hardware, gpus, seq_len, global_batch, precision, dict(fixed or {}),
-                  cost)
+                  cost, schedules)
     run.check_fixed_degrees()
     only = run.only_candidate()
     if only is not None:
@@ -129,11 +138,13 @@ def _divisors(n: int) -> list[int]:
 
 
 class _Search:
-    def __init__(self, model, hardware, gpus, seq_len, global_batch, precision, fixed, cost):
+    def __init__(self, model, hardware, gpus, seq_len, global_batch, precision, fixed, cost,
+                 schedules):
         if gpus < 1:
             raise ValueError(f"`gpus` must be positive, got {gpus}")
         self.model, self.hardware, self.gpus = model, hardware, gpus
         self.seq_len, self.global_batch, self.cost = seq_len, global_batch, cost
+        self.schedules = schedules
         fixed = {SPEC_FIELDS[k].name if k in SPEC_FIELDS else k: v for k, v in fixed.items()}
         searched = {f.name for f in SPEC_FIELDS.values() if f.metadata["searched"]}
         self.fixed = {k: v for k, v in fixed.items() if k in searched}
@@ -197,6 +208,9 @@ class _Search:
         fixed_vp = self.fixed.get("virtual_stages", 1)
         schedules = ["1f1b"] if pp == 1 or fixed_vp == 1 and not vps else \
             ["interleaved"] if fixed_vp > 1 else ["1f1b", "interleaved"]
+        if pp > 1 and fixed_vp == 1:  # first: `screen` times a combination with it
+            schedules = self.zero_bubble(pp, scheme) + schedules
+        schedules = [s for s in schedules if s in self.schedules] or schedules[:1]
         experts = self.model.moe_experts
         return {
             "micro_batch": self.choices("micro_batch", micro_batches(
@@ -211,6 +225,16 @@ class _Search:
             "ep": self.choices("ep", [e for e in _divisors(dp * cp) if experts % e == 0]
                                if experts else [1]),
         }
+
+    def zero_bubble(self, pp: int, scheme: str) -> list[str]:
+        """zb-h1 and zb-v where `ParallelPlan.validate` lets them run (pp > 1 given): the
+        scheme's layers defer their weight gradients (1d), and zb-v's 2 x pp chunks have a
+        layer each. zb-h1 first, the schedule `screen` times: 1F1B's shape (as cheap to
+        simulate) with a third of its bubble, so a deep pipeline is not screened out for a
+        bubble the zero-bubble schedules fill."""
+        if not tp_scheme(scheme).allows("split_backward"):
+            return []
+        return [s for s in SPLIT_BACKWARD if s != "zb-v" or self.model.num_layers >= 2 * pp]
 
     def vp_for(self, schedule: str, choices: dict[str, list]) -> list[int]:
         return choices["virtual_stages"] if schedule == "interleaved" \
@@ -283,7 +307,7 @@ class _Search:
         return True
 
     def screen(self, combo: Combo) -> float | None:
-        """Validate a combination, probe its memory, and time it with the preferred schedule,
+        """Validate a combination, probe its memory, and time it with its first schedule,
         sp on and ZeRO from stage 1; the best screened step time, or None."""
         choices = self.execution_choices(combo)
         schedule = choices["pp_schedule"][0]
