@@ -15,8 +15,9 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from meshtrain.parallel.runtime import schedules, zero_bubble
+from meshtrain.parallel.runtime import schedules
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.runtime.schedule_lists import action_lists
 
 
 class ChunkCost(NamedTuple):
@@ -113,9 +114,4 @@ def _simulate(schedule: str, p: int, v: int, m: int, forward: tuple[float, ...],
 def _schedule(schedule: str, p: int, v: int, m: int, steps: int) -> list[list[schedules.Action]]:
     """The action lists (costs aside): a search simulates the same shape with many costs, and
     building the lists is a third of a simulation. `simulate` only reads them."""
-    if schedule == "interleaved":
-        return schedules.interleaved(p, m, v)
-    if schedule == "2bw":
-        return schedules.pipedream_2bw(p, m, steps)
-    return {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b, "zb-h1": zero_bubble.zb_h1,
-            "zb-v": zero_bubble.zb_v}[schedule](p, m)
+    return action_lists(schedule, p, m, v=v, steps=steps)

@@ -28,18 +28,15 @@ from meshtrain.parallel.layers.loss import IGNORE_INDEX
 from meshtrain.parallel.layers.masks import document_ids, document_positions
 from meshtrain.parallel.layers.weight_grads import defer_weight_gradients
 from meshtrain.parallel.runtime.pipeline import PipeDream2BW, ScheduleRun, run_schedule
+from meshtrain.parallel.runtime.schedule_lists import action_lists
 from meshtrain.parallel.runtime.schedules import (
     FORWARD,
     RECV_ACTIVATION,
     SEND_ACTIVATION,
     SPLIT_BACKWARD,
     Action,
-    gpipe,
-    interleaved,
-    one_f_one_b,
     schedule_placement,
 )
-from meshtrain.parallel.runtime.zero_bubble import zb_h1, zb_v
 from meshtrain.precision import wide_dtype
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -158,11 +155,8 @@ class PipelineExecutor(LocalExecutor):
     def actions(self, num_micro_batches: int) -> list[Action]:
         """This rank's actions for one flush step (2BW evaluates with 1F1B's forwards)."""
         p, s, m = self.mesh.pp.size, self.mesh.pp.rank, num_micro_batches
-        if self.schedule == "interleaved":
-            return interleaved(p, m, len(self.model.stage.chunks))[s]
-        generator = {"gpipe": gpipe, "zb-h1": zb_h1, "zb-v": zb_v}.get(self.schedule,
-                                                                      one_f_one_b)
-        return generator(p, m)[s]
+        schedule = "1f1b" if self.schedule == "2bw" else self.schedule
+        return action_lists(schedule, p, m, v=len(self.model.stage.chunks))[s]
 
     def stage(self, routing: RoutingStats | None):
         """The stage function for `run_schedule`: one local chunk's forward and its extra loss;

@@ -1,0 +1,21 @@
+"""Every pipeline schedule's action lists by its `pp_schedule` name: the one table the executor
+and the planner's simulation both read (`schedules.py` and `zero_bubble.py` hold the
+generators)."""
+
+from __future__ import annotations
+
+from meshtrain.parallel.runtime import schedules
+from meshtrain.parallel.runtime.zero_bubble import zb_h1, zb_v
+
+
+def action_lists(schedule: str, p: int, m: int, *, v: int = 1,
+                 steps: int = 1) -> list[list[schedules.Action]]:
+    """Per pipeline rank, the actions of `schedule` for m micro-batches (v chunks per rank
+    under interleaved; 2bw over `steps` optimizer steps)."""
+    if schedule == "interleaved":
+        return schedules.interleaved(p, m, v)
+    if schedule == "2bw":
+        return schedules.pipedream_2bw(p, m, steps)
+    generators = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b, "zb-h1": zb_h1,
+                  "zb-v": zb_v}
+    return generators[schedule](p, m)
