@@ -313,16 +313,17 @@ class TorchPipelining(PipelineContender):
         multi = issubclass(make, pipelining.schedules.PipelineScheduleMulti)
         # Where one rank holds the first and the last stage (the V), both use the tied
         # embedding: torch's scaling of each stage's gradients by 1/m after its last backward
-        # would divide that one twice, so the loss is divided instead.
-        both_ends = first and last
+        # would divide that one twice, so the loss is divided instead, and then no rank may
+        # scale (the loss's 1/m reaches every stage's gradients).
+        divide_loss = any({0, n - 1} <= {place(r, c, p) for c in range(v)} for r in range(p))
         schedule = make(stages if multi else stages[0], n_microbatches=MICRO_BATCHES,
-                        loss_fn=_mean_share if both_ends else _cross_entropy,
-                        scale_grads=not both_ends)
+                        loss_fn=_mean_share if divide_loss else _cross_entropy,
+                        scale_grads=not divide_loss)
         ends = _ends_group(p)
         tied = gpt.wte.weight if first != last else None  # this end's copy
         params = list({id(q): q for s in stages for q in s.submod.parameters()}.values())
         ids, targets = make_batch(shape)
-        per_loss = 1 if both_ends else MICRO_BATCHES
+        per_loss = 1 if divide_loss else MICRO_BATCHES
 
         def forward_backward() -> torch.Tensor:
             losses: list[torch.Tensor] = []
