@@ -1,26 +1,36 @@
-"""One GPT training step with pipeline parallelism on two ranks: meshtrain's flush schedules
-(GPipe, 1F1B) against torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B and
-ScheduleInterleaved1F1B with two stages per rank), against one process running the same
-micro-batches one after another.
+"""One GPT training step with pipeline parallelism on p ranks (`--pp`, 2 or 4): meshtrain's flush
+schedules (GPipe, 1F1B, interleaved 1F1B) and zero-bubble schedules (ZB-H1, ZB-V) against
+torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B with two
+stages per rank; ScheduleInterleavedZeroBubble with one stage per rank, torch's ZB1P, which is
+ZB-H1 there; ScheduleZBVZeroBubble with two stages per rank in a V), against one process
+running the same micro-batches one after another.
 
 Every contender trains the same GPT-2 style model (same weights, same batch cut into the same
 m micro-batches, plain AdamW) for the same steps, so their losses must agree; the tied word
-embedding's two copies (first and last stage) get their gradients summed, as in meshtrain.
-Repetitions alternate between contenders and ranked contenders run in one long-lived
-two-process gloo group (one thread per rank), as in bench_tp.py; the single process (two
-threads) runs in this process.
+embedding's two copies (first and last rank) get their gradients summed, as in meshtrain (under
+ZB-V rank 0 holds both ends: one copy, used by two chunks). Repetitions alternate between
+contenders and ranked contenders run in one long-lived p-process gloo group (one thread per
+rank), as in bench_tp.py; the single process (two threads) runs in this process. meshtrain's
+contenders also record each action's start and end (`run_schedule(timeline=...)`): the report
+gives every rank's measured idle fraction next to the simulator's (`pipeline_trace.idle_report`)
+and the mean time of each kind of action.
 
     python benchmarks/bench_pipeline.py            # 5 layers, hidden 512, s=256, V=8192, b=8, m=8
+    python benchmarks/bench_pipeline.py --pp 4     # the same with 11 layers on 4 ranks
     python benchmarks/bench_pipeline.py --quick    # tiny sizes: a smoke run of every contender
-    python benchmarks/bench_pipeline.py --only meshtrain-1f1b,single-2t
+    python benchmarks/bench_pipeline.py --only meshtrain-zb-v,torch-zb-v,meshtrain-1f1b,single-2t
 
-Five layers split 3 + 2: the last stage's LM head (V=8192) costs about one layer, so the two
-stages are nearly equal. To see where meshtrain's time goes, trace the same shape with
-`meshtrain train --pp 2 --trace DIR` (docs/benchmarks.md has the command).
+Layers per model chunk: of all splits, the one that balances the ranks best when the LM head
+with its loss counts as HEAD_LAYERS layers; meshtrain and torch get the same split for a
+schedule, and the report prints it (pp 2: 3 + 2 for one chunk per rank, the head on the lighter
+stage). To see where meshtrain's time goes, trace the same shape with `meshtrain train --pp 2
+--trace DIR` (docs/benchmarks.md has the command).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import statistics
 import sys
@@ -29,7 +39,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_tp import (
-    WORLD,
     Contender,
     DenseGPT,
     Result,
@@ -47,12 +56,39 @@ from torch import nn
 import meshtrain
 from meshtrain.contracts import StageSpec
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.weight_grads import defer_weight_gradients
 from meshtrain.parallel.runtime.pipeline import run_schedule, stage_layers
-from meshtrain.parallel.runtime.schedules import gpipe, interleaved, model_chunk, one_f_one_b
+from meshtrain.parallel.runtime.schedules import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    SPLIT_BACKWARD,
+    WEIGHT_GRAD,
+    Placement,
+    gpipe,
+    interleaved,
+    model_chunk,
+    one_f_one_b,
+    simulate,
+    v_shape_chunk,
+)
+from meshtrain.parallel.runtime.zero_bubble import zb_h1, zb_v
+from meshtrain.training.pipeline_trace import idle_report
 
 MICRO_BATCHES = 8
-FULL = Shape(layers=5, hidden=512, heads=8, seq=256, vocab=8192, batch=8)
-QUICK = Shape(layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+PP_CHOICES = (2, 4)
+# (full, quick) per pp: at pp 4 every schedule with two chunks per rank needs 8 chunks of at
+# least one layer, and 11 layers + the head balance 4 ranks (12.5 layer-units, 3.5 at most each)
+SHAPES = {2: (Shape(layers=5, hidden=512, heads=8, seq=256, vocab=8192, batch=8),
+              Shape(layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)),
+          4: (Shape(layers=11, hidden=512, heads=8, seq=256, vocab=8192, batch=8),
+              Shape(layers=11, hidden=64, heads=4, seq=32, vocab=256, batch=8))}
+HEAD_LAYERS = 1.5
+"""The LM head with its loss, in layers of forward + backward work (h=512, V=8192: a 1F1B trace
+in docs/benchmarks.md measured stage 1, 2 layers + head, at 533 ms against stage 0's 3 layers at
+454 ms, i.e. the head is about 1.6 layers)."""
+
+COMPUTE = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
 def micro_batches(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,9 +96,40 @@ def micro_batches(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(ids.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES), strict=True))
 
 
+def layer_split(num_layers: int, p: int, v: int, placement: Placement) -> list[range]:
+    """Layers of each global chunk (p x v of them, at least one layer each): the split whose
+    busiest rank has the least work, counting the head as HEAD_LAYERS (then the most even
+    ranks; then earlier chunks the larger, as `stage_layers` gives the remainder)."""
+    n = p * v
+
+    def rank_work(split: tuple[int, ...]) -> list[float]:
+        work = [0.0] * p
+        for r, c in itertools.product(range(p), range(v)):
+            g = placement(r, c, p)
+            work[r] += split[g] + (HEAD_LAYERS if g == n - 1 else 0.0)
+        return work
+
+    def key(split: tuple[int, ...]):
+        work = rank_work(split)
+        return max(work), sum(w * w for w in work), [-k for k in split]
+
+    splits = (tuple(b - a for a, b in zip((0, *cuts), (*cuts, num_layers), strict=True))
+              for cuts in itertools.combinations(range(1, num_layers), n - 1))
+    return stage_layers(num_layers, n, list(min(splits, key=key)))
+
+
+def split_text(chunks: list[range], p: int, v: int, placement: Placement) -> str:
+    """'rank 0: 1+1, rank 1: 2+1' (layers of each local chunk; + head where it is)."""
+    last = p * v - 1
+    return ", ".join(
+        f"{r}: " + "+".join(f"{len(chunks[g])}{'h' if g == last else ''}"
+                            for g in (placement(r, c, p) for c in range(v)))
+        for r in range(p))
+
+
 class SingleProcess(Contender):
     """The same micro-batches one after another, with `threads` threads (2: the reference, the
-    host's two cores; 1: what one pipeline rank gets, so half of it is a perfect pp=2 step)."""
+    host's two cores; 1: what one pipeline rank gets, so 1/p of it is a perfect pp step)."""
 
     ranks = 1
 
@@ -86,40 +153,86 @@ class SingleProcess(Contender):
         return training_step(model.parameters(), forward_backward)
 
 
-class MeshtrainPipeline(Contender):
-    ranks = WORLD
+class PipelineContender(Contender):
+    """A ranked contender on `p` pipeline ranks (main sets it from --pp), `v` model chunks per
+    rank placed by `placement` (rank, local chunk, p) -> global chunk."""
 
+    p = 2
+    v = 1
+    placement: Placement = staticmethod(model_chunk)
+
+    @property
+    def ranks(self) -> int:
+        return self.p
+
+    def chunks(self, shape: Shape) -> list[range]:
+        return layer_split(shape.layers, self.p, self.v, self.placement)
+
+    def describe_split(self, shape: Shape) -> str:
+        return split_text(self.chunks(shape), self.p, self.v, self.placement)
+
+
+# schedule: (generator (p, m) -> per-rank actions, chunks per rank, placement)
+MESHTRAIN_SCHEDULES = {
+    "gpipe": (gpipe, 1, model_chunk),
+    "1f1b": (one_f_one_b, 1, model_chunk),
+    "interleaved": (lambda p, m: interleaved(p, m, 2), 2, model_chunk),
+    "zb-h1": (zb_h1, 1, model_chunk),
+    "zb-v": (zb_v, 2, v_shape_chunk),
+}
+
+
+class MeshtrainPipeline(PipelineContender):
     def __init__(self, schedule: str):
         self.schedule = schedule
-        self.name = f"meshtrain pp=2 {schedule}" + (" v=2" if schedule == "interleaved" else "")
+        _, self.v, self.placement = MESHTRAIN_SCHEDULES[schedule]
         self.key = f"meshtrain-{schedule}"
 
+    @property
+    def name(self) -> str:
+        return f"meshtrain pp={self.p} {self.schedule}" + (
+            " v=2" if self.schedule == "interleaved" else "")
+
     def build(self, shape: Shape) -> Step:
-        mesh = meshtrain.init_parallel(pp=WORLD, device="cpu")
-        s = mesh.pp.rank
-        v = 2 if self.schedule == "interleaved" else 1  # chunks per rank
-        chunks = stage_layers(shape.layers, WORLD * v)
-        stage = StageSpec(tuple(chunks[model_chunk(s, c, WORLD)] for c in range(v)),
-                          has_embedding=s == 0, has_head=s == WORLD - 1)
+        p, v, place = self.p, self.v, self.placement
+        mesh = meshtrain.init_parallel(pp=p, device="cpu")
+        s, last = mesh.pp.rank, p * v - 1
+        chunks = self.chunks(shape)
+        mine = [place(s, c, p) for c in range(v)]  # as parallelize.pipeline_stage places them
+        stage = StageSpec(tuple(chunks[g] for g in mine), has_embedding=mine[0] == 0,
+                          has_head=mine[-1] == last)
         model = meshtrain.build_model(shape.config(), mesh, seed=0, stage=stage)
-        actions = interleaved(WORLD, MICRO_BATCHES, v)[s] if v > 1 else \
-            {"gpipe": gpipe, "1f1b": one_f_one_b}[self.schedule](WORLD, MICRO_BATCHES)[s]
+        actions = MESHTRAIN_SCHEDULES[self.schedule][0](p, MICRO_BATCHES)[s]
+        # as PipelineExecutor: the split backward only under the zero-bubble schedules
+        weight_grads = defer_weight_gradients(model) if self.schedule in SPLIT_BACKWARD \
+            else None
+        params = list(model.parameters())
         batches = micro_batches(shape)
         activation = (shape.batch // MICRO_BATCHES, shape.seq, shape.hidden)
-        word = model.embedding.word.weight
+        # the tied embedding's copies on the first and the last rank; none to sum where one
+        # rank holds both ends (ZB-V's rank 0), and none on the ranks in between
+        tied = model.embedding.word.weight if model.embedding is not None \
+            and not (stage.has_embedding and stage.has_head) else None
+        timelines: list[list] = []  # one list of (kind, micro, chunk, start, end) per step
 
         def forward_backward() -> torch.Tensor:
+            events: list = []
             losses = run_schedule(actions,
                                   stage=lambda x, chunk, batch: (model(x, chunk=chunk), 0.0),
                                   loss_fn=lambda logits, batch: model.cross_entropy(logits,
                                                                                     batch[1]),
                                   micro_batches=batches, mesh=mesh,
                                   activation_shape=activation, dtype=torch.float32,
-                                  num_chunks=v).losses
-            comm.all_reduce(word.grad, mesh.axis("embed"))  # the tied embedding's two copies
+                                  num_chunks=v, timeline=events, placement=place,
+                                  weight_grads=weight_grads, params=params).losses
+            timelines.append(events)
+            if tied is not None:
+                comm.all_reduce(tied.grad, mesh.axis("embed"))
             return _last_stage_loss(losses)
 
-        return training_step(model.parameters(), forward_backward)
+        step = training_step(params, forward_backward)
+        step.trace = {"timelines": timelines}
+        return step
 
 
 def _last_stage_loss(losses: list[torch.Tensor]) -> torch.Tensor:
@@ -139,7 +252,7 @@ class Chunk(nn.Module):
         if first:
             self.wte, self.wpe = gpt.wte, gpt.wpe
         self.blocks = nn.ModuleList(gpt.blocks[i] for i in layers)
-        if last:  # tied to wte in DenseGPT; wte lives on another rank, so this is its copy
+        if last:  # tied to wte in DenseGPT: a copy of it where wte lives on another rank
             self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,64 +267,110 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-class TorchPipelining(Contender):
-    ranks = WORLD
+def _mean_share(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's share of the step's mean loss (torch then scales no gradients)."""
+    return _cross_entropy(logits, targets) / MICRO_BATCHES
 
-    def __init__(self, schedule: str, stages_per_rank: int = 1):
-        self.schedule, self.v = schedule, stages_per_rank
-        self.name = f"torch {schedule}" + (f" v={self.v}" if self.v > 1 else "")
-        self.key = f"torch-{schedule.lower()}"
+
+@functools.cache
+def _ends_group(p: int):
+    """The first and the last rank (their copies of the tied embedding), made once per process;
+    every rank builds the same contenders in the same order, so all of them create it alike."""
+    return dist.new_group([0, p - 1])
+
+
+# torch's schedule -> the meshtrain schedule whose per-rank compute order it should have
+TORCH_COUNTERPART = {"ScheduleInterleaved1F1B": "interleaved",
+                     "ScheduleInterleavedZeroBubble": "zb-h1",
+                     "ScheduleZBVZeroBubble": "zb-v"}
+
+
+class TorchPipelining(PipelineContender):
+    def __init__(self, schedule: str, stages_per_rank: int = 1,
+                 placement: Placement = model_chunk, key: str | None = None):
+        self.schedule, self.v, self.placement = schedule, stages_per_rank, placement
+        self.key = key or f"torch-{schedule.lower()}"
+
+    @property
+    def name(self) -> str:
+        return f"torch {self.schedule}" + (f" v={self.v}" if self.v > 1 else "") + (
+            " (1 stage/rank)" if self.schedule == "ScheduleInterleavedZeroBubble" else "")
 
     def build(self, shape: Shape) -> Step:
         from torch.distributed import pipelining
 
-        rank, chunks = dist.get_rank(), WORLD * self.v
+        p, v, place = self.p, self.v, self.placement
+        rank, n = dist.get_rank(), p * v
         gpt = DenseGPT(shape)
         gpt.load_meshtrain_(dense_weights(shape))
-        layers = stage_layers(shape.layers, chunks)
-        # Rank r holds chunks r, r + WORLD, ... (the interleaved layout; one chunk when v = 1).
+        layers = self.chunks(shape)
+        mine = [place(rank, c, p) for c in range(v)]  # rank r: r, r + p (looped) or 2p-1-r (V)
+        first, last = 0 in mine, n - 1 in mine
         stages = [pipelining.PipelineStage(
-            Chunk(gpt, layers[c], first=c == 0, last=c == chunks - 1), c, chunks,
-            torch.device("cpu")) for c in range(rank, chunks, WORLD)]
+            Chunk(gpt, layers[g], first=g == 0, last=g == n - 1), g, n, torch.device("cpu"))
+            for g in mine]
         make = getattr(pipelining, self.schedule)
-        schedule = make(stages if self.v > 1 else stages[0], n_microbatches=MICRO_BATCHES,
-                        loss_fn=_cross_entropy)
-        modules = [stage.submod for stage in stages]
-        tied = gpt.wte.weight  # the first chunk's embedding or the last chunk's head
-        params = list({id(p): p for m in modules for p in m.parameters()}.values())
+        multi = issubclass(make, pipelining.schedules.PipelineScheduleMulti)
+        # Where one rank holds the first and the last stage (the V), both use the tied
+        # embedding: torch's scaling of each stage's gradients by 1/m after its last backward
+        # would divide that one twice, so the loss is divided instead, and then no rank may
+        # scale (the loss's 1/m reaches every stage's gradients).
+        divide_loss = any({0, n - 1} <= {place(r, c, p) for c in range(v)} for r in range(p))
+        schedule = make(stages if multi else stages[0], n_microbatches=MICRO_BATCHES,
+                        loss_fn=_mean_share if divide_loss else _cross_entropy,
+                        scale_grads=not divide_loss)
+        ends = _ends_group(p)
+        tied = gpt.wte.weight if first != last else None  # this end's copy
+        params = list({id(q): q for s in stages for q in s.submod.parameters()}.values())
         ids, targets = make_batch(shape)
+        per_loss = 1 if divide_loss else MICRO_BATCHES
 
         def forward_backward() -> torch.Tensor:
             losses: list[torch.Tensor] = []
-            if rank == 0:
-                schedule.step(ids)
-            else:
-                schedule.step(target=targets, losses=losses)
-            dist.all_reduce(tied.grad)  # the tied embedding's two copies
-            return _last_stage_loss([loss.detach() / MICRO_BATCHES for loss in losses])
+            schedule.step(*[ids] if first else [],
+                          **dict(target=targets, losses=losses) if last else {})
+            if tied is not None:
+                dist.all_reduce(tied.grad, group=ends)
+            return _last_stage_loss([loss.detach() / per_loss for loss in losses])
 
-        return training_step(params, forward_backward)
+        step = training_step(params, forward_backward)
+        order = getattr(schedule, "pipeline_order", None)  # every rank's compute actions
+        step.trace = {"order": None if order is None else {
+            r: [(a.computation_type.value, a.microbatch_index, a.stage_index)
+                for a in acts if a is not None] for r, acts in order.items()}}
+        return step
 
 
 CONTENDERS: list[Contender] = [
     MeshtrainPipeline("gpipe"), MeshtrainPipeline("1f1b"), MeshtrainPipeline("interleaved"),
-    TorchPipelining("ScheduleGPipe"),
-    TorchPipelining("Schedule1F1B"), TorchPipelining("ScheduleInterleaved1F1B", 2),
+    MeshtrainPipeline("zb-h1"), MeshtrainPipeline("zb-v"),
+    TorchPipelining("ScheduleGPipe"), TorchPipelining("Schedule1F1B"),
+    TorchPipelining("ScheduleInterleaved1F1B", 2),
+    TorchPipelining("ScheduleInterleavedZeroBubble", key="torch-zb-h1"),
+    TorchPipelining("ScheduleZBVZeroBubble", 2, v_shape_chunk, key="torch-zb-v"),
     SingleProcess(2), SingleProcess(1)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, contenders = parse_args(argv, CONTENDERS, __doc__)
-    shape = QUICK if args.quick else FULL
+    def pp_flag(parser) -> None:
+        parser.add_argument("--pp", type=int, choices=PP_CHOICES, default=2,
+                            help="pipeline ranks (default 2; 4 runs 4 processes on this host)")
+
+    args, contenders = parse_args(argv, CONTENDERS, __doc__, pp_flag)
+    for c in contenders:
+        if isinstance(c, PipelineContender):
+            c.p = args.pp
+    full, quick = SHAPES[args.pp]
+    shape = quick if args.quick else full
     load_before = os.getloadavg()[0]
-    results, unavailable = measure(args, shape, contenders)
+    results, unavailable = measure(args, shape, contenders, world=args.pp)
     assert not unavailable, unavailable
     report(args, shape, results, (load_before, os.getloadavg()[0]))
     return 0
 
 
 def report(args, shape: Shape, results: list[Result], load: tuple[float, float]) -> None:
-    p, m = WORLD, MICRO_BATCHES
+    p, m = args.pp, MICRO_BATCHES
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     print(f"model: {shape} in m={m} micro-batches of {shape.batch // m}, fp32, dropout 0;"
           " step = zero_grad + forward/backward of every micro-batch + AdamW")
@@ -220,10 +379,10 @@ def report(args, shape: Shape, results: list[Result], load: tuple[float, float])
           f" ranked contenders: {p} gloo processes x 1 thread")
     print(f"schedule: {args.warmup} warmup steps, then {args.rounds} rounds x {args.steps} steps"
           " per contender, contenders alternating; time = median step (ranked: slowest rank)")
-    print(f"bubble of a flush schedule on equal stages: (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.1%}"
-          f" of the makespan, i.e. (m+p-1)/m = {(m + p - 1) / m:.3f} x one stage's work")
+    print(f"bubble on equal stages (simulated, F = I = W = 1, B = 2; communication free):"
+          f" {equal_cost_bubbles(p, m)}")
     reference = next((r for r in results if r.contender.reference), None)
-    head = (f"{'contender':40} {'median ms':>10} {'round medians ms':>18} {'t/t_single':>10}"
+    head = (f"{'contender':50} {'median ms':>10} {'round medians ms':>18} {'t/t_single':>10}"
             f" {'best/best':>9}  loss first -> last")
     print("\n" + head + "\n" + "-" * len(head))
     for r in results:
@@ -232,11 +391,109 @@ def report(args, shape: Shape, results: list[Result], load: tuple[float, float])
         ratio = r.median / reference.median if reference else float("nan")
         best = min(round_medians) / min(map(statistics.median, reference.rounds)) \
             if reference else float("nan")
-        print(f"{r.contender.name:40} {r.median * 1e3:10.1f} {spread:>18} {ratio:10.2f}"
+        print(f"{r.contender.name:50} {r.median * 1e3:10.1f} {spread:>18} {ratio:10.2f}"
               f" {best:9.2f}  {r.losses[0]:.6f} -> {r.losses[-1]:.6f}")
     print("t/t_single: median step over the single process's (2 threads); best/best: the same"
           " with each contender's fastest round median, less sensitive to other jobs' load")
+    pipelines = [r for r in results if isinstance(r.contender, PipelineContender)]
+    print("\nlayers per chunk, by rank (h: the head's chunk): " + "; ".join(
+        sorted({f"{name}: {split}" for name, split in
+                ((_placement_name(r.contender), r.contender.describe_split(shape))
+                 for r in pipelines)})))
+    report_idle(args, results)
+    report_orders(results, p)
     report_loss_agreement(results, reference)
+
+
+def equal_cost_bubbles(p: int, m: int) -> str:
+    """Each meshtrain schedule's mean idle fraction over ranks, simulated at equal costs."""
+    parts = []
+    for name, (generator, v, place) in MESHTRAIN_SCHEDULES.items():
+        sim = simulate(generator(p, m), forward_cost=1.0, backward_cost=2.0, v=v,
+                       placement=place)
+        parts.append(f"{name} {statistics.fmean(map(sim.idle_fraction, range(p))):.1%}")
+    return ", ".join(parts)
+
+
+def _placement_name(c: PipelineContender) -> str:
+    return "V" if c.placement is v_shape_chunk else f"{c.v} per rank"
+
+
+def idle_summary(r: Result, warmup: int) -> dict:
+    """`pipeline_trace.idle_report` of each measured step of a traced contender, every figure
+    the median over those steps: per rank the measured and simulated idle fraction and the mean
+    ms of each kind of compute action; the measured and simulated makespan."""
+    c = r.contender
+    steps = list(zip(*(rank["timelines"] for rank in r.trace), strict=True))[warmup:]
+    reports = [idle_report([list(events) for events in step], c.placement) for step in steps]
+    stages = [[rep["stages"][s] for rep in reports] for s in range(c.p)]
+    per_rank = [{key: statistics.median(row[key] for row in rows) for key in rows[0]}
+                for rows in stages]
+    return {"ranks": per_rank, "steps": len(reports),
+            **{f"makespan_{k}": statistics.median(rep["makespan_ms"][k] for rep in reports)
+               for k in ("measured", "simulated")}}
+
+
+def report_idle(args, results: list[Result]) -> None:
+    """meshtrain's measured idle per rank next to the simulator's with each chunk's measured
+    mean costs, and the mean time of each kind of compute action per rank."""
+    traced = [r for r in results if r.trace and r.trace[0].get("timelines")]
+    if not traced:
+        return
+    print(f"\nmeshtrain's measured idle per rank (1 - compute / makespan, median over the"
+          f" {args.rounds * args.steps} measured steps) vs the simulator with each chunk's"
+          " measured mean F/B/I/W times (communication free); per rank the mean ms of F and of"
+          " B, or of F and I + W (I, W)")
+    width = max(14, 6 * args.pp)  # "12.3% " per rank
+    head = (f"{'contender':32} {'idle measured':>{width}} {'idle simulated':>{width}}"
+            f" {'makespan ms meas/sim':>21}  F/B or F/I+W (I, W) ms per rank")
+    print(head + "\n" + "-" * len(head))
+    mean_idle = {}
+    for r in traced:
+        summary = idle_summary(r, args.warmup)
+        ranks = summary["ranks"]
+        measured = [row["idle_measured"] for row in ranks]
+        mean_idle[r.contender.schedule] = statistics.fmean(measured)
+        kinds = [f"{_ms(row['forward_ms'])}/{_ms(row['backward_ms'])}"
+                 if not row["input_grad_ms"] else
+                 f"{_ms(row['forward_ms'])}/{_ms(row['input_grad_ms'] + row['weight_grad_ms'])}"
+                 f" ({_ms(row['input_grad_ms'])}, {_ms(row['weight_grad_ms'])})"
+                 for row in ranks]
+        makespan = f"{summary['makespan_measured']:.0f}/{summary['makespan_simulated']:.0f}"
+        print(f"{r.contender.name:32} {_percents(measured):>{width}}"
+              f" {_percents([row['idle_simulated'] for row in ranks]):>{width}} {makespan:>21}"
+              f"  {'; '.join(kinds)}")
+    if "1f1b" in mean_idle:
+        for zb in ("zb-h1", "zb-v"):
+            if zb in mean_idle:
+                print(f"{zb}: mean measured idle {mean_idle[zb]:.1%} ="
+                      f" {mean_idle[zb] / mean_idle['1f1b']:.2f} x 1f1b's {mean_idle['1f1b']:.1%}"
+                      + (" (goal: at most 1/3)" if zb == "zb-v" else ""))
+
+
+def _ms(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+
+def _percents(values: list[float]) -> str:
+    return " ".join(f"{x:.1%}" for x in values)
+
+
+def report_orders(results: list[Result], p: int) -> None:
+    """Whether torch's schedules run each rank's computations in the order of meshtrain's
+    counterpart (then the two differ only in how they run them)."""
+    for r in results:
+        order = r.trace[0].get("order") if r.trace else None
+        twin = TORCH_COUNTERPART.get(getattr(r.contender, "schedule", ""))
+        if order is None or twin is None:
+            continue
+        generator, v, place = MESHTRAIN_SCHEDULES[twin]
+        ours = {s: [(a.kind, a.micro, place(s, a.chunk, p)) for a in actions
+                    if a.kind in COMPUTE] for s, actions in enumerate(generator(p, MICRO_BATCHES))}
+        differ = [s for s in range(p) if [tuple(a) for a in order[s]] != ours[s]]
+        verdict = "the same" if not differ else f"different on ranks {differ}"
+        print(f"{r.contender.name}: per-rank compute order (F/I/W or F/B, micro-batch, global"
+              f" chunk) {verdict} as meshtrain's {twin}")
 
 
 if __name__ == "__main__":

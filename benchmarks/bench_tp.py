@@ -134,9 +134,10 @@ class Unavailable(Exception):
 class Contender:
     """One implementation of the training step.
 
-    `ranks == 1`: built and timed in the parent process with two threads. `ranks == WORLD`: built
-    in every worker process (one thread each) in list order, so process groups are created in
-    the same order on all ranks. `build` runs once; the step it returns is timed many times.
+    `ranks == 1`: built and timed in the parent process with two threads. `ranks > 1` (WORLD,
+    or bench_pipeline.py's --pp): built in every worker process (one thread each) in list order,
+    so process groups are created in the same order on all ranks. `build` runs once; the step
+    it returns is timed many times.
     """
 
     name: str
@@ -529,9 +530,9 @@ def _time_ranked(index: int, n: int) -> tuple[list[float], list[float]]:
     return time_steps(_ranked_steps[index], n, dist.barrier)
 
 
-def _ranked_memory(index: int) -> dict:
-    """On every rank: contender `index`'s `step.memory`, if it measured any."""
-    return getattr(_ranked_steps[index], "memory", {})
+def _ranked_attribute(index: int, name: str):
+    """On every rank: contender `index`'s `step.<name>` (`memory`, `trace`), if it has one."""
+    return getattr(_ranked_steps[index], name, {})
 
 
 @dataclass
@@ -541,16 +542,20 @@ class Result:
     losses: list[float]  # every step's loss, warmup included
 
     memory: list[dict] = dataclasses.field(default_factory=list)  # per rank, if measured
+    trace: list = dataclasses.field(default_factory=list)  # per rank, what `step.trace` kept
 
     @property
     def median(self) -> float:
         return statistics.median(t for r in self.rounds for t in r)
 
 
-def parse_args(argv: list[str] | None, candidates: list[Contender],
-               description: str) -> tuple[argparse.Namespace, list[Contender]]:
-    """The flags every benchmark shares, and the contenders `--only` chose."""
+def parse_args(argv: list[str] | None, candidates: list[Contender], description: str,
+               more_flags: Callable[[argparse.ArgumentParser], None] = lambda parser: None
+               ) -> tuple[argparse.Namespace, list[Contender]]:
+    """The flags every benchmark shares (and a benchmark's own, added by `more_flags`), and the
+    contenders `--only` chose."""
     parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    more_flags(parser)
     parser.add_argument("--steps", type=int, default=4, help="measured steps per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
@@ -569,13 +574,16 @@ def parse_args(argv: list[str] | None, candidates: list[Contender],
     return args, [c for c in candidates if c.key in only]
 
 
-def measure(args, shape: Shape, contenders: list[Contender]) -> tuple[list[Result], dict]:
-    """Build the contenders (ranked ones in long-lived workers), time them alternately, collect
-    any memory figures; returns the results and {name: why} of those that cannot run here.
-    A single-process contender runs with its `threads` (default 2)."""
-    ranked = [c for c in contenders if c.ranks == WORLD]
+def measure(args, shape: Shape, contenders: list[Contender],
+            world: int = WORLD) -> tuple[list[Result], dict]:
+    """Build the contenders (ranked ones in long-lived workers, `world` of them), time them
+    alternately, collect any memory figures and traces; returns the results and {name: why} of
+    those that cannot run here. A single-process contender runs with its `threads` (default
+    2)."""
+    ranked = [c for c in contenders if c.ranks > 1]
+    assert all(c.ranks == world for c in ranked), "every ranked contender runs on `world`"
     local = [c for c in contenders if c.ranks == 1]
-    with RankPool(WORLD) as pool:
+    with RankPool(world) as pool:
         torch.set_num_threads(2)
         local_steps = {id(c): c.build(shape) for c in local}
         unavailable = pool.run(_build_ranked, shape, ranked, timeout=CALL_TIMEOUT)[0]
@@ -599,9 +607,10 @@ def measure(args, shape: Shape, contenders: list[Contender]) -> tuple[list[Resul
                 if measured:
                     r.rounds.append(times)
         for r in results:
-            if r.contender.ranks == WORLD:
-                r.memory = pool.run(_ranked_memory, ranked.index(r.contender),
-                                    timeout=CALL_TIMEOUT)
+            if r.contender.ranks > 1:
+                index = ranked.index(r.contender)
+                r.memory = pool.run(_ranked_attribute, index, "memory", timeout=CALL_TIMEOUT)
+                r.trace = pool.run(_ranked_attribute, index, "trace", timeout=CALL_TIMEOUT)
             else:
                 r.memory = [getattr(local_steps[id(r.contender)], "memory", {})]
     return results, {ranked[i].name: why for i, why in unavailable.items()}
