@@ -165,7 +165,7 @@ class TransformerConfig(ABC):
                 f"the MLP width ({self.ffn_size}) must be divisible by tp ({tp})"))
 
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        return self.num_layers // self.moe_every if self.moe_experts else 0  # (is_moe_layer's)
 
     @abstractmethod
     def attention_parameters(self, *, weights_only: bool = False) -> int:
