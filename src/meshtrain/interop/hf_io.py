@@ -66,7 +66,8 @@ def _read_json(path: Path) -> dict:
     else:
         if isinstance(value, dict):
             return value
-        problem = f"holds a JSON {type(value).__name__}, not an object"
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+        problem = f"holds {kind.get(type(value), 'a number')}, not a JSON object"
     raise _refused(Code.HF_CONFIG if path.name == CONFIG else Code.HF_WEIGHTS,
                    f"{path} {problem}; fix or replace the file")
 
@@ -100,8 +101,7 @@ class HFModelDirectory:
             raise ValueError(f"{path}: no {CONFIG} there; pass a Hugging Face model directory"
                              " (config.json and safetensors weights)")
         self.hf_config = _read_json(self.path / CONFIG)
-        self.mapping = mapping_for(self.hf_config)
-        self.cfg = self._config()
+        self.mapping, self.cfg = self._model()
         self._open: dict[str, object] = {}
         self.files = self._weight_files()
         self._check_layers()
@@ -111,11 +111,12 @@ class HFModelDirectory:
     def _refuse(self, message: str, code: Code = Code.HF_WEIGHTS) -> SettingError:
         return _refused(code, f"{self.path}: {message}")
 
-    def _config(self) -> TransformerConfig:
-        """Our config, a refusal naming config.json (not our settings, which have no flags
-        here) when the family cannot build it."""
+    def _model(self) -> tuple[HFMapping, TransformerConfig]:
+        """config.json's family mapping and our config; a refusal names this directory's
+        config.json (not our settings, which have no flags here)."""
         try:
-            return self.mapping.config_from_hf(self.hf_config)
+            mapping = mapping_for(self.hf_config)
+            return mapping, mapping.config_from_hf(self.hf_config)
         except SettingError as e:
             if e.code is Code.HF_CONFIG:
                 raise self._refuse(str(e), Code.HF_CONFIG) from None
