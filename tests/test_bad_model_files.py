@@ -124,6 +124,12 @@ HF_CASES = {  # case: (base directory, damage, what the one line names)
     "layers-zero": ("llama", _config(num_hidden_layers=0), '"num_hidden_layers": 0 is not'),
     "layers-billion": ("llama", _config(num_hidden_layers=10**9),
                        "describes 1,000,000,000 layers, its safetensors files hold 21 tensors"),
+    "vocab-beyond-int64": ("llama", _config(vocab_size=2**64),
+                           "makes meshtrain's embedding.word.weight [18446744073709551616, 32],"
+                           " more than its safetensors files hold altogether (34,976 numbers)"),
+    "theta-beyond-float": ("llama", _config(rope_parameters={"rope_type": "default",
+                                                              "rope_theta": 10**400}),
+                           '"rope_theta": 1000000000000000000000000000000000000... is not'),
     "vocab-list": ("llama", _config(vocab_size=[256]), '"vocab_size": [256] is not a'),
     "intermediate-zero": ("llama", _config(intermediate_size=0), '"intermediate_size": 0 is'),
     "kv-heads-zero": ("llama", _config(num_key_value_heads=0), '"num_key_value_heads": 0 is'),

@@ -15,6 +15,7 @@ transposed copy), never a model. Nothing here needs `transformers`.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,7 @@ from meshtrain.checkpointing.safetensors_stream import DTYPES, Planned, write_sa
 from meshtrain.checkpointing.verify import is_plain_name
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.errors import Code, SettingError
-from meshtrain.interop.hf_mapping import HFMapping
+from meshtrain.interop.hf_mapping import HFMapping, refused, shown
 from meshtrain.models import (
     FAMILIES,
     CausalLM,
@@ -77,16 +78,15 @@ def mapping_for(hf_config: dict) -> HFMapping:
     mappings = [family.hf_mapping() for family in FAMILIES.values() if family.hf_module]
     names = hf_config.get("architectures") or []
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-        raise _refused(Code.HF_CONFIG, f'config.json "architectures": {names!r} is not a list of'
-                                       " class names; fix the field")
+        raise refused(f'config.json "architectures": {shown(names)} is not a list of class'
+                      " names; fix the field")
     for mapping in mappings:
         if mapping.architecture in names or \
                 (not names and hf_config.get("model_type") == mapping.model_type):
             return mapping
-    raise _refused(Code.HF_CONFIG,
-                   f'config.json "architectures": {names or hf_config.get("model_type")!r}'
-                   " cannot be imported: meshtrain imports"
-                   f" {', '.join(m.architecture for m in mappings)}")
+    raise refused(f'config.json "architectures": {shown(names or hf_config.get("model_type"))}'
+                  " cannot be imported: meshtrain imports"
+                  f" {', '.join(m.architecture for m in mappings)}")
 
 
 class HFModelDirectory:
@@ -104,9 +104,9 @@ class HFModelDirectory:
         self.mapping, self.cfg = self._model()
         self._open: dict[str, object] = {}
         self.files = self._weight_files()
-        self._check_layers()
+        shapes = self._checked_shapes()
         self.maps = self.mapping.tensor_maps(self.cfg)
-        self._planned = self._plan()
+        self._planned = self._plan(shapes)
 
     def _refuse(self, message: str, code: Code = Code.HF_WEIGHTS) -> SettingError:
         return _refused(code, f"{self.path}: {message}")
@@ -159,13 +159,25 @@ class HFModelDirectory:
                                    " truncated; download or save it again") from None
         return self._open[name]
 
-    def _check_layers(self) -> None:
-        """No more layers than the files hold tensors, before the config's layer count sizes
-        anything (an absurd one would otherwise build maps of a billion layers)."""
+    def _checked_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Our tensors' shapes by config.json, once it is clear they can be sized: no more
+        layers than the files hold tensors, no tensor larger than the files altogether (an
+        absurd count or width would otherwise build maps of a billion layers or overflow
+        torch's sizes before any header is compared)."""
         if self.cfg.num_layers > len(self.files):
             raise self._refuse(f"config.json describes {self.cfg.num_layers:,} layers, its"
                                f" safetensors files hold {len(self.files)} tensors: config.json"
                                " is not these weights' config; use the model's own config.json")
+        shapes = self.cfg.parameter_shapes()
+        held = sum(math.prod(self._file(file).get_slice(key).get_shape())
+                   for key, file in self.files.items())
+        name, shape = max(shapes.items(), key=lambda item: math.prod(item[1]))
+        if math.prod(shape) > held:
+            raise self._refuse(f"config.json makes meshtrain's {name} {list(shape)}, more than"
+                               f" its safetensors files hold altogether ({held:,} numbers):"
+                               " config.json is not these weights' config; use the model's own"
+                               " config.json")
+        return shapes
 
     def _find(self, name: str):
         """(open file, key) of a tensor, named with or without the base model's prefix."""
@@ -181,12 +193,11 @@ class HFModelDirectory:
                                " it; fix the index")
         return f, key
 
-    def _plan(self) -> list[Planned]:
+    def _plan(self, shapes: dict[str, tuple[int, ...]]) -> list[Planned]:
         """(our name, dtype, shape) of every tensor from the files' headers alone, each of their
         tensors checked for a float dtype and the shape the config gives it. Refuses files
         with weights no map reads (they would be dropped)."""
         planned, used = [], set()
-        shapes = self.cfg.parameter_shapes()
         for tensor_map in self.maps:
             metas = []
             expected = tensor_map.their_shapes(shapes[tensor_map.ours])

@@ -17,7 +17,6 @@ takes its token ids from the run's tokenizer: see `hf_io.export_hf`).
 
 from __future__ import annotations
 
-from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_mapping import (
     HFMapping,
     TensorMap,
@@ -26,6 +25,8 @@ from meshtrain.interop.hf_mapping import (
     hf_flag,
     hf_number,
     hf_size,
+    refused,
+    shown,
 )
 from meshtrain.models.llama import LlamaConfig
 
@@ -50,14 +51,13 @@ def _rope(hf: dict) -> dict:
     field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     params = hf.get(field) or {}
     if not isinstance(params, dict):
-        raise SettingError(Code.HF_CONFIG, f'config.json "{field}": {params!r} is not an object'
-                                           " of rotary settings; fix the field", settings=())
+        raise refused(f'config.json "{field}": {shown(params)} is not an object of rotary'
+                      " settings; fix the field")
     params = dict(params)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "llama3"):
-        raise SettingError(Code.HF_CONFIG, f'config.json "{field}": rope type {kind!r} cannot be'
-                                           " imported: meshtrain implements default and llama3"
-                                           " rotary positions", settings=())
+        raise refused(f'config.json "{field}": rope type {shown(kind)} cannot be imported:'
+                      " meshtrain implements default and llama3 rotary positions")
     expect(params, "partial_rotary_factor", (1, 1.0), 1.0,
            "meshtrain rotates the whole head dimension")
     theta = hf_number(params, "rope_theta") if params.get("rope_theta") is not None else \

@@ -81,8 +81,15 @@ class HFMapping(ABC):
         return name.endswith(self.buffers) or (cfg.tie_embeddings and name == "lm_head.weight")
 
 
-def _refuse(message: str) -> SettingError:
+def refused(message: str) -> SettingError:
+    """A config.json field meshtrain cannot import (its message names it in double quotes)."""
     return SettingError(Code.HF_CONFIG, message, settings=())
+
+
+def shown(value) -> str:
+    """A field's value as a message quotes it: its repr, cut short (a file may hold anything)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def hf_field(hf: dict, name: str, default=_REQUIRED):
@@ -91,7 +98,7 @@ def hf_field(hf: dict, name: str, default=_REQUIRED):
     if value is not None:
         return value
     if default is _REQUIRED:
-        raise _refuse(f'config.json has no "{name}": it is not a complete Hugging Face model'
+        raise refused(f'config.json has no "{name}": it is not a complete Hugging Face model'
                       " config; add the field")
     return default
 
@@ -101,7 +108,7 @@ def hf_size(hf: dict, name: str, default=_REQUIRED) -> int | None:
     absent). A string, a fraction or 0 would otherwise reach the model's arithmetic."""
     value = hf_field(hf, name, default)
     if value is not default and (type(value) is not int or value < 1):
-        raise _refuse(f'config.json "{name}": {value!r} is not a positive integer; fix the'
+        raise refused(f'config.json "{name}": {shown(value)} is not a positive integer; fix the'
                       " field")
     return value
 
@@ -110,19 +117,22 @@ def hf_number(hf: dict, name: str, default=_REQUIRED, *, positive: bool = True) 
     """A real-valued field (an epsilon, a rotary base): a finite number, > 0 (`positive`) or
     >= 0."""
     value = hf_field(hf, name, default)
-    if type(value) not in (int, float) or not (0 < value if positive else 0 <= value) or \
-            not math.isfinite(value):
+    try:
+        number = float(value) if type(value) in (int, float) else math.nan
+    except OverflowError:  # an integer beyond any float
+        number = math.inf
+    if not math.isfinite(number) or not (0 < number if positive else 0 <= number):
         bound = "> 0" if positive else ">= 0"
-        raise _refuse(f'config.json "{name}": {value!r} is not a finite number {bound}; fix'
-                      " the field")
-    return float(value)
+        raise refused(f'config.json "{name}": {shown(value)} is not a finite number {bound};'
+                      " fix the field")
+    return number
 
 
 def hf_flag(hf: dict, name: str, default: bool) -> bool:
     """A true/false field (a string such as "false" would read as true)."""
     value = hf_field(hf, name, default)
     if type(value) is not bool:
-        raise _refuse(f'config.json "{name}": {value!r} is not true or false; fix the field')
+        raise refused(f'config.json "{name}": {shown(value)} is not true or false; fix the field')
     return value
 
 
@@ -130,7 +140,7 @@ def check_divides(part: tuple[str, int], whole: tuple[str, int], why: str) -> No
     """Refuse config.json's count `part` (name, value) when it does not divide `whole`."""
     (part_name, p), (whole_name, w) = part, whole
     if w % p:
-        raise _refuse(f'config.json "{part_name}" {p} does not divide "{whole_name}" {w} ({why});'
+        raise refused(f'config.json "{part_name}" {p} does not divide "{whole_name}" {w} ({why});'
                       " fix the fields")
 
 
@@ -138,4 +148,4 @@ def expect(hf: dict, name: str, allowed: tuple, default, why: str) -> None:
     """Refuse a field whose value meshtrain's family cannot compute (naming it and why)."""
     value = hf_field(hf, name, default)
     if value not in allowed:
-        raise _refuse(f'config.json "{name}": {value!r} cannot be imported: {why}')
+        raise refused(f'config.json "{name}": {shown(value)} cannot be imported: {why}')
