@@ -74,6 +74,9 @@ class Code(Enum):
     MOE_TOP_K = "MoE top-k exceeds the experts"
     # the data
     DATA_BLEND = "data_path is not a blend of compatible files"
+    # model files from elsewhere
+    HF_CONFIG = "config.json describes no model meshtrain can import"
+    HF_WEIGHTS = "safetensors weights missing, damaged or not config.json's model"
 
 
 class SettingError(ValueError):

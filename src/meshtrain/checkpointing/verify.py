@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import re
+import tomllib
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -98,6 +99,8 @@ def _read_json(path: Path, name: str) -> object:
         raise _damaged(path, name, f"unreadable ({e})") from None
     except json.JSONDecodeError as e:
         raise _damaged(path, name, f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise _damaged(path, name, "not valid JSON (nested too deeply)") from None
 
 
 def _digests(path: Path, value: object, listing: str) -> dict[str, str]:
@@ -149,7 +152,8 @@ def read_manifest(path: str | Path, cfg: TransformerConfig | None = None, *,
             if name not in METADATA:
                 _check_file(path, name, digest, RECORD if record else "manifest.json")
         _check_headers(path, manifest)
-    _check_train_state(path)
+    _check_train_state(path, manifest["step"])
+    _check_config_toml(path)
     manifest.setdefault("family", "gpt")  # checkpoints written before families were recorded
     _model_config(path, manifest)
     if cfg is not None:
@@ -180,13 +184,57 @@ def _model_config(path: Path, manifest: dict) -> TransformerConfig:
     if held != cfg.num_parameters():
         raise _damaged(path, "manifest.json", f"its model settings make {cfg.num_parameters()}"
                                               f" parameters, its model tensors hold {held}")
+    _check_shapes(path, manifest["tensors"], cfg.parameter_shapes())
     return cfg
 
 
-def _check_train_state(path: Path) -> None:
+def _check_shapes(path: Path, tensors: dict, expected: dict[str, tuple[int, ...]]) -> None:
+    """Each model tensor, and each optimizer state or earlier weight version of one, has the
+    shape the model settings give it (equal counts can still hide, say, a vocabulary one row
+    longer and a position table one row shorter)."""
+    held = {name.removeprefix("model/") for name in tensors if name.startswith("model/")}
+    if held != set(expected):
+        name = sorted(held ^ set(expected))[0]
+        where = "its model tensors hold" if name in held else "no model tensor holds"
+        raise _damaged(path, "manifest.json", f"{where} {name}, which its model settings"
+                                              f" {'do not make' if name in held else 'make'}")
+    for name, entry in tensors.items():
+        param = name.removeprefix("previous/") if name.startswith("previous/") else \
+            name.split("/", 2)[-1]
+        if name != "optim/step" and tuple(entry["shape"]) != expected.get(param, ()):
+            raise _damaged(path, "manifest.json", f"{name} has shape {entry['shape']}, but its"
+                                                  f" model settings make {param}"
+                                                  f" {list(expected.get(param, ()))}")
+
+
+def _check_train_state(path: Path, step: int) -> None:
+    """train_state.json: the manifest's step, and a loss scale a resumed run can take."""
     state = _read_json(path, "train_state.json")
     if not isinstance(state, dict) or not _is_int(state.get("step")):
         raise _damaged(path, "train_state.json", "has no integer step")
+    if state["step"] != step:
+        raise _damaged(path, "train_state.json", f"is at step {state['step']}, manifest.json at"
+                                                 f" {step}")
+    scaler = state.get("loss_scaler", {"scale": 1.0, "clean_steps": 0})
+    if not isinstance(scaler, dict) or type(scaler.get("scale")) not in (int, float) or \
+            not 0 < scaler["scale"] < math.inf or not _is_int(scaler.get("clean_steps")) or \
+            scaler["clean_steps"] < 0:
+        raise _damaged(path, "train_state.json", f"its loss_scaler {str(scaler)[:80]} is not a"
+                                                 " finite positive scale and a count of clean"
+                                                 " steps")
+
+
+def _check_config_toml(path: Path) -> None:
+    """config.toml, where there is one (written since the first format), is TOML: a resumed
+    run compares its settings with it."""
+    if not _present(path, "config.toml"):
+        return
+    try:
+        tomllib.loads((path / "config.toml").read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise _damaged(path, "config.toml", f"unreadable ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise _damaged(path, "config.toml", f"not valid TOML ({e})") from None
 
 
 def _is_int(value: object) -> bool:
@@ -200,6 +248,11 @@ def _check_tensors(path: Path, manifest: dict) -> None:
             not isinstance(manifest.get("layout"), dict) or \
             not isinstance(manifest.get("model"), dict):
         raise _damaged(path, "manifest.json", "lacks its step, layout, model or tensors")
+    if manifest["step"] < 0:
+        raise _damaged(path, "manifest.json", f"its step {manifest['step']} is negative")
+    if not all(_is_int(n) and n >= 1 for n in manifest["layout"].values()):
+        raise _damaged(path, "manifest.json", f"its layout {str(manifest['layout'])[:80]} is not"
+                                              " degrees (positive integers)")
     used: dict[tuple[str, str], str] = {}
     for name, entry in tensors.items():
         shape = entry.get("shape") if isinstance(entry, dict) else None

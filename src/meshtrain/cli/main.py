@@ -37,7 +37,8 @@ from meshtrain.parallel.runtime.process_groups import check_local_devices
 
 
 def _error(e: Exception) -> int:
-    print(f"meshtrain: error: {as_flags(str(e))}", file=sys.stderr)
+    """A refused input: one line (a message quoting a damaged file may hold line breaks)."""
+    print(f"meshtrain: error: {' '.join(as_flags(str(e)).split())}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 

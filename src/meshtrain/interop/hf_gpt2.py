@@ -13,7 +13,14 @@ cross-attention, an untied output layer. Dropout probabilities are not carried o
 
 from __future__ import annotations
 
-from meshtrain.interop.hf_mapping import HFMapping, TensorMap, expect, hf_field
+from meshtrain.interop.hf_mapping import (
+    HFMapping,
+    TensorMap,
+    check_divides,
+    expect,
+    hf_number,
+    hf_size,
+)
 from meshtrain.models.gpt import GPTConfig
 
 _LAYER = (  # ours, theirs, transposed (Conv1D)
@@ -45,13 +52,15 @@ class GPT2Mapping(HFMapping):
         expect(hf, "add_cross_attention", (False,), False, "meshtrain's GPT is decoder-only")
         expect(hf, "tie_word_embeddings", (True,), True,
                "meshtrain's GPT ties its output layer to the token embedding")
+        hidden, heads = hf_size(hf, "n_embd"), hf_size(hf, "n_head")
+        check_divides(("n_head", heads), ("n_embd", hidden), "each head has n_embd / n_head"
+                                                             " dimensions")
         return GPTConfig(
-            num_layers=hf_field(hf, "n_layer"), hidden_size=hf_field(hf, "n_embd"),
-            num_heads=hf_field(hf, "n_head"), vocab_size=hf_field(hf, "vocab_size"),
-            max_seq_len=hf_field(hf, "n_positions", 1024),
-            ffn_hidden_size=hf_field(hf, "n_inner", None),  # None: 4h, as there
-            layernorm_eps=hf_field(hf, "layer_norm_epsilon", 1e-5),
-            init_std=hf_field(hf, "initializer_range", 0.02))
+            num_layers=hf_size(hf, "n_layer"), hidden_size=hidden, num_heads=heads,
+            vocab_size=hf_size(hf, "vocab_size"), max_seq_len=hf_size(hf, "n_positions", 1024),
+            ffn_hidden_size=hf_size(hf, "n_inner", None),  # None: 4h, as there
+            layernorm_eps=hf_number(hf, "layer_norm_epsilon", 1e-5),
+            init_std=hf_number(hf, "initializer_range", 0.02, positive=False))
 
     def config_to_hf(self, cfg: GPTConfig) -> dict:
         if cfg.moe_experts:

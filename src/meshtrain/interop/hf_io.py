@@ -15,12 +15,13 @@ transposed copy), never a model. Nothing here needs `transformers`.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest
 from meshtrain.checkpointing.model_files import (
@@ -30,58 +31,153 @@ from meshtrain.checkpointing.model_files import (
     write_model_checkpoint,
 )
 from meshtrain.checkpointing.safetensors_stream import DTYPES, Planned, write_safetensors
+from meshtrain.checkpointing.verify import is_plain_name
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
-from meshtrain.interop.hf_mapping import HFMapping
-from meshtrain.models import FAMILIES, CausalLM, config_from_dict, family_of, get_family
+from meshtrain.errors import Code, SettingError
+from meshtrain.interop.hf_mapping import HFMapping, refused, shown
+from meshtrain.models import (
+    FAMILIES,
+    CausalLM,
+    TransformerConfig,
+    config_from_dict,
+    family_of,
+    get_family,
+)
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+_FLOATS = ("F32", "BF16", "F16", "F64")
 
 
 def is_hf_directory(path: str | Path) -> bool:
     return (Path(path) / CONFIG).is_file()
 
 
+def _refused(code: Code, message: str) -> SettingError:
+    return SettingError(code, message, settings=())
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`, refused in one line when the file is anything else."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problem = f"is not JSON ({e})"
+    except RecursionError:
+        problem = "is not JSON (nested too deeply)"
+    else:
+        if isinstance(value, dict):
+            return value
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+        problem = f"holds {kind.get(type(value), 'a number')}, not a JSON object"
+    raise _refused(Code.HF_CONFIG if path.name == CONFIG else Code.HF_WEIGHTS,
+                   f"{path} {problem}; fix or replace the file")
+
+
 def mapping_for(hf_config: dict) -> HFMapping:
     """The family mapping of a config.json's architecture (or, without one, its model type)."""
     mappings = [family.hf_mapping() for family in FAMILIES.values() if family.hf_module]
     names = hf_config.get("architectures") or []
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise refused(f'config.json "architectures": {shown(names)} is not a list of class'
+                      " names; fix the field")
     for mapping in mappings:
         if mapping.architecture in names or \
                 (not names and hf_config.get("model_type") == mapping.model_type):
             return mapping
-    raise ValueError(f'config.json "architectures": {names or hf_config.get("model_type")!r}'
-                     " cannot be imported: meshtrain imports"
-                     f" {', '.join(m.architecture for m in mappings)}")
+    raise refused(f'config.json "architectures": {shown(names or hf_config.get("model_type"))}'
+                  " cannot be imported: meshtrain imports"
+                  f" {', '.join(m.architecture for m in mappings)}")
 
 
 class HFModelDirectory:
     """A Hugging Face model directory: its config as ours (refused when meshtrain cannot
-    represent it) and its weights under our names, read one tensor at a time."""
+    represent it) and its weights under our names, read one tensor at a time. Everything is
+    checked when it is opened, from config.json and the files' headers alone: nothing is
+    built or read before the config, the index and every tensor's dtype and shape agree."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not is_hf_directory(self.path):
             raise ValueError(f"{path}: no {CONFIG} there; pass a Hugging Face model directory"
                              " (config.json and safetensors weights)")
-        try:
-            self.hf_config = json.loads((self.path / CONFIG).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{self.path / CONFIG} is not JSON ({e}); fix the file") from None
-        self.mapping = mapping_for(self.hf_config)
-        self.cfg = self.mapping.config_from_hf(self.hf_config)
-        self.maps = self.mapping.tensor_maps(self.cfg)
-        self.files = self._weight_files()
+        self.hf_config = _read_json(self.path / CONFIG)
+        self.mapping, self.cfg = self._model()
         self._open: dict[str, object] = {}
+        self.files = self._weight_files()
+        shapes = self._checked_shapes()
+        self.maps = self.mapping.tensor_maps(self.cfg)
+        self._planned = self._plan(shapes)
+
+    def _refuse(self, message: str, code: Code = Code.HF_WEIGHTS) -> SettingError:
+        return _refused(code, f"{self.path}: {message}")
+
+    def _model(self) -> tuple[HFMapping, TransformerConfig]:
+        """config.json's family mapping and our config; a refusal names this directory's
+        config.json (not our settings, which have no flags here)."""
+        try:
+            mapping = mapping_for(self.hf_config)
+            return mapping, mapping.config_from_hf(self.hf_config)
+        except SettingError as e:
+            if e.code is Code.HF_CONFIG:
+                raise self._refuse(str(e), Code.HF_CONFIG) from None
+            raise self._refuse(f"config.json describes a model meshtrain cannot build"
+                               f" ({str(e).replace('`', '')}); fix config.json",
+                               Code.HF_CONFIG) from None
 
     def _weight_files(self) -> dict[str, str]:
-        """Each tensor's file."""
+        """Each tensor's file: the index's weight map (plain file names inside the directory,
+        every one present), or the one file's keys."""
         if (self.path / INDEX).is_file():
-            return json.loads((self.path / INDEX).read_text())["weight_map"]
+            weight_map = _read_json(self.path / INDEX).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise self._refuse(f'{INDEX} has no "weight_map" of tensor names to files; fix'
+                                   " or replace the file")
+            for name, file in weight_map.items():
+                if not is_plain_name(file):
+                    raise self._refuse(f'{INDEX} "weight_map" names {str(file)[:80]!r} for'
+                                       f" {name}, not a file inside the model directory; fix"
+                                       " the index")
+            missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+            if missing:
+                raise self._refuse(f"{INDEX} lists {missing[0]}, which is not there"
+                                   f" ({len(missing)} file(s) missing): the download is"
+                                   " incomplete; fetch the missing shards")
+            return weight_map
         if (self.path / WEIGHTS).is_file():
-            with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
-                return dict.fromkeys(f.keys(), WEIGHTS)
+            return dict.fromkeys(self._file(WEIGHTS).keys(), WEIGHTS)
         raise ValueError(f"{self.path}: no {WEIGHTS} or {INDEX}; save the model with"
                          " safetensors (meshtrain reads no pickled pytorch_model.bin)")
+
+    def _file(self, name: str):
+        """The open safetensors file `name`, refused in one line when its header is damaged."""
+        if name not in self._open:
+            try:
+                self._open[name] = safe_open(str(self.path / name), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise self._refuse(f"{name} is not a readable safetensors file"
+                                   f" ({' '.join(str(e).split())}): it is damaged or"
+                                   " truncated; download or save it again") from None
+        return self._open[name]
+
+    def _checked_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Our tensors' shapes by config.json, once it is clear they can be sized: no more
+        layers than the files hold tensors, no tensor larger than the files altogether (an
+        absurd count or width would otherwise build maps of a billion layers or overflow
+        torch's sizes before any header is compared)."""
+        if self.cfg.num_layers > len(self.files):
+            raise self._refuse(f"config.json describes {self.cfg.num_layers:,} layers, its"
+                               f" safetensors files hold {len(self.files)} tensors: config.json"
+                               " is not these weights' config; use the model's own config.json")
+        shapes = self.cfg.parameter_shapes()
+        held = sum(math.prod(self._file(file).get_slice(key).get_shape())
+                   for key, file in self.files.items())
+        name, shape = max(shapes.items(), key=lambda item: math.prod(item[1]))
+        if math.prod(shape) > held:
+            raise self._refuse(f"config.json makes meshtrain's {name} {list(shape)}, more than"
+                               f" its safetensors files hold altogether ({held:,} numbers):"
+                               " config.json is not these weights' config; use the model's own"
+                               " config.json")
+        return shapes
 
     def _find(self, name: str):
         """(open file, key) of a tensor, named with or without the base model's prefix."""
@@ -89,34 +185,58 @@ class HFModelDirectory:
         if key not in self.files:
             key = name.removeprefix(self.mapping.base_prefix)
             if key not in self.files:
-                raise ValueError(f"{self.path}: its safetensors files have no {name}: they do not"
-                                 f" hold the {self.mapping.architecture} its config describes")
-        file = self.files[key]
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.path / file), framework="pt")
-        return self._open[file], key
+                raise self._refuse(f"its safetensors files have no {name}: they do not hold the"
+                                   f" {self.mapping.architecture} its config describes")
+        f = self._file(self.files[key])
+        if key not in f.keys():
+            raise self._refuse(f"{INDEX} places {key} in {self.files[key]}, which does not hold"
+                               " it; fix the index")
+        return f, key
 
-    def planned(self) -> list[Planned]:
-        """(our name, dtype, shape) of every tensor from the files' headers alone. Refuses files
+    def _plan(self, shapes: dict[str, tuple[int, ...]]) -> list[Planned]:
+        """(our name, dtype, shape) of every tensor from the files' headers alone, each of their
+        tensors checked for a float dtype and the shape the config gives it. Refuses files
         with weights no map reads (they would be dropped)."""
         planned, used = [], set()
         for tensor_map in self.maps:
             metas = []
+            expected = tensor_map.their_shapes(shapes[tensor_map.ours])
             for name in tensor_map.theirs:
                 f, key = self._find(name)
                 used.add(key)
-                part = f.get_slice(key)
-                metas.append(torch.empty(part.get_shape(), dtype=DTYPES[part.get_dtype()],
-                                         device="meta"))
+                metas.append(self._meta(f, key, expected[name]))
+            if len({meta.dtype for meta in metas}) > 1:
+                raise self._refuse(f"{', '.join(tensor_map.theirs)} have different dtypes; joined"
+                                   " into one of meshtrain's tensors they would be cast: save"
+                                   " them in one dtype")
             ours = tensor_map.to_ours(metas)
             planned.append((tensor_map.ours, ours.dtype, tuple(ours.shape)))
         unused = sorted(key for key in self.files
                         if key not in used and not self.mapping.is_ignored(key, self.cfg))
         if unused:
-            raise ValueError(f"{self.path}: {len(unused)} tensors such as {unused[0]} have no"
-                             f" place in meshtrain's {self.mapping.family}: the checkpoint is not"
-                             f" the {self.mapping.architecture} its config describes")
+            raise self._refuse(f"{len(unused)} tensors such as {unused[0]} have no place in"
+                               f" meshtrain's {self.mapping.family}: the checkpoint is not the"
+                               f" {self.mapping.architecture} its config describes")
         return planned
+
+    def _meta(self, f, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A meta tensor of `key`'s header, refused unless a float of `shape` (an integer or
+        boolean weight would be cast, not imported)."""
+        part = f.get_slice(key)
+        dtype = DTYPES.get(part.get_dtype())
+        if dtype is None or not dtype.is_floating_point:
+            raise self._refuse(f"{key} ({self.files[key]}) is {part.get_dtype()}, not a float"
+                               f" dtype meshtrain imports ({', '.join(_FLOATS)}); save the"
+                               " weights as floats")
+        if tuple(part.get_shape()) != shape:
+            raise self._refuse(f"{key} ({self.files[key]}) has shape {list(part.get_shape())},"
+                               f" config.json's {self.mapping.architecture} needs {list(shape)}:"
+                               " the weights are not the model config.json describes")
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def planned(self) -> list[Planned]:
+        """(our name, dtype, shape) of every tensor, as checked when the directory opened."""
+        return self._planned
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(our name, tensor) of every tensor, read and converted one at a time."""

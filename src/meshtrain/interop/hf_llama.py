@@ -17,7 +17,17 @@ takes its token ids from the run's tokenizer: see `hf_io.export_hf`).
 
 from __future__ import annotations
 
-from meshtrain.interop.hf_mapping import HFMapping, TensorMap, expect, hf_field
+from meshtrain.interop.hf_mapping import (
+    HFMapping,
+    TensorMap,
+    check_divides,
+    expect,
+    hf_flag,
+    hf_number,
+    hf_size,
+    refused,
+    shown,
+)
 from meshtrain.models.llama import LlamaConfig
 
 _LAYER = (  # ours, theirs (joined along the rows)
@@ -39,20 +49,27 @@ def _rope(hf: dict) -> dict:
     """Our rotary fields from either form of config.json (transformers 5's "rope_parameters"
     wins, as there; the original context defaults to "max_position_embeddings", as there)."""
     field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    params = dict(hf.get(field) or {})
+    params = hf.get(field) or {}
+    if not isinstance(params, dict):
+        raise refused(f'config.json "{field}": {shown(params)} is not an object of rotary'
+                      " settings; fix the field")
+    params = dict(params)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "llama3"):
-        raise ValueError(f'config.json "{field}": rope type {kind!r} cannot be imported:'
-                         " meshtrain implements default and llama3 rotary positions")
+        raise refused(f'config.json "{field}": rope type {shown(kind)} cannot be imported:'
+                      " meshtrain implements default and llama3 rotary positions")
     expect(params, "partial_rotary_factor", (1, 1.0), 1.0,
            "meshtrain rotates the whole head dimension")
-    theta = params.get("rope_theta") or hf_field(hf, "rope_theta", _DEFAULT_THETA)
+    theta = hf_number(params, "rope_theta") if params.get("rope_theta") is not None else \
+        hf_number(hf, "rope_theta", _DEFAULT_THETA)
     if kind == "default":
-        return {"rope_theta": float(theta)}
+        return {"rope_theta": theta}
     params.setdefault("original_max_position_embeddings",
-                      hf_field(hf, "max_position_embeddings", 2048))
-    return {"rope_theta": float(theta), "rope_scaling": "llama3",
-            **{ours: hf_field(params, theirs) for ours, theirs in _LLAMA3.items()}}
+                      hf_size(hf, "max_position_embeddings", 2048))
+    return {"rope_theta": theta, "rope_scaling": "llama3",
+            **{ours: hf_number(params, theirs) for ours, theirs in _LLAMA3.items()
+               if ours != "rope_original_max_positions"},
+            "rope_original_max_positions": hf_size(params, "original_max_position_embeddings")}
 
 
 class LlamaMapping(HFMapping):
@@ -72,27 +89,31 @@ class LlamaMapping(HFMapping):
     def config_from_hf(self, hf: dict) -> LlamaConfig:
         expect(hf, "hidden_act", ("silu",), "silu", f"meshtrain's {self.family} uses SwiGLU"
                                                     " (silu)")
-        hidden, heads = hf_field(hf, "hidden_size"), hf_field(hf, "num_attention_heads")
-        expect(hf, "head_dim", (hidden // heads,), hidden // heads,
+        cfg = self.config_class(**self.config_fields(hf))
+        expect(hf, "head_dim", (cfg.head_dim,), cfg.head_dim,
                f"meshtrain's {self.family} has heads of hidden_size / num_attention_heads ="
-               f" {hidden // heads}")
-        return self.config_class(**self.config_fields(hf))
+               f" {cfg.head_dim}")
+        return cfg
 
     def config_fields(self, hf: dict) -> dict:
         """Our config's fields from config.json's (refusing what the family cannot
         compute)."""
         for bias in ("attention_bias", "mlp_bias"):
             expect(hf, bias, (False,), False, "meshtrain's Llama has no biases")
-        heads = hf_field(hf, "num_attention_heads")
+        hidden, heads = hf_size(hf, "hidden_size"), hf_size(hf, "num_attention_heads")
+        kv_heads = hf_size(hf, "num_key_value_heads", heads)
+        check_divides(("num_attention_heads", heads), ("hidden_size", hidden),
+                      "each head has hidden_size / num_attention_heads dimensions")
+        check_divides(("num_key_value_heads", kv_heads), ("num_attention_heads", heads),
+                      "each key/value head serves a group of query heads")
         return dict(
-            num_layers=hf_field(hf, "num_hidden_layers"), hidden_size=hf_field(hf, "hidden_size"),
-            num_heads=heads, num_kv_heads=hf_field(hf, "num_key_value_heads", heads),
-            vocab_size=hf_field(hf, "vocab_size"),
-            max_seq_len=hf_field(hf, "max_position_embeddings", 2048),
-            ffn_hidden_size=hf_field(hf, "intermediate_size"),
-            rms_norm_eps=hf_field(hf, "rms_norm_eps", 1e-6),
-            tie_word_embeddings=hf_field(hf, "tie_word_embeddings", False),
-            init_std=hf_field(hf, "initializer_range", 0.02), **_rope(hf))
+            num_layers=hf_size(hf, "num_hidden_layers"), hidden_size=hidden, num_heads=heads,
+            num_kv_heads=kv_heads, vocab_size=hf_size(hf, "vocab_size"),
+            max_seq_len=hf_size(hf, "max_position_embeddings", 2048),
+            ffn_hidden_size=hf_size(hf, "intermediate_size"),
+            rms_norm_eps=hf_number(hf, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf_flag(hf, "tie_word_embeddings", False),
+            init_std=hf_number(hf, "initializer_range", 0.02, positive=False), **_rope(hf))
 
     def config_to_hf(self, cfg: LlamaConfig) -> dict:
         if cfg.moe_experts:

@@ -7,6 +7,7 @@ export leaves Llama's out.
 from __future__ import annotations
 
 from meshtrain.interop.hf_llama import LlamaMapping
+from meshtrain.interop.hf_mapping import hf_size
 from meshtrain.models.mistral import MistralConfig
 
 
@@ -17,7 +18,8 @@ class MistralMapping(LlamaMapping):
     config_class = MistralConfig
 
     def config_fields(self, hf: dict) -> dict:
-        return super().config_fields(hf) | {"sliding_window": hf.get("sliding_window")}
+        return super().config_fields(hf) | {"sliding_window": hf_size(hf, "sliding_window",
+                                                                      None)}
 
     def config_to_hf(self, cfg: MistralConfig) -> dict:
         hf = super().config_to_hf(cfg)

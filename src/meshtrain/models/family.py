@@ -97,6 +97,11 @@ class TransformerConfig(ABC):
             if getattr(self, name) < 1:
                 raise SettingError(Code.RANGE, (
                     f"`{name}` must be positive, got {getattr(self, name)}"))
+        for name in ("ffn_hidden_size", "num_kv_heads"):  # (0 would read as unset)
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise SettingError(Code.RANGE, (
+                    f"`{name}` must be positive (or unset for the family's default), got"
+                    f" {getattr(self, name)}"))
         if self.hidden_size % self.num_heads:
             raise SettingError(Code.MODEL_SHAPE, (
                 f"hidden size {self.hidden_size} must be divisible by the number of"
@@ -160,7 +165,7 @@ class TransformerConfig(ABC):
                 f"the MLP width ({self.ffn_size}) must be divisible by tp ({tp})"))
 
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        return self.num_layers // self.moe_every if self.moe_experts else 0  # (is_moe_layer's)
 
     @abstractmethod
     def attention_parameters(self, *, weights_only: bool = False) -> int:
@@ -180,6 +185,47 @@ class TransformerConfig(ABC):
                          element_size: int = 2, mask_size: int = 1,
                          dropout: bool = True) -> float:
         """Bytes one transformer layer saves for backward (checked against measurement)."""
+
+    @abstractmethod
+    def norm_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One norm's parameters (name within the norm: shape)."""
+
+    @abstractmethod
+    def attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One attention's parameters (name within `attn`: logical shape)."""
+
+    @abstractmethod
+    def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One dense MLP's parameters (name within `mlp`, or within one expert: shape)."""
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's logical (unsharded) shape by its name in the family's `CausalLM`:
+        what a checkpoint of this config holds, so that metadata and tensors are checked
+        against each other without building a model."""
+        h = self.hidden_size
+        shapes = {"embedding.word.weight": (self.vocab_size, h)} | {
+            f"embedding.{name}": shape for name, shape in self.embedding_shapes().items()}
+        for i in range(self.num_layers):
+            shapes |= self._layer_shapes(f"layers.{i}.", i)
+        shapes |= {f"final_norm.{name}": shape for name, shape in self.norm_shapes().items()}
+        if not self.tie_embeddings:
+            shapes["head.weight"] = (self.vocab_size, h)
+        return shapes
+
+    def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Embedding parameters besides the word table (GPT's positions)."""
+        return {}
+
+    def _layer_shapes(self, prefix: str, layer: int) -> dict[str, tuple[int, ...]]:
+        norm, mlp = self.norm_shapes(), self.mlp_shapes()
+        shapes = {f"{prefix}{ln}.{name}": shape for ln in ("ln1", "ln2")
+                  for name, shape in norm.items()}
+        shapes |= {f"{prefix}attn.{name}": s for name, s in self.attention_shapes().items()}
+        if not self.is_moe_layer(layer):
+            return shapes | {f"{prefix}mlp.{name}": shape for name, shape in mlp.items()}
+        shapes[f"{prefix}mlp.router.weight"] = (self.moe_experts, self.hidden_size)
+        return shapes | {f"{prefix}mlp.experts.{e}.{name}": shape
+                         for e in range(self.moe_experts) for name, shape in mlp.items()}
 
     def num_parameters(self) -> int:
         """Every parameter, each tied one once (an MoE layer adds a router [E, h] and E - 1

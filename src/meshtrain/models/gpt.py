@@ -68,6 +68,21 @@ class GPTConfig(TransformerConfig):
         h = self.hidden_size
         return (self.vocab_size + self.max_seq_len) * h + self.num_layers * 4 * h + 2 * h
 
+    def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"position.weight": (self.max_seq_len, self.hidden_size)}
+
+    def norm_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.hidden_size,), "bias": (self.hidden_size,)}
+
+    def attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        h = self.hidden_size
+        return {"qkv.weight": (3 * h, h), "qkv.bias": (3 * h,), "proj.weight": (h, h),
+                "proj.bias": (h,)}
+
+    def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, f = self.hidden_size, self.ffn_size
+        return {"fc.weight": (f, h), "fc.bias": (f,), "proj.weight": (h, f), "proj.bias": (h,)}
+
     def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
                          element_size: int = 2, mask_size: int = 1,

@@ -106,6 +106,22 @@ class LlamaConfig(TransformerConfig):
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + head + self.num_layers * 2 * h + h
 
+    def norm_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.hidden_size,)}
+
+    def attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        """q of every head, k | v of the key/value heads (one tensor), their biases where
+        `qkv_bias`, and the output projection."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {"qkv.q.weight": (q, h), "qkv.kv.weight": (2 * kv, h)}
+        if self.qkv_bias:
+            shapes |= {"qkv.q.bias": (q,), "qkv.kv.bias": (2 * kv,)}
+        return shapes | {"proj.weight": (h, q)}
+
+    def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, f = self.hidden_size, self.ffn_size
+        return {"fc.weight": (2 * f, h), "proj.weight": (h, f)}  # fc: gate | up
+
     def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
                          element_size: int = 2, mask_size: int = 1,
