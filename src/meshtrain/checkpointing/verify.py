@@ -250,7 +250,11 @@ def _check_tensors(path: Path, manifest: dict) -> None:
         raise _damaged(path, "manifest.json", "lacks its step, layout, model or tensors")
     if manifest["step"] < 0:
         raise _damaged(path, "manifest.json", f"its step {manifest['step']} is negative")
-    if not all(_is_int(n) and n >= 1 for n in manifest["layout"].values()):
+    layout = manifest["layout"]  # the degrees, and a grid scheme's name and grid (mesh.layout)
+    degrees = [layout.get(axis) for axis in ("pp", "dp", "cp", "tp", "ep") if axis in layout]
+    grid = layout.get("tp_grid", {})
+    if not isinstance(grid, dict) or not all(_is_int(n) and n >= 1
+                                             for n in [*degrees, *grid.values()]):
         raise _damaged(path, "manifest.json", f"its layout {str(manifest['layout'])[:80]} is not"
                                               " degrees (positive integers)")
     used: dict[tuple[str, str], str] = {}
