@@ -120,7 +120,7 @@ def _memory(corpus, out, layout):
 
 @pytest.mark.parametrize("scheme,states_split,activations_split",
                          [("2d", 4, 4), pytest.param("2.5d", 4, 8, marks=pytest.mark.extended),
-                          ("3d", 8, 8)])
+                          pytest.param("3d", 8, 8, marks=pytest.mark.extended)])
 def test_model_states_and_activations_per_rank(corpus, tmp_path, scheme, states_split,
                                                activations_split):
     """Parameters, gradients and Adam states per rank are 1/q^2 (2d, 2.5d: replicated over
