@@ -6,25 +6,18 @@ import dataclasses
 import re
 
 import pytest
+from test_planner_costs import GPT, IDEAL
 
 from meshtrain.cli.main import main
 from meshtrain.errors import Code
-from meshtrain.models import preset
 from meshtrain.parallel.runtime import schedules, zero_bubble
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.costs import chunk_costs, predict
-from meshtrain.planner.hardware import BUILT_IN, Hardware
+from meshtrain.planner.hardware import BUILT_IN
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline, split_backward
 from meshtrain.planner.search import search
 from meshtrain.planner.workload import Workload
 
-IDEAL = Hardware(name="ideal", peak_tflops=100.0, hbm_gib=80, gpus_per_node=8,
-                 intra_node_gbytes_per_s=1e12, inter_node_gbytes_per_s=1e12,
-                 fp32_peak_tflops=50.0, hbm_gbytes_per_s=1e15, matmul_efficiency=1.0,
-                 matmul_half_gflop=0.0, memory_efficiency=1.0, network_efficiency=1.0,
-                 collective_latency_s=0.0)
-"""Matmuls at peak, free memory traffic and communication: time is FLOPs / peak."""
-GPT = dataclasses.replace(preset("gpt2"), num_layers=8, max_seq_len=1024)
 SMALL_VOCAB = dataclasses.replace(GPT, vocab_size=512)
 """The output layer's logits small: the first pipeline rank holds the most."""
 

@@ -8,7 +8,7 @@ equal costs). `zb_v(p, m)`: two chunks per rank in a V (`schedules.v_shape_chunk
 handcrafted order, at 1F1B's peak activation memory with the least bubble a V can have for
 m >= 2p - 1. Simulate ZB-V with `simulate(..., v=2, placement=v_shape_chunk)`.
 
-Only the schedule IR: the executor (`pipeline.py`) does not run I and W yet (issue 28 item 2).
+`pipeline.run_schedule` runs these lists with the split backward (`layers/weight_grads.py`).
 """
 
 from __future__ import annotations
