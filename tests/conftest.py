@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 # Single-process tests share two cores with rank pools: keep torch to one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -8,6 +10,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # to AVX2, before torch loads, so every x86 machine of this kind computes the same bits; the rank
 # processes and CLI runs the tests start inherit it.
 os.environ.update(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="AVX2", ONEDNN_MAX_CPU_ISA="AVX2")
+# Inductor's on-disk cache does not key its CPU kernels by that pin (torch 2.13): kernels cached
+# under it corrupt the heap of a later unpinned run loading them, and the other way round. The
+# compile tests therefore cache in a folder of their own session, removed at its end.
+_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="meshtrain-tests-inductor-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
 sys.path.insert(0, os.path.dirname(__file__))
 # This tree's own sources first, also for the CLI subprocesses the tests start, so a git worktree
 # tests its code even where the environment's editable install points at another checkout.
@@ -23,6 +30,10 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 
 from meshtrain.data.corpus import synthetic_corpus  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from torch import nn
 from meshtrain.contracts import ParameterRoles, StageSpec
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import CausalLM, TransformerConfig, family_of
+from meshtrain.parallel.runtime.compiled import compile_blocks
 from meshtrain.parallel.runtime.executor import (
     ONE_STREAM,
     LocalExecutor,
@@ -57,6 +58,8 @@ def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: Parallel
     roles = model.roles()
     sync = gradient_sync(model, roles, factory, plan, mesh, lr=lr, weight_decay=weight_decay,
                          betas=betas, eps=eps)
+    if plan.compile:
+        compile_blocks(model)
     executor = step_executor(model, factory, sync, plan, mesh, seq_len=seq_len, steps=steps,
                              packing=packing)
     return ParallelModel(model, roles, factory, sync, executor)

@@ -48,6 +48,11 @@ def init_embedding(num: int, dim: int, std: float, gen: torch.Generator) -> nn.E
 def dropout(x: torch.Tensor, p: float, training: bool, rng: RNGTracker, stream: str):
     if p == 0.0 or not training:
         return x
+    return _dropped(x, p, rng, stream)
+
+
+@torch.compiler.disable  # eager under `compile`: the mask comes from meshtrain's stream
+def _dropped(x: torch.Tensor, p: float, rng: RNGTracker, stream: str) -> torch.Tensor:
     with rng.fork(stream):
         return F.dropout(x, p, training=True)
 

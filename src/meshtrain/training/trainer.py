@@ -345,6 +345,7 @@ class _Run:
         self.profiler = StepProfiler(window, out, mesh.rank, mesh.device)
         self.timer, self.rows = StepTimer(), []
         self.nonfinite_run = 0  # consecutive steps with an inf/NaN loss or gradient norm
+        self.first_step_s = 0.0  # `compile`: the step that compiled, reported after the next
 
     def step(self, step: int) -> None:
         trainer, t = self.trainer, self.cfg.train
@@ -361,6 +362,8 @@ class _Run:
         if self.signals is not None:
             self.signals.longest_step = max(self.signals.longest_step, elapsed)
         row |= {"tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_time_s": elapsed}
+        if self.cfg.plan.compile and step <= self.start + 1:
+            self._report_compile(step, elapsed)
         done = step + 1
         if t.eval_every and (done % t.eval_every == 0 or done == self.stop):
             evaluation = {"step": done, "eval_loss": trainer.evaluate()}
@@ -424,6 +427,19 @@ class _Run:
                                 f" {', '.join(files)}; idle per stage, measured vs"
                                 f" simulated: {per_stage}")
         return row
+
+    def _report_compile(self, step: int, elapsed: float) -> None:
+        """Once: the first step's time, which compiled the blocks (`compile`), beside the next
+        step's, which ran the compiled code (the difference is about the compilation)."""
+        if step == self.start:
+            self.first_step_s = elapsed
+            if step + 1 < self.stop:
+                return  # said after the next step
+        first = self.first_step_s
+        after = f"; the next took {elapsed:.2f} s (compiling: about {first - elapsed:.1f} s)" \
+            if step > self.start else ""
+        self.progress.write(f"meshtrain: compiled the transformer blocks in the first step:"
+                            f" it took {first:.1f} s{after}")
 
     def _report_memory(self) -> None:
         report = comm.all_gather_objects(self.trainer.memory_report(), self.trainer.mesh.world)

@@ -70,12 +70,16 @@ class AttentionCore(nn.Module):
         def core(q, k, v):
             if not (self.dropout and self.training):  # nothing random: skip the RNG swap
                 return self._core(q, k, v, mask, k_start)
-            with rng.fork(TENSOR_PARALLEL):
-                return self._core(q, k, v, mask, k_start)
+            return self._dropped_core(q, k, v, rng, mask, k_start)
 
         if self.recompute and self.training:
             return recomputed(core, rng, q, k, v)
         return core(q, k, v)
+
+    @torch.compiler.disable  # eager under `compile`: its masks come from meshtrain's stream
+    def _dropped_core(self, q, k, v, rng: RNGTracker, mask: AttentionMask, k_start: int):
+        with rng.fork(TENSOR_PARALLEL):
+            return self._core(q, k, v, mask, k_start)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
               k_start: int) -> torch.Tensor:

@@ -109,6 +109,9 @@ class ParallelPlan:
                                       " fp64)", section="train", choices=tuple(DTYPES))
     bucket_mb: float = _layout(25.0, "gradient all-reduce (ZeRO 1/2: reduce-scatter) bucket"
                                      " size in MiB")
+    compile: bool = _layout(False, "compile each transformer block with torch.compile"
+                                   " (inductor): the first step compiles, later ones run"
+                                   " fused kernels", section="train")
 
     @property
     def world_size(self) -> int:
@@ -211,6 +214,7 @@ class ParallelPlan:
         model.validate_for_tp(plan.head_parts)
         model.validate_for_ep(plan.ep)
         plan._validate_execution(model, seq_len)
+        plan._validate_compile(model)
         plan._validate_zero(model)
         plan._validate_pipeline(model, global_batch)
         return plan
@@ -268,6 +272,20 @@ class ParallelPlan:
                 "`moe_experts` with `sequence_parallel` or `cp` > 1 is not"
                 " supported: routing assumes every TP/CP rank holds the whole"
                 " micro-batch"))
+
+    def _validate_compile(self, model) -> None:
+        if not self.compile:
+            return
+        if model.moe_experts:
+            raise SettingError(Code.COMPILE_MOE, (
+                "`compile` with `moe_experts` is not supported: routing sizes each expert's"
+                " batch by counts read on the host, so every step would compile again; train"
+                " MoE models without `compile`"))
+        if not self.scheme.allows("compile"):
+            raise SettingError(Code.COMPILE_SCHEME, (
+                f"`compile` compiles 1d tensor-parallel blocks, not `tp_scheme`"
+                f" {self.tp_scheme}'s grid layers (they compile again on every call): use"
+                " `tp_scheme` 1d or drop `compile`"))
 
     def _validate_zero(self, model) -> None:
         if self.zero and self.precision == "fp64":
