@@ -68,6 +68,12 @@ class Code(Enum):
     ZERO_BUBBLE_PP = "zero-bubble schedule without pp > 1"
     ZERO_BUBBLE_SCHEME = "zero-bubble schedule with a grid tp scheme"
     ZB_V_LAYERS = "zb-v: fewer layers than 2 x pp"
+    # FP8 training
+    FP8_DEVICE = "fp8 on a device without FP8 tensor cores"
+    FP8_PACKAGE = "fp8 without the torchao package"
+    FP8_SCHEME = "fp8 with a grid tp scheme"
+    FP8_PRECISION = "fp8 with fp64"
+    FP8_TOKENS = "fp8: tokens per micro-batch not a multiple of 16"
     # the model alone
     MODEL_SHAPE = "model shape cannot be built"
     MODEL_UNSUPPORTED = "model feature not implemented"
