@@ -13,6 +13,7 @@ from harness import run_on_ranks, worker_mesh
 from torch import nn
 
 from meshtrain import ParallelMesh, preset
+from meshtrain.cli.main import main
 from meshtrain.errors import Code, SettingError
 from meshtrain.parallel import named_full_tensors
 from meshtrain.parallel.layers import fp8
@@ -188,6 +189,17 @@ def test_tp2_converts_the_local_shapes_and_stays_close(sequence_parallel, float8
     assert loss_error < 1e-3 and 0 < grad_error < 0.15, (loss_error, grad_error)
 
 
+@pytest.mark.parametrize("plan,code", [
+    (ParallelPlan(tp=4, tp_scheme="2d", micro_batch=2, fp8="tensorwise"), Code.FP8_SCHEME),
+    (ParallelPlan(precision="fp64", fp8="rowwise"), Code.FP8_PRECISION),
+    (ParallelPlan(micro_batch=1, fp8="tensorwise"), Code.FP8_TOKENS),
+])
+def test_layouts_float8_cannot_run_are_refused(plan, code):
+    with pytest.raises(SettingError) as refused:
+        plan.validate(preset("tiny"), world_size=plan.tp, global_batch=8, seq_len=40)
+    assert refused.value.code is code and "fp8" in refused.value.settings
+
+
 def test_devices_without_fp8_tensor_cores_are_refused(monkeypatch):
     with pytest.raises(SettingError, match="device is the CPU") as refused:
         check_fp8_device(torch.device("cpu"), "tensorwise")
@@ -212,3 +224,13 @@ def test_a_missing_torchao_is_named(monkeypatch):
     finally:
         fp8._torchao.cache_clear()
     assert refused.value.code is Code.FP8_PACKAGE
+
+
+def test_the_command_line_refuses_fp8_on_the_cpu_in_one_line(corpus, tmp_path, capsys):
+    code = main(["train", "--device", "cpu", "--data", corpus, "--out", str(tmp_path / "run"),
+                 "--fp8", "tensorwise"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err == ("meshtrain: error: --fp8 tensorwise needs a GPU with FP8 tensor cores (CUDA"
+                   " capability 8.9 or newer) and this run's device is the CPU: drop --fp8")
+    assert not (tmp_path / "run").exists()

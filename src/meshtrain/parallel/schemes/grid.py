@@ -32,7 +32,7 @@ class GridScheme(TPScheme):
     of the hidden size on a rank)."""
 
     splits_hidden = True
-    refuses = ("sequence_parallel", "cp", "ep", "moe_experts", "split_backward")
+    refuses = ("sequence_parallel", "cp", "ep", "moe_experts", "split_backward", "fp8")
 
     def input_width_parts(self, grid: dict[str, int]) -> int:
         """How many ways a weight's input features are split."""
