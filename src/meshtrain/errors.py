@@ -71,6 +71,12 @@ class Code(Enum):
     # compiled blocks
     COMPILE_MOE = "compile with MoE"
     COMPILE_SCHEME = "compile with a grid tp scheme"
+    # FP8 training
+    FP8_DEVICE = "fp8 on a device without FP8 tensor cores"
+    FP8_PACKAGE = "fp8 without the torchao package"
+    FP8_SCHEME = "fp8 with a grid tp scheme"
+    FP8_PRECISION = "fp8 with fp64"
+    FP8_TOKENS = "fp8: tokens per micro-batch not a multiple of 16"
     # the model alone
     MODEL_SHAPE = "model shape cannot be built"
     MODEL_UNSUPPORTED = "model feature not implemented"

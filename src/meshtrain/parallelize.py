@@ -2,9 +2,10 @@
 
 The whole strategy in one order: the tensor-parallel scheme's layer factory (with sequence and
 context parallelism and recomputation), the pipeline split, the model family built from them
-(experts placed over ep as it is built), precision, gradient synchronisation (replicated or
-ZeRO, with master weights, the optimizer and the tied-weight sync), and the executor that runs a
-step's micro-batches (locally or through the pipeline schedule).
+(experts placed over ep as it is built), float8 matmuls (`fp8`), precision, gradient
+synchronisation (replicated or ZeRO, with master weights, the optimizer and the tied-weight
+sync), and the executor that runs a step's micro-batches (locally or through the pipeline
+schedule).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from meshtrain.contracts import ParameterRoles, StageSpec
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import CausalLM, TransformerConfig, family_of
+from meshtrain.parallel.layers.fp8 import check_fp8_device, convert_to_float8
 from meshtrain.parallel.runtime.compiled import compile_blocks
 from meshtrain.parallel.runtime.executor import (
     ONE_STREAM,
@@ -54,6 +56,9 @@ def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: Parallel
     stage = pipeline_stage(model_cfg.num_layers, plan, mesh)
     model = build_model(model_cfg, mesh, plan, seed=seed, stage=stage)
     factory = model.factory
+    if plan.fp8 != "none":  # float8 matmuls; parameters (so masters, checkpoints) unchanged
+        check_fp8_device(mesh.device, plan.fp8)
+        convert_to_float8(model, plan.fp8)
     model.to(plan.dtype)
     roles = model.roles()
     sync = gradient_sync(model, roles, factory, plan, mesh, lr=lr, weight_decay=weight_decay,

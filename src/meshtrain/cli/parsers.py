@@ -46,7 +46,7 @@ def command(sub, name: str, **kw) -> argparse.ArgumentParser:
 # `train --help` groups: each TOML table's settings, with these shown under a group of their own.
 _TABLE_GROUPS = {"model": "model", "data": "data", "parallel": "parallel layout",
                  "train": "training", "checkpoint": "checkpoints", "logging": "logging"}
-_MOVED = {"precision": ("precision", "grad_dtype", "loss_scale_window"),
+_MOVED = {"precision": ("precision", "grad_dtype", "fp8", "loss_scale_window"),
           "optimizer": ("lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay_fraction",
                         "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "clip_grad"),
           "logging": ("log_every", "trace"),

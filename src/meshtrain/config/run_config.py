@@ -34,9 +34,10 @@ from meshtrain.data.blend import parse_data_path
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.models import TransformerConfig, preset
+from meshtrain.parallel.layers.fp8 import check_fp8_device
 from meshtrain.parallel.runtime.optim import LR_SCHEDULES
 from meshtrain.parallel.runtime.plan import ParallelPlan, parse_setting
-from meshtrain.parallel.runtime.process_groups import check_local_devices
+from meshtrain.parallel.runtime.process_groups import check_local_devices, resolve_device
 
 DEFAULT_PRESET = "tiny"
 FP32_MAX = 3.4028234663852886e38
@@ -318,8 +319,11 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     if p.trace and plan.pp_schedule == "2bw":
         raise ValueError("`trace` draws one flush step; a 2bw step overlaps its neighbours (no"
                          " flush): trace `pp_schedule` 1f1b instead")
-    return plan.validate(model, world_size=world_size, global_batch=t.global_batch,
+    plan = plan.validate(model, world_size=world_size, global_batch=t.global_batch,
                          seq_len=t.seq_len)
+    if plan.fp8 != "none":  # the one plan setting that depends on the device
+        check_fp8_device(resolve_device(p.device), plan.fp8)
+    return plan
 
 
 def _validate_logging(log: LoggingSettings, steps: int) -> None:

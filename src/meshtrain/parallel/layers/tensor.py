@@ -5,7 +5,10 @@ Each layer is built from the dense layer it replaces: a layer created under seed
 this rank's slice of the dense layer created under seed S, so a model starts from the same
 weights at every tp. `from_dense` shards an existing module; `to_dense` gathers it back.
 Each layer describes how its parameters are split in `shards` (see `sharding.py`). Under a
-zero-bubble schedule every layer's weight gradient may be deferred (`weight_grads.py`).
+zero-bubble schedule every layer's weight gradient may be deferred (`weight_grads.py`). A layer's
+three local matmuls (forward, input gradient, weight gradient) go through its `gemm`: `DENSE`
+in the parameters' dtype, or float8 after `fp8.convert_to_float8`; the communication around
+them is the same either way.
 """
 
 from __future__ import annotations
@@ -53,11 +56,35 @@ def _split_params(num_weights: int, params: tuple) -> tuple[tuple, tuple]:
     return params[:num_weights], params[num_weights:]
 
 
+class DenseGemm:
+    """The local matmuls of a linear layer, in the dtype of its operands: the output
+    `x W^T + b`, the input gradient `g W` and the weight gradient `g^T x`. A subclass computes
+    them another way (`fp8.Float8Gemm`); the layers' autograd functions call these three and
+    nothing else for their matmuls."""
+
+    def output(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """`[..., in]` x `[out, in]` (+ `[out]`) -> `[..., out]`."""
+        return F.linear(x, weight, bias)
+
+    def grad_input(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`[..., out]` x `[out, in]` -> `[..., in]`."""
+        return grad @ weight
+
+    def grad_weight(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`[tokens, out]` and `[tokens, in]` -> `[out, in]`."""
+        return grad.T @ x
+
+
+DENSE = DenseGemm()
+"""Every layer's `gemm` unless converted."""
+
+
 def _column_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weights) -> tuple:
     """Weight and bias gradients of the joined layers, split back per layer."""
     flat_grad = grad.reshape(-1, grad.shape[-1])
     sizes = [w.shape[0] for w in weights]
-    grad_weights = (flat_grad.T @ x.reshape(-1, x.shape[-1])).split(sizes)
+    grad_weights = ctx.gemm.grad_weight(flat_grad, x.reshape(-1, x.shape[-1])).split(sizes)
     grad_biases = flat_grad.sum(dim=0).split(sizes) if ctx.has_bias else ()
     return (*grad_weights, *grad_biases)
 
@@ -65,28 +92,30 @@ def _column_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weights) -> tuple:
 class _LinearFn(torch.autograd.Function):
     """`F.linear` whose weight gradient a split backward may defer: the local matmul of the
     paths with no communication fused in (tp 1, the sequence-parallel row layer and output
-    layer). Used only when `weight_grads` is given."""
+    layer). Used only when `weight_grads` is given or the layer's `gemm` is not `DENSE`."""
 
     @staticmethod
-    def forward(ctx, x, weight_grads: WeightGradients, weight, bias):
+    def forward(ctx, x, weight_grads: WeightGradients | None, gemm: DenseGemm, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.weight_grads, ctx.params, ctx.has_bias = weight_grads, (weight, bias), bias is not None
-        return F.linear(x, weight, bias)
+        ctx.gemm = gemm
+        return gemm.output(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grads = now_or_later(ctx.weight_grads, ctx.params, lambda: (
             *_column_grads(ctx, grad, x, [weight]), *(() if ctx.has_bias else (None,))))
-        return grad @ weight, None, *grads
+        return ctx.gemm.grad_input(grad, weight), None, None, *grads
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            weight_grads: WeightGradients | None) -> torch.Tensor:
-    """F.linear, through `_LinearFn` when the weight gradient may be deferred."""
-    if weight_grads is None:
+            weight_grads: WeightGradients | None, gemm: DenseGemm = DENSE) -> torch.Tensor:
+    """F.linear, through `_LinearFn` when the weight gradient may be deferred or the matmuls
+    are not the dense ones."""
+    if weight_grads is None and gemm is DENSE:
         return F.linear(x, weight, bias)
-    return _LinearFn.apply(x, weight_grads, weight, bias)
+    return _LinearFn.apply(x, weight_grads, gemm, weight, bias)
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
@@ -98,25 +127,25 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, axis: MeshAxis, num_weights: int,
-                weight_grads: WeightGradients | None, *params):
+                weight_grads: WeightGradients | None, gemm: DenseGemm, *params):
         weights, biases = _split_params(num_weights, params)
         ctx.save_for_backward(x, *weights)
-        ctx.axis, ctx.has_bias = axis, bool(biases)
+        ctx.axis, ctx.has_bias, ctx.gemm = axis, bool(biases), gemm
         ctx.weight_grads, ctx.params = weight_grads, params
-        return F.linear(x, _joined(weights), _joined(biases) if biases else None)
+        return gemm.output(x, _joined(weights), _joined(biases) if biases else None)
 
     @staticmethod
     def backward(ctx, grad):
         x, *weights = ctx.saved_tensors
         grad_x, work = None, None
         if ctx.needs_input_grad[0]:
-            grad_x = grad @ _joined(weights)
+            grad_x = ctx.gemm.grad_input(grad, _joined(weights))
             work = comm.all_reduce(grad_x, ctx.axis, async_op=True)
         params = now_or_later(ctx.weight_grads, ctx.params,
                               lambda: _column_grads(ctx, grad, x, weights))
         if work is not None:
             work.wait()
-        return grad_x, None, None, None, *params
+        return grad_x, None, None, None, None, *params
 
 
 def _column_parallel(x: torch.Tensor, axis: MeshAxis, sequence_parallel: bool,
@@ -124,12 +153,12 @@ def _column_parallel(x: torch.Tensor, axis: MeshAxis, sequence_parallel: bool,
     """`layers`' outputs of `x`, joined along the last dimension: one input communication."""
     params = [layer.weight for layer in layers]
     params += [layer.bias for layer in layers if layer.bias is not None]
-    weight_grads = layers[0].weight_grads
+    weight_grads, gemm = layers[0].weight_grads, layers[0].gemm  # (a group is converted whole)
     if sequence_parallel:  # x: [b, s/tp, in]
-        return _SequenceParallelLinear.apply(x, axis, len(layers), weight_grads, *params)
+        return _SequenceParallelLinear.apply(x, axis, len(layers), weight_grads, gemm, *params)
     if axis.size > 1 or len(layers) > 1:  # (several layers: do not save their joined weight)
-        return _ColumnParallelLinearFn.apply(x, axis, len(layers), weight_grads, *params)
-    return _linear(x, layers[0].weight, layers[0].bias, weight_grads)
+        return _ColumnParallelLinearFn.apply(x, axis, len(layers), weight_grads, gemm, *params)
+    return _linear(x, layers[0].weight, layers[0].bias, weight_grads, gemm)
 
 
 class _RowParallelLinearFn(torch.autograd.Function):
@@ -137,20 +166,21 @@ class _RowParallelLinearFn(torch.autograd.Function):
     backward is local (its weight gradient deferred under `weight_grads`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, axis: MeshAxis, weight_grads: WeightGradients | None):
+    def forward(ctx, x, weight, axis: MeshAxis, weight_grads: WeightGradients | None,
+                gemm: DenseGemm):
         ctx.save_for_backward(x, weight)
-        ctx.weight_grads, ctx.params = weight_grads, (weight,)
-        y = F.linear(x, weight)
+        ctx.weight_grads, ctx.params, ctx.gemm = weight_grads, (weight,), gemm
+        y = gemm.output(x, weight, None)
         comm.all_reduce(y, axis)
         return y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_x = ctx.gemm.grad_input(grad, weight) if ctx.needs_input_grad[0] else None
         grad_weight, = now_or_later(ctx.weight_grads, ctx.params, lambda: (
-            grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]),))
-        return grad_x, grad_weight, None, None
+            ctx.gemm.grad_weight(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])),))
+        return grad_x, grad_weight, None, None, None
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -163,28 +193,32 @@ class _SequenceParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, axis: MeshAxis, num_weights: int,
-                weight_grads: WeightGradients | None, *params):
+                weight_grads: WeightGradients | None, gemm: DenseGemm, *params):
         weights, biases = _split_params(num_weights, params)
         ctx.save_for_backward(x, *weights)
-        ctx.axis, ctx.has_bias = axis, bool(biases)
+        ctx.axis, ctx.has_bias, ctx.gemm = axis, bool(biases), gemm
         ctx.weight_grads, ctx.params = weight_grads, params
-        return F.linear(comm.all_gather(x, axis, dim=1), _joined(weights),
-                        _joined(biases) if biases else None)
+        return gemm.output(comm.all_gather(x, axis, dim=1), _joined(weights),
+                           _joined(biases) if biases else None)
 
     @staticmethod
     def backward(ctx, grad):
         x, *weights = ctx.saved_tensors
-        grad_x = comm.reduce_scatter(grad @ _joined(weights), ctx.axis, dim=1)
+        grad_x = comm.reduce_scatter(ctx.gemm.grad_input(grad, _joined(weights)), ctx.axis,
+                                     dim=1)
         # deferred, the all-gather runs at the weight-gradient action
         params = now_or_later(ctx.weight_grads, ctx.params, lambda: _column_grads(
             ctx, grad, comm.all_gather(x, ctx.axis, dim=1), weights))  # [b, s, in]
-        return grad_x, None, None, None, *params
+        return grad_x, None, None, None, None, *params
 
 
 class _TensorParallelModule(nn.Module):
     shards: dict[str, Shard]
     weight_grads: WeightGradients | None = None
     """Set by a split-backward schedule (`weight_grads.defer_weight_gradients`)."""
+    gemm: DenseGemm = DENSE
+    """The local matmuls; `fp8.convert_to_float8` sets float8 ones (not a submodule nor a
+    buffer: the state dict is the same either way)."""
 
     @classmethod
     def _like(cls, dense: nn.Linear, *, mesh, **options):
@@ -335,11 +369,12 @@ class RowParallelLinear(_TensorParallelModule):
             x = regions.scatter_to_tensor_parallel_region(x, self.tp_axis)
         if self.sequence_parallel:  # summed and split along the sequence: [b, s/tp, out]
             y = regions.reduce_scatter_to_sequence_parallel_region(
-                _linear(x, self.weight, None, self.weight_grads), self.tp_axis)
+                _linear(x, self.weight, None, self.weight_grads, self.gemm), self.tp_axis)
         elif self.tp_axis.size > 1:  # summed partials
-            y = _RowParallelLinearFn.apply(x, self.weight, self.tp_axis, self.weight_grads)
+            y = _RowParallelLinearFn.apply(x, self.weight, self.tp_axis, self.weight_grads,
+                                           self.gemm)
         else:
-            y = _linear(x, self.weight, None, self.weight_grads)
+            y = _linear(x, self.weight, None, self.weight_grads, self.gemm)
         return y if self.bias is None else y + self.bias
 
 
@@ -397,7 +432,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
             logits = _linear(hidden, self.weight, None, self.weight_grads)
         elif self.tp_axis.size > 1:  # f fused: the all-reduce overlaps the weight gradient
             logits = _ColumnParallelLinearFn.apply(hidden, self.tp_axis, 1, self.weight_grads,
-                                                   self.weight)
+                                                   self.gemm, self.weight)
         else:
             logits = _linear(hidden, self.weight, None, self.weight_grads)
         return mask_padding(logits, self.num_embeddings, self.vocab_start)

@@ -24,6 +24,7 @@ from meshtrain.data.corpus import check_batch_sizes
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.mesh import resolve_degrees
 from meshtrain.parallel.layers.attention import CP_MODES
+from meshtrain.parallel.layers.fp8 import ALIGNMENT, FP8_RECIPES
 from meshtrain.parallel.layers.recompute import RECOMPUTE
 from meshtrain.parallel.runtime.pipeline import stage_layers
 from meshtrain.parallel.runtime.schedules import PP_SCHEDULES, SPLIT_BACKWARD
@@ -104,6 +105,11 @@ class ParallelPlan:
                                      " keeps fp32 master weights; fp16 adds dynamic loss"
                                      " scaling), or fp64 to check a layout against one process"
                                      " (no ZeRO)", section="train", choices=tuple(DTYPES))
+    fp8: str = _layout("none", "float8 matmuls in the attention and MLP linears (1d tp scheme;"
+                               " GPUs with FP8 tensor cores, CUDA capability >= 8.9; needs"
+                               " torchao): tensorwise or rowwise scaling; parameters, masters"
+                               " and checkpoints keep their dtype", section="train",
+                       choices=FP8_RECIPES)
     grad_dtype: str = _layout("fp32", "dtype gradients are accumulated and reduced in: fp32, or"
                                       " the 16-bit precision dtype (fp64 runs always reduce in"
                                       " fp64)", section="train", choices=tuple(DTYPES))
@@ -215,6 +221,7 @@ class ParallelPlan:
         model.validate_for_ep(plan.ep)
         plan._validate_execution(model, seq_len)
         plan._validate_compile(model)
+        plan._validate_fp8(seq_len)
         plan._validate_zero(model)
         plan._validate_pipeline(model, global_batch)
         return plan
@@ -286,6 +293,26 @@ class ParallelPlan:
                 f"`compile` compiles 1d tensor-parallel blocks, not `tp_scheme`"
                 f" {self.tp_scheme}'s grid layers (they compile again on every call): use"
                 " `tp_scheme` 1d or drop `compile`"))
+
+    def _validate_fp8(self, seq_len: int) -> None:
+        """What float8 matmuls cannot run with (the device is checked where it is known:
+        `fp8.check_fp8_device`)."""
+        if self.fp8 == "none":
+            return
+        if not self.scheme.allows("fp8"):
+            raise SettingError(Code.FP8_SCHEME, (
+                f"`fp8` converts the 1d tensor-parallel layers only, not `tp_scheme`"
+                f" {self.tp_scheme}'s grid layers: use `tp_scheme` 1d or drop `fp8`"))
+        if self.precision == "fp64":
+            raise SettingError(Code.FP8_PRECISION, (
+                "`fp8` rounds matmul operands to 8 bits, which defeats `precision` fp64's"
+                " checks: use bf16 (or fp32) with `fp8`"))
+        tokens = self.micro_batch * seq_len // self.cp
+        if tokens % ALIGNMENT:
+            raise SettingError(Code.FP8_TOKENS, (
+                f"`fp8` needs the tokens of a micro-batch on a rank (`micro_batch` x `seq_len`"
+                f" / cp = {tokens}) to be a multiple of {ALIGNMENT}: the weight gradient's"
+                f" float8 matmul runs over them; change `micro_batch` or `seq_len`"))
 
     def _validate_zero(self, model) -> None:
         if self.zero and self.precision == "fp64":

@@ -32,7 +32,8 @@ class GridScheme(TPScheme):
     of the hidden size on a rank)."""
 
     splits_hidden = True
-    refuses = ("sequence_parallel", "cp", "ep", "moe_experts", "split_backward", "compile")
+    refuses = ("sequence_parallel", "cp", "ep", "moe_experts", "split_backward", "compile",
+               "fp8")
 
     def input_width_parts(self, grid: dict[str, int]) -> int:
         """How many ways a weight's input features are split."""
