@@ -34,7 +34,13 @@ from meshtrain.planner.workload import GRAD_BYTES, Workload
 GIB = 2**30
 OPTIMIZER_BYTES_PER_PARAMETER = 80
 """torch's foreach AdamW: ~10 unfused passes over parameter, gradient and moments (measured
-77 B/parameter in fp32 on the CPU host)."""
+77 B/parameter in fp32 on the CPU host). meshtrain now steps torch's fused AdamW
+(`optim.ADAMW_KERNELS`), which `benchmarks/bench_optimizer.py` measured 5.8-6.8x faster on
+this host at 68M-124M parameters (one pass: 28 bytes per fp32 parameter is its traffic), yet
+the term stays: the built-in profiles' efficiencies were fitted with it against published
+Megatron runs (which step a fused Adam too), and 28 without a refit moves their median error
+from 6.8% to 7.4% (the V100 rows from within 3% to 5.6-11.1% over): lower it together with a
+refit (`benchmarks/plan_vs_published.py --fit`)."""
 
 
 @dataclass(frozen=True)
