@@ -33,6 +33,7 @@ from meshtrain.training.trainer import run_training
 
 GOLDEN = Path(__file__).parent / "golden" / "gpt_runs.json"
 RECORD = os.environ.get("MESHTRAIN_RECORD_GOLDEN") == "1"
+TIMINGS = ("tokens_per_s", "step_time_s", "tflops", "mfu")
 
 # name: (world size, parallel settings, train settings, model settings)
 CASES = {
@@ -73,10 +74,10 @@ def _train(corpus: str, out: str, parallel: dict, train: dict, model: dict) -> N
 
 
 def _outcome(out: Path) -> dict:
-    """The metric rows without timings, and a digest of the final weights."""
+    """The metric rows without timings (and the TFLOP/s and MFU made of them), and a digest of
+    the final weights."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [{k: v for k, v in row.items() if k not in ("tokens_per_s", "step_time_s")}
-            for row in rows]
+    rows = [{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
     export_safetensors(latest_checkpoint(out / "checkpoints"), out / "model.safetensors")
     tensors = load_file(out / "model.safetensors")
     digest = hashlib.sha256()
