@@ -261,10 +261,14 @@ def test_progress_lines_checkpoints_profile_and_wandb_of_a_run_without_a_termina
     lines = [line for line in result.stderr.splitlines() if line.startswith("train: step")]
     assert [line.split(",")[0] for line in lines] == \
         ["train: step 2/5", "train: step 4/5", "train: step 5/5"], result.stderr
-    assert all(re.search(r"tokens/s, [\d.e+-]+ TFLOP/s per rank, ETA \d:\d\d:\d\d$", line)
-               for line in lines), lines
+    assert all(re.search(r"tokens/s, [\d.e+-]+ TFLOP/s per rank, [\d.]+% MFU,"
+                         r" ETA \d:\d\d:\d\d$", line) for line in lines), lines
     assert "\r" not in result.stderr  # no bar redraws in a log
-    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    last = rows[-1]  # the progress line shows the row's TFLOP/s and MFU (cpu-gloo's peak)
+    assert lines[-1].endswith(f" {last['tflops']:.3g} TFLOP/s per rank, {last['mfu']:.1%} MFU,"
+                              f" ETA 0:00:00")
     saved = [line for line in result.stderr.splitlines() if "saved checkpoint" in line]
     assert saved == [f"meshtrain: saved checkpoint {out}/checkpoints/step_0000000{n}"
                      for n in (2, 4)]  # the last one the closing line names

@@ -4,8 +4,8 @@ The whole strategy in one order: the tensor-parallel scheme's layer factory (wit
 context parallelism and recomputation), the pipeline split, the model family built from them
 (experts placed over ep as it is built), float8 matmuls (`fp8`), precision, gradient
 synchronisation (replicated or ZeRO, with master weights, the optimizer and the tied-weight
-sync), and the executor that runs a step's micro-batches (locally or through the pipeline
-schedule).
+sync), compiled blocks (`compile`), and the executor that runs a step's micro-batches (locally
+or through the pipeline schedule).
 """
 
 from __future__ import annotations

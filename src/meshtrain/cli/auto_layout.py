@@ -15,15 +15,9 @@ from meshtrain.data.blend import load_data
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
 from meshtrain.parallel.runtime.plan import ParallelPlan, parse_spec, spec_key
 from meshtrain.planner.costs import Prediction
-from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
+from meshtrain.planner.hardware import Hardware, device_profile, load_hardware
 from meshtrain.planner.search import search
 from meshtrain.planner.workload import ELEMENT_BYTES
-
-CUDA_PROFILES = (("H100", "h100-80g"), ("A100-SXM4-80GB", "a100-80g-selene"),
-                 ("A100 80GB", "a100-80g-selene"), ("A100", "a100-40g"),
-                 ("V100-SXM3-32GB", "v100-32g-dgx2h"))
-"""Substrings of `torch.cuda.get_device_name` and the built-in profile each device matches."""
-CPU_PROFILE = "cpu-gloo"
 
 
 def default_hardware(device: str) -> Hardware:
@@ -31,14 +25,13 @@ def default_hardware(device: str) -> Hardware:
     the CPU one."""
     import torch
 
-    if device != "cpu" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        for needle, profile in CUDA_PROFILES:
-            if needle in name:
-                return BUILT_IN[profile]
+    name = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() \
+        else None
+    hardware = device_profile(name)
+    if hardware is None:
         raise ValueError(f"no built-in hardware profile matches the CUDA device {name!r}: pass"
                          " `hardware` FILE.toml (meshtrain plan calibrate writes one)")
-    return BUILT_IN[CPU_PROFILE]
+    return hardware
 
 
 def fixed_fields(cfg: RunConfig, given: set[tuple[str, str]]) -> dict[str, object]:

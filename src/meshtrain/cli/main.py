@@ -34,6 +34,7 @@ from meshtrain.operations.failures import (
 )
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import check_local_devices
+from meshtrain.planner.hardware import load_hardware
 
 
 def _error(e: Exception) -> int:
@@ -77,6 +78,8 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     from meshtrain.training.trainer import corpus_of
 
     plan = config_mod.validate(cfg, world_size)
+    if cfg.parallel.hardware is not None:  # the peak of every run's MFU, not only `layout`'s
+        load_hardware(cfg.parallel.hardware)
     corpus = corpus_of(cfg)
     config_mod.check_packing(cfg, corpus.eod_id)
     vocab = corpus.vocab_size

@@ -70,9 +70,10 @@ class ParallelSettings:
                                   " tp=2,zero=1 (as for meshtrain plan) fixes the fields it"
                                   " names; layout flags given (--tp, --micro-batch, ...) stay"
                                   " fixed too; the choice and why are printed")
-    hardware: str | None = _f(None, "hardware profile for --layout: a built-in name or a TOML"
-                                    " file from meshtrain plan calibrate (default: this"
-                                    " machine's CUDA device's profile, else the CPU one)")
+    hardware: str | None = _f(None, "hardware profile for --layout and the MFU in the metrics:"
+                                    " a built-in name or a TOML file from meshtrain plan"
+                                    " calibrate (default: this machine's CUDA device's profile,"
+                                    " else the CPU one)")
     trace: str | None = _f(None, "with --pp > 1, write the second step's pipeline timeline to"
                                  " this directory: pipeline.json (Perfetto), pipeline.png and"
                                  " pipeline_idle.json (measured vs simulated idle per stage)")

@@ -26,7 +26,7 @@ from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.schedules import SPLIT_BACKWARD
 from meshtrain.parallel.schemes.scheme import Traffic
 from meshtrain.planner import collectives as coll
-from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.hardware import Hardware, model_tflops
 from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
 from meshtrain.planner.pipeline_model import ChunkCost, rank_chunks, run_pipeline
 from meshtrain.planner.workload import GRAD_BYTES, Workload
@@ -34,7 +34,13 @@ from meshtrain.planner.workload import GRAD_BYTES, Workload
 GIB = 2**30
 OPTIMIZER_BYTES_PER_PARAMETER = 80
 """torch's foreach AdamW: ~10 unfused passes over parameter, gradient and moments (measured
-77 B/parameter in fp32 on the CPU host)."""
+77 B/parameter in fp32 on the CPU host). meshtrain now steps torch's fused AdamW
+(`optim.ADAMW_KERNELS`), which `benchmarks/bench_optimizer.py` measured 5.8-6.8x faster on
+this host at 68M-124M parameters (one pass: 28 bytes per fp32 parameter is its traffic), yet
+the term stays: the built-in profiles' efficiencies were fitted with it against published
+Megatron runs (which step a fused Adam too), and 28 without a refit moves their median error
+from 6.8% to 7.4% (the V100 rows from within 3% to 5.6-11.1% over): lower it together with a
+refit (`benchmarks/plan_vs_published.py --fit`)."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,8 @@ class Prediction:
     bubble_s: float
     """Pipeline idle time of the busiest stage, from the schedule simulator."""
     tflops_per_gpu: float
-    """Model FLOPs (the family's `flops_per_token`, no recomputation) per step / step time /
-    devices."""
+    """Model TFLOP/s per device (`hardware.model_tflops`: the family's `flops_per_token`, no
+    recomputation) at the predicted step time, as a run's metrics report them."""
     mfu: float
     """tflops_per_gpu / the hardware's peak in the run's precision."""
     memory: MemoryBreakdown
@@ -81,8 +87,8 @@ def predict(model: TransformerConfig, layout: ParallelPlan, hardware: Hardware, 
     own = [chunks[g] for g in pipe.chunks_of(rank)]
     in_path = pipe.micro_batches * sum(c.forward_comm + c.backward_comm for c in own)
     busy = pipe.busy[rank]
-    flops = model.flops_per_token(seq_len) * global_batch * seq_len
-    tflops = flops / step / layout.world_size / 1e12
+    tflops = model_tflops(model.flops_per_token(seq_len), global_batch * seq_len / step,
+                          layout.world_size)
     return Prediction(layout=layout, step_time_s=step, compute_s=busy - in_path + optimizer,
                       exposed_comm_s=in_path + sync, bubble_s=pipe.makespan - busy,
                       tflops_per_gpu=tflops, mfu=tflops / hardware.peak_for(precision),

@@ -2,7 +2,9 @@
 reaches (the efficiency parameters, calibrated against measurements or published runs).
 
 A profile is a built-in name or a TOML file with the same fields (`meshtrain plan calibrate`
-writes one for the machine it runs on). Bandwidths are per device, one direction.
+writes one for the machine it runs on). Bandwidths are per device, one direction. A profile's
+peak is also what a run's MFU is measured against (`model_tflops`, `Hardware.mfu`, and
+`device_profile` for the device a run trains on).
 """
 
 from __future__ import annotations
@@ -12,6 +14,16 @@ import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+PEAK_PRECISIONS = ("fp32", "bf16", "fp16")
+"""The precisions a profile gives a matmul peak for."""
+
+
+def model_tflops(flops_per_token: float, tokens_per_s: float, devices: int) -> float:
+    """Model TFLOP/s per device: the family's `flops_per_token` (forward and backward in
+    Megatron-LM's convention, recomputation not counted) x the tokens all `devices` train per
+    second, shared among them."""
+    return flops_per_token * tokens_per_s / devices / 1e12
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,11 @@ class Hardware:
         if precision == "fp32":
             return self.fp32_peak_tflops or self.peak_tflops / 2
         return self.peak_tflops
+
+    def mfu(self, tflops: float, precision: str) -> float | None:
+        """Model FLOPs utilization: `tflops` (per device, `model_tflops`) over the peak in
+        `precision`; None in a precision without a peak here (fp64)."""
+        return tflops / self.peak_for(precision) if precision in PEAK_PRECISIONS else None
 
     def to_toml(self) -> str:
         lines = []
@@ -116,6 +133,21 @@ BUILT_IN: dict[str, Hardware] = {
 """GPU peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s
 hardware table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
 
+CUDA_PROFILES = (("H100", "h100-80g"), ("A100-SXM4-80GB", "a100-80g-selene"),
+                 ("A100 80GB", "a100-80g-selene"), ("A100", "a100-40g"),
+                 ("V100-SXM3-32GB", "v100-32g-dgx2h"))
+"""Substrings of `torch.cuda.get_device_name` and the built-in profile each device matches."""
+CPU_PROFILE = "cpu-gloo"
+
+
+def device_profile(cuda_name: str | None) -> Hardware | None:
+    """The built-in profile of a device: a CUDA device's by its name (None when no profile
+    matches it), the CPU one when `cuda_name` is None."""
+    if cuda_name is None:
+        return BUILT_IN[CPU_PROFILE]
+    return next((BUILT_IN[profile] for needle, profile in CUDA_PROFILES if needle in cuda_name),
+                None)
+
 
 def load_hardware(name_or_file: str) -> Hardware:
     """A built-in profile by name, or a TOML file with `Hardware`'s fields."""
@@ -148,7 +180,7 @@ def load_hardware(name_or_file: str) -> Hardware:
             bound = f"{'[' if low_included else '('}{low:g}, {high:g}{closing}"
             raise ValueError(f"`hardware` file {path}: {name} must be a number in {bound}, got"
                              f" {value!r}; fix the file or calibrate again")
-    if hardware.default_precision not in ("fp32", "bf16", "fp16"):
+    if hardware.default_precision not in PEAK_PRECISIONS:
         raise ValueError(f"`hardware` file {path}: default_precision must be fp32, bf16 or"
                          f" fp16, got {hardware.default_precision!r}")
     return hardware

@@ -8,6 +8,7 @@ import json
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from tqdm import tqdm
 from meshtrain.config.settings import LoggingSettings
 from meshtrain.data.corpus import write_atomic
 from meshtrain.operations.failures import writing
+from meshtrain.planner.hardware import Hardware, device_profile, load_hardware, model_tflops
 
 
 def read_scalars(scalars: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -156,30 +158,65 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@dataclass(frozen=True)
+class Utilization:
+    """What a step's tokens/s make of the hardware: model TFLOP/s per rank (per GPU on CUDA,
+    one GPU a rank; `hardware.model_tflops`: the family's `flops_per_token` in Megatron-LM's
+    convention, forward and backward, recomputation not counted) and MFU, those over the
+    `hardware` profile's matmul peak in the run's `precision` (none without a profile or a
+    peak)."""
+
+    flops_per_token: float
+    ranks: int
+    precision: str
+    hardware: Hardware | None
+
+    @classmethod
+    def of_run(cls, flops_per_token: float, *, ranks: int, precision: str,
+               device: torch.device, hardware: str | None) -> Utilization:
+        """`hardware`: the run's `hardware` setting (a built-in name or a TOML file); None: the
+        built-in profile of `device` (a CUDA device's by its name, none when no profile matches
+        it; the CPU's, `cpu-gloo`), as `layout` auto plans with."""
+        if hardware is not None:
+            profile = load_hardware(hardware)
+        else:
+            profile = device_profile(torch.cuda.get_device_name(device)
+                                     if device.type == "cuda" else None)
+        return cls(flops_per_token, ranks, precision, profile)
+
+    def fields(self, tokens_per_s: float) -> dict[str, float]:
+        """A metrics row's `tflops` and, where a peak is known, `mfu`."""
+        tflops = model_tflops(self.flops_per_token, tokens_per_s, self.ranks)
+        mfu = self.hardware.mfu(tflops, self.precision) if self.hardware is not None else None
+        return {"tflops": tflops} | ({} if mfu is None else {"mfu": mfu})
+
+
 class Progress:
     """Progress over optimizer steps showing loss and tokens/s (silent off rank 0): a tqdm bar
     on a terminal; otherwise (a log file, a scheduler's capture) one line every `interval`
-    steps instead of carriage-return redraws, with the model TFLOP/s per rank (`flops_per_token`
-    in Megatron-LM's convention, over `ranks`) and an ETA from the mean step time so far."""
+    steps instead of carriage-return redraws, with the model TFLOP/s per rank, the MFU when
+    known (`Utilization`) and an ETA from the mean step time so far."""
 
-    def __init__(self, *, total: int, initial: int, enabled: bool, interval: int = 1,
-                 flops_per_token: float = 0.0, ranks: int = 1):
+    def __init__(self, *, total: int, initial: int, enabled: bool, interval: int = 1):
         self.enabled, self.total, self.interval = enabled, total, interval
-        self.flops_per_rank = flops_per_token / ranks
         self.lines = enabled and not sys.stderr.isatty()
         self._bar = tqdm(total=total, initial=initial, disable=not enabled or self.lines,
                          unit="step", dynamic_ncols=True, file=sys.stderr, desc="train")
         self._initial, self._started = initial, time.perf_counter()
 
-    def update(self, *, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, *, step: int, loss: float, tokens_per_s: float, tflops: float,
+               mfu: float | None = None) -> None:
+        shown_mfu = "" if mfu is None else f", {mfu:.1%} MFU"
         if self.lines and (step % self.interval == 0 or step == self.total):
             per_step = (time.perf_counter() - self._started) / max(1, step - self._initial)
             eta = _clock(per_step * (self.total - step))
-            tflops = tokens_per_s * self.flops_per_rank / 1e12
             print(f"train: step {step}/{self.total}, loss {loss:.4f}, {tokens_per_s:,.0f}"
-                  f" tokens/s, {tflops:.3g} TFLOP/s per rank, ETA {eta}", file=sys.stderr,
-                  flush=True)
-        self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+                  f" tokens/s, {tflops:.3g} TFLOP/s per rank{shown_mfu}, ETA {eta}",
+                  file=sys.stderr, flush=True)
+        postfix = {"loss": f"{loss:.4f}", "tok_s": f"{tokens_per_s:,.0f}"}
+        if mfu is not None:
+            postfix["mfu"] = f"{mfu:.1%}"
+        self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
 
     def write(self, message: str) -> None:

@@ -46,6 +46,7 @@ from meshtrain.training.metrics import (
     MetricsLog,
     Progress,
     StepTimer,
+    Utilization,
     metric_sinks,
     read_metrics,
     read_scalars,
@@ -330,8 +331,11 @@ class _Run:
             sinks = metric_sinks(out, cfg.logging, resume_step=resume_step, config=cfg.to_dict())
             self.log = MetricsLog(out / "metrics.jsonl", resume_step=resume_step, sinks=sinks)
         self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0,
-                                 interval=t.log_every, ranks=mesh.world_size,
-                                 flops_per_token=trainer.model.cfg.flops_per_token(t.seq_len))
+                                 interval=t.log_every)
+        self.utilization = Utilization.of_run(
+            trainer.model.cfg.flops_per_token(t.seq_len), ranks=mesh.world_size,
+            precision=trainer.plan.precision, device=mesh.device,
+            hardware=cfg.parallel.hardware)
         if self.log is not None and self.log.kept_aside is not None:
             self.progress.write(f"meshtrain: the rows after step {start} of the interrupted run"
                                 f" are kept in {self.log.kept_aside}")
@@ -361,7 +365,9 @@ class _Run:
         elapsed = self.timer.lap()
         if self.signals is not None:
             self.signals.longest_step = max(self.signals.longest_step, elapsed)
-        row |= {"tokens_per_s": t.global_batch * t.seq_len / elapsed, "step_time_s": elapsed}
+        tokens_per_s = t.global_batch * t.seq_len / elapsed
+        row |= {"tokens_per_s": tokens_per_s, "step_time_s": elapsed,
+                **self.utilization.fields(tokens_per_s)}
         if self.cfg.plan.compile and step <= self.start + 1:
             self._report_compile(step, elapsed)
         done = step + 1
@@ -370,7 +376,8 @@ class _Run:
             self._write(evaluation)
             self.progress.write(f"step {done}: eval loss {evaluation['eval_loss']:.4f}")
         self._write(row)
-        self.progress.update(step=done, loss=row["loss"], tokens_per_s=row["tokens_per_s"])
+        self.progress.update(step=done, loss=row["loss"], tokens_per_s=tokens_per_s,
+                             tflops=row["tflops"], mfu=row.get("mfu"))
         save_every = self.cfg.checkpoint.save_every
         stopping = stop_signal(request) if done < self.stop else None
         saving = (done == self.stop or (save_every and done % save_every == 0)

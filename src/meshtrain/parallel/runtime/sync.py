@@ -22,7 +22,7 @@ from meshtrain.memory import model_state_bytes
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import GradientReducer
-from meshtrain.parallel.runtime.optim import BETAS, EPS, build_adamw
+from meshtrain.parallel.runtime.optim import BETAS, EPS, build_adamw, restored_step
 from meshtrain.parallel.runtime.zero import ZeroDataParallel
 from meshtrain.precision import MasterWeights
 
@@ -164,7 +164,7 @@ class ReplicatedSync(GradientSync):
                 stepped.copy_(values[name])
             if states is not None:
                 self.optimizer.state[stepped] = {
-                    "step": step.reshape(()).clone(),
+                    "step": restored_step(self.optimizer, stepped, step),
                     **{s: t.to(param.device) for s, t in states[name].items()}}
 
     def memory_report(self) -> dict[str, int]:

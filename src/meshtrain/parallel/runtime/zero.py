@@ -34,6 +34,7 @@ from torch import nn
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import check_grad_views, reverse_buckets
+from meshtrain.parallel.runtime.optim import restored_step
 from meshtrain.parallel.runtime.zero_bucket import BACKWARD, FORWARD, FREE, Bucket
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -351,7 +352,7 @@ class ZeroDataParallel:
                        for name in ("exp_avg", "exp_avg_sq")}
             for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
                 optimizer.state[piece] = {
-                    "step": step.reshape(()).clone(),
+                    "step": restored_step(optimizer, piece, step),
                     **{name: flat[b.lo + a:b.lo + a + n].to(piece.device).clone()
                        for name, flat in moments.items()}}
 
