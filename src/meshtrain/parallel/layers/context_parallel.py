@@ -140,10 +140,13 @@ class _RingAttention(torch.autograd.Function):
         return grad_q.to(ctx.dtype), grad_k, grad_v, None, None, None
 
 
+@torch.compiler.disable
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,
                    seq_len: int, mask: AttentionMask = CAUSAL) -> torch.Tensor:
     """Attention of this rank's queries over the whole (cp-split) sequence under `mask`; blocks
-    the mask hides whole (outside a window) are not computed."""
+    the mask hides whole (outside a window) are not computed. It stays eager inside compiled
+    blocks (`compile`): its point-to-point steps break any graph into small pieces, and
+    inductor's AVX2 code for those pieces gave NaNs (torch 2.13, ATEN_CPU_CAPABILITY=avx2)."""
     return _RingAttention.apply(q, k, v, axis, seq_len, mask)
 
 
