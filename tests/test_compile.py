@@ -53,6 +53,7 @@ def _compiled_equals_eager(corpus, tmp_path, layout, model=None, dropout=0.0):
     return compiled
 
 
+@pytest.mark.extended  # the default CLI case below compiles dropout and selective recompute
 def test_llama_at_pp2_with_dropout_compiles_to_the_eager_numbers_and_replays_its_masks(
         corpus, tmp_path):
     """Dropout runs eagerly inside compiled blocks: the same masks as an eager run, and
@@ -96,9 +97,11 @@ def _losses(out: Path) -> list[float]:
 
 def test_a_compiled_tiny_run_at_tp2_reports_its_compile_time_and_trains_the_eager_numbers(
         corpus, tmp_path):
-    """The issue's bound: 8 steps of `tiny` at tp 2 within 2 minutes here, compile included."""
+    """The issue's bound: 8 steps of `tiny` at tp 2 within 2 minutes here, compile included;
+    with dropout and selective recomputation, whose masks must be the eager run's."""
     common = ["train", "--model", "tiny", "--tp", "2", "--steps", "8", "--device", "cpu",
-              "--data", corpus, "--eval-every", "0", "--log-every", "1"]
+              "--data", corpus, "--eval-every", "0", "--log-every", "1", "--dropout", "0.1",
+              "--recompute", "selective"]
     run_cli(*common, "--out", str(tmp_path / "eager"))
     started = time.monotonic()
     compiled = run_cli(*common, "--out", str(tmp_path / "compiled"), "--compile")
