@@ -73,8 +73,8 @@ class TPScheme(ABC):
     are replicated over tp unless sequence parallelism splits them (Megatron's line)."""
     refuses: tuple[str, ...] = ()
     """Settings the scheme does not combine with (when on): sequence_parallel, cp, ep,
-    moe_experts, and split_backward (zero-bubble schedules: its layers cannot defer their
-    weight gradients)."""
+    moe_experts, split_backward (zero-bubble schedules: its layers cannot defer their
+    weight gradients) and tp_overlap (its layers have no sequence-parallel communication)."""
     takes_depth = False
     """Whether the grid has a depth the `tp_depth` setting chooses (`registry.tp_grid`
     refuses one elsewhere)."""
