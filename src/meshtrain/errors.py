@@ -28,6 +28,7 @@ class Code(Enum):
     CP_SEQ_LEN = "seq_len not divisible by 2 x cp"
     SP_SEQ_LEN = "seq_len / cp not divisible by tp (sp)"
     SP_WITHOUT_TP = "sp without tp > 1"
+    TP_OVERLAP_WITHOUT_SP = "tp_overlap without sp"
     ALL2ALL_HEADS = "all2all: heads per rank not divisible by cp"
     CP_DROPOUT = "cp with dropout"
     GRAD_DTYPE = "grad_dtype neither fp32 nor the precision"
@@ -46,6 +47,7 @@ class Code(Enum):
     GRID_SHAPE = "heads or widths not divisible by the grid"
     GRID_BATCH_SPLIT = "micro-batch not divisible by the grid's batch split"
     SCHEME_COMBINATION = "grid scheme with sp, cp or MoE"
+    TP_OVERLAP_SCHEME = "tp_overlap with a grid tp scheme"
     MESH_SCHEME = "mesh built for another tp scheme"
     # ZeRO
     ZERO_PIPELINE = "zero 2/3 with pp > 1"

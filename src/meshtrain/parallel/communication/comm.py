@@ -5,6 +5,9 @@ take the mesh axis explicitly and report each call to the active `CommRecorder`s
 benchmarks count communication exactly. The differentiable operators built on them (Megatron's
 f and g, sequence-parallel regions, the all-to-all of MoE and Ulysses) are in `regions.py`.
 
+A collective that a layer runs as ring steps to overlap it with compute (`ring_exchange`) is
+recorded once, as the collective it replaces (`count_ring`).
+
 A collective over an axis of size 1 is skipped and not recorded: nothing is sent. Every call is
 also reported to the armed `FlightRecorder` (the ring the hang watchdog dumps), which tracks when
 this rank blocks in it: async works come back wrapped so that their `wait()` is tracked too.
@@ -263,6 +266,53 @@ def ring_shift(tensor: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
         work.wait()
     _done(entry)
     return out
+
+
+class _Works:
+    """Several works waited on as one (the sends and receives of one ring step)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+
+    def wait(self, *args) -> bool:
+        return all([work.wait(*args) for work in self.works])
+
+
+def ring_exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor],
+                  axis: MeshAxis) -> dist.Work | _Works:
+    """One step of a ring, started: send each of `sends` to the next rank of `axis` and
+    receive the matching entry of `recvs` from the previous one (entry i under tag i, so several
+    rings may share a step). Returns a work to wait on before reading `recvs` or reusing
+    `sends`.
+
+    Not counted by itself: the layer that runs a collective as ring steps reports that
+    collective once (`count_ring`). The flight recorder sees each step as a sendrecv.
+    """
+    assert axis.size > 1 and all(t.is_contiguous() for t in (*sends, *recvs))
+    nxt, prev = axis.ranks[(axis.rank + 1) % axis.size], axis.ranks[(axis.rank - 1) % axis.size]
+    ops = []
+    for tag, (send_, recv_) in enumerate(zip(sends, recvs, strict=True)):
+        ops += [dist.P2POp(dist.isend, send_, nxt, axis.group, tag),
+                dist.P2POp(dist.irecv, recv_, prev, axis.group, tag)]
+    entry = _flight("sendrecv", axis, sends[0], blocking=False, peer=prev)
+    return _done(entry, _Works(dist.batch_isend_irecv(ops)))
+
+
+def count_ring(op: str, axis: MeshAxis, chunk: torch.Tensor) -> None:
+    """Report to the `CommRecorder`s, once, a collective that a layer runs as `axis.size - 1`
+    `ring_exchange` steps of `chunk`-sized pieces (the overlapped tensor-parallel linears): as
+    the single `op` ("all_gather" or "reduce_scatter") it replaces, whose payload is the whole
+    tensor of `axis.size` such chunks. So the counts, payload bytes and ring bytes equal the
+    unchunked call's: a ring all-gather or reduce-scatter sends (n-1)/n of that payload per
+    rank, which is what the steps send."""
+    if axis.size == 1 or not _active_recorders:
+        return
+    nbytes = chunk.numel() * chunk.element_size() * axis.size
+    record = CommRecord(op, axis.name, axis.size, chunk.dtype, nbytes)
+    for recorder in _active_recorders:
+        recorder.records.append(record)
 
 
 def barrier(axis: MeshAxis) -> None:

@@ -8,7 +8,8 @@ Each layer describes how its parameters are split in `shards` (see `sharding.py`
 zero-bubble schedule every layer's weight gradient may be deferred (`weight_grads.py`). A layer's
 three local matmuls (forward, input gradient, weight gradient) go through its `gemm`: `DENSE`
 in the parameters' dtype, or float8 after `fp8.convert_to_float8`; the communication around
-them is the same either way.
+them is the same either way. With `tp_overlap` the sequence-parallel layers run their all-gather
+and reduce-scatter as ring steps overlapped with chunks of their matmuls (`collective_matmul.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm, regions
+from meshtrain.parallel.layers.collective_matmul import (
+    gather_matmul,
+    matmul_reduce_scatter,
+    sequence_chunk,
+)
 from meshtrain.parallel.layers.sharding import GridPosition, Shard, shard_tensor, unshard_tensor
 from meshtrain.parallel.layers.vocab import mask_padding, partial_lookup
 from meshtrain.parallel.layers.weight_grads import WeightGradients, now_or_later
@@ -149,11 +155,14 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
 
 def _column_parallel(x: torch.Tensor, axis: MeshAxis, sequence_parallel: bool,
-                     layers: list) -> torch.Tensor:
-    """`layers`' outputs of `x`, joined along the last dimension: one input communication."""
+                     layers: list, overlap: bool = False) -> torch.Tensor:
+    """`layers`' outputs of `x`, joined along the last dimension: one input communication
+    (`overlap`: the sequence-parallel one as ring steps behind chunks of the matmul)."""
     params = [layer.weight for layer in layers]
     params += [layer.bias for layer in layers if layer.bias is not None]
     weight_grads, gemm = layers[0].weight_grads, layers[0].gemm  # (a group is converted whole)
+    if sequence_parallel and overlap:  # x: [b, s/tp, in]
+        return _overlapped_column(x, axis, len(layers), weight_grads, gemm, False, *params)
     if sequence_parallel:  # x: [b, s/tp, in]
         return _SequenceParallelLinear.apply(x, axis, len(layers), weight_grads, gemm, *params)
     if axis.size > 1 or len(layers) > 1:  # (several layers: do not save their joined weight)
@@ -212,6 +221,90 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_x, None, None, None, None, *params
 
 
+class _OverlappedColumnLinear(torch.autograd.Function):
+    """`_SequenceParallelLinear` with its communication overlapped (`tp_overlap`): the
+    all-gather of the `[b, s/tp, in]` input runs as ring steps, each behind the matmul of the
+    chunk already here (`gather_matmul`); backward reduce-scatters the input gradient as ring
+    steps behind the partial matmul of the next chunk (`matmul_reduce_scatter`) and re-gathers
+    the input for the weight gradient along the same steps. A split backward that defers the
+    weight gradient leaves the re-gather to the weight-gradient action (one all-gather, as
+    unoverlapped). `save_gathered`: keep the gathered input for backward instead of the shard
+    (the output layer, which saves it unoverlapped too: no re-gather)."""
+
+    @staticmethod
+    def forward(ctx, x, axis: MeshAxis, num_weights: int,
+                weight_grads: WeightGradients | None, gemm: DenseGemm, save_gathered: bool,
+                *params):
+        weights, biases = _split_params(num_weights, params)
+        weight, bias = _joined(weights), _joined(biases) if biases else None
+        products, chunks = gather_matmul(x, axis, lambda chunk: gemm.output(chunk, weight, bias))
+        ctx.save_for_backward(torch.cat(chunks, dim=1) if save_gathered else x, *weights)
+        ctx.axis, ctx.has_bias, ctx.save_gathered = axis, bool(biases), save_gathered
+        ctx.gemm = gemm
+        ctx.weight_grads, ctx.params = weight_grads, params
+        return torch.cat(products, dim=1)  # [b, s, out/tp]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors  # x: [b, s/tp, in], or [b, s, in] if save_gathered
+        axis, weight = ctx.axis, _joined(weights)
+        deferred = ctx.weight_grads is not None and ctx.weight_grads.deferring
+        carry = None if ctx.save_gathered or deferred else x
+        grad_x, chunks = None, None
+        if ctx.needs_input_grad[0]:
+            grad_x, chunks = matmul_reduce_scatter(
+                lambda j: ctx.gemm.grad_input(sequence_chunk(grad, axis, j), weight), axis,
+                carry=carry)
+
+        def gathered() -> torch.Tensor:  # [b, s, in]
+            if ctx.save_gathered:
+                return x
+            if chunks is not None:
+                return torch.cat(chunks, dim=1)
+            return comm.all_gather(x, axis, dim=1)
+
+        params = now_or_later(ctx.weight_grads, ctx.params,
+                              lambda: _column_grads(ctx, grad, gathered(), weights))
+        return grad_x, None, None, None, None, None, *params
+
+
+class _OverlappedRowLinear(torch.autograd.Function):
+    """The sequence-parallel row-parallel matmul and its reduce-scatter along the sequence as
+    ring steps, each behind the partial matmul of the next chunk (`tp_overlap`); backward
+    all-gathers the output gradient as ring steps behind the input-gradient matmul of the chunk
+    already here, and keeps the gathered gradient for the weight gradient (deferred under
+    `weight_grads`). The bias is added by the layer, after the sum."""
+
+    @staticmethod
+    def forward(ctx, x, weight, axis: MeshAxis, weight_grads: WeightGradients | None,
+                gemm: DenseGemm):
+        ctx.save_for_backward(x, weight)  # x: [b, s, in/tp]
+        ctx.axis, ctx.weight_grads, ctx.params, ctx.gemm = axis, weight_grads, (weight,), gemm
+        y, _ = matmul_reduce_scatter(
+            lambda j: gemm.output(sequence_chunk(x, axis, j), weight, None), axis)
+        return y  # [b, s/tp, out]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        needed = ctx.needs_input_grad[0]
+        gemm = ctx.gemm
+        products, chunks = gather_matmul(
+            grad, ctx.axis, lambda chunk: gemm.grad_input(chunk, weight) if needed else chunk)
+        grad_x = torch.cat(products, dim=1) if needed else None  # [b, s, in/tp]
+        full = torch.cat(chunks, dim=1)  # [b, s, out]
+        grad_weight, = now_or_later(ctx.weight_grads, ctx.params, lambda: (
+            gemm.grad_weight(full.reshape(-1, full.shape[-1]), x.reshape(-1, x.shape[-1])),))
+        return grad_x, grad_weight, None, None, None
+
+
+# Dynamo cannot trace the ring's point-to-point calls: under torch.compile each overlapped layer
+# is one call that the graph breaks around and that runs eagerly (traced, it would break several
+# times inside the ring instead).
+_overlapped_column = torch.compiler.disable(_OverlappedColumnLinear.apply)
+_overlapped_row = torch.compiler.disable(_OverlappedRowLinear.apply)
+
+
 class _TensorParallelModule(nn.Module):
     shards: dict[str, Shard]
     weight_grads: WeightGradients | None = None
@@ -263,7 +356,8 @@ class ColumnParallelLinear(_TensorParallelModule):
     """Y = X A^T with A split by rows of its `[out, in]` weight: this rank computes out/tp
     features. No communication forward when `gather_output=False`; the input enters through f.
     With `sequence_parallel` the input is `[b, s/tp, in]` and is all-gathered along the sequence
-    instead (see `_SequenceParallelLinear`).
+    instead (see `_SequenceParallelLinear`; `tp_overlap`: as ring steps overlapped with chunks of
+    the matmul, `_OverlappedColumnLinear`).
 
     `output_blocks` > 1 treats the output as equal blocks (q, k, v of a fused projection) each
     split over TP, so every rank holds matching rows of each block. `replicas` > 1 splits the
@@ -274,10 +368,11 @@ class ColumnParallelLinear(_TensorParallelModule):
 
     def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
                  bias: bool = True, gather_output: bool = False, output_blocks: int = 1,
-                 sequence_parallel: bool = False, replicas: int = 1):
+                 sequence_parallel: bool = False, replicas: int = 1, tp_overlap: bool = False):
         super().__init__()
         self.tp_axis = _tp_axis(mesh)
         self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
+        self.tp_overlap = tp_overlap and self.sequence_parallel
         if replicas < 1 or self.tp_axis.size % replicas:
             raise ValueError(f"ColumnParallelLinear replicas ({replicas}) must divide tp"
                              f" ({self.tp_axis.size})")
@@ -305,7 +400,8 @@ class ColumnParallelLinear(_TensorParallelModule):
 
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _column_parallel(x, self.tp_axis, self.sequence_parallel, [self])  # [..., out/tp]
+        y = _column_parallel(x, self.tp_axis, self.sequence_parallel, [self],
+                             self.tp_overlap)  # [..., out/tp]
         if not self.gather_output or self.tp_axis.size == 1:
             return y
         y = regions.gather_from_tensor_parallel_region(y, self.tp_axis)  # [..., tp * out/tp]
@@ -326,6 +422,7 @@ class ColumnParallelGroup(nn.Module):
         super().__init__()
         first = next(iter(layers.values()))
         if any(layer.sequence_parallel != first.sequence_parallel or layer.gather_output
+               or layer.tp_overlap != first.tp_overlap
                or (layer.bias is None) != (first.bias is None) for layer in layers.values()):
             raise ValueError("ColumnParallelGroup needs layers that differ only in shape")
         for name, layer in layers.items():
@@ -333,7 +430,8 @@ class ColumnParallelGroup(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layers = list(self.children())
-        y = _column_parallel(x, layers[0].tp_axis, layers[0].sequence_parallel, layers)
+        y = _column_parallel(x, layers[0].tp_axis, layers[0].sequence_parallel, layers,
+                             layers[0].tp_overlap)
         return y.split([layer.weight.shape[0] for layer in layers], dim=-1)
 
 
@@ -341,14 +439,16 @@ class RowParallelLinear(_TensorParallelModule):
     """Y = X A^T with A split by columns of its `[out, in]` weight: each rank multiplies its
     in/tp slice of X and the partial results are summed by g (one all-reduce forward).
     The bias is added once, after the sum. With `sequence_parallel` the sum is a reduce-scatter
-    along the sequence and the output `[b, s/tp, out]`."""
+    along the sequence and the output `[b, s/tp, out]` (`tp_overlap`: as ring steps overlapped
+    with chunks of the matmul, `_OverlappedRowLinear`)."""
 
     def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
                  bias: bool = True, input_is_parallel: bool = False,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, tp_overlap: bool = False):
         super().__init__()
         self.tp_axis = _tp_axis(mesh)
         self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
+        self.tp_overlap = tp_overlap and self.sequence_parallel
         tp = self.tp_axis.size
         _check_divisible("RowParallelLinear in_features", in_features, tp)
         self.in_features, self.out_features = in_features, out_features
@@ -367,7 +467,9 @@ class RowParallelLinear(_TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = regions.scatter_to_tensor_parallel_region(x, self.tp_axis)
-        if self.sequence_parallel:  # summed and split along the sequence: [b, s/tp, out]
+        if self.tp_overlap:  # the same, as ring steps behind chunks of the matmul
+            y = _overlapped_row(x, self.weight, self.tp_axis, self.weight_grads, self.gemm)
+        elif self.sequence_parallel:  # summed and split along the sequence: [b, s/tp, out]
             y = regions.reduce_scatter_to_sequence_parallel_region(
                 _linear(x, self.weight, None, self.weight_grads, self.gemm), self.tp_axis)
         elif self.tp_axis.size > 1:  # summed partials
@@ -386,10 +488,12 @@ class VocabParallelEmbedding(_TensorParallelModule):
     sequence parallelism)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
-                 mesh: ParallelMesh | MeshAxis, sequence_parallel: bool = False):
+                 mesh: ParallelMesh | MeshAxis, sequence_parallel: bool = False,
+                 tp_overlap: bool = False):
         super().__init__()
         self.tp_axis = _tp_axis(mesh)
         self.sequence_parallel = sequence_parallel and self.tp_axis.size > 1
+        self.tp_overlap = tp_overlap and self.sequence_parallel  # as an output layer
         tp = self.tp_axis.size
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padded_num_embeddings = math.ceil(num_embeddings / tp) * tp
@@ -425,9 +529,14 @@ class VocabParallelEmbedding(_TensorParallelModule):
 
         The input enters through f (or, sequence parallel, an all-gather of `[b, s/tp, h]`), so
         its gradient is summed over TP in backward; padded vocabulary entries get -inf, so they
-        take no probability and no gradient.
+        take no probability and no gradient. With `tp_overlap` the all-gather runs as ring
+        steps behind chunks of the matmul (`_OverlappedColumnLinear`, keeping the gathered
+        hidden states for backward as the unoverlapped path does).
         """
-        if self.sequence_parallel:
+        if self.tp_overlap:
+            logits = _overlapped_column(hidden, self.tp_axis, 1, self.weight_grads, self.gemm,
+                                        True, self.weight)
+        elif self.sequence_parallel:
             hidden = regions.gather_from_sequence_parallel_region(hidden, self.tp_axis)
             logits = _linear(hidden, self.weight, None, self.weight_grads)
         elif self.tp_axis.size > 1:  # f fused: the all-reduce overlaps the weight gradient

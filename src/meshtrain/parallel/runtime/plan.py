@@ -75,6 +75,10 @@ class ParallelPlan:
                         searched=True, choices=ZERO_STAGES)
     sequence_parallel: bool = _layout(False, "Megatron sequence parallelism over the TP ranks"
                                              " (needs tp > 1)", spec="sp", searched=True)
+    tp_overlap: bool = _layout(False, "overlap the all-gather and reduce-scatter of sequence"
+                                      " parallelism with the matmuls of the tensor-parallel"
+                                      " linears, chunk by chunk around the tp ranks (needs"
+                                      " sequence_parallel, tp_scheme 1d)")
     recompute: str = _layout("none", "activation recomputation: none, selective (attention"
                                      " core) or full (whole layers)", spec="recompute",
                              searched=True, choices=RECOMPUTE)
@@ -216,6 +220,7 @@ class ParallelPlan:
         self.validate_choices()
         plan = self.resolved(world_size)
         plan._validate_numbers(global_batch)
+        plan._validate_tp_overlap()
         plan.scheme.check(plan, model)
         model.validate_for_tp(plan.head_parts)
         model.validate_for_ep(plan.ep)
@@ -243,6 +248,21 @@ class ParallelPlan:
                 f" dtype ({self.precision})"))
         if not math.isfinite(self.bucket_mb) or int(self.bucket_mb * 2**20) < 1:
             raise SettingError(Code.RANGE, f"`bucket_mb` must be positive, got {self.bucket_mb}")
+
+    def _validate_tp_overlap(self) -> None:
+        """Overlap chunks the all-gather and reduce-scatter of 1d sequence parallelism."""
+        if not self.tp_overlap:
+            return
+        if not self.scheme.allows("tp_overlap"):
+            raise SettingError(Code.TP_OVERLAP_SCHEME, (
+                f"`tp_overlap` overlaps the sequence-parallel communication of 1d"
+                f" tensor-parallel layers, which `tp_scheme` {self.tp_scheme}'s grid layers do"
+                " not have: use `tp_scheme` 1d or drop `tp_overlap`"))
+        if not self.sequence_parallel:
+            raise SettingError(Code.TP_OVERLAP_WITHOUT_SP, (
+                "`tp_overlap` overlaps the all-gather and reduce-scatter of"
+                " `sequence_parallel`: add `sequence_parallel` (with `tp` > 1) or drop"
+                " `tp_overlap`"))
 
     def _validate_execution(self, model, seq_len: int) -> None:
         """Sequence and context parallelism, recomputation."""

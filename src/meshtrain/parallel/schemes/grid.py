@@ -29,11 +29,12 @@ class GridScheme(TPScheme):
     """A scheme whose TP block is a grid of side q: heads split q ways, hidden states split
     over batch and hidden size, nothing replicated outside the layers; sequence and context
     parallelism and experts are refused (routing and the sequence splits assume whole tokens
-    of the hidden size on a rank)."""
+    of the hidden size on a rank), and so is `tp_overlap`, which overlaps sequence-parallel
+    communication."""
 
     splits_hidden = True
     refuses = ("sequence_parallel", "cp", "ep", "moe_experts", "split_backward", "compile",
-               "fp8")
+               "fp8", "tp_overlap")
 
     def input_width_parts(self, grid: dict[str, int]) -> int:
         """How many ways a weight's input features are split."""

@@ -31,34 +31,40 @@ class Megatron1D(LayerFactory):
 
     Hidden states are replicated over TP (`[b, s, h]`) or, with sequence parallelism, split
     along the sequence (`[b, s/tp, h]`); column-parallel layers split heads and the MLP width,
-    row-parallel layers sum them back (seed 000). Norms stay whole.
+    row-parallel layers sum them back (seed 000). Norms stay whole. With `tp_overlap` the
+    sequence-parallel linears (the output layer too) overlap their all-gather and
+    reduce-scatter with chunks of their matmuls.
     """
 
     def __init__(self, plan, mesh: ParallelMesh):
         super().__init__(plan, mesh)
         self.sequence_parallel = plan.sequence_parallel and mesh.tp.size > 1
+        self.tp_overlap = plan.tp_overlap and self.sequence_parallel
 
     def column(self, dense: nn.Linear, *, blocks: int = 1, heads: int | None = None) -> nn.Module:
         # heads fewer than the TP ranks: each is held whole by tp / heads consecutive ranks
         replicas = max(1, self.mesh.tp.size // heads) if heads else 1
         return ColumnParallelLinear.from_dense(dense, mesh=self.mesh, output_blocks=blocks,
                                                sequence_parallel=self.sequence_parallel,
-                                               replicas=replicas)
+                                               replicas=replicas, tp_overlap=self.tp_overlap)
 
     def column_group(self, **layers: nn.Module) -> nn.Module:
         return ColumnParallelGroup(**layers)
 
     def row(self, dense: nn.Linear) -> nn.Module:
         return RowParallelLinear.from_dense(dense, mesh=self.mesh, input_is_parallel=True,
-                                            sequence_parallel=self.sequence_parallel)
+                                            sequence_parallel=self.sequence_parallel,
+                                            tp_overlap=self.tp_overlap)
 
     def vocab_embedding(self, dense: nn.Embedding) -> nn.Module:
         return VocabParallelEmbedding.from_dense(dense, mesh=self.mesh,
-                                                 sequence_parallel=self.sequence_parallel)
+                                                 sequence_parallel=self.sequence_parallel,
+                                                 tp_overlap=self.tp_overlap)
 
     def vocab_head(self, dense: nn.Linear) -> nn.Module:
         return VocabParallelHead.from_dense(dense, mesh=self.mesh,
-                                            sequence_parallel=self.sequence_parallel)
+                                            sequence_parallel=self.sequence_parallel,
+                                            tp_overlap=self.tp_overlap)
 
     def norm(self, dense: nn.Module) -> nn.Module:
         return dense

@@ -74,8 +74,8 @@ class TPScheme(ABC):
     refuses: tuple[str, ...] = ()
     """Settings the scheme does not combine with (when on): sequence_parallel, cp, ep,
     moe_experts, split_backward (zero-bubble schedules: its layers cannot defer their
-    weight gradients), compile (per-block torch.compile) and fp8 (its layers have no float8
-    matmuls)."""
+    weight gradients), compile (per-block torch.compile), fp8 (its layers have no float8
+    matmuls) and tp_overlap (its layers have no sequence-parallel communication)."""
     takes_depth = False
     """Whether the grid has a depth the `tp_depth` setting chooses (`registry.tp_grid`
     refuses one elsewhere)."""
