@@ -167,23 +167,23 @@ def test_a_converted_model_trains_close_to_the_unconverted_one(recipe, float8):
     assert loss_error < 1e-3 and 0 < grad_error < 0.15, (loss_error, grad_error)
 
 
-def _check_tp2(sequence_parallel):
+def _check_tp2(layout: dict):
     mesh = worker_mesh(tp=2)
     cfg = preset("llama-tiny")
-    model = build_model(cfg, mesh, ParallelPlan(tp=2, sequence_parallel=sequence_parallel),
-                        seed=0)
+    model = build_model(cfg, mesh, ParallelPlan(tp=2, **layout), seed=0)
     converted = convert_to_float8(model, "rowwise", emulate=True)
     return converted, _close_to_dense(cfg, model, converted)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_tp2_converts_the_local_shapes_and_stays_close(sequence_parallel, float8):
+@pytest.mark.parametrize("layout", [{}, {"sequence_parallel": True},
+                                    {"sequence_parallel": True, "tp_overlap": True}],
+                         ids=["tp2", "tp2_sp", "tp2_sp_overlap"])
+def test_tp2_converts_the_local_shapes_and_stays_close(layout, float8):
     """At tp 2 Llama's MLP down projection holds 176 / 2 = 88 input features, not a multiple
     of 16: it keeps its matmul; the rest run in float8 through the TP collectives (measured:
     loss within 1.1e-4 relative, gradients within 8.2%, with and without sequence
-    parallelism)."""
-    (converted, (loss_error, grad_error)), again = run_on_ranks(2, _check_tp2,
-                                                                 sequence_parallel)
+    parallelism; the overlapped layers scale each chunk of their matmuls on its own)."""
+    (converted, (loss_error, grad_error)), again = run_on_ranks(2, _check_tp2, layout)
     assert again[0] == converted == [f"layers.{i}.{layer}" for i in range(4)
                                      for layer in CONVERTED["llama-tiny"][:-1]]
     assert loss_error < 1e-3 and 0 < grad_error < 0.15, (loss_error, grad_error)
