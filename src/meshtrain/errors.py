@@ -47,6 +47,11 @@ class Code(Enum):
     GRID_BATCH_SPLIT = "micro-batch not divisible by the grid's batch split"
     SCHEME_COMBINATION = "grid scheme with sp, cp or MoE"
     MESH_SCHEME = "mesh built for another tp scheme"
+    # a torch DeviceMesh handed in, and DTensor state dicts out
+    DEVICE_MESH_DIMS = "DeviceMesh dims meshtrain cannot map"
+    DEVICE_MESH_DEGREES = "DeviceMesh dims do not match the degrees"
+    DEVICE_MESH_LAYOUT = "DeviceMesh ranks not laid out as meshtrain's axes"
+    DTENSOR_LAYOUT = "layout a DTensor state dict cannot describe"
     # ZeRO
     ZERO_PIPELINE = "zero 2/3 with pp > 1"
     ZERO_2BW = "zero with 2bw"

@@ -1,0 +1,129 @@
+"""State dicts as DTensors on the run's `torch.distributed` DeviceMesh, for PyTorch's own tools
+(`torch.distributed.checkpoint` saves them and loads them into any other layout, meshtrain or not).
+
+Each tensor is keyed by its parameter's name and holds this rank's local data with the placements
+that describe it on `mesh.device_mesh` (dims pp, dp..., cp, tp):
+- a parameter no TP layer splits (norms, biases of row-parallel layers): `Replicate()` everywhere;
+- one split along a dimension as one block without replicas (column-parallel weights `Shard(0)`,
+  row-parallel weights `Shard(1)`, the vocabulary `Shard(0)`): that `Shard` on the tp dim,
+  `Replicate()` on the others. The DTensor has the logical shape: the vocabulary's padding (to a
+  multiple of tp) sits at the end of the last ranks' slices, exactly where torch's uneven
+  `Shard` leaves those ranks shorter, so it is cut off the local tensor;
+- a split no single `Shard` describes, because a rank holds one chunk of each of several fused
+  blocks (GPT's fused q/k/v, Llama's fused k/v and gate/up) or shares its chunk with other TP
+  ranks (key/value heads fewer than tp): gathered over tp and `Replicate()` (correct, reshardable,
+  tp times the memory for those tensors). `placement_notes` lists them.
+Optimizer moments take their parameter's placements; under ZeRO they are first gathered whole
+over dp (`GradientSync.export`, a collective), so they are `Replicate()` over dp too rather than
+pieces of ZeRO's flat buffers, whose offsets do not line up with parameters.
+Pipeline stages (pp > 1) and the grid TP schemes are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as DShard
+
+from meshtrain.errors import Code, SettingError
+from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel.layers.sharding import (
+    GridPosition,
+    Shard,
+    ShardSpec,
+    shard_pieces,
+    tensor_parallel_home,
+    unshard_tensor,
+)
+
+
+def _check_layout(mesh: ParallelMesh) -> None:
+    if mesh.pp.size > 1:
+        raise SettingError(Code.DTENSOR_LAYOUT, f"DTensor state dicts at `pp` {mesh.pp.size}:"
+                           " stages hold different parameters; use pp 1 or meshtrain's checkpoints")
+    if mesh.tp_scheme != "1d":
+        raise SettingError(Code.DTENSOR_LAYOUT, f"DTensor state dicts with `tp_scheme`"
+                           f" {mesh.tp_scheme}: only the 1d scheme's splits map onto one tp dim")
+
+
+def _exact(spec: ShardSpec | None) -> bool:
+    """Whether one torch `Shard` describes the split (one block, no replicas)."""
+    return isinstance(spec, Shard) and spec.num_blocks == 1 and spec.replicas == 1
+
+
+def _tp_dim(mesh: ParallelMesh) -> int | None:
+    names = tuple(mesh.device_mesh.mesh_dim_names)
+    return names.index("tp") if "tp" in names else None
+
+
+def _to_dtensor(local: torch.Tensor, spec: ShardSpec | None, home,
+                mesh: ParallelMesh) -> DTensor:
+    """`local` (this rank's slice, laid out as `spec` says) as a DTensor of the logical tensor."""
+    device_mesh = mesh.device_mesh
+    placements = [Replicate()] * device_mesh.ndim
+    local = local.detach()
+    if spec is not None and not _exact(spec):
+        local = unshard_tensor(local, spec, home)  # a collective over tp
+    elif spec is not None and mesh.tp.size > 1:
+        held = sum(length for _, _, length in shard_pieces(spec, GridPosition.of(home)))
+        local = local.narrow(spec.dim, 0, held)  # cut the padding off
+        placements[_tp_dim(mesh)] = DShard(spec.dim)
+        shape = list(local.shape)
+        shape[spec.dim] = spec.full_size
+        return DTensor.from_local(local.contiguous(), device_mesh, placements, run_check=False,
+                                  shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(local, device_mesh, placements, run_check=False)
+
+
+def _parameter_homes(model: nn.Module) -> dict[str, tuple[ShardSpec | None, object]]:
+    """Every parameter's name -> (its split, what the split is relative to)."""
+    homes = {}
+    for module_name, module in model.named_modules():
+        shards = getattr(module, "shards", None) or {}
+        for name, _ in module.named_parameters(recurse=False):
+            full_name = f"{module_name}.{name}" if module_name else name
+            spec = shards.get(name)
+            homes[full_name] = (spec, tensor_parallel_home(module) if spec is not None else None)
+    return homes
+
+
+def placement_notes(model: nn.Module) -> dict[str, str]:
+    """Parameters stored gathered and replicated over tp, with the reason (see the module)."""
+    notes = {}
+    for name, (spec, _) in _parameter_homes(model).items():
+        if spec is not None and not _exact(spec):
+            reason = (f"{spec.num_blocks} fused blocks" if spec.num_blocks > 1 else
+                      f"chunks shared by {spec.replicas} tp ranks")
+            notes[name] = f"gathered over tp, Replicate: {reason}"
+    return notes
+
+
+def dtensor_state_dict(model: nn.Module, mesh: ParallelMesh) -> dict[str, DTensor]:
+    """The model's parameters as DTensors on `mesh.device_mesh` with their placements.
+
+    A collective over tp (the gathered tensors) and, the first time a mesh built its own groups,
+    over the world (`ParallelMesh.device_mesh`): call it on every rank."""
+    _check_layout(mesh)
+    homes = _parameter_homes(model)
+    return {name: _to_dtensor(param, *homes[name], mesh)
+            for name, param in model.named_parameters()}
+
+
+def dtensor_optimizer_state_dict(sync, model: nn.Module, mesh: ParallelMesh) -> dict:
+    """The AdamW state of `sync` (a `GradientSync`, replicated or ZeRO) keyed by parameter name:
+    `{name: {"exp_avg": DTensor, "exp_avg_sq": DTensor, "step": tensor}}`, each moment with its
+    parameter's placements (ZeRO: gathered whole over dp first). Empty before the first step.
+    A collective over tp, and over dp under ZeRO: call it on every rank."""
+    _check_layout(mesh)
+    homes = _parameter_homes(model)
+    _, states, step = sync.export()
+    out = {}
+    for name, state in (states or {}).items():
+        entry = {key: _to_dtensor(value, *homes[name], mesh) for key, value in state.items()
+                 if key != "step"}
+        count = state.get("step", step)
+        entry["step"] = torch.as_tensor(count, dtype=torch.float32).detach().cpu().clone()
+        out[name] = entry
+    return out
