@@ -100,15 +100,25 @@ def placement_notes(model: nn.Module) -> dict[str, str]:
     return notes
 
 
-def dtensor_state_dict(model: nn.Module, mesh: ParallelMesh) -> dict[str, DTensor]:
+def dtensor_state_dict(model: nn.Module, mesh: ParallelMesh, *,
+                       sync=None) -> dict[str, DTensor]:
     """The model's parameters as DTensors on `mesh.device_mesh` with their placements.
 
-    A collective over tp (the gathered tensors) and, the first time a mesh built its own groups,
-    over the world (`ParallelMesh.device_mesh`): call it on every rank."""
+    With `sync` (the run's `GradientSync`) the values are those its optimizer steps (fp32
+    masters where the model is 16-bit; ZeRO: gathered whole over dp, a collective), which is
+    what ZeRO-3 needs: its parameters are freed between steps, so without `sync` they are
+    refused. A collective over tp (the gathered tensors) and, the first time a mesh built its
+    own groups, over the world (`ParallelMesh.device_mesh`): call it on every rank."""
     _check_layout(mesh)
     homes = _parameter_homes(model)
-    return {name: _to_dtensor(param, *homes[name], mesh)
-            for name, param in model.named_parameters()}
+    if sync is not None:
+        values = sync.export()[0]
+    else:
+        values = dict(model.named_parameters())
+        if any(p.untyped_storage().size() == 0 and p.numel() for p in values.values()):
+            raise SettingError(Code.DTENSOR_LAYOUT, "the parameters are freed between steps"
+                               " (`zero` 3): pass the run's sync to take its values")
+    return {name: _to_dtensor(value, *homes[name], mesh) for name, value in values.items()}
 
 
 def dtensor_optimizer_state_dict(sync, model: nn.Module, mesh: ParallelMesh) -> dict:
