@@ -176,6 +176,11 @@ def _refusals():
     mesh = init_parallel(device_mesh=titan, device="cpu", tp=2)
     assert mesh.degrees == {"pp": 1, "dp": 2, "cp": 1, "tp": 2, "ep": 1}
     assert mesh.dp.ranks == (dist.get_rank() % 2, dist.get_rank() % 2 + 2)
+    # dp_replicate x dp_shard both > 1: one dp axis over both (meshtrain builds its group)
+    hybrid = init_parallel(device_mesh=DeviceMesh("cpu", grid, mesh_dim_names=(
+        "dp_replicate", "dp_shard")), device="cpu")
+    assert hybrid.degrees["dp"] == 4 and hybrid.dp.ranks == (0, 1, 2, 3)
+    assert hybrid.tp.group is None and hybrid.dp.group is not None
     return codes
 
 
@@ -187,12 +192,14 @@ def test_device_meshes_that_do_not_fit_are_refused_in_one_line():
     assert "ep=2" in codes[0][1] and "`tp`=4" in codes[4][1]
 
 
-def _refuse_pipeline_state():
-    mesh = worker_mesh(pp=2, dp=2)
+def _refuse_state(**degrees):
+    mesh = worker_mesh(**degrees)
     with pytest.raises(SettingError) as error:
         dtensor_state_dict(torch.nn.Linear(2, 2), mesh)
     return error.value.code
 
 
-def test_pipeline_stages_are_refused():
-    assert run_on_ranks(4, _refuse_pipeline_state)[0] == Code.DTENSOR_LAYOUT
+@pytest.mark.parametrize("degrees", [{"pp": 2, "dp": 2}, {"tp": 4, "tp_scheme": "2d"}],
+                         ids=["pp", "2d"])
+def test_pipeline_stages_and_grid_schemes_are_refused(degrees):
+    assert run_on_ranks(4, _refuse_state, **degrees)[0] == Code.DTENSOR_LAYOUT

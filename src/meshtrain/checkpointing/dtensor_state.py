@@ -42,7 +42,7 @@ def _check_layout(mesh: ParallelMesh) -> None:
     if mesh.pp.size > 1:
         raise SettingError(Code.DTENSOR_LAYOUT, f"DTensor state dicts at `pp` {mesh.pp.size}:"
                            " stages hold different parameters; use pp 1 or meshtrain's checkpoints")
-    if mesh.tp_scheme != "1d":
+    if tuple(mesh.tp_grid) != ("tp",):  # a grid: splits name several grid axes
         raise SettingError(Code.DTENSOR_LAYOUT, f"DTensor state dicts with `tp_scheme`"
                            f" {mesh.tp_scheme}: only the 1d scheme's splits map onto one tp dim")
 
