@@ -86,7 +86,7 @@ def init_parallel(
         made = device_mesh_degrees(device_mesh, dist.get_world_size())
         check_asked_degrees(device_mesh, made, {"tp": tp, "pp": pp, "dp": dp, "cp": cp})
         tp, pp, dp, cp = made["tp"], made["pp"], made["dp"], made["cp"]
-    tp, pp, cp = tp or 1, pp or 1, cp or 1
+    tp, pp, cp = (1 if d is None else d for d in (tp, pp, cp))  # (0 stays: refused below)
     if dist.is_initialized():
         world_size = dist.get_world_size()
     else:
