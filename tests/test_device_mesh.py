@@ -16,6 +16,7 @@ from meshtrain import ParallelMesh
 from meshtrain.checkpointing.dtensor_state import (
     dtensor_optimizer_state_dict,
     dtensor_state_dict,
+    load_dtensor_state_dict,
     placement_notes,
 )
 from meshtrain.errors import Code, SettingError
@@ -134,6 +135,22 @@ def _save_initial(out, family_preset, overrides):
     return {name: tuple(t.shape) for name, t in state.items()}
 
 
+def _load_at_tp4(out, family_preset, overrides):
+    """The tp 2 x dp 2 checkpoint loaded by dcp into the DTensors of a tp 4 model (another
+    seed), then gathered: the seed-5 dense weights, bitwise."""
+    mesh = worker_mesh(tp=4)
+    cfg = preset(family_preset, **overrides)
+    model = build_model(cfg, mesh, seed=9)
+    state = dtensor_state_dict(model, mesh)
+    dcp.load(state, checkpoint_id=out)
+    dense = dict(build_model(cfg, ParallelMesh.local(), seed=5).named_parameters())
+    wrong = [name for name, tensor in state.items()
+             if not torch.equal(tensor.full_tensor(), dense[name].detach())]
+    load_dtensor_state_dict(model, mesh, state)  # and into the tp 4 model's own parameters
+    return wrong + [name for name, tensor in named_full_tensors(model)
+                    if not torch.equal(tensor, dense[name].detach())]
+
+
 @pytest.mark.parametrize("family_preset,overrides", [
     ("tiny", {"vocab_size": 255}),  # the vocabulary padded to 256 over tp 2
     ("llama-tiny", {"vocab_size": 255, "num_kv_heads": 1}),  # kv heads shared by both tp ranks
@@ -141,7 +158,7 @@ def _save_initial(out, family_preset, overrides):
 def test_padded_vocabularies_and_shared_kv_heads_save_their_logical_tensors(
         tmp_path, family_preset, overrides):
     """The DTensors have the dense model's shapes (the vocabulary's padding is not saved) and
-    load bitwise into the dense model built from the same seed."""
+    load bitwise into the dense model built from the same seed, and into a tp 4 model."""
     shapes = run_on_ranks(4, _save_initial, str(tmp_path), family_preset, overrides)[0]
     dense = build_model(preset(family_preset, **overrides), ParallelMesh.local(), seed=5)
     assert shapes == {n: tuple(p.shape) for n, p in dense.named_parameters()}
@@ -149,6 +166,8 @@ def test_padded_vocabularies_and_shared_kv_heads_save_their_logical_tensors(
     dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
     for name, param in dense.named_parameters():
         assert torch.equal(state[name], param.detach()), name
+    # and resharded by dcp onto 4 ranks at tp 4 (255 rows: 64, 64, 64, 63)
+    assert run_on_ranks(4, _load_at_tp4, str(tmp_path), family_preset, overrides)[0] == []
 
 
 def _refusals():

@@ -16,7 +16,8 @@ that describe it on `mesh.device_mesh` (dims pp, dp..., cp, tp):
 Optimizer moments take their parameter's placements; under ZeRO they are first gathered whole
 over dp (`GradientSync.export`, a collective), so they are `Replicate()` over dp too rather than
 pieces of ZeRO's flat buffers, whose offsets do not line up with parameters.
-Pipeline stages (pp > 1) and the grid TP schemes are refused.
+Pipeline stages (pp > 1) and the grid TP schemes are refused. `load_dtensor_state_dict` copies
+such a dict, once `dcp.load` has filled it from any layout, back into a model's parameters.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from meshtrain.parallel.layers.sharding import (
     Shard,
     ShardSpec,
     shard_pieces,
+    shard_tensor,
     tensor_parallel_home,
     unshard_tensor,
 )
@@ -45,6 +47,13 @@ def _check_layout(mesh: ParallelMesh) -> None:
     if tuple(mesh.tp_grid) != ("tp",):  # a grid: splits name several grid axes
         raise SettingError(Code.DTENSOR_LAYOUT, f"DTensor state dicts with `tp_scheme`"
                            f" {mesh.tp_scheme}: only the 1d scheme's splits map onto one tp dim")
+
+
+def _check_held(model: nn.Module, instead: str) -> None:
+    """ZeRO-3 frees its parameters' storage between steps: nothing to read or write there."""
+    if any(p.untyped_storage().size() == 0 and p.numel() for p in model.parameters()):
+        raise SettingError(Code.DTENSOR_LAYOUT, "the parameters are freed between steps"
+                           f" (`zero` 3): {instead}")
 
 
 def _exact(spec: ShardSpec | None) -> bool:
@@ -114,10 +123,8 @@ def dtensor_state_dict(model: nn.Module, mesh: ParallelMesh, *,
     if sync is not None:
         values = sync.export()[0]
     else:
+        _check_held(model, "pass the run's sync to take its values")
         values = dict(model.named_parameters())
-        if any(p.untyped_storage().size() == 0 and p.numel() for p in values.values()):
-            raise SettingError(Code.DTENSOR_LAYOUT, "the parameters are freed between steps"
-                               " (`zero` 3): pass the run's sync to take its values")
     return {name: _to_dtensor(value, *homes[name], mesh) for name, value in values.items()}
 
 
@@ -137,3 +144,24 @@ def dtensor_optimizer_state_dict(sync, model: nn.Module, mesh: ParallelMesh) -> 
         entry["step"] = torch.as_tensor(count, dtype=torch.float32).detach().cpu().clone()
         out[name] = entry
     return out
+
+
+@torch.no_grad()
+def load_dtensor_state_dict(model: nn.Module, mesh: ParallelMesh,
+                            state: dict[str, DTensor]) -> None:
+    """Copy `state` (`dtensor_state_dict(model, mesh)`'s dict after `dcp.load` filled it, from a
+    checkpoint of any layout) into the model's parameters. The model's own tensors only: a run
+    whose optimizer steps separate copies (16-bit models' fp32 masters, ZeRO) resumes from
+    meshtrain's checkpoints instead. No communication."""
+    _check_layout(mesh)
+    _check_held(model, "resume from meshtrain's checkpoints")
+    homes = _parameter_homes(model)
+    for name, param in model.named_parameters():
+        spec, home = homes[name]
+        local = state[name].to_local()
+        if spec is not None and not _exact(spec):
+            param.copy_(shard_tensor(local, spec, home))  # stored whole: take this rank's part
+        elif spec is not None:
+            param.narrow(spec.dim, 0, local.shape[spec.dim]).copy_(local)  # padding stays
+        else:
+            param.copy_(local)
