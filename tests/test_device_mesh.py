@@ -218,7 +218,29 @@ def _refuse_state(**degrees):
     return error.value.code
 
 
-@pytest.mark.parametrize("degrees", [{"pp": 2, "dp": 2}, {"tp": 4, "tp_scheme": "2d"}],
-                         ids=["pp", "2d"])
-def test_pipeline_stages_and_grid_schemes_are_refused(degrees):
-    assert run_on_ranks(4, _refuse_state, **degrees)[0] == Code.DTENSOR_LAYOUT
+def test_grid_schemes_are_refused():
+    assert run_on_ranks(4, _refuse_state, tp=4, tp_scheme="2d")[0] == Code.DTENSOR_LAYOUT
+
+
+def _save_stages(corpus, out, model):
+    mesh = worker_mesh(pp=2, tp=2)
+    trainer = Trainer.build(_config(corpus, out, model), mesh)
+    state = dtensor_state_dict(trainer.model, mesh)
+    dcp.save(state, checkpoint_id=f"{out}/stages")
+    return sorted(state), {name: tuple(t.placements) for name, t in state.items()}
+
+
+@pytest.mark.parametrize("model", [None, LLAMA], ids=["gpt", "llama"])
+def test_pipeline_stages_save_their_own_parameters(corpus, tmp_path, model):
+    """pp 2 x tp 2: each stage's DTensors live on its (dp, cp, tp) submesh under their own
+    names (the tied embedding on both end stages); dcp joins them into the whole dense model."""
+    out = str(tmp_path)
+    first, last = (run := run_on_ranks(4, _save_stages, corpus, out, model))[0], run[2]
+    assert first[0] != last[0]
+    assert first[1]["embedding.word.weight"] == (Replicate(), Replicate(), Shard(0))  # dp cp tp
+    dense = dense_reference(_config(corpus, out, model))
+    state = {n: torch.full_like(p, float("nan")) for n, p in dense.named_parameters()}
+    assert set(first[0]) | set(last[0]) == set(state)
+    dcp.load(state, checkpoint_id=f"{out}/stages", no_dist=True)
+    for name, param in dense.named_parameters():
+        assert torch.equal(state[name], param.detach()), name

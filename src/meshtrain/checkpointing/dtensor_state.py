@@ -2,7 +2,7 @@
 (`torch.distributed.checkpoint` saves them and loads them into any other layout, meshtrain or not).
 
 Each tensor is keyed by its parameter's name and holds this rank's local data with the placements
-that describe it on `mesh.device_mesh` (dims pp, dp..., cp, tp):
+that describe it on `mesh.device_mesh` (dims pp, dp..., cp, tp; pp left out, see below):
 - a parameter no TP layer splits (norms, biases of row-parallel layers): `Replicate()` everywhere;
 - one split along a dimension as one block without replicas (column-parallel weights `Shard(0)`,
   row-parallel weights `Shard(1)`, the vocabulary `Shard(0)`): that `Shard` on the tp dim,
@@ -16,8 +16,11 @@ that describe it on `mesh.device_mesh` (dims pp, dp..., cp, tp):
 Optimizer moments take their parameter's placements; under ZeRO they are first gathered whole
 over dp (`GradientSync.export`, a collective), so they are `Replicate()` over dp too rather than
 pieces of ZeRO's flat buffers, whose offsets do not line up with parameters.
-Pipeline stages (pp > 1) and the grid TP schemes are refused. `load_dtensor_state_dict` copies
-such a dict, once `dcp.load` has filled it from any layout, back into a model's parameters.
+Pipeline stages hold different parameters: each stage's tensors live on its own submesh (every
+dim but pp) under their own names, so dcp's files join the stages into one model (a tied
+embedding held by the first and last stage is saved once). The grid TP schemes are refused.
+`load_dtensor_state_dict` copies such a dict, once `dcp.load` has filled it from any layout,
+back into a model's parameters.
 """
 
 from __future__ import annotations
@@ -41,12 +44,22 @@ from meshtrain.parallel.layers.sharding import (
 
 
 def _check_layout(mesh: ParallelMesh) -> None:
-    if mesh.pp.size > 1:
-        raise SettingError(Code.DTENSOR_LAYOUT, f"DTensor state dicts at `pp` {mesh.pp.size}:"
-                           " stages hold different parameters; use pp 1 or meshtrain's checkpoints")
     if tuple(mesh.tp_grid) != ("tp",):  # a grid: splits name several grid axes
         raise SettingError(Code.DTENSOR_LAYOUT, f"DTensor state dicts with `tp_scheme`"
                            f" {mesh.tp_scheme}: only the 1d scheme's splits map onto one tp dim")
+    if tuple(mesh.device_mesh.mesh_dim_names) == ("pp",):
+        raise SettingError(Code.DTENSOR_LAYOUT, "a DeviceMesh of pp alone leaves a stage no"
+                           " dims to place its tensors on: give it dp and tp dims too")
+
+
+def _stage_mesh(mesh: ParallelMesh):
+    """The DeviceMesh a stage's tensors live on: every dim but pp (stages hold different
+    parameters, each saved by its own stage's ranks under its own names)."""
+    device_mesh = mesh.device_mesh
+    names = tuple(device_mesh.mesh_dim_names)
+    if "pp" not in names:
+        return device_mesh
+    return device_mesh[tuple(n for n in names if n != "pp")]
 
 
 def _check_held(model: nn.Module, instead: str) -> None:
@@ -61,15 +74,15 @@ def _exact(spec: ShardSpec | None) -> bool:
     return isinstance(spec, Shard) and spec.num_blocks == 1 and spec.replicas == 1
 
 
-def _tp_dim(mesh: ParallelMesh) -> int | None:
-    names = tuple(mesh.device_mesh.mesh_dim_names)
+def _tp_dim(device_mesh) -> int | None:
+    names = tuple(device_mesh.mesh_dim_names)
     return names.index("tp") if "tp" in names else None
 
 
 def _to_dtensor(local: torch.Tensor, spec: ShardSpec | None, home,
                 mesh: ParallelMesh) -> DTensor:
     """`local` (this rank's slice, laid out as `spec` says) as a DTensor of the logical tensor."""
-    device_mesh = mesh.device_mesh
+    device_mesh = _stage_mesh(mesh)
     placements = [Replicate()] * device_mesh.ndim
     local = local.detach()
     if spec is not None and not _exact(spec):
@@ -77,7 +90,7 @@ def _to_dtensor(local: torch.Tensor, spec: ShardSpec | None, home,
     elif spec is not None and mesh.tp.size > 1:
         held = sum(length for _, _, length in shard_pieces(spec, GridPosition.of(home)))
         local = local.narrow(spec.dim, 0, held)  # cut the padding off
-        placements[_tp_dim(mesh)] = DShard(spec.dim)
+        placements[_tp_dim(device_mesh)] = DShard(spec.dim)
         shape = list(local.shape)
         shape[spec.dim] = spec.full_size
         return DTensor.from_local(local.contiguous(), device_mesh, placements, run_check=False,
