@@ -49,6 +49,11 @@ class Code(Enum):
     SCHEME_COMBINATION = "grid scheme with sp, cp or MoE"
     TP_OVERLAP_SCHEME = "tp_overlap with a grid tp scheme"
     MESH_SCHEME = "mesh built for another tp scheme"
+    # a torch DeviceMesh handed in, and DTensor state dicts out
+    DEVICE_MESH_DIMS = "DeviceMesh dims meshtrain cannot map"
+    DEVICE_MESH_DEGREES = "DeviceMesh dims do not match the degrees"
+    DEVICE_MESH_LAYOUT = "DeviceMesh ranks not laid out as meshtrain's axes"
+    DTENSOR_LAYOUT = "layout a DTensor state dict cannot describe"
     # ZeRO
     ZERO_PIPELINE = "zero 2/3 with pp > 1"
     ZERO_2BW = "zero with 2bw"

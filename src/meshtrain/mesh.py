@@ -122,8 +122,13 @@ class ParallelMesh:
     """
 
     def __init__(self, degrees: dict[str, int], *, rank: int, device: torch.device,
-                 tp_scheme: str = "1d", tp_grid: dict[str, int] | None = None):
+                 tp_scheme: str = "1d", tp_grid: dict[str, int] | None = None,
+                 device_mesh=None, reused: dict[str, dist.ProcessGroup] | None = None):
         self.degrees = dict(degrees)
+        # A torch DeviceMesh laid out as these axes (given, or built on first use), and the
+        # groups of its dims that serve as axes here (`parallel/runtime/device_mesh.py`).
+        self._device_mesh = device_mesh
+        self._reused = dict(reused or {})
         self.tp_scheme = tp_scheme
         self.tp_grid = dict(tp_grid or {"tp": degrees["tp"]})
         assert math.prod(self.tp_grid.values()) == degrees["tp"], self.tp_grid
@@ -165,7 +170,15 @@ class ParallelMesh:
         return cls(dict.fromkeys(AXIS_ORDER + ("ep",), 1), rank=0, device=torch.device(device))
 
     def _add_axis(self, name: str, groups: list[list[int]]) -> None:
-        # Every rank must call new_group for every group, in the same order.
+        # Every rank must call new_group for every group, in the same order. An axis the
+        # DeviceMesh already has a group for takes it instead (every rank, so none calls).
+        if name in self._reused:
+            ranks = next(g for g in groups if self.rank in g)
+            group = self._reused[name]
+            assert dist.get_process_group_ranks(group) == ranks, (name, ranks)
+            self._axes[name] = MeshAxis(name, len(ranks), ranks.index(self.rank), tuple(ranks),
+                                        group)
+            return
         mine = None
         for ranks in groups:
             group = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -182,6 +195,19 @@ class ParallelMesh:
                     others = grid_coords(tp_rank, self.tp_grid) | {name: -1}
                     groups.setdefault((group[0], *others.values()), []).append(rank)
             self._add_axis(name, list(groups.values()))
+
+    @property
+    def device_mesh(self):
+        """This layout as a `torch.distributed.DeviceMesh` with dims (pp, dp, cp, tp): the one
+        `init_parallel` was given, else one built on first use (a collective: call it on every
+        rank; it creates torch's own groups for the dims)."""
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._device_mesh = init_device_mesh(
+                self.device.type, tuple(self.degrees[n] for n in AXIS_ORDER),
+                mesh_dim_names=AXIS_ORDER)
+        return self._device_mesh
 
     def tp_coords(self, tp_rank: int | None = None) -> dict[str, int]:
         """Grid coordinates of TP rank `tp_rank` (default: this rank's)."""

@@ -13,8 +13,15 @@ import socket
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import ParallelMesh, resolve_degrees
+from meshtrain.parallel.runtime.device_mesh import (
+    check_asked_degrees,
+    device_mesh_degrees,
+    reused_groups,
+)
 from meshtrain.parallel.schemes.registry import tp_grid
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -50,22 +57,36 @@ def check_local_devices(kind: str, local_ranks: int) -> None:
 
 
 def init_parallel(
-    tp: int = 1,
-    pp: int = 1,
+    tp: int | None = None,
+    pp: int | None = None,
     dp: int | None = None,
-    cp: int = 1,
+    cp: int | None = None,
     ep: int = 1,
     *,
     tp_scheme: str = "1d",
     tp_depth: int | None = None,
     device: str = "auto",
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    device_mesh: DeviceMesh | None = None,
 ) -> ParallelMesh:
     """Create (if needed) the default process group from torchrun's environment and the mesh.
 
     Without torchrun's environment this becomes a one-rank world. The backend follows the device
-    (`device`: auto, cpu or cuda): NCCL on CUDA, gloo on CPU.
+    (`device`: auto, cpu or cuda): NCCL on CUDA, gloo on CPU. Degrees left out are 1 (dp: the
+    rest of the world).
+
+    `device_mesh`: a torch DeviceMesh with named dims (pp, dp_replicate, dp_shard or dp, cp,
+    tp, in that order, row-major over the world) gives the degrees and its groups for pp, dp,
+    cp and tp; degrees passed beside it must equal its own. See `device_mesh.py` for the rules.
     """
+    if device_mesh is not None:
+        if not dist.is_initialized():
+            raise SettingError(Code.DEVICE_MESH_DIMS, "a DeviceMesh needs torch.distributed"
+                               " initialised, and none is")
+        made = device_mesh_degrees(device_mesh, dist.get_world_size())
+        check_asked_degrees(device_mesh, made, {"tp": tp, "pp": pp, "dp": dp, "cp": cp})
+        tp, pp, dp, cp = made["tp"], made["pp"], made["dp"], made["cp"]
+    tp, pp, cp = (1 if d is None else d for d in (tp, pp, cp))  # (0 stays: refused below)
     if dist.is_initialized():
         world_size = dist.get_world_size()
     else:
@@ -89,8 +110,12 @@ def init_parallel(
                 world_size=1,
                 timeout=timeout,
             )
+    if device_mesh is not None and device_mesh.device_type != device.type:
+        raise SettingError(Code.DEVICE_MESH_DIMS, f"the DeviceMesh is on {device_mesh.device_type}"
+                           f" but `device` is {device.type}: use the mesh's device")
+    reused = reused_groups(device_mesh) if device_mesh is not None else None
     return ParallelMesh(degrees, rank=dist.get_rank(), device=device, tp_scheme=tp_scheme,
-                        tp_grid=grid)
+                        tp_grid=grid, device_mesh=device_mesh, reused=reused)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:
