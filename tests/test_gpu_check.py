@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-SECTIONS = ["smoke", "gpt", "hf_llama", "fp8", "host_syncs", "kv_cache", "watchdog", "more"]
+SECTIONS = ["smoke", "gpt", "hf_llama", "fp8", "host_syncs", "kv_cache", "watchdog", "fp8_loss",
+            "more"]
 QUICK = ["smoke", "host_syncs", "kv_cache", "watchdog"]  # no compilation: seconds
 
 
@@ -39,4 +40,5 @@ def test_every_section_runs_on_the_cpu(tmp_path):
     assert abs(gpt["compiled"]["final_loss"] - gpt["eager"]["final_loss"]) < 1e-4
     assert results["hf_llama"]["status"] == "ok" and results["hf_llama"]["mfu"] > 0
     assert results["fp8"]["status"] == "refused"  # no FP8 tensor cores here, said in one line
+    assert results["fp8_loss"]["status"] == "refused"
     assert results["more"]["status"] == "ok"
