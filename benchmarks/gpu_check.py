@@ -76,8 +76,7 @@ class Check:
                 "--global-batch", str(batch), "--steps", str(steps), "--precision",
                 "fp32" if self.cpu else "bf16", "--eval-every", "0", "--log-every", "1",
                 "--out", str(out), *flags]
-        env = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"} | _env_passthrough()
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        done = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=600)
         result = {"command": " ".join(argv[1:]), "exit_code": done.returncode}
         if done.returncode:
             result["error"] = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -95,16 +94,13 @@ class Check:
         return result
 
 
-def _env_passthrough() -> dict:
+def _env() -> dict:
+    """This process's environment with meshtrain's sources first on the path (CUDA, Triton and
+    inductor settings pass through unchanged)."""
     import os
 
-    keep = ("HOME", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "TORCHINDUCTOR_CACHE_DIR",
-            "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "TMPDIR")
-    extra = os.environ.get("PYTHONPATH")
-    env = {k: os.environ[k] for k in keep if k in os.environ}
-    if extra:
-        env["PYTHONPATH"] = f"{SRC}{os.pathsep}{extra}"
-    return env
+    paths = [str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
 
 
 def smoke(check: Check) -> dict:
@@ -279,8 +275,7 @@ def watchdog(check: Check) -> dict:
     out = check.work / "watchdog"
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", WATCHDOG_SCRIPT, str(out)], text=True,
-                          capture_output=True, timeout=120, env=_env_passthrough()
-                          | {"PYTHONPATH": str(SRC)})
+                          capture_output=True, timeout=120, env=_env())
     return {"status": "ok", "exit_code": done.returncode, "seconds": time.monotonic() - start,
             "stdout": done.stdout[-500:], "stderr_tail": done.stderr[-800:],
             "verdict": (out / "hang" / "verdict.txt").read_text()
