@@ -133,13 +133,12 @@ def _overlapping(model: nn.Module) -> bool:
     return flags.pop()
 
 
-def _trajectory(corpus, out, model, steps):
-    """Losses and counted communication of `steps` steps at tp 2 with sp, without and with
-    overlap, and whether the weights end equal bit for bit."""
-    mesh = worker_mesh(tp=2)
+def _without_and_with_overlap(make_cfg, mesh, steps):
+    """For a run config from `make_cfg()` with sp, without and then with overlap: the losses,
+    the counted communication and the final weights."""
     runs = []
     for overlap in (False, True):
-        cfg = _config(corpus, out, model, steps=steps)
+        cfg = make_cfg()
         cfg.plan = dataclasses.replace(cfg.plan, sequence_parallel=True, tp_overlap=overlap)
         trainer = Trainer.build(cfg, mesh)
         assert _overlapping(trainer.model) == overlap
@@ -147,9 +146,19 @@ def _trajectory(corpus, out, model, steps):
             losses = [trainer.train_step(step)["loss"] for step in range(steps)]
         runs.append((losses, _counted(rec.records),
                      [p.detach().clone() for p in trainer.model.parameters()]))
-    (plain, plain_counts, plain_weights), (ours, counts, weights) = runs
-    same = all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
-    return plain, ours, plain_counts, counts, same
+    return runs
+
+
+def _same_weights(weights, reference) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(weights, reference, strict=True))
+
+
+def _trajectory(corpus, out, model, steps):
+    """Losses and counted communication of `steps` steps at tp 2 with sp, without and with
+    overlap, and whether the weights end equal bit for bit."""
+    (plain, plain_counts, plain_weights), (ours, counts, weights) = _without_and_with_overlap(
+        lambda: _config(corpus, out, model, steps=steps), worker_mesh(tp=2), steps)
+    return plain, ours, plain_counts, counts, _same_weights(weights, plain_weights)
 
 
 @pytest.mark.parametrize("model", [None, LLAMA], ids=["gpt", "llama"])
@@ -165,20 +174,9 @@ def test_training_trajectory_equals_the_unoverlapped_one(corpus, tmp_path, model
 def _zero_bubble(corpus, model, steps):
     from test_pipeline import _cfg
 
-    mesh = worker_mesh(tp=2, pp=2)
-    runs = []
-    for overlap in (False, True):
-        cfg = _cfg(corpus, "zb-h1", steps=steps, model=model)
-        cfg.plan = dataclasses.replace(cfg.plan, sequence_parallel=True, tp_overlap=overlap)
-        trainer = Trainer.build(cfg, mesh)
-        assert _overlapping(trainer.model) == overlap
-        with CommRecorder() as rec:
-            losses = [trainer.train_step(step)["loss"] for step in range(steps)]
-        runs.append((losses, _counted(rec.records),
-                     [p.detach().clone() for p in trainer.model.parameters()]))
-    (plain, plain_counts, plain_weights), (ours, counts, weights) = runs
-    return (ours == plain and counts == plain_counts
-            and all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True)))
+    (plain, plain_counts, plain_weights), (ours, counts, weights) = _without_and_with_overlap(
+        lambda: _cfg(corpus, "zb-h1", steps=steps, model=model), worker_mesh(tp=2, pp=2), steps)
+    return ours == plain and counts == plain_counts and _same_weights(weights, plain_weights)
 
 
 def test_zero_bubble_pipeline_with_overlap(corpus):
