@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.models.kv_cache import LayerCache
+from meshtrain.parallel.layers.eager import eager_under_compile
 from meshtrain.parallel.layers.expert import MoE
 from meshtrain.parallel.layers.masks import CAUSAL, AttentionMask
 from meshtrain.parallel.layers.rng import RNGTracker
@@ -51,7 +52,7 @@ def dropout(x: torch.Tensor, p: float, training: bool, rng: RNGTracker, stream: 
     return _dropped(x, p, rng, stream)
 
 
-@torch.compiler.disable  # eager under `compile`: the mask comes from meshtrain's stream
+@eager_under_compile  # the mask comes from meshtrain's stream
 def _dropped(x: torch.Tensor, p: float, rng: RNGTracker, stream: str) -> torch.Tensor:
     with rng.fork(stream):
         return F.dropout(x, p, training=True)

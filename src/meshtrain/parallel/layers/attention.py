@@ -23,6 +23,7 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.layers.context_parallel import ring_attention, ulysses_attention
+from meshtrain.parallel.layers.eager import eager_under_compile
 from meshtrain.parallel.layers.masks import CAUSAL, AttentionMask
 from meshtrain.parallel.layers.recompute import recomputed
 from meshtrain.parallel.layers.rng import TENSOR_PARALLEL, RNGTracker
@@ -76,7 +77,7 @@ class AttentionCore(nn.Module):
             return recomputed(core, rng, q, k, v)
         return core(q, k, v)
 
-    @torch.compiler.disable  # eager under `compile`: its masks come from meshtrain's stream
+    @eager_under_compile  # its masks come from meshtrain's stream
     def _dropped_core(self, q, k, v, rng: RNGTracker, mask: AttentionMask, k_start: int):
         with rng.fork(TENSOR_PARALLEL):
             return self._core(q, k, v, mask, k_start)

@@ -21,6 +21,7 @@ import torch
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm, regions
+from meshtrain.parallel.layers.eager import eager_under_compile
 from meshtrain.parallel.layers.masks import CAUSAL, AttentionMask
 from meshtrain.precision import wide_dtype
 
@@ -140,7 +141,7 @@ class _RingAttention(torch.autograd.Function):
         return grad_q.to(ctx.dtype), grad_k, grad_v, None, None, None
 
 
-@torch.compiler.disable
+@eager_under_compile
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,
                    seq_len: int, mask: AttentionMask = CAUSAL) -> torch.Tensor:
     """Attention of this rank's queries over the whole (cp-split) sequence under `mask`; blocks

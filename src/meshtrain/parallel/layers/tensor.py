@@ -27,6 +27,7 @@ from meshtrain.parallel.layers.collective_matmul import (
     matmul_reduce_scatter,
     sequence_chunk,
 )
+from meshtrain.parallel.layers.eager import eager_under_compile
 from meshtrain.parallel.layers.sharding import GridPosition, Shard, shard_tensor, unshard_tensor
 from meshtrain.parallel.layers.vocab import mask_padding, partial_lookup
 from meshtrain.parallel.layers.weight_grads import WeightGradients, now_or_later
@@ -301,8 +302,8 @@ class _OverlappedRowLinear(torch.autograd.Function):
 # Dynamo cannot trace the ring's point-to-point calls: under torch.compile each overlapped layer
 # is one call that the graph breaks around and that runs eagerly (traced, it would break several
 # times inside the ring instead).
-_overlapped_column = torch.compiler.disable(_OverlappedColumnLinear.apply)
-_overlapped_row = torch.compiler.disable(_OverlappedRowLinear.apply)
+_overlapped_column = eager_under_compile(_OverlappedColumnLinear.apply)
+_overlapped_row = eager_under_compile(_OverlappedRowLinear.apply)
 
 
 class _TensorParallelModule(nn.Module):
