@@ -25,7 +25,7 @@ from meshtrain.cli.main import _train_config, check_train, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.operations.run_lock import LOCK_FILE, RunLock, check_free
 
-STEPS = 60
+STEPS = 30
 TINY = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "32", "--num-heads", "2",
         "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--eval-every", "0",
         "--log-every", "1", "--tp", "1"]
@@ -188,10 +188,10 @@ def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, r
     saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert [name for name in saved if first < int(name[5:]) < second], saved  # by the clock
 
-    # Continue under restarts; SIGKILL rank 1 two steps after the next save at a multiple of 10.
+    # Continue under restarts; SIGKILL rank 1 two steps after the next save at a multiple of 5.
     proc = start_cli(*_flags(corpus, out, "--nproc", "2", "--max-restarts", "1", "--auto-resume",
-                          "--save-every", "10"))
-    kill_at = (second // 10 + 1) * 10 + 2
+                          "--save-every", "5"))
+    kill_at = (second // 5 + 1) * 5 + 2
     assert kill_at < STEPS - 10
     _wait_for_step(out, kill_at, proc)
     os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)
@@ -216,8 +216,8 @@ def test_resume_rules(capsys, corpus, reference):
     for flags, needle in [
         (["--resume"], f"--steps {STEPS} is at or below the step of the checkpoint to resume"
                        f" (step_{STEPS:08d}, step {STEPS}): raise --steps past {STEPS}"),
-        (["--resume", "--steps", "50"], "--steps 50 is at or below"),
-        (["--auto-resume", "--steps", "300", "--stop-at", "40"], "--stop-at 40 is at or below"),
+        (["--resume", "--steps", "25"], "--steps 25 is at or below"),
+        (["--auto-resume", "--steps", "300", "--stop-at", "20"], "--stop-at 20 is at or below"),
         (["--resume", "--auto-resume"], "--resume and --auto-resume exclude each other"),
         (["--nproc", "2", "--max-restarts", "1"], "--max-restarts restarts the ranks with the"
                                                   " same flags: add --auto-resume"),
