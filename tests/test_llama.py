@@ -172,7 +172,8 @@ def test_checkpoints_record_the_family_and_compare_shapes(corpus, tmp_path):
         read_manifest(path, dataclasses.replace(saved, num_kv_heads=None))
 
 
-def test_command_line_trains_resumes_exports_and_samples(corpus, tmp_path, capsys):
+@pytest.mark.extended  # the README's train -> reshard resume -> export -> sample runs that path
+def test_command_line_trains_resumes_exports_and_samples(corpus, tmp_path):
     out = tmp_path / "run"
     common = ["--model", "llama-tiny", "--device", "cpu", "--data", corpus, "--seq-len", "32",
               "--global-batch", "4", "--micro-batch", "2", "--steps", "4", "--eval-every", "2",
@@ -185,7 +186,15 @@ def test_command_line_trains_resumes_exports_and_samples(corpus, tmp_path, capsy
     sample = run_cli("sample", str(out), "--prompt", "the ", "--max-new-tokens", "8",
                   "--nproc", "2", "--tp", "2", "--device", "cpu")  # logits gathered over tp
     assert sample.stdout.startswith("the ")
-    capsys.readouterr()  # refused before any rank starts: in this process
+
+
+def test_a_llama_run_refuses_another_family(corpus, tmp_path, capsys):
+    """Refused before any rank starts, in this process."""
+    common = ["--model", "llama-tiny", "--device", "cpu", "--data", corpus, "--seq-len", "32",
+              "--global-batch", "4", "--micro-batch", "2", "--steps", "1", "--eval-every", "0",
+              "--out", str(tmp_path / "run")]
+    assert main(["train", *common]) == 0
+    capsys.readouterr()
     assert main(["train", "--nproc", "2", "--resume", *common[2:], "--steps", "6"]) == 2
     wrong = capsys.readouterr().err
     assert "holds a llama model, not a gpt" in wrong and len(wrong.strip().splitlines()) == 1
