@@ -226,6 +226,48 @@ def test_a_finished_run_names_its_settings_and_is_not_trained_over(made_run, cor
     assert "holds an earlier run" in refused and len(refused.strip().splitlines()) == 1
 
 
+def test_a_resumed_run_carries_its_saved_settings(run, corpus, capsys):
+    """`--resume` alone continues the run as it was set up (its steps, schedule, data,
+    precision, model shape): only what a flag gives changes, and that is announced."""
+    saved = tomllib.loads((run / "config.toml").read_text())
+    assert (saved["model"]["num_layers"], saved["model"]["hidden_size"]) == (4, 64)  # resolved
+    assert main(["train", "--out", str(run), "--resume", "--lr", "0.001"]) == 0
+    said = capsys.readouterr().err
+    resumed = tomllib.loads((run / "config.toml").read_text())
+    kept = {k: v for k, v in saved["train"].items() if k != "stop_at"}  # this command's own
+    assert resumed["train"] | {"lr": 0.003} == kept  # steps, batch, seq_len, ...: carried
+    assert (resumed["data"], resumed["model"]) == (saved["data"], saved["model"])
+    assert "--lr changed from 0.003 to 0.001 on resume" in said
+    assert "changed from the checkpoint's settings" not in said  # lr has its own line
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 4
+
+
+def _train_config_of(*flags: str):
+    from meshtrain.cli.main import _train_config
+    from meshtrain.cli.parsers import build_parser
+
+    return _train_config(build_parser().parse_args(["train", *flags]))
+
+
+def test_the_saved_layout_is_carried_unless_a_degree_or_nproc_is_given(run, corpus):
+    config = run / "checkpoints" / "step_00000002" / "config.toml"
+    text = config.read_text().replace("tp = 1\n", "tp = 2\n").replace("zero = 0\n", "zero = 1\n")
+    config.write_text(text.replace('precision = "fp32"', 'precision = "bf16"'))
+    out = ["--out", str(run)]
+    carried = _train_config_of(*out, "--auto-resume")
+    assert (carried.plan.tp, carried.plan.zero, carried.plan.precision) == (2, 1, "bf16")
+    assert carried.train.steps == 4 and carried.data.data == corpus
+    for flag in (["--nproc", "2"], ["--dp", "2"], ["--pp", "1"]):
+        resharded = _train_config_of(*out, "--resume", *flag)
+        assert (resharded.plan.tp, resharded.plan.zero) == (1, 0), flag  # layout: defaults
+        assert resharded.plan.precision == "bf16" and resharded.train.steps == 4  # the rest
+    flagged = _train_config_of(*out, "--resume", "--steps", "9", "--precision", "fp32")
+    assert (flagged.train.steps, flagged.plan.precision, flagged.plan.tp) == (9, "fp32", 2)
+    fresh = _train_config_of("--out", str(run))  # no resume: nothing carried
+    assert (fresh.plan.tp, fresh.train.steps) == (1, 300)
+
+
 def _old_format(ck: Path) -> None:
     """What a checkpoint written before the record looked like: no digests.json, and a
     manifest without `record`."""

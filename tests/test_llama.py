@@ -195,7 +195,10 @@ def test_a_llama_run_refuses_another_family(corpus, tmp_path, capsys):
               "--out", str(tmp_path / "run")]
     assert main(["train", *common]) == 0
     capsys.readouterr()
-    assert main(["train", "--nproc", "2", "--resume", *common[2:], "--steps", "6"]) == 2
+    assert main(["train", "--resume", "--out", common[-1], "--steps", "2"]) == 0  # carried
+    capsys.readouterr()
+    assert main(["train", "--nproc", "2", "--resume", "--model", "tiny", *common[2:],
+                 "--steps", "6"]) == 2
     wrong = capsys.readouterr().err
     assert "holds a llama model, not a gpt" in wrong and len(wrong.strip().splitlines()) == 1
     foreign = main(["train", "--model", "tiny", "--num-kv-heads", "2", "--device", "cpu",

@@ -10,6 +10,13 @@ resumed step on. So is changed data (`data`, `data_path`): each step's batch dep
 the seed, the step and the data, so the steps from the resumed one on draw from the new data, as
 Megatron-LM continues a changed `--data-path` from the samples already consumed (how a later
 phase, such as an annealing mix, is trained).
+
+A resumed run carries the settings saved with its checkpoint (config.toml: model, steps,
+schedule, optimizer, data, precision, logging) unless a flag or the `config` file gives one
+(`carried_settings`). The layout is carried whole only when no degree and no `nproc` is given:
+a run resumed on another number of ranks or degrees gets today's defaults for the layout (degrees
+not given are 1, dp fills the world), so resharding stays one flag. What a resumed run changes
+against its saved settings is announced (`changed_settings`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ from meshtrain.config.run_config import RunConfig
 
 SCHEDULE_SETTINGS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay_fraction")
 DATA_SETTINGS = ("data", "data_path")
+NOT_CARRIED = {("checkpoint", "out"), ("checkpoint", "resume"), ("checkpoint", "auto_resume"),
+               ("checkpoint", "init_from"), ("train", "stop_at"), ("parallel", "nproc"),
+               ("parallel", "layout"), ("parallel", "max_restarts")}
+"""How this invocation runs, never what the run is: always the command's own."""
+DEGREES = ("nproc", "tp", "pp", "dp", "cp", "ep", "tp_depth", "virtual_stages")
+"""Given any of these, the saved layout ([parallel]'s plan settings) is not carried."""
 
 
 def repair_latest(root: Path) -> str | None:
@@ -46,18 +59,76 @@ def repair_latest(root: Path) -> str | None:
         why, refusal = "damaged", damage
     else:
         refusal = None
-    for candidate in sorted(_step_dirs(root), key=lambda d: checkpoint_age(d.name),
-                            reverse=True):
-        try:
-            read_manifest(candidate)
-        except CheckpointError:
-            continue
+    if (candidate := _newest_complete(root)) is not None:
         point_latest_at(candidate)
         return (f"{root / 'latest'} was {why}: resuming from {candidate.name}, the newest"
                 " complete checkpoint (the latest pointer now names it)")
     if refusal is not None:
         raise refusal
     return None
+
+
+def _newest_complete(root: Path) -> Path | None:
+    """The newest checkpoint in `root` whose metadata verifies (files hashed), or None."""
+    for candidate in sorted(_step_dirs(root), key=lambda d: checkpoint_age(d.name),
+                            reverse=True):
+        try:
+            read_manifest(candidate)
+        except CheckpointError:
+            continue
+        return candidate
+    return None
+
+
+def saved_settings(out: Path) -> dict[str, dict] | None:
+    """The config.toml tables of the checkpoint a resume into `out` takes (`latest`, else the
+    newest complete one); None without one, or when it is unreadable (then `read_manifest`
+    refuses the checkpoint where the resume is checked)."""
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return None
+    try:
+        path = latest_checkpoint(root)
+    except CheckpointError:
+        path = None
+    path = path or _newest_complete(root)
+    try:
+        return tomllib.loads((path / "config.toml").read_text()) if path else None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
+
+
+def carried_settings(saved: dict[str, dict], given: set[tuple[str, str]],
+                     settings: set[tuple[str, str]], layout: set[str]) -> dict[str, dict]:
+    """The saved tables a resumed run starts from, below its `config` file and flags: every
+    known setting (`settings`, as (table, name)) that was not `given`, except `NOT_CARRIED`,
+    the `layout` settings of [parallel] when a degree or `nproc` is given, and [model] when
+    `model` is (its shape settings are the saved preset's)."""
+    keep_layout = not any(name in DEGREES for _, name in given)
+    tables: dict[str, dict] = {}
+    for section, values in saved.items():
+        if section == "model" and ("model", "model") in given:
+            continue  # another model: none of the saved one's settings
+        for name, value in values.items() if isinstance(values, dict) else ():
+            key = (section, name)
+            if key not in settings or key in given or key in NOT_CARRIED:
+                continue
+            if section == "parallel" and name in layout and not keep_layout:
+                continue
+            tables.setdefault(section, {})[name] = value
+    return tables
+
+
+def changed_settings(saved: dict[str, dict], resolved: dict[str, dict]) -> str | None:
+    """The line naming the settings this resumed run runs differently from its checkpoint's
+    (schedule and data changes have their own lines: `changes`); None when none differ."""
+    skip = NOT_CARRIED | {("train", n) for n in SCHEDULE_SETTINGS} | \
+        {("data", n) for n in DATA_SETTINGS}
+    changed = [f"`{name}` {saved[section][name]} -> {value}"
+               for section, values in resolved.items() for name, value in values.items()
+               if (section, name) not in skip and name in saved.get(section, {})
+               and saved[section][name] != value]
+    return f"changed from the checkpoint's settings: {', '.join(changed)}" if changed else None
 
 
 def _step_dirs(root: Path) -> list[Path]:

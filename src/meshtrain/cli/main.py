@@ -9,6 +9,7 @@ machines, run the same command under torchrun.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import math
@@ -61,7 +62,17 @@ def _train_config(args: argparse.Namespace) -> config_mod.RunConfig:
             section, name = key.split(".", 1)
             overrides.setdefault(section, {})[name] = value
     file_values = config_mod.load_toml(args.config) if getattr(args, "config", None) else {}
-    return config_mod.build_config(file_values, overrides)
+    cfg = config_mod.build_config(file_values, overrides)
+    c = cfg.checkpoint
+    saved = resuming.saved_settings(Path(c.out)) if c.resume or c.auto_resume else None
+    if saved is None:
+        return cfg
+    settings = {(section, f.name) for section, f in config_mod.flag_fields()}
+    layout = {f.name for f in dataclasses.fields(ParallelPlan)}
+    carried = resuming.carried_settings(saved, _given_settings(args), settings, layout)
+    for section, values in file_values.items():  # the config file over the saved settings
+        carried.setdefault(section, {}).update(values)
+    return config_mod.build_config(carried, overrides)
 
 
 def _given_settings(args: argparse.Namespace) -> set[tuple[str, str]]:
@@ -107,6 +118,10 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
         path, step = resumed
         read_manifest(path, model, verify_files=hashed)
         _notice(f"resuming from {path} (step {step})")
+        saved = resuming.saved_settings(out)
+        if saved and (note := resuming.changed_settings(
+                saved, cfg.resolved(model, plan).to_dict())):
+            _notice(note)
         for note in resuming.changes(cfg, path, step):
             _notice(note)
     elif has_run and not cfg.checkpoint.auto_resume:

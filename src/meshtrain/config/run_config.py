@@ -64,8 +64,11 @@ class RunConfig:
         degrees (dp filled in), so config.toml names them."""
         m = self.model
         name = m.model if self.checkpoint.init_from else m.model or DEFAULT_PRESET
+        shape = {f.name: getattr(model, f.name) for f in dataclasses.fields(m)
+                 if f.name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                               "tie_word_embeddings") and hasattr(model, f.name)}
         model_settings = dataclasses.replace(m, model=name, vocab_size=model.vocab_size,
-                                             max_seq_len=model.max_seq_len)
+                                             max_seq_len=model.max_seq_len, **shape)
         return dataclasses.replace(self, model=model_settings, plan=plan)
 
     def sections(self) -> dict[str, Any]:
