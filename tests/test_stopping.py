@@ -143,13 +143,23 @@ def test_no_rank_outlives_its_launcher(corpus, tmp_path):
     _wait_for_step(out, 2, proc)
     ranks = _rank_pids(proc.pid)
     assert len(ranks) == 2
+    listed = json.loads((out / LOCK_FILE).read_text())["ranks"]
+    assert sorted(r["pid"] for r in listed) == sorted(ranks.values())
+    for pid in ranks.values():  # held still: the lock outlives its taker while they live
+        os.kill(pid, signal.SIGSTOP)
     os.kill(proc.pid, signal.SIGKILL)  # an OOM kill: the ranks stop after a checkpoint, exit
+    proc.wait()  # (its pipes stay open in the held ranks)
+    with pytest.raises(ValueError, match="is in use by another run"):
+        check_free(out)
+    for pid in ranks.values():
+        os.kill(pid, signal.SIGCONT)
     proc.communicate()
     deadline = time.monotonic() + 20
     while any(map(_alive, ranks.values())) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(_alive, ranks.values())), "a rank outlived its launcher"
     assert latest_checkpoint(out / "checkpoints").name >= "step_00000002"
+    check_free(out)  # all gone: the lock is stale
 
 
 def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, reference,
@@ -288,3 +298,20 @@ def test_a_stop_the_ranks_cannot_agree_on_gives_up():
     stuck = _signal_script(1.0, 0)  # nobody reads the request: as if a peer were gone
     assert stuck.returncode == 6 and stuck.stdout.split() == ["102.0"]
     assert "SIGINT: the ranks did not all reach the end of the step within 1 s" in stuck.stderr
+
+
+def test_a_lock_lives_while_a_listed_rank_lives(tmp_path):
+    """The taker is gone; a rank it lists is this process (alive) unless its start time says
+    the pid now belongs to another process."""
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "started": int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])}
+    for ranks, live in (([me], True), ([me | {"started": me["started"] + 1}], False), ([], False)):
+        (tmp_path / LOCK_FILE).write_text(json.dumps(
+            {"host": me["host"], "pid": gone.pid, "run_id": "x", "ranks": ranks}))
+        if live:
+            with pytest.raises(ValueError, match="is in use by another run"):
+                check_free(tmp_path)
+        else:
+            check_free(tmp_path)

@@ -6,6 +6,9 @@ own id to its ranks as that). A lock is the caller's own when its run id matches
 owner process is gone from this host, and then taken over. Who takes it: the launching process
 (`train --nproc`, or a single-process run) before any rank starts; under torchrun, global rank
 0 once the process group exists, telling every rank the outcome so none waits on a refused peer.
+Once the ranks exist, the lock also lists those on its host (`record_ranks`: pid and start
+time, so a reused pid is not taken for them): it is not taken over while any of them lives,
+even when the process that took it is gone (a killed launcher's ranks, until they stop).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.operations.failures import EXIT_BAD_INPUT, RunFailure
+from meshtrain.operations.failures import EXIT_BAD_INPUT, RunFailure, writing
 
 LOCK_FILE = ".lock"
 
@@ -36,9 +39,24 @@ def _read(path: Path) -> dict | None:
         return {}  # unreadable or half-written: treated as a live owner we cannot name
 
 
+def _started(pid: int) -> int | None:
+    """When process `pid` of this host started (clock ticks since boot); None when it is gone
+    or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 def _alive(owner: dict) -> bool:
-    """False only when the owner is known to be gone: a process of this host that has exited."""
+    """False only when the owner and every rank it lists are known to be gone: processes of
+    this host that have exited."""
     if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return True
+    ranks = owner.get("ranks", [])
+    if any(isinstance(r, dict) and _started(r.get("pid", -1)) == r.get("started")
+           for r in ranks):
         return True
     try:
         os.kill(owner["pid"], 0)
@@ -47,6 +65,26 @@ def _alive(owner: dict) -> bool:
     except PermissionError:
         pass  # another user's live process
     return True
+
+
+def _me() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid())}
+
+
+def record_ranks(out: str | Path, mesh) -> None:
+    """Every rank: tell rank 0 who it is; rank 0 lists the ranks on the lock's host in the
+    lock (when the lock exists: a run that holds one)."""
+    from meshtrain.parallel.communication import comm
+    ranks = comm.all_gather_objects(_me(), mesh.world)
+    path = Path(out) / LOCK_FILE
+    owner = _read(path) if mesh.rank == 0 else None
+    if not owner:
+        return
+    owner["ranks"] = [r for r in ranks if r["host"] == owner.get("host")]
+    tmp = path.with_name(f".lock.{os.getpid()}.tmp")
+    with writing(path):
+        tmp.write_text(json.dumps(owner))
+        os.replace(tmp, path)
 
 
 def _refusal(out: Path, owner: dict) -> str:

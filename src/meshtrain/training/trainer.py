@@ -32,7 +32,7 @@ from meshtrain.data.corpus import BatchSampler, write_atomic
 from meshtrain.data.tokenization import TOKENIZER_FILE
 from meshtrain.mesh import ParallelMesh
 from meshtrain.operations.failures import EXIT_NONFINITE, EXIT_STOPPED, RunFailure, writing
-from meshtrain.operations.run_lock import RunLock
+from meshtrain.operations.run_lock import RunLock, record_ranks
 from meshtrain.operations.stopping import SAVE_NOW, StopSignals, stop_signal
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
 from meshtrain.parallel.communication import comm
@@ -277,6 +277,7 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
     if lock is not None:
         lock.acquire_agreed(mesh)
     try:
+        record_ranks(cfg.checkpoint.out, mesh)
         with HangWatchdog(rank=mesh.rank, world_size=mesh.world_size, timeout=timeout,
                           out=cfg.checkpoint.out):
             return _train(cfg, mesh, stop)
