@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from meshtrain import ParallelMesh, preset
 from meshtrain.checkpointing import checkpoint as ckpt
@@ -97,6 +98,14 @@ def _latest_elsewhere(ck: Path) -> None:
     (run / "checkpoints" / "latest").write_text("../../other/checkpoints/step_00000002")
 
 
+def _rng_of_another_rank(ck: Path) -> None:
+    """Rank 0's RNG states filed under rank 1, every digest recommitted."""
+    tensors = load_file(str(ck / RANK))
+    save_file({k.replace("rng/0/", "rng/1/"): v for k, v in tensors.items()}, str(ck / RANK))
+    _edit_manifest(ck, lambda m: m["files"].update({RANK: _sha(ck / RANK)}))
+    _recommit(ck, RANK)
+
+
 RANK = "rank_00000.safetensors"
 DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named), as patterns
     "manifest-digest": (lambda ck: (ck / "manifest.json").write_text(
@@ -106,6 +115,7 @@ DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named)
     "config-digest": (lambda ck: (ck / "config.toml").write_text("[train]\nsteps = 9\n"),
                       "config.toml", "corrupt or truncated"),
     "rank-file-digest": (lambda ck: _flip(ck / RANK), RANK, "corrupt or truncated"),
+    "rng-of-another-rank": (_rng_of_another_rank, RANK, "rng/1/.* is not rank 0's RNG state"),
     "missing-file": (lambda ck: (ck / RANK).unlink(), RANK, "missing"),
     "truncated-file": (lambda ck: (ck / RANK).write_bytes((ck / RANK).read_bytes()[:5000]),
                        RANK, "corrupt or truncated"),

@@ -34,6 +34,7 @@ RECORD = "digests.json"
 RECORD_FORMAT = "meshtrain-digests-1"
 METADATA = ("manifest.json", "train_state.json", "config.toml")
 STEP_NAME = re.compile(r"step_(\d{8})(?:\.(\d+))?")
+RANK_FILE = re.compile(r"rank_(\d{5})\.safetensors")
 DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in CODES}
 _SETTING_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 
@@ -319,19 +320,42 @@ def _check_tiling(path: Path, name: str, shape: list[int], pieces: list[dict]) -
 
 
 def _check_headers(path: Path, manifest: dict) -> None:
-    """Each piece's key is in its file with the manifest's dtype and the piece's shape."""
+    """Each piece's key is in its file with the manifest's dtype and the piece's shape; each
+    rank file's RNG states are its own rank's, of the same streams as every other rank's."""
     by_file: dict[str, list[tuple[str, dict, dict]]] = {}
     for name, entry in manifest["tensors"].items():
         for piece in entry["pieces"]:
             by_file.setdefault(piece["file"], []).append((name, entry, piece))
-    for file, wanted in by_file.items():
+    streams: dict[str, set[str]] = {}
+    for file in sorted({f for f in manifest["files"] if RANK_FILE.fullmatch(f)} | set(by_file)):
         try:
             with safe_open(str(path / file), framework="pt") as f:
                 keys = set(f.keys())
-                for name, entry, piece in wanted:
+                for name, entry, piece in by_file.get(file, []):
                     _check_header(path, file, f, keys, name, entry, piece)
+                if RANK_FILE.fullmatch(file):
+                    streams[file] = _rng_streams(path, file, f, keys)
         except SafetensorError as e:
             raise _damaged(path, file, f"not a safetensors file ({e})") from None
+    first = min(streams, default=None)
+    for file, names in streams.items():
+        if names != streams[first]:
+            raise _damaged(path, file, f"holds the RNG streams {sorted(names)}, {first}"
+                                       f" {sorted(streams[first])}")
+
+
+def _rng_streams(path: Path, file: str, f, keys: set[str]) -> set[str]:
+    """The names of the RNG states in a rank file: `rng/<its rank>/<stream>`, uint8 vectors."""
+    rank = str(int(RANK_FILE.fullmatch(file).group(1)))
+    names = set()
+    for key in sorted(k for k in keys if k.startswith("rng/")):
+        _, owner, name = (key.split("/", 2) + ["", ""])[:3]
+        part = f.get_slice(key)
+        if owner != rank or part.get_dtype() != "U8" or len(part.get_shape()) != 1:
+            raise _damaged(path, file, f"{key} is not rank {rank}'s RNG state (a uint8 vector"
+                                       f" under rng/{rank}/)")
+        names.add(name)
+    return names
 
 
 def _check_header(path: Path, file: str, f, keys: set[str], name: str, entry: dict,
