@@ -145,14 +145,16 @@ def test_no_rank_outlives_its_launcher(corpus, tmp_path):
     assert len(ranks) == 2
     listed = json.loads((out / LOCK_FILE).read_text())["ranks"]
     assert sorted(r["pid"] for r in listed) == sorted(ranks.values())
-    for pid in ranks.values():  # held still: the lock outlives its taker while they live
-        os.kill(pid, signal.SIGSTOP)
-    os.kill(proc.pid, signal.SIGKILL)  # an OOM kill: the ranks stop after a checkpoint, exit
-    proc.wait()  # (its pipes stay open in the held ranks)
-    with pytest.raises(ValueError, match="is in use by another run"):
-        check_free(out)
-    for pid in ranks.values():
-        os.kill(pid, signal.SIGCONT)
+    try:
+        for pid in ranks.values():  # held still: the lock outlives its taker while they live
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(proc.pid, signal.SIGKILL)  # an OOM kill: the ranks stop after a checkpoint
+        proc.wait()  # (its pipes stay open in the held ranks)
+        with pytest.raises(ValueError, match="is in use by another run"):
+            check_free(out)
+    finally:
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGCONT)
     proc.communicate()
     deadline = time.monotonic() + 20
     while any(map(_alive, ranks.values())) and time.monotonic() < deadline:
