@@ -2,12 +2,19 @@
 memory, the offload folder's checks and a full disk, and checkpoints across offload targets."""
 
 
+import errno
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
-from harness import run_on_ranks, worker_mesh
+from harness import run_cli, run_on_ranks, worker_mesh
 
 from meshtrain.config.run_config import build_config
-from meshtrain.training.trainer import Trainer
+from meshtrain.errors import Code, SettingError
+from meshtrain.parallel.runtime.nvme_offload import check_offload_dir
+from meshtrain.training.trainer import Trainer, run_training
 
 
 def _cfg(corpus, out, parallel, **train):
@@ -39,9 +46,8 @@ def _weights_after_steps(corpus, out, degrees, stage, target, folder, bucket_mb=
 
 @pytest.mark.parametrize("degrees,stage", [
     ({"dp": 2}, 1), ({"dp": 2}, 2), ({"dp": 2}, 3),
-    pytest.param({"tp": 2, "dp": 2}, 1, marks=pytest.mark.extended),
-    pytest.param({"tp": 2, "dp": 2}, 2, marks=pytest.mark.extended),
-    ({"tp": 2, "dp": 2}, 3)])
+    *(pytest.param({"tp": 2, "dp": 2}, stage, marks=pytest.mark.extended)
+      for stage in (1, 2, 3))])
 def test_nvme_offload_is_bitwise_cpu_offload(corpus, tmp_path, degrees, stage):
     world = degrees.get("tp", 1) * degrees["dp"]
     folder = str(tmp_path / "offload")
@@ -60,3 +66,83 @@ def test_nvme_offload_is_bitwise_cpu_offload(corpus, tmp_path, degrees, stage):
     assert report["optimizer_states"] == 0 and report["offloaded"] > 0
     assert cpu[0][5]["optimizer_states"] >= report["offloaded"]
     assert not (tmp_path / "offload").exists() or not any((tmp_path / "offload").iterdir())
+
+
+def _train(corpus, out, target, folder, resume=False, **train):
+    cfg = _cfg(corpus, out, {"zero": 2, "bucket_mb": 0.05, "dp": 2} | _offload(target, folder),
+               steps=4, **train)
+    cfg.checkpoint.resume = resume
+    run_training(cfg)
+
+
+def _rows(out):
+    rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "loss" in r}
+
+
+@pytest.mark.parametrize("moves", [
+    (("nvme", "none"), ("none", "nvme")),
+    pytest.param((("nvme", "cpu"), ("cpu", "nvme")), marks=pytest.mark.extended)],
+    ids=["none", "cpu"])
+def test_checkpoints_move_between_nvme_and_other_offload_bitwise(corpus, tmp_path, moves):
+    folder = tmp_path / "offload"
+    whole = tmp_path / "whole"
+    run_on_ranks(2, _train, corpus, str(whole), "nvme", str(folder))
+    assert folder.is_dir() and not any(folder.iterdir())  # the run's files are gone
+    for first, then in moves:
+        out = tmp_path / f"{first}-{then}"
+        run_on_ranks(2, _train, corpus, str(out), first, str(folder), stop_at=2)
+        run_on_ranks(2, _train, corpus, str(out), then, str(folder), resume=True)
+        assert _rows(out) == _rows(whole), (first, then)  # moments and masters came through
+
+
+def _full_disk_mid_step(corpus, out, folder):
+    cfg = _cfg(corpus, out, {"zero": 1, "bucket_mb": 0.05, "dp": 2} | _offload("nvme", folder))
+    trainer = Trainer.build(cfg, worker_mesh(dp=2))
+    trainer.train_step(0)
+    saved = trainer.save(Path(out), 1)
+
+    def full(fd, view, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    for reducer in trainer.sync.reducers:
+        reducer.store.write = full
+    with pytest.raises(SettingError) as failure:
+        trainer.train_step(1)
+        trainer.sync.export()  # a write still in flight fails here at the latest
+    trainer.sync.close()
+    # the checkpoint is whole: a fresh run under CPU offload resumes from it
+    cpu = Trainer.build(_cfg(corpus, out, {"zero": 1, "dp": 2, "offload_optimizer": "cpu"}),
+                        worker_mesh(dp=2))
+    resumed_at = cpu.resume(Path(out))
+    return str(failure.value), failure.value.code, saved.name, resumed_at
+
+
+def test_a_full_disk_mid_step_is_one_line_and_leaves_the_checkpoint_whole(corpus, tmp_path):
+    message, code, _, resumed_at = run_on_ranks(
+        2, _full_disk_mid_step, corpus, str(tmp_path / "run"), str(tmp_path / "offload"))[0]
+    assert code == Code.OFFLOAD_DIR and "\n" not in message
+    assert "No space left on device" in message and "`offload_dir`" in message
+    assert resumed_at == 1
+
+
+def test_the_offload_folder_is_checked_before_any_rank_starts(tmp_path):
+    made = tmp_path / "made" / "here"
+    check_offload_dir(made, 1)
+    assert made.is_dir()
+    with pytest.raises(SettingError, match="GiB free, the offloaded optimizer states need"):
+        check_offload_dir(made, 2**60)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SettingError, match="cannot be created or written"):
+        check_offload_dir(tmp_path / "file" / "offload", 1)
+
+
+def test_cli_refuses_an_offload_folder_it_cannot_create(corpus, tmp_path):
+    (tmp_path / "file").write_text("")
+    result = run_cli("train", "--nproc", "2", "--zero", "1", "--offload-optimizer", "nvme",
+                     "--offload-dir", str(tmp_path / "file" / "x"), "--data", corpus,
+                     "--out", str(tmp_path / "run"), "--steps", "1", check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "cannot be created or written (Not a directory): choose another --offload-dir")
+    assert not (tmp_path / "run").exists()

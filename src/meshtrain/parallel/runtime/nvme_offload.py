@@ -17,6 +17,7 @@ import errno
 import mmap
 import os
 import shutil
+import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +35,29 @@ CHUNK = 8 * 2**20
 """Bytes per I/O task: several in flight keep an NVMe queue busy."""
 THREADS = 4
 STATES = 3  # master, exp_avg, exp_avg_sq
+STATE_BYTES = STATES * 4
+"""Bytes offloaded per parameter: fp32 master, exp_avg and exp_avg_sq."""
+
+
+def check_offload_dir(folder: Path, nbytes: int) -> None:
+    """Create `folder` when missing and refuse it, before any rank starts, when it cannot be
+    created or written or has less free room than `nbytes` (the states offloaded to it)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder) as probe:
+            probe.write(b"0" * ALIGN)
+            probe.flush()
+        stats = os.statvfs(folder)
+    except OSError as e:
+        raise SettingError(Code.OFFLOAD_DIR, (
+            f"`offload_dir` {folder} cannot be created or written ({e.strerror or e}):"
+            " choose another `offload_dir`")) from e
+    free = stats.f_bavail * stats.f_frsize
+    if free < nbytes:
+        raise SettingError(Code.OFFLOAD_DIR, (
+            f"`offload_dir` {folder} has {free / 2**30:.2f} GiB free, the offloaded optimizer"
+            f" states need {nbytes / 2**30:.2f} GiB: free room or choose another"
+            " `offload_dir`"))
 
 
 def _aligned(nbytes: int) -> int:
@@ -87,7 +111,7 @@ class NvmeStore:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.sizes = shard_sizes
-        self.nbytes = [_aligned(STATES * 4 * n) for n in shard_sizes]
+        self.nbytes = [_aligned(STATE_BYTES * n) for n in shard_sizes]
         self.fds: list[int] = []
         self.direct = []
         for k in range(len(shard_sizes)):
@@ -103,7 +127,7 @@ class NvmeStore:
 
     @property
     def offloaded_bytes(self) -> int:
-        return sum(STATES * 4 * n for n in self.sizes)
+        return sum(STATE_BYTES * n for n in self.sizes)
 
     def write(self, fd: int, view: memoryview, offset: int) -> None:
         _transfer(True, fd, view, offset)
@@ -178,12 +202,8 @@ class NvmeStore:
             self._submit(slab, k, write=True)
         slab.owner = None
 
-    def flush(self) -> None:
-        for slab in self.slabs:
-            self._wait(slab)
-
     def close(self) -> None:
-        self.flush()
+        """Remove the files (after a failed write too: they are no checkpoint)."""
         self._finalizer()
 
 
