@@ -5,11 +5,12 @@ memory, the offload folder's checks and a full disk, and checkpoints across offl
 import errno
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from harness import run_cli, run_on_ranks, worker_mesh
+from harness import run_cli, run_on_ranks, start_cli, worker_mesh
 
 from meshtrain.config.run_config import build_config
 from meshtrain.errors import Code, SettingError
@@ -146,3 +147,20 @@ def test_cli_refuses_an_offload_folder_it_cannot_create(corpus, tmp_path):
     assert result.stderr.strip().splitlines()[-1].endswith(
         "cannot be created or written (Not a directory): choose another --offload-dir")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.extended  # the launcher's handling of a killed rank is tested without offload
+def test_a_rank_killed_mid_run_leaves_checkpoints_that_resume_without_offload(corpus, tmp_path):
+    from test_stopping import _finish, _meshtrain_lines, _rank_pids, _wait_for_step
+
+    out, folder = tmp_path / "run", tmp_path / "offload"
+    flags = ["train", "--nproc", "2", "--zero", "2", "--bucket-mb", "0.05", "--data", corpus,
+             "--out", str(out), "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2"]
+    proc = start_cli(*flags, "--offload-optimizer", "nvme", "--offload-dir", str(folder),
+                     "--steps", "200", "--save-every", "2")
+    _wait_for_step(out, 5, proc)
+    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)  # the step's reads and writes in flight
+    code, err = _finish(proc)
+    assert code != 0 and len(_meshtrain_lines(err)) == 1, err[-3000:]
+    run_cli(*flags, "--resume", "--steps", "10")  # the latest checkpoint verifies and loads
+    assert max(_rows(out)) == 10
