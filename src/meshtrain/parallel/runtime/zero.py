@@ -43,7 +43,7 @@ from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import check_grad_views, reverse_buckets
 from meshtrain.parallel.runtime.nvme_offload import NvmeStore
 from meshtrain.parallel.runtime.optim import restored_step
-from meshtrain.parallel.runtime.zero_bucket import BACKWARD, FORWARD, FREE, Bucket
+from meshtrain.parallel.runtime.zero_bucket import BACKWARD, FORWARD, FREE, Bucket, shard_numel
 
 ZERO_STAGES = (0, 1, 2, 3)
 """The `zero` choices: nothing sharded, optimizer states, + gradients, + parameters."""
@@ -83,8 +83,8 @@ class ZeroDataParallel:
         groups = self._group(units, bucket_bytes, grad_dtype,
                              deferred[0] if deferred else None)
         # nvme: each bucket's states go to disk as it is made, so they are never all in memory
-        self.store = NvmeStore(offload_dir, [-(-sum(p.numel() for p in g) // axis.size)
-                                             for g in groups]) if offload_dir else None
+        self.store = NvmeStore(offload_dir, [shard_numel(g, axis.size) for g in groups]) \
+            if offload_dir else None
         self.buckets = []
         self._pieces = {}
         for g in groups:
