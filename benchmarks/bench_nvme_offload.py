@@ -14,6 +14,7 @@ between or during steps (CPU offload makes the copy for the step), only a window
     python benchmarks/bench_nvme_offload.py                       # hidden 768, 6 layers
     python benchmarks/bench_nvme_offload.py --quick               # a smoke run
     python benchmarks/bench_nvme_offload.py --dir /mnt/nvme/tmp   # the disk to measure
+    python benchmarks/bench_nvme_offload.py --deepspeed /tmp/ds_venv/bin/python  # + ZeRO-Infinity
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import mmap
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -66,7 +68,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def child(target: str, folder: str, quick: bool, steps: int) -> dict:
+def child(target: str, folder: str, quick: bool, steps: int, zero: int) -> dict:
     """One target's run in this process; prints its figures as JSON."""
     import torch
 
@@ -77,7 +79,7 @@ def child(target: str, folder: str, quick: bool, steps: int) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     model = {"num_layers": 2, "hidden_size": 256, "num_heads": 4} if quick else \
         {"num_layers": 6, "hidden_size": 768, "num_heads": 12}
-    parallel = {"device": "cpu", "zero": 1, "bucket_mb": 8.0, "offload_optimizer": target}
+    parallel = {"device": "cpu", "zero": zero, "bucket_mb": 8.0, "offload_optimizer": target}
     if target == "nvme":
         parallel["offload_dir"] = folder
     with tempfile.TemporaryDirectory() as out:
@@ -116,11 +118,49 @@ def child(target: str, folder: str, quick: bool, steps: int) -> dict:
             "window": window, "direct": direct}
 
 
-def run_child(target: str, folder: Path, quick: bool, steps: int) -> dict:
+def deepspeed_child(folder: str, quick: bool, steps: int) -> dict:
+    """DeepSpeed ZeRO-Infinity (stage 3, `offload_optimizer.device: nvme`, its `async_io` op)
+    on the same GPT and batch, one rank over gloo with its CPU accelerator."""
+    import deepspeed
+    import torch
+
+    import meshtrain
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    deepspeed.init_distributed(dist_backend="gloo")
+    layers, hidden, heads = (2, 256, 4) if quick else (6, 768, 12)
+    cfg = meshtrain.GPTConfig(num_layers=layers, hidden_size=hidden, num_heads=heads,
+                              vocab_size=256, max_seq_len=64)
+    model = meshtrain.build_model(cfg, meshtrain.ParallelMesh.local(), seed=0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3, "offload_optimizer": {
+                  "device": "nvme", "nvme_path": folder, "pin_memory": False}},
+              "aio": {"block_size": 8 * 2**20, "queue_depth": 8, "thread_count": 4},
+              "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+    engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False,
+                                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, 256, (2, 64))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.backward(model.loss(engine(ids), ids))
+        engine.step()
+        times.append(time.perf_counter() - start)
+    hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+               if line.startswith("VmHWM"))
+    return {"target": "deepspeed", "params": sum(p.ds_numel for p in model.parameters()),
+            "step_s": statistics.median(times[1:]), "vmhwm": hwm}
+
+
+def run_child(target: str, folder: Path, quick: bool, steps: int,
+              python: str = sys.executable, zero: int = 1) -> dict:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
                WORLD_SIZE="1", LOCAL_RANK="0")
-    cmd = [sys.executable, __file__, "--child", target, "--dir", str(folder),
-           "--steps", str(steps)] + (["--quick"] if quick else [])
+    env["DS_ACCELERATOR"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parents[1] / "src"),
+                                                   env.get("PYTHONPATH")) if p)
+    cmd = [python, __file__, "--child", target, "--dir", str(folder), "--steps", str(steps),
+           "--zero", str(zero)] + (["--quick"] if quick else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -131,9 +171,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--child")
+    parser.add_argument("--zero", type=int, default=1)
+    parser.add_argument("--deepspeed", metavar="PYTHON", help="a Python with deepspeed (e.g."
+                        " /tmp/ds_venv/bin/python): also ZeRO-3 against ZeRO-Infinity")
     args = parser.parse_args()
+    if args.child == "deepspeed":
+        print(json.dumps(deepspeed_child(args.dir, args.quick, args.steps)))
+        return
     if args.child:
-        print(json.dumps(child(args.child, args.dir, args.quick, args.steps)))
+        print(json.dumps(child(args.child, args.dir, args.quick, args.steps, args.zero)))
         return
     folder = Path(args.dir) / "bench_nvme_offload"
     folder.mkdir(parents=True, exist_ok=True)
@@ -161,7 +207,19 @@ def main() -> None:
     print(f"  peak RSS saved: {saved / 2**20:.0f} MiB measured, formula 16 P - window ="
           f" {formula / 2**20:.0f} MiB (window {nvme['window'] / 2**20:.0f} MiB):"
           f" ratio {saved / formula:.2f}")
-    folder.rmdir()
+    if args.deepspeed:
+        runs = {"meshtrain cpu offload": run_child("cpu", folder, args.quick, args.steps, zero=3),
+                "meshtrain nvme offload": run_child("nvme", folder, args.quick, args.steps,
+                                                    zero=3),
+                "DeepSpeed ZeRO-Infinity": run_child("deepspeed", folder, args.quick, args.steps,
+                                                     python=args.deepspeed)}
+        ours, theirs = runs["meshtrain nvme offload"], runs["DeepSpeed ZeRO-Infinity"]
+        print(f"zero 3 ({theirs['params'] / 1e6:.1f}M parameters in DeepSpeed's count):")
+        for name, r in runs.items():
+            print(f"  {name:>23}: step {r['step_s']:.3f} s, peak RSS {r['vmhwm'] / 2**20:.0f}"
+                  " MiB")
+        print(f"  step time meshtrain / DeepSpeed: {ours['step_s'] / theirs['step_s']:.2f}x")
+    shutil.rmtree(folder)  # DeepSpeed leaves its swap folders
 
 
 if __name__ == "__main__":
