@@ -117,9 +117,7 @@ class MeshtrainZero(Contender):
             loss = model.loss(model(ids), targets)
             loss.backward()
             zero.wait()
-            zero.prepare_step()
-            opt.step()
-            zero.finish_step()
+            zero.step(opt)
             return _global_mean(loss.detach())
 
         return step

@@ -213,7 +213,9 @@ def test_zero3_checkpoint_resumes_at_zero1_and_at_tp2(corpus, tmp_path):
 @pytest.mark.parametrize("parallel,model,match", [
     ({"zero": 4}, {}, "--zero must be 0, 1, 2 or 3"),
     ({"offload_optimizer": "cpu"}, {}, "--offload-optimizer cpu .* add --zero 1"),
-    ({"offload_optimizer": "nvme"}, {}, "--offload-optimizer must be none or cpu"),
+    ({"offload_optimizer": "disk"}, {}, "--offload-optimizer must be none, cpu or nvme"),
+    ({"offload_optimizer": "nvme", "zero": 1}, {},
+     "--offload-optimizer nvme keeps its files in --offload-dir: set both"),
     ({"zero": 2, "pp": 2}, {}, "--zero 2 does not combine with --pp 2"),
     ({"zero": 3, "ep": 2}, {"moe_experts": 4}, "--zero 3 does not shard MoE experts"),
     ({"zero": 1, "pp": 2, "pp_schedule": "2bw"}, {}, "--zero with --pp-schedule 2bw"),

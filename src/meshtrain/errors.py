@@ -60,6 +60,7 @@ class Code(Enum):
     ZERO3_MOE = "zero 3 with MoE"
     ZERO_FP64 = "zero with fp64"
     OFFLOAD_WITHOUT_ZERO = "offload without zero"
+    OFFLOAD_DIR = "offload_dir missing, unwritable or too small"
     # pipelines
     PP_LAYERS = "pp exceeds layers"
     PP_LAYERS_SPLIT = "pp_layers does not split the layers"

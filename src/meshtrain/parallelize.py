@@ -11,6 +11,7 @@ or through the pipeline schedule).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
@@ -48,11 +49,12 @@ class ParallelModel:
 def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: ParallelMesh, *,
                 seed: int, seq_len: int, lr: float, weight_decay: float,
                 steps: int, packing: Packing = ONE_STREAM, betas: tuple[float, float] = BETAS,
-                eps: float = EPS) -> ParallelModel:
+                eps: float = EPS, offload_dir: Path | None = None) -> ParallelModel:
     """Build this rank's part of `model_cfg` laid out as `plan` (already validated, degrees
     those of `mesh`). `seq_len` sizes the pipeline's transfers; `lr` and `weight_decay` the
     AdamW (with `betas` and `eps`); `steps` is the run's last step (PipeDream-2BW lays out
-    the whole run); `packing` how the executor feeds packed documents."""
+    the whole run); `packing` how the executor feeds packed documents; `offload_dir` this
+    rank's folder for ZeRO's states under `offload_optimizer` nvme."""
     stage = pipeline_stage(model_cfg.num_layers, plan, mesh)
     model = build_model(model_cfg, mesh, plan, seed=seed, stage=stage)
     factory = model.factory
@@ -62,7 +64,7 @@ def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: Parallel
     model.to(plan.dtype)
     roles = model.roles()
     sync = gradient_sync(model, roles, factory, plan, mesh, lr=lr, weight_decay=weight_decay,
-                         betas=betas, eps=eps)
+                         betas=betas, eps=eps, offload_dir=offload_dir)
     if plan.compile:
         compile_blocks(model)
     executor = step_executor(model, factory, sync, plan, mesh, seq_len=seq_len, steps=steps,
@@ -95,13 +97,14 @@ def pipeline_stage(num_layers: int, plan: ParallelPlan, mesh: ParallelMesh) -> S
 def gradient_sync(model: nn.Module, roles: ParameterRoles, factory: LayerFactory,
                   plan: ParallelPlan, mesh: ParallelMesh, *, lr: float,
                   weight_decay: float, betas: tuple[float, float] = BETAS,
-                  eps: float = EPS) -> GradientSync:
+                  eps: float = EPS, offload_dir: Path | None = None) -> GradientSync:
     common = dict(partial=factory.partial_gradients(model, exclude=roles.experts),
                   bucket_bytes=int(plan.bucket_mb * 2**20), grad_dtype=plan.gradient_dtype,
                   lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     if plan.zero:
         return ZeroSync(model, roles, mesh, stage=plan.zero,
-                        offload=plan.offload_optimizer == "cpu", **common)
+                        offload=plan.offload_optimizer != "none", offload_dir=offload_dir,
+                        **common)
     two_weights = plan.pp_schedule == "2bw" and mesh.pp.size > 1
     # 16-bit parameters: the optimizer steps fp32 copies; 2BW: the model holds the versions
     # in-flight micro-batches need, the optimizer steps separate copies

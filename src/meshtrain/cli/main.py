@@ -33,6 +33,7 @@ from meshtrain.operations.failures import (
     EXIT_STOPPED,
     RunFailure,
 )
+from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES, check_offload_dir
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import check_local_devices
 from meshtrain.planner.hardware import load_hardware
@@ -105,6 +106,8 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     corpus.samplers(cfg.data.val_fraction, seq_len=t.seq_len, global_batch=t.global_batch,
                     micro_batch=plan.micro_batch, seed=t.seed)  # refuses a split too short
     out = _writable_out(Path(cfg.checkpoint.out))
+    if plan.offload_optimizer == "nvme":  # every rank's files on this machine's disk
+        check_offload_dir(Path(plan.offload_dir), STATE_BYTES * model.num_parameters())
     run_lock.check_free(out, run_lock.own_run_id())
     has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
     if cfg.checkpoint.resume or cfg.checkpoint.auto_resume:

@@ -58,6 +58,17 @@ class RunConfig:
     plan: ParallelPlan = field(default_factory=lambda: RUN_PLAN)
     """The layout: its fields are settings of the tables their `section` names."""
 
+    @property
+    def run_name(self) -> str:
+        """The run's name in every logger and in `offload_dir` (default: `out`'s name)."""
+        return self.logging.run_name or Path(self.checkpoint.out).resolve().name
+
+    def offload_folder(self, rank: int) -> Path | None:
+        """Where rank `rank` keeps ZeRO's states under `offload_optimizer` nvme."""
+        if self.plan.offload_optimizer != "nvme":
+            return None
+        return Path(self.plan.offload_dir) / self.run_name / f"rank{rank}"
+
     def resolved(self, model: TransformerConfig, plan: ParallelPlan) -> RunConfig:
         """This config with what the run decided where the settings left it open: the model
         preset (unless `init_from` names the model), its vocabulary and positions, and the

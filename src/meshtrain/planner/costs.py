@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
+from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.schedules import SPLIT_BACKWARD
 from meshtrain.parallel.schemes.scheme import Traffic
@@ -291,6 +292,16 @@ def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> f
 
 
 def optimizer_time(work: Workload, hw: Hardware, params: float) -> float:
-    """Adam over this rank's parameters (its shard under ZeRO), bound by memory bandwidth."""
-    shard = params / (work.layout.dp * work.layout.cp) if work.layout.zero else params
-    return _elementwise(hw, shard * OPTIMIZER_BYTES_PER_PARAMETER)
+    """Adam over this rank's parameters (its shard under ZeRO), bound by memory bandwidth.
+    Offloaded: the gradient shard goes to the host and the parameters come back over the
+    host link, Adam runs at host memory bandwidth, and under nvme each state is read and
+    written once, overlapping the update (the slower of the two counts)."""
+    lay = work.layout
+    shard = params / (lay.dp * lay.cp) if lay.zero else params
+    if lay.offload_optimizer == "none":
+        return _elementwise(hw, shard * OPTIMIZER_BYTES_PER_PARAMETER)
+    link = shard * (GRAD_BYTES + work.element_bytes) / (hw.host_link_gbytes_per_s * 1e9)
+    update = shard * OPTIMIZER_BYTES_PER_PARAMETER / (hw.host_memory_gbytes_per_s * 1e9)
+    disk = 2 * shard * STATE_BYTES / (hw.disk_gbytes_per_s * 1e9) \
+        if lay.offload_optimizer == "nvme" else 0.0
+    return link + max(update, disk)

@@ -67,6 +67,13 @@ class Hardware:
     """Attention core backward / forward time (CPU SDPA: ~6.5; FlashAttention-2 on GPUs: ~2.5)."""
     reduce_scatter_factor: float = 1.0
     """Reduce-scatter's bytes term relative to all-gather's (gloo: ~2, no native ring)."""
+    host_link_gbytes_per_s: float = 25.0
+    """Device <-> host copies (PCIe 4 x16): offloaded ZeRO's gradient shard out, parameters
+    back."""
+    host_memory_gbytes_per_s: float = 100.0
+    """Host memory bandwidth: AdamW over offloaded states runs there."""
+    disk_gbytes_per_s: float = 3.0
+    """One NVMe drive's sequential bandwidth per rank: `offload_optimizer` nvme's files."""
     default_precision: str = "bf16"
     """The precision `meshtrain plan` assumes for this hardware unless told otherwise."""
 

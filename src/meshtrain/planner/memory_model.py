@@ -2,15 +2,15 @@
 
 Per pipeline rank (the busiest is reported): parameters p, gradients g = 4 (fp32 accumulation)
 and optimizer states K = 8 (Adam moments) + 4 (fp32 master weights, 16-bit runs only) bytes per
-parameter, divided over dp x cp by ZeRO (stage 1: K; 2: g + K; 3: everything:
-`memory.zero_formula_bytes`), of the parameters a rank holds (1/tp of a layer's, 1/q^2 under
-2.5d's replication over depth: `Workload.weight_parts`); activations = the family's per-layer
-bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp, `Workload.layer_activation_bytes`) x the
-layers of each (micro-batch, chunk) the schedule keeps in flight (the simulator's peak, a split
-backward's counted until its `W`: ZB-H1 and ZB-V hold p stages' worth on every rank, 1F1B's on
-its first; what a pending `W` keeps, its linear layers' inputs and output gradients, is taken
-as the activations it replaces), chunks where the schedule places them (zb-v: rank 0 holds the
-embedding and the output layer);
+parameter (none on the device under `offload_optimizer`), divided over dp x cp by ZeRO (stage 1:
+K; 2: g + K; 3: everything: `memory.zero_formula_bytes`), of the parameters a rank holds (1/tp
+of a layer's, 1/q^2 under 2.5d's replication over depth: `Workload.weight_parts`); activations =
+the family's per-layer bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp,
+`Workload.layer_activation_bytes`) x the layers of each (micro-batch, chunk) the schedule keeps
+in flight (the simulator's peak, a split backward's counted until its `W`: ZB-H1 and ZB-V hold p
+stages' worth on every rank, 1F1B's on its first; what a pending `W` keeps, its linear layers'
+inputs and output gradients, is taken as the activations it replaces), chunks where the schedule
+places them (zb-v: rank 0 holds the embedding and the output layer);
 buffers = fp32 logits and their gradient on the last stage, the gradient bucket being reduced,
 ZeRO-3's two gathered layers, pipeline send/receive buffers and, under full recomputation, one
 layer's recomputed activations.
@@ -64,7 +64,8 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
     own = pipe.chunks_of(rank)
     params = sum(chunks[g].parameters for g in own)
     e, n = work.element_bytes, lay.dp * lay.cp
-    k = 8 + (4 if e < 4 else 0)
+    # offloaded (cpu, nvme): master and moments leave the device
+    k = 0 if lay.offload_optimizer != "none" else 8 + (4 if e < 4 else 0)
     parts = [zero_formula_bytes(params, param_bytes=pb, grad_bytes=gb, state_bytes=sb, dp=n,
                                 stage=lay.zero)
              for pb, gb, sb in ((e, 0, 0), (0, GRAD_BYTES, 0), (0, 0, k))]

@@ -108,7 +108,8 @@ class Trainer:
         parallel = parallelize(cfg.model_config(corpus.vocab_size), plan, mesh, seed=t.seed,
                                seq_len=t.seq_len, lr=t.lr, weight_decay=t.weight_decay,
                                steps=t.stop_at or t.steps, packing=packing,
-                               betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+                               betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                               offload_dir=cfg.offload_folder(mesh.world.rank))
         scaler = LossScaler(enabled=plan.precision == "fp16", growth_interval=t.loss_scale_window)
         train_data, eval_data = corpus.samplers(d.val_fraction, seq_len=t.seq_len,
                                                 global_batch=t.global_batch,
@@ -288,6 +289,14 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
 
 def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None) -> list[dict]:
     trainer = Trainer.build(cfg, mesh)
+    try:
+        return _train_built(cfg, mesh, trainer, stop)
+    finally:
+        trainer.sync.close()
+
+
+def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
+                 stop: StopSignals | None) -> list[dict]:
     out = Path(cfg.checkpoint.out)
     resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
     start = trainer.resume(out) if resuming else 0

@@ -100,10 +100,15 @@ class ParallelPlan:
     pp_layers: tuple[int, ...] | None = _layout(
         None, "layers per pipeline stage, comma-separated (e.g. 3,5); with virtual stages one"
               " count per model chunk (pp x v of them; 2 x pp under zb-v); default: an even split")
-    offload_optimizer: str = _layout("none", "none, or cpu: keep ZeRO's fp32 master shard, its"
+    offload_optimizer: str = _layout("none", "none; cpu: keep ZeRO's fp32 master shard, its"
                                              " gradient and the Adam moments in host memory"
-                                             " and step there (needs zero >= 1)",
+                                             " and step there; nvme: keep the master shard and"
+                                             " moments in files under offload_dir, a few"
+                                             " buckets in memory at a time (needs zero >= 1)",
                                      choices=OFFLOAD_TARGETS)
+    offload_dir: str | None = _layout(None, "folder for offload_optimizer nvme's files"
+                                            " (created when missing): DIR/<run name>/rank<N>,"
+                                            " removed at exit")
     recompute_layers: int | None = _layout(None, "with full recompute, only the first k layers")
     precision: str = _layout("fp32", "parameter/activation dtype: fp32, bf16 or fp16 (16-bit"
                                      " keeps fp32 master weights; fp16 adds dynamic loss"
@@ -339,10 +344,14 @@ class ParallelPlan:
             raise SettingError(Code.ZERO_FP64, (
                 f"`zero` {self.zero} keeps fp32 master shards, which would round"
                 " `precision` fp64's parameters: use `zero` 0 with fp64"))
-        if self.offload_optimizer == "cpu" and self.zero == 0:
+        if self.offload_optimizer != "none" and self.zero == 0:
             raise SettingError(Code.OFFLOAD_WITHOUT_ZERO, (
-                "`offload_optimizer` cpu offloads ZeRO's optimizer shard: add `zero`"
-                " 1 (or 2, 3)"))
+                f"`offload_optimizer` {self.offload_optimizer} offloads ZeRO's optimizer"
+                " shard: add `zero` 1 (or 2, 3)"))
+        if (self.offload_optimizer == "nvme") != (self.offload_dir is not None):
+            raise SettingError(Code.OFFLOAD_DIR, (
+                "`offload_optimizer` nvme keeps its files in `offload_dir`: set both, or"
+                " neither"))
         if self.zero >= 2 and self.pp > 1:
             raise SettingError(Code.ZERO_PIPELINE, (
                 f"`zero` {self.zero} does not combine with `pp` {self.pp}: a"

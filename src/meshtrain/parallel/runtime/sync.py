@@ -13,6 +13,7 @@ one it has.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -71,6 +72,10 @@ class GradientSync(ABC):
     @abstractmethod
     def memory_report(self) -> dict[str, int]:
         """Bytes held between steps for parameters, gradients and optimizer states."""
+
+    def close(self) -> None:
+        """Give back what outlives the process's objects (nvme offload's files)."""
+        return None
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -181,7 +186,7 @@ class ZeroSync(GradientSync):
 
     def __init__(self, model: nn.Module, roles: ParameterRoles, mesh: ParallelMesh, *,
                  partial: Partial, stage: int, bucket_bytes: int, grad_dtype: torch.dtype,
-                 offload: bool, lr: float, weight_decay: float,
+                 offload: bool, lr: float, weight_decay: float, offload_dir: Path | None = None,
                  betas: tuple[float, float] = BETAS, eps: float = EPS):
         super().__init__(model, mesh, partial)
         experts = roles.experts
@@ -189,16 +194,20 @@ class ZeroSync(GradientSync):
                       offload=offload)
         deferred = (roles.tied[0], mesh.axis("embed")) if roles.tied else \
             (roles.reused[0], None) if roles.reused else None
+        # nvme offload: `offload_dir` is this rank's folder, a subfolder per reducer
+        folder = (lambda name: offload_dir / name) if offload_dir else (lambda name: None)
         dense = ZeroDataParallel([[q for q in params if id(q) not in experts]
                                   for _, params in roles.units],
-                                 mesh.dp_cp, **common, deferred=deferred)
+                                 mesh.dp_cp, **common, deferred=deferred,
+                                 offload_dir=folder("dense"))
         if stage == 3:
             dense.attach([module for module, _ in roles.units])
         self.reducers = [dense]
         if experts:
             self.reducers.append(ZeroDataParallel(
                 [[q for q in params if id(q) in experts] for _, params in roles.units],
-                mesh.axis("edp"), **common, scale=1.0 / mesh.ep.size))
+                mesh.axis("edp"), **common, scale=1.0 / mesh.ep.size,
+                offload_dir=folder("experts")))
         pieces = [pair for reducer in self.reducers for pair in reducer.step_pieces()]
         self.optimizer = build_adamw([piece for _, piece in pieces], lr=lr,
                                      weight_decay=weight_decay, betas=betas, eps=eps,
@@ -212,11 +221,8 @@ class ZeroSync(GradientSync):
 
     def step(self, lr: float) -> None:
         self._set_lr(lr)
-        for reducer in self.reducers:
-            reducer.prepare_step()
-        self.optimizer.step()
-        for reducer in self.reducers:
-            reducer.finish_step()
+        for reducer in self.reducers:  # elementwise: stepping each alone is the same update
+            reducer.step(self.optimizer)
 
     def export(self):
         # a rank that owns no piece has no optimizer state: agree on the step count
@@ -244,5 +250,10 @@ class ZeroSync(GradientSync):
         held = {"parameters": 0, "gradients": 0, "optimizer_states": 0}
         for reducer in self.reducers:
             for key, nbytes in reducer.memory(self.optimizer).items():
-                held[key] += nbytes
+                held[key] = held.get(key, 0) + nbytes
         return held | {"peak_transient": sum(r.peak_transient_bytes for r in self.reducers)}
+
+    def close(self) -> None:
+        for reducer in self.reducers:
+            if reducer.store is not None:
+                reducer.store.close()

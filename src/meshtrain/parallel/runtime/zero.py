@@ -23,9 +23,16 @@ One optimizer step:
 
 With `offload`, the fp32 master shard, its gradient and the Adam moments live in host memory and
 the update runs there (on a CPU-only machine this is the same memory, and bitwise the same run).
+With `offload_dir` (nvme) they live in files instead (`nvme_offload.py`) and the update runs
+bucket by bucket through a window of host slabs: the next bucket is read and the previous one
+written while a bucket steps. AdamW is elementwise, so stepping bucket by bucket is bitwise
+the step over all pieces at once.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,14 +41,17 @@ from torch import nn
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import check_grad_views, reverse_buckets
+from meshtrain.parallel.runtime.nvme_offload import NvmeStore
 from meshtrain.parallel.runtime.optim import restored_step
-from meshtrain.parallel.runtime.zero_bucket import BACKWARD, FORWARD, FREE, Bucket
+from meshtrain.parallel.runtime.zero_bucket import BACKWARD, FORWARD, FREE, Bucket, shard_numel
 
 ZERO_STAGES = (0, 1, 2, 3)
 """The `zero` choices: nothing sharded, optimizer states, + gradients, + parameters."""
-OFFLOAD_TARGETS = ("none", "cpu")
+OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 """The `offload_optimizer` choices."""
 
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_EVICTED = torch.empty(0)  # what an offloaded master piece or moment points at between uses
 _IN_FLIGHT_REDUCTIONS = 2  # stage 2/3: buckets whose reduce-scatter may still be running
 
 
@@ -51,7 +61,8 @@ class ZeroDataParallel:
     The trainer-facing protocol is the GradientReducer's: `zero_grad()`, `sync` before each
     backward (stage 1 communicates on the last micro-batch only; 2 and 3 on every one), `wait()`
     after the last backward, `grad(p)` (this rank's reduced piece of p's gradient, None if it
-    owns none); then `step_pieces()` to hand to the optimizer, and `finish_step()` after it.
+    owns none); then `step_pieces()` to hand to the optimizer, and `step(optimizer)` to step.
+    `offload_dir` (nvme offload): the folder of this reducer's state files.
     `deferred` is a parameter whose local gradient must first be summed over another axis
     (the tied embedding held by two pipeline stages), or (axis None) that gets its gradient in
     two backward passes (`ParameterRoles.reused`): its bucket is reduced in `wait()`.
@@ -60,7 +71,7 @@ class ZeroDataParallel:
 
     def __init__(self, units: list[list[nn.Parameter]], axis: MeshAxis, *, stage: int,
                  bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32,
-                 scale: float = 1.0, offload: bool = False,
+                 scale: float = 1.0, offload: bool = False, offload_dir: Path | None = None,
                  deferred: tuple[nn.Parameter, MeshAxis | None] | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"`zero` must be 0, 1, 2 or 3, got {stage}")
@@ -71,16 +82,25 @@ class ZeroDataParallel:
         self.deferred_axis = deferred[1] if deferred else None
         groups = self._group(units, bucket_bytes, grad_dtype,
                              deferred[0] if deferred else None)
-        self.buckets = [Bucket(g, axis, stage=stage, grad_dtype=grad_dtype,
-                                offload=offload) for g in groups]
+        # nvme: each bucket's states go to disk as it is made, so they are never all in memory
+        self.store = NvmeStore(offload_dir, [shard_numel(g, axis.size) for g in groups]) \
+            if offload_dir else None
+        self.buckets = []
+        self._pieces = {}
+        for g in groups:
+            b = Bucket(g, axis, stage=stage, grad_dtype=grad_dtype,
+                       offload=offload or self.store is not None)
+            self._pieces[id(b)] = [nn.Parameter(b.master[a:a + n]) for _, a, n in b.pieces]
+            if self.store is not None:
+                self.store.create(len(self.buckets), b.master)
+                self._evict(b, None)
+            self.buckets.append(b)
         self.deferred = next((b for b in self.buckets if deferred and b.params[0] is deferred[0]),
                              None)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._in_flight: list[Bucket] = []
         self.transient_bytes = 0
         self.peak_transient_bytes = 0
-        self._pieces = {id(b): [nn.Parameter(b.master[a:a + n]) for _, a, n in b.pieces]
-                        for b in self.buckets}
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -193,29 +213,87 @@ class ZeroDataParallel:
                 for (p, _, _), piece in zip(b.pieces, self._pieces[id(b)], strict=True)]
 
     @torch.no_grad()
-    def prepare_step(self) -> None:
-        """Hand the (unscaled, clipped) gradient shards to the master pieces."""
-        for b in self.buckets:
-            grad = b.grad_shard if b.grad_in_place else \
-                b.grad_shard.to(b.master.device, torch.float32, copy=True)
-            for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
-                piece.grad = grad[a:a + n]
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step this rank's master pieces with the (unscaled, clipped) gradient shards, copy
+        them into the parameter shards and (stages 1, 2) gather the full parameters. Offloaded
+        to nvme, one bucket at a time: pieces without a gradient are left alone by AdamW."""
+        if self.store is None:
+            for b in self.buckets:
+                self._give_grads(b)
+            optimizer.step()
+            for b in self.buckets:
+                self._write_back(b)
+        else:
+            self.store.prefetch(0)
+            for k, b in enumerate(self.buckets):
+                with self._offloaded(k, optimizer, dirty=True):
+                    if k + 1 < len(self.buckets):
+                        self.store.prefetch(k + 1)
+                    self._give_grads(b)
+                    optimizer.step()
+                    self._write_back(b)
+        self._gather_parameters()
 
-    @torch.no_grad()
-    def finish_step(self) -> None:
-        """Stepped masters -> parameter shards -> (stages 1, 2) full parameters everywhere."""
+    def _give_grads(self, b: Bucket) -> None:
+        grad = b.grad_shard if b.grad_in_place else \
+            b.grad_shard.to(b.master.device, torch.float32, copy=True)
+        for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
+            piece.grad = grad[a:a + n]
+
+    def _write_back(self, b: Bucket) -> None:
+        for piece in self._pieces[id(b)]:
+            piece.grad = None  # frees an fp32 gradient copy
+        if b.master is not b.param_shard:
+            b.param_shard.copy_(b.master)
+
+    def _gather_parameters(self) -> None:
         works = []
         for b in self.buckets:
-            for piece in self._pieces[id(b)]:
-                piece.grad = None  # frees an fp32 gradient copy
-            if b.master is not b.param_shard:
-                b.param_shard.copy_(b.master)
             if self.stage < 3:
                 works.append(comm.all_gather_into(b.param_flat, b.param_shard, self.axis,
                                                   async_op=True))
         for work in works:
             if work is not None:
                 work.wait()
+
+    # ------------------------------------------------------------------ nvme offload
+    @contextmanager
+    def _offloaded(self, k: int, optimizer: torch.optim.Optimizer, *, dirty: bool):
+        """Bucket k's master and moments in host memory for the block (a no-op unless
+        offloaded to nvme); written back after it when `dirty`."""
+        if self.store is None:
+            yield
+            return
+        b, states = self.buckets[k], self.store.load(k)
+        self._bind(b, states, optimizer)
+        try:
+            yield
+            self._bind(b, states, optimizer)  # moments AdamW or `load` just made move in
+        finally:
+            self._evict(b, optimizer)
+            self.store.release(k, dirty=dirty)
+
+    def _bind(self, b: Bucket, states: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """Point the master, its pieces and their moments at a slab `states` = [master |
+        exp_avg | exp_avg_sq], copying in moments held elsewhere (fresh from AdamW or `load`)."""
+        n = b.shard_size
+        b.master = states[:n]
+        for piece, (_, a, m) in zip(self._pieces[id(b)], b.pieces, strict=True):
+            piece.data = states[a:a + m]
+            state = optimizer.state.get(piece)
+            for i, name in enumerate(_MOMENTS if state else ()):
+                view = states[(i + 1) * n + a:(i + 1) * n + a + m]
+                if state[name].numel() and state[name].data_ptr() != view.data_ptr():
+                    view.copy_(state[name])
+                state[name] = view
+
+    def _evict(self, b: Bucket, optimizer: torch.optim.Optimizer | None) -> None:
+        b.master = _EVICTED
+        for piece in self._pieces[id(b)]:
+            piece.data = _EVICTED
+            state = optimizer.state.get(piece) if optimizer is not None else None
+            for name in _MOMENTS if state else ():
+                state[name] = _EVICTED
 
     # ------------------------------------------------------------------ stage 3 gathering
     def attach(self, units: list[nn.Module]) -> None:
@@ -289,7 +367,8 @@ class ZeroDataParallel:
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes held between steps: parameters (full buckets, or the shard at stage 3),
         gradients (full buckets at stage 1, else the shard) and optimizer states (master shard
-        unless it is the parameter shard itself, Adam moments)."""
+        unless it is the parameter shard itself, Adam moments; none in memory when offloaded
+        to nvme: `offloaded` counts the bytes of its files)."""
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
@@ -302,7 +381,8 @@ class ZeroDataParallel:
         states += sum(nbytes(t) for piece in pieces
                       for t in optimizer.state.get(piece, {}).values()
                       if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return {"parameters": params, "gradients": grads, "optimizer_states": states}
+        held = {"parameters": params, "gradients": grads, "optimizer_states": states}
+        return held | ({"offloaded": self.store.offloaded_bytes} if self.store else {})
 
     @torch.no_grad()
     def export(self, optimizer: torch.optim.Optimizer, *,
@@ -313,20 +393,23 @@ class ZeroDataParallel:
         piece has no optimizer state of its own)."""
         values: dict[int, torch.Tensor] = {}
         states: dict[int, dict[str, torch.Tensor]] = {}
-        for b in self.buckets:
-            full = self._gather_full(b, b.master)
-            for p in b.params:
-                values[id(p)] = b.param_view(full, p)
-            if not stepped:
-                continue
-            for name in ("exp_avg", "exp_avg_sq"):
-                shard = torch.zeros(b.shard_size, dtype=torch.float32, device=b.master.device)
-                for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
-                    shard[a:a + n].copy_(optimizer.state[piece][name])
-                full = self._gather_full(b, shard)
-                for p in b.params:
-                    states.setdefault(id(p), {})[name] = b.param_view(full, p)
+        for k, b in enumerate(self.buckets):
+            with self._offloaded(k, optimizer, dirty=False):
+                self._export_bucket(b, optimizer, stepped, values, states)
         return values, states if stepped else None
+
+    def _export_bucket(self, b: Bucket, optimizer: torch.optim.Optimizer, stepped: bool,
+                       values: dict, states: dict) -> None:
+        full = self._gather_full(b, b.master)
+        for p in b.params:
+            values[id(p)] = b.param_view(full, p)
+        for name in _MOMENTS if stepped else ():
+            shard = torch.zeros(b.shard_size, dtype=torch.float32, device=b.master.device)
+            for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
+                shard[a:a + n].copy_(optimizer.state[piece][name])
+            full = self._gather_full(b, shard)
+            for p in b.params:
+                states.setdefault(id(p), {})[name] = b.param_view(full, p)
 
     def _gather_full(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
         flat = torch.empty(b.padded, dtype=torch.float32, device=b.device)
@@ -340,21 +423,26 @@ class ZeroDataParallel:
              states: dict[int, dict[str, torch.Tensor]] | None,
              step: torch.Tensor | None) -> None:
         """Take this rank's shard of full per-parameter values (and moments)."""
-        for b in self.buckets:
-            full = self._flat_of(b, values)
-            b.master.copy_(full[b.lo:b.lo + b.shard_size])
-            b.param_shard.copy_(full[b.lo:b.lo + b.shard_size])
-            if b.resident:
-                b.param_flat.data.copy_(full)
-            if states is None or step is None:
-                continue
-            moments = {name: self._flat_of(b, {i: s[name] for i, s in states.items()})
-                       for name in ("exp_avg", "exp_avg_sq")}
-            for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
-                optimizer.state[piece] = {
-                    "step": restored_step(optimizer, piece, step),
-                    **{name: flat[b.lo + a:b.lo + a + n].to(piece.device).clone()
-                       for name, flat in moments.items()}}
+        for k, b in enumerate(self.buckets):
+            with self._offloaded(k, optimizer, dirty=True):
+                self._load_bucket(b, optimizer, values, states, step)
+
+    def _load_bucket(self, b: Bucket, optimizer: torch.optim.Optimizer, values: dict,
+                     states: dict | None, step: torch.Tensor | None) -> None:
+        full = self._flat_of(b, values)
+        b.master.copy_(full[b.lo:b.lo + b.shard_size])
+        b.param_shard.copy_(full[b.lo:b.lo + b.shard_size])
+        if b.resident:
+            b.param_flat.data.copy_(full)
+        if states is None or step is None:
+            return
+        moments = {name: self._flat_of(b, {i: s[name] for i, s in states.items()})
+                   for name in _MOMENTS}
+        for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
+            optimizer.state[piece] = {
+                "step": restored_step(optimizer, piece, step),
+                **{name: flat[b.lo + a:b.lo + a + n].to(piece.device).clone()
+                   for name, flat in moments.items()}}
 
     @staticmethod
     def _flat_of(b: Bucket, per_param: dict[int, torch.Tensor]) -> torch.Tensor:

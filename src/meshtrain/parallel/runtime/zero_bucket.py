@@ -13,6 +13,11 @@ from meshtrain.mesh import MeshAxis
 FREE, FORWARD, BACKWARD = "free", "forward", "backward"  # stage 3: where a bucket's unit is
 
 
+def shard_numel(params: list[nn.Parameter], parts: int) -> int:
+    """Elements of each rank's shard of a bucket of `params` split `parts` ways (padded)."""
+    return -(-sum(p.numel() for p in params) // parts)
+
+
 class Bucket:
     """One flat bucket: its parameters, its shard of them, their gradients and master shard."""
 
@@ -26,7 +31,7 @@ class Bucket:
             self.offsets[id(p)] = offset
             offset += p.numel()
         self.numel = offset
-        self.shard_size = -(-offset // axis.size)
+        self.shard_size = shard_numel(params, axis.size)
         self.padded = self.shard_size * axis.size
         self.lo = axis.rank * self.shard_size
         self.dtype, self.device = params[0].dtype, params[0].device
