@@ -14,6 +14,7 @@ from torch.testing import assert_close
 from meshtrain import ParallelMesh
 from meshtrain.checkpointing.checkpoint import resolve_checkpoint
 from meshtrain.checkpointing.model_files import write_model_checkpoint
+from meshtrain.cli.main import check_train
 from meshtrain.config.run_config import build_config
 from meshtrain.interop.titan_dcp import SIDECAR, export_dcp
 from meshtrain.models import preset
@@ -128,6 +129,7 @@ def test_torchtitan_save_starts_a_run_at_tp2_dp2(tmp_path, corpus):
 
 def test_export_reenters_meshtrain_at_tp2_dp2(exported, corpus):
     root, state = exported
+    check_train(_run_config(corpus, str(root / "dcp")), 4)  # what `train` checks first
     results = run_on_ranks(4, _logits_at_tp2_dp2, corpus, str(root / "dcp"), {})
     expected = _dense_logits(state)
     for logits, weights in results:
@@ -164,3 +166,5 @@ def test_bad_dcp_input_is_refused(exported, tmp_path, corpus):
     with pytest.raises(ValueError, match="`format` dcp writes torchtitan's Llama 3; this"
                                          " checkpoint holds a gpt model"):
         export_dcp(resolve_checkpoint(tmp_path / "gpt"), tmp_path / "gpt_dcp")
+    with pytest.raises(ValueError, match="exists and is not an empty directory"):
+        export_dcp(resolve_checkpoint(root / "run"), root / "dcp")

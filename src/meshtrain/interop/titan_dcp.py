@@ -92,8 +92,8 @@ def export_dcp(checkpoint: str | Path, out_dir: str | Path) -> int:
     manifest = read_manifest(checkpoint)
     cfg = _check_family(manifest["family"], config_from_dict(manifest["family"],
                                                               manifest["model"]))
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"`out` {out} is not empty: choose a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"`out` {out} exists and is not an empty directory: choose a new one")
     maps, state = _maps(cfg), {}
     for name, tensor in model_tensors(checkpoint, manifest):
         titans = maps[name]
