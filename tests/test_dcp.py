@@ -2,6 +2,7 @@
 into torchtitan's own model, torchtitan's save starts a meshtrain run at tp 2 x dp 2, and an
 export re-enters meshtrain at tp 2 x dp 2, each with the dense model's logits."""
 
+import dataclasses
 import json
 from importlib.util import find_spec
 
@@ -50,7 +51,8 @@ def _titan_model(cfg=CFG) -> torch.nn.Module:
     model = titan.Llama3Model.Config(
         dim=h, vocab_size=v, tok_embeddings=Embedding.Config(num_embeddings=v, embedding_dim=h),
         norm=RMSNorm.Config(normalized_shape=h, eps=cfg.rms_norm_eps), layers=layers,
-        lm_head=Linear.Config(in_features=h, out_features=v)).build()
+        lm_head=Linear.Config(in_features=h, out_features=v),
+        enable_weight_tying=cfg.tie_word_embeddings).build()
     torch.manual_seed(7)
     with torch.no_grad():
         for p in model.parameters():  # torchtitan's init is left to its trainer
@@ -63,37 +65,54 @@ def _titan_logits(model) -> torch.Tensor:
         return model(TOKENS)
 
 
-def _dense_logits(state: dict) -> torch.Tensor:
-    model = build_model(CFG, ParallelMesh.local(), seed=0)
+def _dense_logits(state: dict, cfg=CFG) -> torch.Tensor:
+    model = build_model(cfg, ParallelMesh.local(), seed=0)
     model.load_state_dict(state)
     with torch.no_grad():
         return model(TOKENS)
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A meshtrain Llama checkpoint (random weights), its full tensors and its DCP export."""
-    root = tmp_path_factory.mktemp("dcp")
-    model = build_model(CFG, ParallelMesh.local(), seed=5)
+def _checkpoint(root, cfg=CFG) -> dict:
+    """A meshtrain Llama checkpoint of random weights in `root`/run; its full tensors."""
+    model = build_model(cfg, ParallelMesh.local(), seed=5)
     with torch.no_grad():
         for p in model.parameters():  # norms away from 1, so a swapped norm shows
             p.add_(torch.randn_like(p) * 0.05)
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
-    write_model_checkpoint(root / "run" / "checkpoints", family="llama", cfg=CFG,
+    write_model_checkpoint(root / "run" / "checkpoints", family="llama", cfg=cfg,
                            planned=[(n, t.dtype, tuple(t.shape)) for n, t in state.items()],
                            tensors=state.items(), config_toml="")
+    return state
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A meshtrain Llama checkpoint, its full tensors and its DCP export (the command)."""
+    root = tmp_path_factory.mktemp("dcp")
+    state = _checkpoint(root)
     run_cli("export", str(root / "run"), "--format", "dcp", "--out", str(root / "dcp"))
     return root, state
 
 
-def test_export_loads_into_torchtitan(exported):
-    root, state = exported
-    model = _titan_model()
+def _check_in_torchtitan(folder, state, cfg=CFG):
+    model = _titan_model(cfg)
     titan_state = model.state_dict()
     assert "layers.0.attention.qkv_linear.wk.weight" in titan_state  # the fused wqkv, split
-    dcp.load(titan_state, checkpoint_id=root / "dcp", no_dist=True)
+    dcp.load(titan_state, checkpoint_id=folder, no_dist=True)
     model.load_state_dict(titan_state)
-    assert_close(_titan_logits(model), _dense_logits(state), **TOL)
+    assert_close(_titan_logits(model), _dense_logits(state, cfg), **TOL)
+
+
+def test_export_loads_into_torchtitan(exported):
+    root, state = exported
+    _check_in_torchtitan(root / "dcp", state)
+
+
+def test_tied_export_loads_into_torchtitan(tmp_path):
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=True)
+    state = _checkpoint(tmp_path, cfg)
+    export_dcp(resolve_checkpoint(tmp_path / "run"), tmp_path / "dcp")
+    _check_in_torchtitan(tmp_path / "dcp", state, cfg)
 
 
 def _run_config(corpus, init_from, **model):

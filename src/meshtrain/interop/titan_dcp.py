@@ -6,7 +6,8 @@ blocks become `wk`, `wv` and `w1`, `w3`. torchtitan rotates interleaved pairs of
 dimensions (a complex view), we rotate its halves, so the rows of each query and key head are
 reordered between the two conventions; nothing else changes. An export writes
 `meshtrain.json` (family and config) beside DCP's files; a directory torchtitan saved has none,
-and its model is read from the tensor shapes, which give everything but the number of heads.
+and its model is read from the tensor shapes, which give everything but the number of heads
+(and tying: torchtitan saves a tied output layer under its own name, so it reads as untied).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def export_dcp(checkpoint: str | Path, out_dir: str | Path) -> int:
         for titan, part in zip(titans, tensor.chunk(len(titans)), strict=True):
             heads = _rotary_heads(cfg, titan)
             state[titan] = part.contiguous() if heads is None else _interleaved(part, heads)
+    if cfg.tie_word_embeddings:  # torchtitan's tied model saves its output layer by name too
+        state["lm_head.weight"] = state["tok_embeddings.weight"]
     try:
         out.mkdir(parents=True, exist_ok=True)
         dcp.save(state, checkpoint_id=out, no_dist=True)
