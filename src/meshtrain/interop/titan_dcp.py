@@ -12,8 +12,10 @@ and its model is read from the tensor shapes, which give everything but the numb
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +39,15 @@ _RENAMES = (  # Hugging Face's name pieces -> torchtitan's
     ("self_attn.v_proj", "attention.qkv_linear.wv"), ("self_attn.o_proj", "attention.wo"),
     ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"),
     ("mlp.down_proj", "feed_forward.w2"))
+
+
+@contextlib.contextmanager
+def _one_process():
+    """DCP without a collective: each process reads or writes alone, which DCP warns about
+    when no process group exists (an export); here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        yield
 
 
 def is_dcp_directory(path: str | Path) -> bool:
@@ -105,7 +116,8 @@ def export_dcp(checkpoint: str | Path, out_dir: str | Path) -> int:
         state["lm_head.weight"] = state["tok_embeddings.weight"]
     try:
         out.mkdir(parents=True, exist_ok=True)
-        dcp.save(state, checkpoint_id=out, no_dist=True)
+        with _one_process():
+            dcp.save(state, checkpoint_id=out, no_dist=True)
         (out / SIDECAR).write_text(json.dumps({"family": "llama",
                                                "model": dataclasses.asdict(cfg)}, indent=1))
     except OSError as e:
@@ -174,7 +186,8 @@ def load_dcp_weights(path: str | Path, model: torch.nn.Module,
     for name, _ in model.named_parameters():
         rows, *rest = shapes[name]
         parts = {titan: torch.empty(rows // len(maps[name]), *rest) for titan in maps[name]}
-        dcp.load(parts, checkpoint_id=Path(path), no_dist=True)
+        with _one_process():
+            dcp.load(parts, checkpoint_id=Path(path), no_dist=True)
         full = torch.cat([part if _rotary_heads(cfg, titan) is None else
                           _halves(part, _rotary_heads(cfg, titan))
                           for titan, part in parts.items()])
