@@ -182,8 +182,8 @@ def test_bad_dcp_input_is_refused(exported, tmp_path, corpus):
     write_model_checkpoint(tmp_path / "gpt" / "checkpoints", family="gpt",
                            cfg=preset("tiny"), config_toml="", tensors=state.items(),
                            planned=[(n, t.dtype, tuple(t.shape)) for n, t in state.items()])
-    with pytest.raises(ValueError, match="`format` dcp writes torchtitan's Llama 3; this"
-                                         " checkpoint holds a gpt model"):
+    with raises_as_flags(r"DCP directories hold torchtitan's Llama 3; checkpoint .*gpt.* holds a"
+                         r" gpt model: export it with format hf or meshtrain"):
         export_dcp(resolve_checkpoint(tmp_path / "gpt"), tmp_path / "gpt_dcp")
     with pytest.raises(ValueError, match="exists and is not an empty directory"):
         export_dcp(resolve_checkpoint(root / "run"), root / "dcp")

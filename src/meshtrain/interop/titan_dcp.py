@@ -87,11 +87,13 @@ def titan_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             for name, shape in m.their_shapes(ours[m.ours]).items()}
 
 
-def _check_family(family: str, cfg) -> LlamaConfig:
+def _check_family(family: str, cfg, where: str, fix: str) -> LlamaConfig:
+    """`cfg`, when it is a plain Llama (torchtitan's Llama 3 has no experts or biases)."""
     if family != "llama" or type(cfg) is not LlamaConfig or cfg.moe_experts or cfg.qkv_bias:
-        raise CheckpointError(f"`format` dcp writes torchtitan's Llama 3; this checkpoint holds a"
-                              f" {family} model{' with experts' if cfg.moe_experts else ''}:"
-                              " export it with `format` hf or meshtrain")
+        extra = "" if family != "llama" else " with experts" if cfg.moe_experts else \
+            " with q/k/v biases"
+        raise CheckpointError(f"DCP directories hold torchtitan's Llama 3; {where} holds a"
+                              f" {family} model{extra}: {fix}")
     return cfg
 
 
@@ -102,8 +104,9 @@ def export_dcp(checkpoint: str | Path, out_dir: str | Path) -> int:
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
     manifest = read_manifest(checkpoint)
-    cfg = _check_family(manifest["family"], config_from_dict(manifest["family"],
-                                                              manifest["model"]))
+    cfg = _check_family(manifest["family"],
+                        config_from_dict(manifest["family"], manifest["model"]),
+                        f"checkpoint {checkpoint}", "export it with format hf or meshtrain")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"`out` {out} exists and is not an empty directory: choose a new one")
     maps, state = _maps(cfg), {}
@@ -145,7 +148,8 @@ def dcp_model_config(path: str | Path, num_heads: int | None) -> LlamaConfig:
         from meshtrain.models import config_from_dict
 
         saved = json.loads((path / SIDECAR).read_text())
-        cfg = _check_family(saved["family"], config_from_dict(saved["family"], saved["model"]))
+        cfg = _check_family(saved["family"], config_from_dict(saved["family"], saved["model"]),
+                            SIDECAR, "it was not written by `export --format dcp`")
     else:
         cfg = _shape_config(path, shapes, num_heads)
     expected = titan_shapes(cfg)
@@ -161,9 +165,10 @@ def _shape_config(path: Path, shapes: dict, num_heads: int | None) -> LlamaConfi
     """A Llama config from torchtitan's tensor shapes and the number of heads."""
     needed = ("tok_embeddings.weight", "layers.0.attention.qkv_linear.wk.weight",
               "layers.0.feed_forward.w1.weight")
-    if any(name not in shapes for name in needed):
-        raise CheckpointError(f"{path}: a DCP directory without"
-                              f" {needed[0]}/{needed[1]}: it is not torchtitan's Llama 3")
+    missing = [name for name in needed if name not in shapes]
+    if missing:
+        raise CheckpointError(f"{path}: a DCP directory without {missing[0]}: it is not"
+                              " torchtitan's Llama 3")
     if num_heads is None:
         raise CheckpointError(f"{path}: a DCP directory torchtitan saved does not"
                               " record its heads: give `num_heads` (torchtitan's n_heads)")
