@@ -87,6 +87,7 @@ def _given_settings(args: argparse.Namespace) -> set[tuple[str, str]]:
 def check_train(cfg: config_mod.RunConfig, world_size: int):
     """Everything that can be checked before a rank starts: settings, data, output, resume;
     returns the validated `ParallelPlan`."""
+    from meshtrain.interop.titan_dcp import is_dcp_directory
     from meshtrain.training.trainer import corpus_of
 
     plan = config_mod.validate(cfg, world_size)
@@ -130,7 +131,7 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     elif has_run and not cfg.checkpoint.auto_resume:
         raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"
                          " choose another --out")
-    elif cfg.checkpoint.init_from:
+    elif cfg.checkpoint.init_from and not is_dcp_directory(cfg.checkpoint.init_from):
         read_manifest(resolve_checkpoint(cfg.checkpoint.init_from), model, verify_files=hashed)
     return plan
 
@@ -269,9 +270,10 @@ def _train_in_rank(cfg: config_mod.RunConfig, plan, lock: run_lock.RunLock | Non
 def cmd_export(args: argparse.Namespace) -> int:
     from meshtrain.checkpointing.model_files import export_safetensors
     from meshtrain.interop.hf_io import export_hf
+    from meshtrain.interop.titan_dcp import export_dcp
 
     path = resolve_checkpoint(args.run)
-    export = export_hf if args.format == "hf" else export_safetensors
+    export = {"hf": export_hf, "dcp": export_dcp}.get(args.format, export_safetensors)
     count = export(path, args.out)
     print(f"meshtrain: wrote {count} tensors of {path} to {args.out}")
     return 0

@@ -167,14 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     e = command(sub, "export",
                 help="write a checkpoint's model as one consolidated"
-                            " safetensors file or a Hugging Face model directory")
+                            " safetensors file, a Hugging Face model directory or a DCP"
+                            " directory of torchtitan's Llama 3")
     e.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
     e.add_argument("--out", required=True, help="output .safetensors file (--format meshtrain)"
-                                                " or new directory (--format hf)")
-    e.add_argument("--format", choices=("meshtrain", "hf"), default="meshtrain",
+                                                " or new directory (--format hf, dcp)")
+    e.add_argument("--format", choices=("meshtrain", "hf", "dcp"), default="meshtrain",
                    help="meshtrain: one safetensors file under meshtrain's names (default); hf:"
                         " config.json + model.safetensors (+ the run's tokenizer) for"
-                        " transformers' from_pretrained")
+                        " transformers' from_pretrained; dcp: torch.distributed.checkpoint files"
+                        " under torchtitan's Llama 3 names (train --init-from reads it back)")
     i = command(sub, "import-hf",
                 help="turn a Hugging Face GPT-2 or Llama directory into a"
                             " meshtrain run directory (train --init-from it)")

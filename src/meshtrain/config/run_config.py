@@ -33,6 +33,7 @@ from meshtrain.config.settings import (
 from meshtrain.data.blend import parse_data_path
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
 from meshtrain.errors import Code, SettingError, alternatives
+from meshtrain.interop.titan_dcp import dcp_model_config, is_dcp_directory
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.layers.fp8 import check_fp8_device
 from meshtrain.parallel.runtime.optim import LR_SCHEDULES
@@ -144,7 +145,8 @@ class RunConfig:
         (rotary) grow to --seq-len."""
         path = self.checkpoint.init_from
         try:
-            saved = checkpoint_config(path)
+            saved = dcp_model_config(path, self.model.num_heads) if is_dcp_directory(path) \
+                else checkpoint_config(path)
         except CheckpointError as e:
             raise ValueError(f"`init_from` {e}") from None
         label = f"{type(saved).__name__.removesuffix('Config')} model in `init_from` {path}"

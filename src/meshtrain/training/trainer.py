@@ -30,6 +30,7 @@ from meshtrain.config.run_config import RunConfig, check_packing, profile_window
 from meshtrain.data.blend import Blend, load_data
 from meshtrain.data.corpus import BatchSampler, write_atomic
 from meshtrain.data.tokenization import TOKENIZER_FILE
+from meshtrain.interop.titan_dcp import is_dcp_directory, load_dcp_weights
 from meshtrain.mesh import ParallelMesh
 from meshtrain.operations.failures import EXIT_NONFINITE, EXIT_STOPPED, RunFailure, writing
 from meshtrain.operations.run_lock import RunLock, record_ranks
@@ -258,6 +259,8 @@ class Trainer:
         def weights_only(values: dict, *_states, previous=None) -> None:
             self._load_states(values, None, None)  # no optimizer state, step or 2BW version
 
+        if is_dcp_directory(path):
+            return weights_only(load_dcp_weights(path, self.model, self.mesh))
         load_checkpoint(resolve_checkpoint(path), model=self.model, mesh=self.mesh, rng=False,
                         load_states=weights_only)
 
