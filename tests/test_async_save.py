@@ -1,0 +1,98 @@
+"""`async_save`: background checkpoint writes equal synchronous ones bitwise, `latest` moves
+only once every rank's file is written, failures are one line and retried, 3 in a row end the
+run with exit 1."""
+
+import threading
+from pathlib import Path
+
+import torch
+from harness import run_on_ranks, worker_mesh
+from safetensors.torch import load_file
+
+from meshtrain.checkpointing.async_save import AsyncSaver
+from meshtrain.checkpointing.checkpoint import latest_checkpoint, read_manifest, write_rank_file
+from meshtrain.config.run_config import build_config
+from meshtrain.operations.failures import EXIT_FAILED, RunFailure
+from meshtrain.training.trainer import Trainer
+
+
+def _trainer(corpus, out, async_save):
+    cfg = build_config({}, {"train": {"steps": 8, "global_batch": 4, "micro_batch": 2,
+                                      "seq_len": 16, "seed": 1},
+                            "parallel": {"device": "cpu"}, "data": {"data": corpus},
+                            "checkpoint": {"out": out, "async_save": async_save}})
+    trainer = Trainer.build(cfg, worker_mesh(tp=2))
+    trainer.saver = AsyncSaver(trainer.mesh) if async_save else None
+    return trainer
+
+
+def _save_both_ways(corpus, out):
+    """Sync save at step 2 in out/sync; the same run saves step 2 in the background in
+    out/async and trains 2 more steps (changing every tensor) before the write is settled."""
+    sync = _trainer(corpus, str(Path(out) / "sync"), False)
+    background = _trainer(corpus, str(Path(out) / "async"), True)
+    for trainer in (sync, background):
+        for step in range(2):
+            trainer.train_step(step)
+    sync.save(Path(out) / "sync", 2)
+    trained = threading.Event()  # the writer starts only after training changed the tensors
+
+    def late_write(pending):
+        trained.wait()
+        return write_rank_file(pending)
+
+    background.saver.write = late_write
+    background.save(Path(out) / "async", 2, background=True)
+    for step in range(2, 4):
+        background.train_step(step)
+    trained.set()
+    unpublished = latest_checkpoint(Path(out) / "async" / "checkpoints")
+    return unpublished, background.settle_save()
+
+
+def test_background_save_equals_synchronous_bitwise(corpus, tmp_path):
+    unpublished, published = run_on_ranks(2, _save_both_ways, corpus, str(tmp_path))[0]
+    assert unpublished is None and published.name == "step_00000002"
+    sync = latest_checkpoint(tmp_path / "sync" / "checkpoints")
+    read_manifest(published)  # every digest verifies
+    for rank in range(2):
+        name = f"rank_{rank:05d}.safetensors"
+        a, b = load_file(sync / name), load_file(published / name)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("manifest.json", "train_state.json"):
+        assert (sync / name).read_text() == (published / name).read_text()
+
+
+def _failing_saves(corpus, out):
+    """Rank 1's writer fails (full disk) for every save after the first good one."""
+    trainer = _trainer(corpus, out, True)
+    trainer.train_step(0)
+    trainer.save(Path(out), 1, background=True)
+    assert trainer.settle_save().name == "step_00000001"
+
+    def full_disk(pending):
+        if trainer.mesh.rank == 1:
+            raise OSError(28, "No space left on device")
+        return write_rank_file(pending)
+
+    trainer.saver.write = full_disk
+    outcomes = []
+    for step in (2, 3, 4):
+        trainer.save(Path(out), step, background=True)
+        try:
+            outcomes.append(trainer.settle_save())
+        except RunFailure as e:
+            outcomes.append((e.exit_code, str(e)))
+        outcomes.append(latest_checkpoint(Path(out) / "checkpoints").name)
+    return outcomes
+
+
+def test_failed_background_saves_are_retried_then_end_the_run(corpus, tmp_path):
+    outcomes = run_on_ranks(2, _failing_saves, corpus, str(tmp_path))[0]
+    assert outcomes[:4] == [None, "step_00000001", None, "step_00000001"]
+    code, line = outcomes[4]
+    assert code == EXIT_FAILED and "3 background checkpoint saves in a row failed" in line
+    assert ".tmp_step_00000004/rank_00001.safetensors" in line and "No space left" in line
+    assert outcomes[5] == "step_00000001"
+    read_manifest(tmp_path / "checkpoints" / "step_00000001")  # the previous one is intact
