@@ -2,15 +2,22 @@
 only once every rank's file is written, failures are one line and retried, 3 in a row end the
 run with exit 1."""
 
+import shutil
 import threading
 from pathlib import Path
 
+import pytest
 import torch
-from harness import run_on_ranks, worker_mesh
+from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors.torch import load_file
 
 from meshtrain.checkpointing.async_save import AsyncSaver
-from meshtrain.checkpointing.checkpoint import latest_checkpoint, read_manifest, write_rank_file
+from meshtrain.checkpointing.checkpoint import (
+    latest_checkpoint,
+    point_latest_at,
+    read_manifest,
+    write_rank_file,
+)
 from meshtrain.config.run_config import build_config
 from meshtrain.operations.failures import EXIT_FAILED, RunFailure
 from meshtrain.training.trainer import Trainer
@@ -96,3 +103,37 @@ def test_failed_background_saves_are_retried_then_end_the_run(corpus, tmp_path):
     assert ".tmp_step_00000004/rank_00001.safetensors" in line and "No space left" in line
     assert outcomes[5] == "step_00000001"
     read_manifest(tmp_path / "checkpoints" / "step_00000001")  # the previous one is intact
+
+
+TINY = ["train", "--device", "cpu", "--num-layers", "1", "--hidden-size", "32", "--num-heads",
+        "2", "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--eval-every", "0",
+        "--steps", "6", "--save-every", "2", "--nproc", "2", "--tp", "2"]
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.glob("rank_*.safetensors"))
+    if names != sorted(p.name for p in b.glob("rank_*.safetensors")):
+        return False
+    for name in names:
+        x, y = load_file(a / name), load_file(b / name)
+        if x.keys() != y.keys() or not all(torch.equal(x[k], y[k]) for k in x):
+            return False
+    return True
+
+
+@pytest.mark.extended  # 24 s; the library tests above cover the same save path by default
+def test_cli_async_run_and_its_resume_equal_the_synchronous_run(corpus, tmp_path):
+    """Every checkpoint of a 2-rank `--async-save` run equals the synchronous run's bitwise,
+    and resuming from a background-written one (step 4) ends at the same step-6 weights."""
+    sync, background = tmp_path / "sync", tmp_path / "async"
+    run_cli(*TINY, "--data", corpus, "--out", str(sync))
+    run_cli(*TINY, "--data", corpus, "--out", str(background), "--async-save")
+    for step in (2, 4, 6):
+        name = f"checkpoints/step_{step:08d}"
+        assert _same_files(sync / name, background / name), name
+    root = background / "checkpoints"
+    shutil.rmtree(root / "step_00000006")
+    point_latest_at(root / "step_00000004")
+    run_cli(*TINY, "--data", corpus, "--out", str(background), "--async-save", "--resume")
+    assert latest_checkpoint(root).name == "step_00000006"
+    assert _same_files(sync / "checkpoints/step_00000006", root / "step_00000006")
