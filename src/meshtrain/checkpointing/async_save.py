@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from meshtrain.checkpointing.checkpoint import (
     PendingCheckpoint,
     finish_checkpoint,
@@ -45,14 +47,29 @@ class AsyncSaver:
         self.thread: threading.Thread | None = None
         self.outcome: tuple[str | None, str | None] = (None, None)  # (digest, failure)
         self.failures = 0
+        self.buffers: dict[str, torch.Tensor] = {}  # host snapshot buffers, reused per save
 
     def start(self, pending: PendingCheckpoint) -> None:
-        """Write `pending` (a snapshot) in the background; the previous write must be settled."""
+        """Snapshot `pending`'s tensors and write them in the background; the previous write
+        must be settled."""
         assert self.pending is None, "settle() the previous save first"
+        pending.tensors = self._snapshot(pending.tensors)
         self.pending, self.outcome = pending, (None, None)
         self.thread = threading.Thread(target=self._run, name="meshtrain-async-save",
                                        daemon=False)
         self.thread.start()
+
+    def _snapshot(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies training cannot change, into host buffers kept from the previous save: a
+        fresh allocation's first touch (page faults) costs more than the copy itself."""
+        for key, tensor in tensors.items():
+            held = self.buffers.get(key)
+            if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+                self.buffers[key] = held = torch.empty_like(tensor, device="cpu")
+            held.copy_(tensor)
+        for key in self.buffers.keys() - tensors.keys():
+            del self.buffers[key]
+        return dict(self.buffers)
 
     def _run(self) -> None:
         try:

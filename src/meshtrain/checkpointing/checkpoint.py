@@ -144,11 +144,11 @@ def prepare_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: P
                        train_state: dict, config_toml: str, values: dict[str, torch.Tensor],
                        states: dict[str, dict[str, torch.Tensor]] | None = None,
                        optimizer_step: torch.Tensor | None = None,
-                       previous: dict[str, torch.Tensor] | None = None, keep_last: int = 0,
-                       snapshot: bool = False) -> PendingCheckpoint:
+                       previous: dict[str, torch.Tensor] | None = None,
+                       keep_last: int = 0) -> PendingCheckpoint:
     """The collective first part of a save (`save_checkpoint`'s arguments): the temporary
-    directory and this rank's pieces. `snapshot`: own copies in host memory, which training
-    may not change while a background writer writes them (else they may share storage)."""
+    directory and this rank's pieces, in host memory (they may share storage with training's
+    tensors: a background writer copies them first)."""
     root = Path(root)
     final, tmp = free_step_dir(root, step), root / f".tmp_step_{step:08d}"
 
@@ -171,8 +171,6 @@ def prepare_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: P
             {"file": file_name, "key": "optim/step", "dim": 0, "offset": 0, "length": 1}]}
     for name, state in model.rng.get_states().items():
         tensors[f"rng/{mesh.rank}/{name}"] = state.cpu()
-    if snapshot:
-        tensors = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
     manifest = {"format": FORMAT, "step": step, "layout": mesh.layout,
                 "device": mesh.device.type, "family": model.family,
                 "model": dataclasses.asdict(model.cfg)}

@@ -249,7 +249,7 @@ class Trainer:
                       keep_last=self.cfg.checkpoint.keep_last)
         if not (background and self.saver):
             return save_checkpoint(out / "checkpoints", step, **kwargs)
-        pending = prepare_checkpoint(out / "checkpoints", step, snapshot=True, **kwargs)
+        pending = prepare_checkpoint(out / "checkpoints", step, **kwargs)
         self.saver.start(pending)
         return pending.final
 
