@@ -53,13 +53,22 @@ def _save_both_ways(corpus, out):
     for step in range(2, 4):
         background.train_step(step)
     trained.set()
-    unpublished = latest_checkpoint(Path(out) / "async" / "checkpoints")
-    return unpublished, background.settle_save()
+    root = Path(out) / "async" / "checkpoints"
+    unpublished = latest_checkpoint(root)
+    published = background.settle_save()
+    # A foreground save (the end, a stop) first publishes the write in flight.
+    background.save(Path(out) / "async", 4, background=True)
+    background.save(Path(out) / "async", 5)
+    return unpublished, published, sorted(p.name for p in root.glob("step_*")), \
+        latest_checkpoint(root).name
 
 
 def test_background_save_equals_synchronous_bitwise(corpus, tmp_path):
-    unpublished, published = run_on_ranks(2, _save_both_ways, corpus, str(tmp_path))[0]
+    unpublished, published, steps, latest = run_on_ranks(2, _save_both_ways, corpus,
+                                                         str(tmp_path))[0]
     assert unpublished is None and published.name == "step_00000002"
+    assert steps == ["step_00000002", "step_00000004", "step_00000005"]
+    assert latest == "step_00000005"
     sync = latest_checkpoint(tmp_path / "sync" / "checkpoints")
     read_manifest(published)  # every digest verifies
     for rank in range(2):
