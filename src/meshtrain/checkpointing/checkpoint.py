@@ -115,6 +115,40 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
     first step); ZeRO gathers its shards into these before calling. `previous`: the weight
     version before `values` (PipeDream-2BW's in-flight micro-batches use it). After the publish,
     rank 0 keeps the newest `keep_last` checkpoints (0: all)."""
+    pending = prepare_checkpoint(root, step, model=model, mesh=mesh, train_state=train_state,
+                                 config_toml=config_toml, values=values, states=states,
+                                 optimizer_step=optimizer_step, previous=previous,
+                                 keep_last=keep_last)
+    digest = []
+    _on_every_rank_or_none(lambda: digest.append(write_rank_file(pending)), mesh,
+                           "writing " + pending.file.name)
+    return finish_checkpoint(pending, digest[0], mesh)
+
+
+@dataclasses.dataclass
+class PendingCheckpoint:
+    """A checkpoint whose rank file is not yet written: what `prepare_checkpoint` collected."""
+    root: Path
+    tmp: Path
+    final: Path
+    file: Path
+    tensors: dict[str, torch.Tensor]
+    entries: dict[str, dict]
+    manifest: dict
+    train_state: dict
+    config_toml: str
+    keep_last: int
+
+
+def prepare_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: ParallelMesh,
+                       train_state: dict, config_toml: str, values: dict[str, torch.Tensor],
+                       states: dict[str, dict[str, torch.Tensor]] | None = None,
+                       optimizer_step: torch.Tensor | None = None,
+                       previous: dict[str, torch.Tensor] | None = None,
+                       keep_last: int = 0) -> PendingCheckpoint:
+    """The collective first part of a save (`save_checkpoint`'s arguments): the temporary
+    directory and this rank's pieces, in host memory (they may share storage with training's
+    tensors: a background writer copies them first)."""
     root = Path(root)
     final, tmp = free_step_dir(root, step), root / f".tmp_step_{step:08d}"
 
@@ -137,28 +171,38 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: Para
             {"file": file_name, "key": "optim/step", "dim": 0, "offset": 0, "length": 1}]}
     for name, state in model.rng.get_states().items():
         tensors[f"rng/{mesh.rank}/{name}"] = state.cpu()
-    path, digest = tmp / file_name, []
+    manifest = {"format": FORMAT, "step": step, "layout": mesh.layout,
+                "device": mesh.device.type, "family": model.family,
+                "model": dataclasses.asdict(model.cfg)}
+    return PendingCheckpoint(root, tmp, final, tmp / file_name, tensors, entries, manifest,
+                             train_state, config_toml, keep_last)
 
-    def write_file():
-        save_file(tensors, str(path))
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-        digest.append(sha256(path))
 
-    _on_every_rank_or_none(write_file, mesh, "writing " + file_name)
-    gathered = comm.all_gather_objects((file_name, digest[0], entries), mesh.world)
+def write_rank_file(pending: PendingCheckpoint) -> str:
+    """Write and fsync this rank's file of `pending`; its sha256 (no collective: a background
+    writer thread may call this)."""
+    save_file(pending.tensors, str(pending.file))
+    with open(pending.file, "rb") as f:
+        os.fsync(f.fileno())
+    return sha256(pending.file)
+
+
+def finish_checkpoint(pending: PendingCheckpoint, digest: str, mesh: ParallelMesh) -> Path:
+    """The collective last part of a save, once every rank's file is written with `digest`:
+    rank 0 writes the manifest and the record, renames the directory and moves `latest`."""
+    gathered = comm.all_gather_objects((pending.file.name, digest, pending.entries), mesh.world)
 
     def complete():
-        manifest = {"format": FORMAT, "step": step, "layout": mesh.layout,
-                    "device": mesh.device.type, "family": model.family,
-                    "model": dataclasses.asdict(model.cfg),
-                    "files": {f: file_digest for f, file_digest, _ in gathered},
-                    "tensors": _merge_entries([rank_entries for _, _, rank_entries in gathered])}
-        publish(tmp, final, manifest=manifest, train_state=train_state, config_toml=config_toml)
-        _keep_newest(root, keep_last)
+        manifest = pending.manifest | {
+            "files": {f: file_digest for f, file_digest, _ in gathered},
+            "tensors": _merge_entries([rank_entries for _, _, rank_entries in gathered])}
+        publish(pending.tmp, pending.final, manifest=manifest, train_state=pending.train_state,
+                config_toml=pending.config_toml)
+        _keep_newest(pending.root, pending.keep_last)
 
-    _on_every_rank_or_none(complete if mesh.rank == 0 else None, mesh, "publishing " + final.name)
-    return final
+    _on_every_rank_or_none(complete if mesh.rank == 0 else None, mesh,
+                           "publishing " + pending.final.name)
+    return pending.final
 
 
 def publish(tmp: Path, final: Path, *, manifest: dict, train_state: dict,

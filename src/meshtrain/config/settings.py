@@ -148,6 +148,11 @@ class CheckpointSettings:
     save_every_minutes: float = _f(0.0, "also save when this many minutes have passed since the"
                                         " run's start or last save (rank 0's clock decides, at a"
                                         " step's end; 0: off)")
+    async_save: bool = _f(False, "write checkpoints in a background thread: a step blocks only"
+                                 " to copy the weights and optimizer states to host memory; a"
+                                 " checkpoint becomes `latest` at the next save or the run's end;"
+                                 " a failed write is retried at the next save, 3 in a row stop"
+                                 " the run")
     auto_resume: bool = _f(False, "continue from the newest complete checkpoint in --out when"
                                   " there is one, else start fresh (for restarts)")
     keep_last: int = _f(0, "after each save keep only the newest N checkpoints, deleting older"

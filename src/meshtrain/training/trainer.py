@@ -20,9 +20,12 @@ from pathlib import Path
 
 import torch
 
+from meshtrain.checkpointing.async_save import AsyncSaver
 from meshtrain.checkpointing.checkpoint import (
+    CheckpointError,
     latest_checkpoint,
     load_checkpoint,
+    prepare_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -32,7 +35,13 @@ from meshtrain.data.corpus import BatchSampler, write_atomic
 from meshtrain.data.tokenization import TOKENIZER_FILE
 from meshtrain.interop.titan_dcp import is_dcp_directory, load_dcp_weights
 from meshtrain.mesh import ParallelMesh
-from meshtrain.operations.failures import EXIT_NONFINITE, EXIT_STOPPED, RunFailure, writing
+from meshtrain.operations.failures import (
+    EXIT_FAILED,
+    EXIT_NONFINITE,
+    EXIT_STOPPED,
+    RunFailure,
+    writing,
+)
 from meshtrain.operations.run_lock import RunLock, record_ranks
 from meshtrain.operations.stopping import SAVE_NOW, StopSignals, stop_signal
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
@@ -79,6 +88,7 @@ class Trainer:
     tokenizer: Path | None = None  # the tokenizer.json the data was prepared with
     # This rank's request for the step (a stop or a timed save, `stopping`); None: no flag.
     requests: Callable[[], float] | None = None
+    saver: AsyncSaver | None = None  # the background writer (`async_save`)
 
     @property
     def model(self):
@@ -227,14 +237,31 @@ class Trainer:
         return held | {"total": sum(held[key] for key in STATE_KEYS),
                        "num_parameters": sum(p.numel() for p in self.model.parameters())}
 
-    def save(self, out: Path, step: int) -> Path:
+    def save(self, out: Path, step: int, *, background: bool = False) -> Path:
+        """Save `step` (collective). `background` (with `async_save`): publish the write in
+        flight, snapshot, and return the directory the background write will publish."""
+        self.settle_save()
         values, states, optimizer_step = self.sync.export()
-        return save_checkpoint(out / "checkpoints", step, model=self.model, mesh=self.mesh,
-                               train_state={"step": step, "loss_scaler": self.scaler.state_dict()},
-                               config_toml=self.config_toml, values=values, states=states,
-                               optimizer_step=optimizer_step,
-                               previous=self.executor.saved_state(),
-                               keep_last=self.cfg.checkpoint.keep_last)
+        kwargs = dict(model=self.model, mesh=self.mesh, config_toml=self.config_toml,
+                      train_state={"step": step, "loss_scaler": self.scaler.state_dict()},
+                      values=values, states=states, optimizer_step=optimizer_step,
+                      previous=self.executor.saved_state(),
+                      keep_last=self.cfg.checkpoint.keep_last)
+        if not (background and self.saver):
+            return save_checkpoint(out / "checkpoints", step, **kwargs)
+        pending = prepare_checkpoint(out / "checkpoints", step, **kwargs)
+        self.saver.start(pending)
+        return pending.final
+
+    def settle_save(self) -> Path | None:
+        """Collective: publish the background write in flight, if any (`AsyncSaver.settle`);
+        too many failures in a row end the run with exit 1."""
+        if self.saver is None:
+            return None
+        try:
+            return self.saver.settle()
+        except CheckpointError as e:
+            raise RunFailure(str(e), EXIT_FAILED, agreed=True) from None
 
     def resume(self, out: Path) -> int:
         """Load the latest checkpoint in `out` (any layout); returns the step to continue at."""
@@ -311,11 +338,15 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
     run = _Run(cfg, trainer, out, start, stop)
+    if cfg.checkpoint.async_save:
+        trainer.saver = AsyncSaver(mesh)
     try:
         for step in range(start, run.stop):
             run.step(step)
     finally:
         run.flush()  # the rows of the steps done, even when one fails
+        if trainer.saver is not None:
+            trainer.saver.wait()  # the process ends only after its writer
     return run.finish()
 
 
@@ -399,11 +430,12 @@ class _Run:
             self.signals.agreed()
         if saving or done % t.log_every == 0:
             self.flush()  # the metrics of every step a checkpoint holds are on disk with it
-        if saving:
-            path = trainer.save(self.out, done)
+        if saving:  # the end and a stop save in the foreground, after the write in flight
+            path = trainer.save(self.out, done, background=done < self.stop and not stopping)
             self.last_save = time.monotonic()
             if done < self.stop and not stopping:  # the end and a stop say so themselves
-                self.progress.write(f"meshtrain: saved checkpoint {path}")
+                how = "writing in the background" if trainer.saver else "saved"
+                self.progress.write(f"meshtrain: {how} checkpoint {path}")
         if stopping:
             self.progress.close()
             raise RunFailure(f"stopped by {stopping.name} after step {done}; checkpoint"
