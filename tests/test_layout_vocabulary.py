@@ -29,6 +29,8 @@ def _sample(f: dataclasses.Field):
         return (3, 5)
     if kind.startswith("float"):
         return 12.5
+    if kind.startswith("str"):
+        return "elsewhere"
     return 3
 
 

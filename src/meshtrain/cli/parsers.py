@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="meshtrain: one safetensors file under meshtrain's names (default); hf:"
                         " config.json + model.safetensors (+ the run's tokenizer) for"
                         " transformers' from_pretrained; dcp: torch.distributed.checkpoint files"
-                        " under torchtitan's Llama 3 names (train --init-from reads it back)")
+                        " under torchtitan's Llama 3 names (a new training run starts from it)")
     i = command(sub, "import-hf",
                 help="turn a Hugging Face GPT-2 or Llama directory into a"
                             " meshtrain run directory (train --init-from it)")

@@ -141,9 +141,9 @@ class CheckpointSettings:
     init_from: str | None = _f(None, "start a new run (step 0, fresh optimizer) from the model"
                                      " weights of this run or checkpoint directory (any layout,"
                                      " the output of meshtrain import-hf, or a DCP directory of"
-                                     " torchtitan's Llama 3: `export --format dcp`'s or"
-                                     " torchtitan's, with `num_heads` given); the model's family"
-                                     " and shape are the checkpoint's")
+                                     " torchtitan's Llama 3: meshtrain's DCP export or one"
+                                     " torchtitan saved, with `num_heads` given); the model's"
+                                     " family and shape are the checkpoint's")
     save_every: int = _f(0, "save a checkpoint every N steps (0: only at the end)")
     save_every_minutes: float = _f(0.0, "also save when this many minutes have passed since the"
                                         " run's start or last save (rank 0's clock decides, at a"
