@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from meshtrain.parallelize import build_model
 
@@ -192,6 +193,22 @@ def run_torchrun(script: str, *args: str, nproc: int = 2,
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", str(nproc), script, *args], capture_output=True,
                           text=True, timeout=timeout, env=_one_thread())
+
+
+def rank_pids(parent: int) -> dict[int, int]:
+    """Global rank -> pid of `parent`'s children that are ranks (their RANK variable): the
+    ranks meshtrain's launcher or a torchrun agent started."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1]
+                                               .split()[1]) != parent:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        pids |= {int(item[5:]): int(entry.name) for item in env if item.startswith(b"RANK=")}
+    return pids
 
 
 def _one_thread() -> dict:

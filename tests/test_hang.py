@@ -8,11 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from harness import run_torchrun, start_cli
+from harness import rank_pids, run_torchrun, start_cli
 
 from meshtrain.cli import main as cli
 from meshtrain.cli import parsers as cli_parsers
@@ -273,23 +272,6 @@ def test_watchdog_names_what_diverged(tmp_path, capsys, mode, expected):
     assert capsys.readouterr().out.splitlines()[0] == lines[0]  # the same verdict
 
 
-def _rank_pids(launcher: int) -> dict[int, int]:
-    """Global rank -> pid of the launcher's children (their RANK environment variable)."""
-    pids = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit() or \
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] != str(launcher):
-                continue
-            env = dict(item.split("=", 1) for item in
-                       (entry / "environ").read_bytes().decode().split("\0") if "=" in item)
-        except OSError:
-            continue
-        if "RANK" in env:
-            pids[int(env["RANK"])] = int(entry.name)
-    return pids
-
-
 def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[int, str, float]:
     """Start a 2-rank training run, send `fault` to `rank` after two steps; returns the exit
     code, stderr and the seconds from the fault to the line starting with `line_start`."""
@@ -306,7 +288,7 @@ def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[in
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert launcher.poll() is None and time.monotonic() < deadline, err.read_text()
             time.sleep(0.2)
-        pid = _rank_pids(launcher.pid)[rank]
+        pid = rank_pids(launcher.pid)[rank]
         os.kill(pid, fault)
         faulted = time.monotonic()
         while line_start not in err.read_text() and time.monotonic() < faulted + 60:

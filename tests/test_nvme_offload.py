@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_cli, run_on_ranks, start_cli, worker_mesh
+from harness import rank_pids, run_cli, run_on_ranks, start_cli, worker_mesh
 
 from meshtrain.config.run_config import build_config
 from meshtrain.errors import Code, SettingError
@@ -151,7 +151,7 @@ def test_cli_refuses_an_offload_folder_it_cannot_create(corpus, tmp_path):
 
 @pytest.mark.extended  # the launcher's handling of a killed rank is tested without offload
 def test_a_rank_killed_mid_run_leaves_checkpoints_that_resume_without_offload(corpus, tmp_path):
-    from test_stopping import _finish, _meshtrain_lines, _rank_pids, _wait_for_step
+    from test_stopping import _finish, _meshtrain_lines, _wait_for_step
 
     out, folder = tmp_path / "run", tmp_path / "offload"
     flags = ["train", "--nproc", "2", "--zero", "2", "--bucket-mb", "0.05", "--data", corpus,
@@ -159,7 +159,7 @@ def test_a_rank_killed_mid_run_leaves_checkpoints_that_resume_without_offload(co
     proc = start_cli(*flags, "--offload-optimizer", "nvme", "--offload-dir", str(folder),
                      "--steps", "200", "--save-every", "2")
     _wait_for_step(out, 5, proc)
-    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)  # the step's reads and writes in flight
+    os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)  # the step's reads and writes in flight
     code, err = _finish(proc)
     assert code != 0 and len(_meshtrain_lines(err)) == 1, err[-3000:]
     run_cli(*flags, "--resume", "--steps", "10")  # the latest checkpoint verifies and loads

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_cli, start_cli
+from harness import rank_pids, run_cli, start_cli
 from safetensors.torch import load_file
 
 from meshtrain.checkpointing.checkpoint import latest_checkpoint
@@ -59,21 +59,6 @@ def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float 
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the run did not reach step {step}"
         time.sleep(0.02)
-
-
-def _rank_pids(launcher: int) -> dict[int, int]:
-    """The ranks meshtrain's launcher started: its children, by their RANK variable."""
-    pids = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1]
-                                               .split()[1]) != launcher:
-                continue
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        pids |= {int(item[5:]): int(entry.name) for item in env if item.startswith(b"RANK=")}
-    return pids
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
@@ -141,7 +126,7 @@ def test_no_rank_outlives_its_launcher(corpus, tmp_path):
     out = tmp_path / "run"
     proc = start_cli(*_flags(corpus, out, "--nproc", "2"))
     _wait_for_step(out, 2, proc)
-    ranks = _rank_pids(proc.pid)
+    ranks = rank_pids(proc.pid)
     assert len(ranks) == 2
     listed = json.loads((out / LOCK_FILE).read_text())["ranks"]
     assert sorted(r["pid"] for r in listed) == sorted(ranks.values())
@@ -176,7 +161,7 @@ def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, r
     # SIGTERM as a scheduler sends it: to the launcher (twice) and to every rank, at once.
     proc = start_cli(*_flags(corpus, out, "--nproc", "2"))
     _wait_for_step(out, 2, proc)
-    ranks = _rank_pids(proc.pid)
+    ranks = rank_pids(proc.pid)
     for pid in [proc.pid, proc.pid, *ranks.values()]:
         os.kill(pid, signal.SIGTERM)
     code, err = _finish(proc)
@@ -192,7 +177,7 @@ def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, r
     proc = start_cli(*_flags(corpus, out, "--nproc", "2", "--auto-resume", "--max-restarts",
                           "1", "--save-every-minutes", "0.0001"))
     _wait_for_step(out, first + 2, proc)
-    os.kill(_rank_pids(proc.pid)[1], signal.SIGTERM)
+    os.kill(rank_pids(proc.pid)[1], signal.SIGTERM)
     code, err = _finish(proc)
     lines = _meshtrain_lines(err)
     second = max(_losses(out))
@@ -207,7 +192,7 @@ def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, r
     kill_at = (second // 5 + 1) * 5 + 2
     assert kill_at < STEPS - 10
     _wait_for_step(out, kill_at, proc)
-    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)
+    os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)
     code, err = _finish(proc)
     assert code == 0, err[-3000:]
     assert err.count("model states on rank 0") == 2  # it did restart

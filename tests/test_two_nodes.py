@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_cli
+from harness import rank_pids, run_cli
 from safetensors.torch import load_file
 
 from meshtrain.checkpointing.checkpoint import latest_checkpoint
@@ -78,22 +78,6 @@ def _assert_same_run(out: Path, reference: Path) -> None:
             assert torch.equal(mine[name][key], theirs[name][key]), (name, key)
 
 
-def _ranks_of(agent: int) -> dict[int, int]:
-    """RANK -> pid of the processes whose parent is `agent` (torchrun's workers)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit():
-                continue
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent:
-                continue
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        found |= {int(item[5:]): int(entry.name) for item in env if item.startswith(b"RANK=")}
-    return found
-
-
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory) -> Path:
     """One agent, 4 ranks, uninterrupted."""
@@ -121,7 +105,7 @@ def test_a_rank_killed_on_the_second_node_restarts_both_and_ends_as_uninterrupte
         time.sleep(0.02)
     ranks = {}
     for node in nodes:
-        ranks |= _ranks_of(node.pid)
+        ranks |= rank_pids(node.pid)
     assert sorted(ranks) == [0, 1, 2, 3], ranks
     victim = max(ranks)  # a rank of whichever agent holds rank 3: "the second node"
     os.kill(ranks[victim], signal.SIGKILL)
