@@ -8,10 +8,10 @@ A Llama of about 50 M parameters (200 MB in fp32), random weights.
 """
 
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from checkpoint_verify_cost import times_of  # (benchmarks/ is this script's path)
 
 from meshtrain import ParallelMesh
 from meshtrain.checkpointing.checkpoint import load_checkpoint, resolve_checkpoint
@@ -22,15 +22,6 @@ from meshtrain.parallelize import build_model
 
 CFG = preset("llama-tiny", num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=2,
              ffn_hidden_size=1408, vocab_size=32000)
-
-
-def _times(fn, repeats: int = 3) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def run() -> None:
@@ -44,11 +35,11 @@ def run() -> None:
                                tensors=state.items(), config_toml="")
         path = resolve_checkpoint(tmp / "run")
         outs = iter(range(100))
-        ours = _times(lambda: export_safetensors(path, tmp / f"m{next(outs)}.safetensors"))
-        dcp = _times(lambda: export_dcp(path, tmp / f"dcp{next(outs)}"))
+        ours = times_of(lambda: export_safetensors(path, tmp / f"m{next(outs)}.safetensors"), 3)
+        dcp = times_of(lambda: export_dcp(path, tmp / f"dcp{next(outs)}"), 3)
         mesh = ParallelMesh.local()
-        own_load = _times(lambda: load_checkpoint(path, model=model, mesh=mesh, rng=False))
-        dcp_load = _times(lambda: load_dcp_weights(tmp / "dcp3", model, mesh))  # the 1st dcp
+        own_load = times_of(lambda: load_checkpoint(path, model=model, mesh=mesh, rng=False), 3)
+        dcp_load = times_of(lambda: load_dcp_weights(tmp / "dcp3", model, mesh), 3)  # the 1st dcp
     params = sum(t.numel() for t in state.values()) / 1e6
     print(f"Llama {params:.0f} M parameters, fp32, one thread; best of 3 (all 3 listed)")
     print(f"export: meshtrain safetensors {min(ours):.2f} s, dcp {min(dcp):.2f} s:"

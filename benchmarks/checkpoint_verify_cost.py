@@ -14,7 +14,8 @@ from meshtrain.checkpointing.verify import read_manifest, sha256
 from meshtrain.cli.main import main
 
 
-def _best_of(fn, repeats: int = 5) -> list[float]:
+def times_of(fn, repeats: int = 5) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn` (bench_dcp times its exports with it too)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -32,8 +33,8 @@ def run() -> None:
                      "--out", str(out)]) == 0
         path = latest_checkpoint(out / "checkpoints")
         size = sum(f.stat().st_size for f in path.iterdir()) / 1e6
-        verify = _best_of(lambda: read_manifest(path))
-        hashes = _best_of(lambda: [sha256(f) for f in path.glob("rank_*.safetensors")])
+        verify = times_of(lambda: read_manifest(path))
+        hashes = times_of(lambda: [sha256(f) for f in path.glob("rank_*.safetensors")])
         print(f"checkpoint {size:.0f} MB; read_manifest {min(verify):.3f}-{max(verify):.3f} s;"
               f" hashing the rank files alone {min(hashes):.3f}-{max(hashes):.3f} s (5 runs each,"
               " page cache warm)")
