@@ -8,6 +8,9 @@ reordered between the two conventions; nothing else changes. An export writes
 `meshtrain.json` (family and config) beside DCP's files; a directory torchtitan saved has none,
 and its model is read from the tensor shapes, which give everything but the number of heads
 (and tying: torchtitan saves a tied output layer under its own name, so it reads as untied).
+`torch.distributed.checkpoint` is imported where it is used: it brings DTensor and sympy (about
+a second), which every run's configuration, importing this module to recognise a DCP
+`init_from`, would otherwise pay.
 """
 
 from __future__ import annotations
@@ -19,9 +22,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest
 from meshtrain.checkpointing.model_files import model_tensors, unwritable
@@ -100,6 +100,8 @@ def _check_family(family: str, cfg, where: str, fix: str) -> LlamaConfig:
 def export_dcp(checkpoint: str | Path, out_dir: str | Path) -> int:
     """Write a Llama checkpoint of any layout as a DCP directory of torchtitan's names and
     rotary order, from one process; returns the number of tensors written."""
+    import torch.distributed.checkpoint as dcp
+
     from meshtrain.models import config_from_dict
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
@@ -129,6 +131,9 @@ def export_dcp(checkpoint: str | Path, out_dir: str | Path) -> int:
 
 
 def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - DCP raises whatever its unpickling meets
@@ -186,6 +191,8 @@ def load_dcp_weights(path: str | Path, model: torch.nn.Module,
     """This rank's value of each of `model`'s parameters from a DCP directory of torchtitan's
     Llama: DCP reads each stored tensor whole (one of ours at a time), then our layout cuts
     this rank's piece."""
+    import torch.distributed.checkpoint as dcp
+
     cfg, maps, shards = model.cfg, _maps(model.cfg), parameter_shards(model)
     shapes, values = cfg.parameter_shapes(), {}
     for name, _ in model.named_parameters():
