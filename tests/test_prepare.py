@@ -10,7 +10,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from harness import raises_as_flags, run_cli, word_level_tokenizer
+from harness import raises_as_flags, word_level_tokenizer
 
 from meshtrain import ParallelMesh
 from meshtrain.cli.flags import as_flags
@@ -395,17 +395,19 @@ def test_a_compressed_table_is_batched_by_its_text(tmp_path):
 def test_train_then_sample_with_the_runs_tokenizer(tmp_path, bpe, capsys):
     _documents(tmp_path)
     data, run = tmp_path / "d.bin", tmp_path / "run"
-    run_cli("prepare", str(tmp_path / "docs"), "--tokenizer", str(bpe), "--workers", "2",
-            "--val-docs", "2", "--out", str(data))
-    run_cli("train", "--device", "cpu", "--data", str(data), "--seq-len", "16", "--global-batch",
-            "2", "--micro-batch", "2", "--steps", "3", "--eval-every", "3", "--eval-batches", "1",
-            "--out", str(run))
+    assert main(["prepare", str(tmp_path / "docs"), "--tokenizer", str(bpe), "--workers", "2",
+                 "--val-docs", "2", "--out", str(data)]) == 0
+    assert main(["train", "--device", "cpu", "--data", str(data), "--seq-len", "16",
+                 "--global-batch", "2", "--micro-batch", "2", "--steps", "3", "--eval-every", "3",
+                 "--eval-batches", "1", "--out", str(run)]) == 0
     assert (run / "tokenizer.json").read_bytes() == bpe.read_bytes()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_loss" in row for row in rows)
-    sample = run_cli("sample", str(run), "--prompt", "The dog", "--max-new-tokens", "6",
-                     "--device", "cpu")
-    assert sample.stdout.startswith("The dog") and len(sample.stdout) > len("The dog") + 6
+    capsys.readouterr()
+    assert main(["sample", str(run), "--prompt", "The dog", "--max-new-tokens", "6",
+                 "--device", "cpu"]) == 0
+    sample = capsys.readouterr().out
+    assert sample.startswith("The dog") and len(sample) > len("The dog") + 6
     # without the run's tokenizer a vocabulary of 320 cannot be decoded: one line, no ranks
     (run / "tokenizer.json").unlink()
     assert main(["sample", str(run), "--device", "cpu"]) == 2
@@ -414,13 +416,15 @@ def test_train_then_sample_with_the_runs_tokenizer(tmp_path, bpe, capsys):
     assert "\n" not in err
 
 
-def test_a_byte_run_samples_with_its_end_of_document_id(tmp_path):
+def test_a_byte_run_samples_with_its_end_of_document_id(tmp_path, capsys):
     _documents(tmp_path)
     data, run = tmp_path / "d.bin", tmp_path / "run"
     prepare([tmp_path / "docs"], out=data, workers=1, progress=False)
-    run_cli("train", "--device", "cpu", "--data", str(data), "--seq-len", "16", "--global-batch",
-            "2", "--micro-batch", "2", "--steps", "2", "--eval-every", "0", "--out", str(run))
+    assert main(["train", "--device", "cpu", "--data", str(data), "--seq-len", "16",
+                 "--global-batch", "2", "--micro-batch", "2", "--steps", "2", "--eval-every", "0",
+                 "--out", str(run)]) == 0
     assert not (run / "tokenizer.json").exists()  # bytes need none: the vocabulary says 257
-    sample = run_cli("sample", str(run), "--prompt", "", "--max-new-tokens", "4", "--device",
-                     "cpu")
-    assert sample.stdout.startswith(EOD_TOKEN)  # an empty prompt starts a document
+    capsys.readouterr()
+    assert main(["sample", str(run), "--prompt", "", "--max-new-tokens", "4", "--device",
+                 "cpu"]) == 0
+    assert capsys.readouterr().out.startswith(EOD_TOKEN)  # an empty prompt starts a document
