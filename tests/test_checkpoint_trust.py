@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from harness import run_cli, run_on_ranks, worker_mesh
+from harness import run_on_ranks, worker_mesh
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -34,7 +34,7 @@ EMBEDDING = "model/embedding.word.weight"
 def made_run(corpus, tmp_path_factory) -> Path:
     """A 1-rank run stopped after step 2: checkpoints step_00000001 and step_00000002."""
     run = tmp_path_factory.mktemp("made") / "run"
-    run_cli("train", *TRAIN, "--stop-at", "2", "--data", corpus, "--out", str(run))
+    assert main(["train", *TRAIN, "--stop-at", "2", "--data", corpus, "--out", str(run)]) == 0
     return run
 
 
@@ -312,7 +312,8 @@ def test_leftovers_go_and_keep_last_keeps_the_newest(run, corpus):
     (root / ".latest.tmp").write_text("step_00000003")
     (root / "notes.txt").write_text("mine")
     (root / "step_0000000x").mkdir()
-    run_cli("train", *TRAIN, "--data", corpus, "--out", str(run), "--resume", "--keep-last", "2")
+    assert main(["train", *TRAIN, "--data", corpus, "--out", str(run), "--resume",
+                 "--keep-last", "2"]) == 0
     assert sorted(p.name for p in root.iterdir()) == [
         "latest", "notes.txt", "step_00000003", "step_00000004", "step_0000000x"]
     assert latest_checkpoint(root).name == "step_00000004"
