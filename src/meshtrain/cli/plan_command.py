@@ -23,7 +23,7 @@ from meshtrain.data.corpus import write_atomic
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
 from meshtrain.planner.costs import Prediction
-from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
+from meshtrain.planner.hardware import BUILT_IN, UNFITTED, Hardware, load_hardware
 from meshtrain.planner.search import OVER_BUDGET, SearchResult, search
 from meshtrain.planner.workload import ELEMENT_BYTES
 
@@ -160,6 +160,8 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
     invalid = sum(len(items) for reason, items in result.rejected.items()
                   if reason != OVER_BUDGET)
     mine = "" if request.hardware_given else "; this machine's profile, no --hardware given"
+    if hw.name in UNFITTED:
+        mine += "; data-sheet peaks, efficiencies not fitted to any run of it"
     lines = [f"{' '.join(request.model_flags)}: {m.num_parameters() / 1e9:.4g}B parameters,"
              f" seq {request.seq_len}, global batch {request.global_batch}, {request.precision}",
              f"on {request.gpus} x {hw.name} ({hw.hbm_gib:g} GiB,"
