@@ -2,13 +2,16 @@
 
 Step time = compute + exposed communication + pipeline bubble (the three a user can act on), on
 the rank whose step is longest. Per model chunk and micro-batch (`chunk_costs`): each matmul
-costs FLOPs / (peak x efficiency(its size)), elementwise work bytes / memory bandwidth, each
-layer a fixed host overhead (x2 in backward), each TP/CP collective its alpha-beta time
-(`collectives.py`); backward is twice the forward, plus what recomputation repeats. Overlap is
+costs FLOPs / (peak x efficiency(its size)), a fused attention core FLOPs / (peak x the
+hardware's attention efficiency), elementwise work (the family's `pointwise_bytes`, eager or
+compiled) bytes / memory bandwidth, each layer a fixed host overhead (x2 in backward), each
+TP/CP collective its alpha-beta time (`collectives.py`); backward is twice the forward (a fused
+attention core's `attention_backward_ratio` x), plus what recomputation repeats. Overlap is
 charged where meshtrain achieves it: a column-parallel layer's input-gradient all-reduce runs
 behind its weight-gradient matmul; data-parallel buckets (ZeRO 1/2: reduce-scatters) behind the
 last micro-batch's backward (ZeRO 2: every micro-batch's); ZeRO-3's prefetched gathers behind
-the forward and backward they feed. A scheme that splits the hidden states (2d/2.5d/3d) has its
+the forward and backward they feed (`zero_impl` deepspeed: DeepSpeed's, none of that
+prefetch, `_deepspeed_zero3`). A scheme that splits the hidden states (2d/2.5d/3d) has its
 layer and output-layer traffic (`TPScheme.layer_traffic`, `output_traffic`) charged whole, none
 of it hidden, on links as wide as the TP block; 2.5d's depth all-reduce of weight gradients once
 a step, exposed. The pipeline runs meshtrain's own schedule through the simulator

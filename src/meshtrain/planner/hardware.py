@@ -113,9 +113,9 @@ _H100_FIT = {"matmul_efficiency": 0.75, "memory_efficiency": 0.9, "network_effic
              "collective_latency_s": 2e-6, "attention_efficiency": 0.35,
              "attention_backward_ratio": 2.5}
 # Fused attention (not fitted): FlashAttention-2, what torch's SDPA runs on these GPUs, reaches
-# 50-73% of the A100's peak (Dao 2023, arXiv 2307.08691; the low end: causal, head dim 128, its
-# backward slower still) and 35% of the H100's (Shah et al. 2024, FlashAttention-3, arXiv
-# 2407.08608); its backward does 2.5x the forward's matmul FLOPs at about the same rate.
+# 50-73% of the A100's peak (Dao 2023, arXiv 2307.08691; the low end taken) and 35% of the
+# H100's (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608); its backward does 2.5x the
+# forward's matmul FLOPs (five matmuls to two), priced at the forward's rate.
 
 BUILT_IN: dict[str, Hardware] = {
     "v100-32g-dgx2h": Hardware(
@@ -174,8 +174,8 @@ BUILT_IN: dict[str, Hardware] = {
 hardware table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
 
 UNFITTED = ("h200", "b200", "mi300x")
-"""Built-in profiles from data sheets alone: no published run checks them (`plan validate`
-leaves them out), and `plan` says so in its header."""
+"""Built-in profiles from data sheets alone: no published row runs on them, so `plan validate`
+checks none of them, and `plan` says so in its header."""
 
 CUDA_PROFILES = (("H100", "h100-80g"), ("H200", "h200"), ("B200", "b200"), ("MI300X", "mi300x"),
                  ("A100-SXM4-80GB", "a100-80g-selene"), ("A100 80GB", "a100-80g-selene"),
