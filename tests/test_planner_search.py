@@ -417,6 +417,10 @@ def test_zero_impl_deepspeed_is_planned_as_zero3_and_never_trained(capsys, tmp_p
     found = search(preset("llama3-8b"), BUILT_IN["h100-80g"], gpus=8, seq_len=8192,
                    global_batch=64, precision="bf16", fixed={"zero_impl": "deepspeed"})
     assert found.ranked and {p.layout.zero for p in found.ranked} == {3}
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch", "64",
+                 "--gpus", "8", "--hardware", "h100-80g", "--top", "1", "--layout",
+                 "zero_impl=deepspeed"]) == 0
+    assert "\n     (no command: --zero-impl deepspeed prices" in capsys.readouterr().out
     assert main(["train", "--model", "gpt2", "--zero", "3", "--zero-impl", "deepspeed",
                  "--out", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err == (

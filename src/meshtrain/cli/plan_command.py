@@ -20,6 +20,7 @@ from meshtrain.cli.flags import as_flags
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.corpus import write_atomic
+from meshtrain.errors import SettingError
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
 from meshtrain.planner.costs import Prediction
@@ -127,8 +128,12 @@ def _model_flags(given: dict[str, object], model: TransformerConfig) -> list[str
 def train_command(request: Request, prediction: Prediction) -> str:
     """The command that trains this layout: `meshtrain train --nproc N` within one node, else
     torchrun on every node (the ranks a node holds: the largest divisor of the devices that
-    fits in one)."""
+    fits in one); for a layout only priced (`zero_impl` deepspeed), why there is none."""
     lay, hw = prediction.layout, request.hardware
+    try:
+        lay.check_trainable()
+    except SettingError as e:
+        return f"(no command: {as_flags(str(e))})"
     flags = [*request.model_flags, "--seq-len", str(request.seq_len), "--global-batch",
              str(request.global_batch), "--precision", lay.precision]
     for key, text in lay.spec_items(ParallelPlan(precision=lay.precision)):
