@@ -3,6 +3,7 @@ hardware profiles' efficiency parameters that produced the built-in values.
 
     PYTHONPATH=src python benchmarks/plan_vs_published.py        # the table (plan validate's)
     PYTHONPATH=src python benchmarks/plan_vs_published.py --fit  # fit each profile's values
+    PYTHONPATH=src python benchmarks/plan_vs_published.py --fit --profile h100-80g  # one
 
 The fit is per hardware profile, never per row: coordinate descent over coarse grids of
 physically plausible values, minimising the sum of squared log errors (predicted / published
@@ -73,10 +74,10 @@ def fit_profile(hardware: Hardware, rows: list[dict]) -> Hardware:
     return hardware
 
 
-def fit() -> dict[str, Hardware]:
+def fit(only: str | None = None) -> dict[str, Hardware]:
     rows = load_rows()
     fitted = {}
-    for name in sorted({row["hardware"] for row in rows}):
+    for name in sorted({row["hardware"] for row in rows} & ({only} if only else set(BUILT_IN))):
         own = [row for row in rows if row["hardware"] == name]
         print(f"{name}: {len(own)} rows", flush=True)
         fitted[name] = fit_profile(BUILT_IN[name], own)
@@ -87,11 +88,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fit", action="store_true",
                         help="fit the efficiency parameters per profile and print them")
+    parser.add_argument("--profile", default=None, metavar="NAME",
+                        help="with --fit, fit only this profile (the others keep theirs)")
     args = parser.parse_args()
     if not args.fit:
         print(validation_report())
         return
-    fitted = fit()
+    fitted = fit(args.profile)
     print("\nFitted values (BUILT_IN in src/meshtrain/planner/hardware.py):")
     for name, hw in fitted.items():
         values = ", ".join(f"{p}={getattr(hw, p):g}" for p in GRIDS)

@@ -12,6 +12,7 @@ from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.costs import predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
+from meshtrain.planner.search import search
 from meshtrain.planner.workload import Workload
 
 IDEAL = Hardware(name="ideal", peak_tflops=100.0, hbm_gib=80, gpus_per_node=8,
@@ -122,7 +123,7 @@ def test_tensor_parallel_communication_is_charged_and_hidden_where_meshtrain_hid
                    dataclasses.replace(hw, intra_node_gbytes_per_s=30), seq_len=1024,
                    global_batch=4)
     assert one.exposed_comm_s == 0 < four.exposed_comm_s < slow.exposed_comm_s
-    assert four.compute_s < one.compute_s / 3  # the matmuls split four ways
+    assert four.compute_s < one.compute_s / 2  # the matmuls split four ways, eager norms not
 
 
 def test_gradient_sync_overlaps_the_backward_and_grows_across_nodes():
@@ -130,3 +131,55 @@ def test_gradient_sync_overlaps_the_backward_and_grows_across_nodes():
     inside = predict(GPT, ParallelPlan(dp=8, micro_batch=1), hw, seq_len=1024, global_batch=8)
     across = predict(GPT, ParallelPlan(dp=16, micro_batch=1), hw, seq_len=1024, global_batch=16)
     assert 0 < inside.exposed_comm_s < across.exposed_comm_s
+
+
+@pytest.mark.parametrize("name,gpus", [("llama3-8b", 8), ("llama3-8b", 16), ("llama3-8b", 64),
+                                       ("llama3-70b", 64)])
+def test_dense_llama3_on_h100s_at_8k_tokens_predicts_a_published_class_mfu(name, gpus):
+    # Published bf16 runs of this class reach 33-50% MFU (torchtitan's 8B on 8 H100s 33-39%,
+    # Megatron-LM up to 47%); before attention, norms and positions were priced: 75.7%.
+    best = search(preset(name), BUILT_IN["h100-80g"], gpus=gpus, seq_len=8192, global_batch=128,
+                  precision="bf16").best()
+    assert 0.25 <= best.mfu <= 0.60
+
+
+def test_flash_attention_runs_at_its_own_efficiency_on_gpus_and_as_matmuls_elsewhere():
+    lay = ParallelPlan(dp=1, micro_batch=1)
+    sdpa, eager = GPT, dataclasses.replace(GPT, attention="eager")
+    hw = BUILT_IN["h100-80g"]
+    slow = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / 2)
+
+    def step(model, profile, precision="bf16"):
+        return predict(model, lay, profile, seq_len=1024, global_batch=1,
+                       precision=precision).compute_s
+    assert step(sdpa, slow) > step(sdpa, hw)
+    assert step(eager, slow) == step(eager, hw)  # eager attention: matmuls and a softmax
+    assert step(sdpa, slow, "fp32") == step(sdpa, hw, "fp32")  # no flash kernel in fp32
+    core = Workload(sdpa, lay, 1024, 1, "bf16").layer(0).core_matmuls
+    gap = step(sdpa, slow) - step(sdpa, hw)  # the core's forward and backward, every layer
+    forward = core / (hw.peak_tflops * 1e12 * hw.attention_efficiency)
+    assert gap == pytest.approx(GPT.num_layers * forward * (1 + hw.attention_backward_ratio))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama3-8b"])
+def test_eager_blocks_move_more_bytes_than_compiled_ones(name):
+    m = preset(name)
+    eager, fused = (m.pointwise_bytes(hidden=m.hidden_size, tp=1, element_size=2, fused=f)
+                    for f in (False, True))
+    assert fused < eager < 6 * fused
+    lay = ParallelPlan(dp=1, micro_batch=1)
+    times = [predict(m, dataclasses.replace(lay, compile=c), BUILT_IN["h100-80g"], seq_len=1024,
+                     global_batch=1).compute_s for c in (False, True)]
+    assert times[0] > times[1]
+
+
+def test_deepspeed_zero3_exposes_the_gathers_meshtrain_prefetches():
+    m = preset("llama3-8b")
+    lay = ParallelPlan(dp=8, micro_batch=1, zero=3)
+    ds = dataclasses.replace(lay, zero_impl="deepspeed")
+    hw = BUILT_IN["h100-80g"]
+    own, theirs = (predict(m, x, hw, seq_len=8192, global_batch=16) for x in (lay, ds))
+    assert theirs.compute_s == own.compute_s and theirs.memory == own.memory
+    params = m.num_parameters()
+    gathers = 2 * 2 * params * 7 / 8 / (hw.intra_node_gbytes_per_s * 1e9)  # forward, backward
+    assert theirs.exposed_comm_s - own.exposed_comm_s == pytest.approx(2 * gathers, rel=0.2)

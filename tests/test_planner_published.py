@@ -100,16 +100,26 @@ def test_every_row_is_predicted_and_the_median_meets_the_goal(results):
     assert all(r.prediction.memory_gib <= BUILT_IN[r.row["hardware"]].hbm_gib for r in results)
     assert {r.prediction.layout.pp_schedule for r in results} <= set(MEGATRON_SCHEDULES)
     median, worst = summary(results)
-    assert median <= 0.075  # 6.8% with the fitted built-in profiles (docs/benchmarks.md)
-    assert worst <= 0.34  # 33.0%: DeepSpeed's ZeRO-3 530B row, diagnosed in the report
-    others = [abs(r.error) for r in results if "zero3" not in r.row["id"]]
-    assert max(others) <= 0.25  # 24.1%: mcore-h100-32b
+    assert median <= 0.06  # 5.7% with the built-in profiles (docs/benchmarks.md)
+    assert worst <= 0.27  # 26.2%: mcore-h100-32b (Megatron-Core's overlap, not priced)
+    others = [abs(r.error) for r in results if not r.row["id"].startswith("mcore-h100")]
+    assert max(others) <= 0.18  # 17.3%: readme2020-a100-4b-mp4-dp128
 
 
 def test_the_report_lists_every_row_and_the_goals(results):
     text = format_report(results)
     assert all(row_id in text for row_id in ROWS)
-    assert "goal median <= 10%: met" in text and "goal no row worse than 25%: NOT met" in text
+    assert "goal median <= 7%: met" in text and "goal no row worse than 20%: NOT met" in text
     explained = text.split("and why:")[-1]
     assert all((f"{r.row['id']} (" in explained) == (abs(r.error) > 0.15) for r in results)
     assert "no diagnosis" not in text
+
+
+def test_deepspeed_rows_are_priced_as_deepspeed_zero3(results):
+    systems = {r.row["system"] for r in results}
+    assert systems == set(published.ZERO_IMPL_OF_SYSTEM)
+    for r in results:
+        deepspeed = r.row["system"] == "deepspeed"
+        assert (r.prediction.layout.zero_impl == "deepspeed") == deepspeed
+        if deepspeed:  # 33% fast at 640 GPUs with meshtrain's prefetch; within 15% now
+            assert r.prediction.layout.zero == 3 and abs(r.error) <= 0.15, r.row["id"]

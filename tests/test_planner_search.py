@@ -16,12 +16,14 @@ from meshtrain.cli.main import _train_config, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import synthetic_corpus
+from meshtrain.errors import Code, SettingError
 from meshtrain.models import preset
 from meshtrain.parallel.layers.recompute import RECOMPUTE
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.costs import Prediction, predict
-from meshtrain.planner.hardware import BUILT_IN, Hardware
+from meshtrain.planner.hardware import BUILT_IN, UNFITTED, Hardware
 from meshtrain.planner.memory_model import MemoryBreakdown
+from meshtrain.planner.published import load_rows
 from meshtrain.planner.search import OVER_BUDGET, search
 
 GIB = 2**30
@@ -365,6 +367,8 @@ def test_train_layout_auto_end_to_end(tmp_path):
                                           ("NVIDIA A100-SXM4-80GB", "a100-80g-selene"),
                                           ("NVIDIA A100-SXM4-40GB", "a100-40g"),
                                           ("Tesla V100-SXM3-32GB", "v100-32g-dgx2h"),
+                                          ("NVIDIA H200", "h200"), ("NVIDIA B200", "b200"),
+                                          ("AMD Instinct MI300X", "mi300x"),
                                           ("NVIDIA GeForce RTX 4090", None)])
 def test_default_hardware_follows_the_cuda_device(monkeypatch, name, profile):
     import torch
@@ -396,3 +400,38 @@ def test_a_hardware_file_with_impossible_numbers_is_refused(capsys, tmp_path, fi
     assert capsys.readouterr().err == (
         f"meshtrain: error: --hardware file {path}: {field} must be a number in {bound}, got"
         f" {float(value)!r}; fix the file or calibrate again\n")
+
+
+@pytest.mark.parametrize("name", UNFITTED)
+def test_the_data_sheet_profiles_plan_and_say_they_are_unfitted(capsys, name):
+    assert not any(row["hardware"] == name for row in load_rows())  # left out of validate
+    hw = BUILT_IN[name]
+    assert hw.peak_tflops > BUILT_IN["a100-80g-selene"].peak_tflops and hw.attention_efficiency
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch", "64",
+                 "--gpus", "8", "--hardware", name, "--top", "1"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert f"8 x {name} ({hw.hbm_gib:g} GiB" in header and "not fitted" in header
+
+
+def test_zero_impl_deepspeed_is_planned_as_zero3_and_never_trained(capsys, tmp_path):
+    found = search(preset("llama3-8b"), BUILT_IN["h100-80g"], gpus=8, seq_len=8192,
+                   global_batch=64, precision="bf16", fixed={"zero_impl": "deepspeed"})
+    assert found.ranked and {p.layout.zero for p in found.ranked} == {3}
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch", "64",
+                 "--gpus", "8", "--hardware", "h100-80g", "--top", "1", "--layout",
+                 "zero_impl=deepspeed"]) == 0
+    assert "\n     (no command: --zero-impl deepspeed prices" in capsys.readouterr().out
+    assert main(["train", "--model", "gpt2", "--zero", "3", "--zero-impl", "deepspeed",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (
+        "meshtrain: error: --zero-impl deepspeed prices another system's ZeRO-3 in the planner;"
+        " meshtrain trains with its own: drop --zero-impl\n")
+    assert not (tmp_path / "run").exists()
+    plan = ParallelPlan(dp=8, zero=3, zero_impl="deepspeed")  # the Python API refuses it too
+    with pytest.raises(SettingError) as refused:
+        plan.check_trainable()
+    assert refused.value.code is Code.ZERO_IMPL_TRAIN
+    with pytest.raises(SettingError) as refused:
+        dataclasses.replace(plan, zero=1).validate(preset("gpt2"), world_size=8,
+                                                   global_batch=8, seq_len=64)
+    assert refused.value.code is Code.ZERO_IMPL_STAGE

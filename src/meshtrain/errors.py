@@ -61,6 +61,8 @@ class Code(Enum):
     ZERO_FP64 = "zero with fp64"
     OFFLOAD_WITHOUT_ZERO = "offload without zero"
     OFFLOAD_DIR = "offload_dir missing, unwritable or too small"
+    ZERO_IMPL_STAGE = "zero_impl deepspeed without zero 3"
+    ZERO_IMPL_TRAIN = "zero_impl deepspeed is for the planner only"
     # pipelines
     PP_LAYERS = "pp exceeds layers"
     PP_LAYERS_SPLIT = "pp_layers does not split the layers"

@@ -55,6 +55,7 @@ def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: Parallel
     AdamW (with `betas` and `eps`); `steps` is the run's last step (PipeDream-2BW lays out
     the whole run); `packing` how the executor feeds packed documents; `offload_dir` this
     rank's folder for ZeRO's states under `offload_optimizer` nvme."""
+    plan.check_trainable()
     stage = pipeline_stage(model_cfg.num_layers, plan, mesh)
     model = build_model(model_cfg, mesh, plan, seed=seed, stage=stage)
     factory = model.factory

@@ -20,10 +20,11 @@ from meshtrain.cli.flags import as_flags
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.corpus import write_atomic
+from meshtrain.errors import SettingError
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
 from meshtrain.planner.costs import Prediction
-from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
+from meshtrain.planner.hardware import BUILT_IN, UNFITTED, Hardware, load_hardware
 from meshtrain.planner.search import OVER_BUDGET, SearchResult, search
 from meshtrain.planner.workload import ELEMENT_BYTES
 
@@ -127,8 +128,12 @@ def _model_flags(given: dict[str, object], model: TransformerConfig) -> list[str
 def train_command(request: Request, prediction: Prediction) -> str:
     """The command that trains this layout: `meshtrain train --nproc N` within one node, else
     torchrun on every node (the ranks a node holds: the largest divisor of the devices that
-    fits in one)."""
+    fits in one); for a layout only priced (`zero_impl` deepspeed), why there is none."""
     lay, hw = prediction.layout, request.hardware
+    try:
+        lay.check_trainable()
+    except SettingError as e:
+        return f"(no command: {as_flags(str(e))})"
     flags = [*request.model_flags, "--seq-len", str(request.seq_len), "--global-batch",
              str(request.global_batch), "--precision", lay.precision]
     for key, text in lay.spec_items(ParallelPlan(precision=lay.precision)):
@@ -160,6 +165,8 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
     invalid = sum(len(items) for reason, items in result.rejected.items()
                   if reason != OVER_BUDGET)
     mine = "" if request.hardware_given else "; this machine's profile, no --hardware given"
+    if hw.name in UNFITTED:
+        mine += "; data-sheet peaks, efficiencies not fitted to any run of it"
     lines = [f"{' '.join(request.model_flags)}: {m.num_parameters() / 1e9:.4g}B parameters,"
              f" seq {request.seq_len}, global batch {request.global_batch}, {request.precision}",
              f"on {request.gpus} x {hw.name} ({hw.hbm_gib:g} GiB,"

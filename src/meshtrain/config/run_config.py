@@ -314,6 +314,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     if p.threads is not None and p.threads < 1:
         raise ValueError(f"`threads` must be positive, got {p.threads}")
     plan = cfg.plan.resolved(world_size)
+    plan.check_trainable()
     check_local_devices(p.device, int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size)))
     _validate_train(t)
     if cfg.checkpoint.keep_last < 0:

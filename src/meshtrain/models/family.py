@@ -187,6 +187,15 @@ class TransformerConfig(ABC):
         """Bytes one transformer layer saves for backward (checked against measurement)."""
 
     @abstractmethod
+    def pointwise_bytes(self, *, hidden: float, tp: int, element_size: int,
+                        fused: bool) -> float:
+        """Bytes per token one layer's memory-bound forward kernels read and write (norms,
+        residual adds, activation, positions; not the attention core): `hidden` the norms'
+        width on this rank (h, or h / tp where it is split), `tp` splitting the heads and the
+        MLP; `fused`: compiled blocks, each tensor read and written once. The planner prices
+        them by memory bandwidth."""
+
+    @abstractmethod
     def norm_shapes(self) -> dict[str, tuple[int, ...]]:
         """One norm's parameters (name within the norm: shape)."""
 
@@ -264,6 +273,10 @@ class TransformerConfig(ABC):
         attention = 12 * self.num_layers * self.attention_span(seq_len) * self.num_heads \
             * self.head_dim
         return 6 * self.matmul_parameters_per_token() + attention
+
+
+WIDE_BYTES = 4
+"""Norms compute in fp32 whatever the precision (`precision.wide_dtype`)."""
 
 
 @dataclass(frozen=True)

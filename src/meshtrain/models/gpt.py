@@ -28,7 +28,7 @@ from meshtrain.models.blocks import (
     split_fused_qkv,
 )
 from meshtrain.models.causal_lm import CausalLM
-from meshtrain.models.family import ModelFamily, TransformerConfig
+from meshtrain.models.family import WIDE_BYTES, ModelFamily, TransformerConfig
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,17 @@ class GPTConfig(TransformerConfig):
     def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
         h, f = self.hidden_size, self.ffn_size
         return {"fc.weight": (f, h), "fc.bias": (f,), "proj.weight": (h, f), "proj.bias": (h,)}
+
+    def pointwise_bytes(self, *, hidden: float, tp: int, element_size: int,
+                        fused: bool) -> float:
+        """Two LayerNorms, two residual adds, GeLU; eager: each norm's nine passes in fp32
+        (`_LayerNormFn`: widen, mean, centre, square, sum, scale, weight, bias, round: 2 e +
+        15 x 4 bytes an element) and the attention output's copy back to [b, s, h]."""
+        e, f = element_size, self.ffn_size / tp
+        if fused:
+            return 2 * 2 * e * hidden + 2 * 3 * e * hidden + 2 * e * f
+        norm = 2 * e + 15 * WIDE_BYTES
+        return hidden * (2 * norm + 2 * 3 * e) + 2 * e * f + 2 * e * self.hidden_size / tp
 
     def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",

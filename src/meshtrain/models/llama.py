@@ -32,7 +32,7 @@ from meshtrain.models.blocks import (
     swiglu,
 )
 from meshtrain.models.causal_lm import CausalLM
-from meshtrain.models.family import ModelFamily, TransformerConfig
+from meshtrain.models.family import WIDE_BYTES, ModelFamily, TransformerConfig
 from meshtrain.parallel.layers.norms import RMSNorm
 
 
@@ -121,6 +121,21 @@ class LlamaConfig(TransformerConfig):
     def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
         h, f = self.hidden_size, self.ffn_size
         return {"fc.weight": (2 * f, h), "proj.weight": (h, f)}  # fc: gate | up
+
+    def pointwise_bytes(self, *, hidden: float, tp: int, element_size: int,
+                        fused: bool) -> float:
+        """Two RMSNorms, two residual adds, rotary positions on q and k, SwiGLU; eager: each
+        norm's six passes in fp32 (`_RMSNormFn`: widen, square, mean, scale, round, weight:
+        4 e + 7 x 4 bytes an element), rotary's five (`Rotary`: x cos, negate, concatenate,
+        x sin, add: 10 e), silu and the product (5 e of f), and the attention output's copy
+        back to [b, s, h]."""
+        e, f = element_size, self.ffn_size / tp
+        q = self.num_heads * self.head_dim / tp
+        rotated = q + self.kv_heads * self.head_dim / tp
+        if fused:
+            return 2 * 2 * e * hidden + 2 * 3 * e * hidden + 2 * e * rotated + 4 * e * f
+        norm = 4 * e + 7 * WIDE_BYTES
+        return hidden * (2 * norm + 2 * 3 * e) + 10 * e * rotated + 5 * e * f + 2 * e * q
 
     def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",

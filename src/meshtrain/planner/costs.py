@@ -2,13 +2,16 @@
 
 Step time = compute + exposed communication + pipeline bubble (the three a user can act on), on
 the rank whose step is longest. Per model chunk and micro-batch (`chunk_costs`): each matmul
-costs FLOPs / (peak x efficiency(its size)), elementwise work bytes / memory bandwidth, each
-layer a fixed host overhead (x2 in backward), each TP/CP collective its alpha-beta time
-(`collectives.py`); backward is twice the forward, plus what recomputation repeats. Overlap is
+costs FLOPs / (peak x efficiency(its size)), a fused attention core FLOPs / (peak x the
+hardware's attention efficiency), elementwise work (the family's `pointwise_bytes`, eager or
+compiled) bytes / memory bandwidth, each layer a fixed host overhead (x2 in backward), each
+TP/CP collective its alpha-beta time (`collectives.py`); backward is twice the forward (a fused
+attention core's `attention_backward_ratio` x), plus what recomputation repeats. Overlap is
 charged where meshtrain achieves it: a column-parallel layer's input-gradient all-reduce runs
 behind its weight-gradient matmul; data-parallel buckets (ZeRO 1/2: reduce-scatters) behind the
 last micro-batch's backward (ZeRO 2: every micro-batch's); ZeRO-3's prefetched gathers behind
-the forward and backward they feed. A scheme that splits the hidden states (2d/2.5d/3d) has its
+the forward and backward they feed (`zero_impl` deepspeed: DeepSpeed's, none of that
+prefetch, `_deepspeed_zero3`). A scheme that splits the hidden states (2d/2.5d/3d) has its
 layer and output-layer traffic (`TPScheme.layer_traffic`, `output_traffic`) charged whole, none
 of it hidden, on links as wide as the TP block; 2.5d's depth all-reduce of weight gradients once
 a step, exposed. The pipeline runs meshtrain's own schedule through the simulator
@@ -19,6 +22,7 @@ overlap the fused backward gave the input-gradient all-reduces. Memory is `memor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
@@ -159,9 +163,8 @@ def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False
     lay, p = work.layout, work.precision
     w = work.layer(index)
     weights = [_matmul(hw, f, p) for f in w.weight_matmuls]
-    core = 2 * _matmul(hw, w.core_matmuls / 2, p)
+    core, ratio = _attention_core(work, hw, w.core_matmuls)
     forward = sum(weights) + core + _elementwise(hw, w.elementwise_bytes) + hw.layer_overhead_s
-    ratio = 2.0 if lay.cp > 1 else hw.attention_backward_ratio  # ring: hand-written autograd
     backward = 2 * (forward - hw.layer_overhead_s - core) + ratio * core \
         + 2 * hw.layer_overhead_s
     tp_forward, tp_backward, tp_weight = (*_grid_comm(hw, work.layer_traffic(), lay.tp), 0.0) \
@@ -175,6 +178,20 @@ def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False
         backward_comm += forward_comm
     return ChunkCost(forward, forward_comm, backward, backward_comm, w.parameters,
                      sum(weights) + hw.layer_overhead_s, tp_weight)
+
+
+def _attention_core(work: Workload, hw: Hardware, flops: float) -> tuple[float, float]:
+    """The attention core's forward time and its backward / forward ratio. A fused kernel in
+    16 bits runs at the hardware's `attention_efficiency` where it has one (GPUs: flash
+    attention), else as the two matmuls it computes; eager attention and the ring's
+    hand-written blocks backpropagate through their two matmuls (ratio 2), a fused kernel at
+    `attention_backward_ratio`."""
+    if not work.fused_attention:
+        return 2 * _matmul(hw, flops / 2, work.precision), 2.0
+    if hw.attention_efficiency and work.element_bytes == 2:
+        peak = hw.peak_for(work.precision) * 1e12
+        return flops / (peak * hw.attention_efficiency), hw.attention_backward_ratio
+    return 2 * _matmul(hw, flops / 2, work.precision), hw.attention_backward_ratio
 
 
 def _tensor_parallel_comm(work: Workload, hw: Hardware, weights: list[float],
@@ -264,8 +281,10 @@ def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) ->
     forward = sum(c.forward for c in own)
     backward = sum(c.backward for c in own)
     last_bucket = min(1.0, 25 * 2**20 / max(grads, 1.0))
-    if lay.zero == 3:  # one gather per unit (layer, or the rest) before forward and backward
-        units = work.model.num_layers // lay.pp + 1
+    units = work.model.num_layers // lay.pp + 1  # ZeRO-3 gathers: each layer, then the rest
+    if lay.zero == 3 and lay.zero_impl == "deepspeed":
+        return work.micro_batches * _deepspeed_zero3(work, hw, params, units, backward)
+    if lay.zero == 3:  # one gather per unit before forward and backward
         gather = units * coll.all_gather(hw, weights / units, g, span)
         scatter = units * coll.reduce_scatter(hw, grads / units, g, span)
         per_micro = max(_hidden(hw, gather, forward), gather / units) \
@@ -277,6 +296,27 @@ def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) ->
     if lay.zero == 2:
         exposed *= work.micro_batches
     return exposed + (coll.all_gather(hw, weights, g, span) if lay.zero else 0.0)
+
+
+DEEPSPEED_REDUCE_BUCKET = 5e8
+"""Elements per gradient reduce-scatter of DeepSpeed's ZeRO: its `reduce_bucket_size` default
+(DeepSpeed's configuration documentation, "ZeRO Optimizations"). Its `allgather_bucket_size`
+(also 5e8) buckets stage 1 and 2's parameter all-gather; stage 3 gathers module by module."""
+
+
+def _deepspeed_zero3(work: Workload, hw: Hardware, params: float, units: int,
+                     backward: float) -> float:
+    """One micro-batch of DeepSpeed's ZeRO-3 as its published runs show it: each unit's
+    parameters gathered when it runs, forward and backward, the compute waiting (none of
+    meshtrain's prefetch overlap); the gradients reduce-scattered in the precision's dtype
+    in DEEPSPEED_REDUCE_BUCKET buckets behind the backward (`overlap_comm`, stage 3's
+    default), each bucket a collective of its own."""
+    lay = work.layout
+    g, span = lay.dp * lay.cp, lay.tp * lay.cp * lay.dp
+    gather = units * coll.all_gather(hw, params * work.element_bytes / units, g, span)
+    buckets = max(1, math.ceil(params / DEEPSPEED_REDUCE_BUCKET))
+    scatter = buckets * coll.reduce_scatter(hw, params * work.element_bytes / buckets, g, span)
+    return 2 * gather + max(_hidden(hw, scatter, backward), scatter / buckets)
 
 
 def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:

@@ -63,8 +63,12 @@ class Hardware:
     layer_overhead_s: float = 0.0
     """Host time per transformer layer per forward (kernel launches, Python); backward counts
     it twice."""
+    attention_efficiency: float = 0.0
+    """Fraction of the 16-bit peak a fused (flash) attention kernel's forward reaches on the
+    FLOPs it computes; 0: the kernel is priced as matmuls of its size (a CPU's SDPA is)."""
     attention_backward_ratio: float = 2.0
-    """Attention core backward / forward time (CPU SDPA: ~6.5; FlashAttention-2 on GPUs: ~2.5)."""
+    """Fused attention core backward / forward time (CPU SDPA: ~2.6 measured; FlashAttention-2:
+    2.5, its backward's five matmuls to the forward's two); eager attention's is 2."""
     reduce_scatter_factor: float = 1.0
     """Reduce-scatter's bytes term relative to all-gather's (gloo: ~2, no native ring)."""
     host_link_gbytes_per_s: float = 25.0
@@ -103,7 +107,15 @@ class Hardware:
 # H100's network_efficiency 1 and 2 us latency sit at their grids' bounds: they absorb overlap
 # Megatron-Core has and meshtrain lacks (the docs say which rows).
 _A100_FIT = {"matmul_efficiency": 0.675, "memory_efficiency": 0.6, "network_efficiency": 0.9,
-             "collective_latency_s": 2e-5}
+             "collective_latency_s": 2e-5, "attention_efficiency": 0.5,
+             "attention_backward_ratio": 2.5}
+_H100_FIT = {"matmul_efficiency": 0.75, "memory_efficiency": 0.9, "network_efficiency": 1.0,
+             "collective_latency_s": 2e-6, "attention_efficiency": 0.35,
+             "attention_backward_ratio": 2.5}
+# Fused attention (not fitted): FlashAttention-2, what torch's SDPA runs on these GPUs, reaches
+# 50-73% of the A100's peak (Dao 2023, arXiv 2307.08691; the low end taken) and 35% of the
+# H100's (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608); its backward does 2.5x the
+# forward's matmul FLOPs (five matmuls to two), priced at the forward's rate.
 
 BUILT_IN: dict[str, Hardware] = {
     "v100-32g-dgx2h": Hardware(
@@ -122,8 +134,29 @@ BUILT_IN: dict[str, Hardware] = {
     "h100-80g": Hardware(
         name="h100-80g", peak_tflops=989.0, hbm_gib=80, gpus_per_node=8,
         intra_node_gbytes_per_s=450.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=494.0,
-        hbm_gbytes_per_s=3350.0, matmul_efficiency=0.75, memory_efficiency=0.9,
-        network_efficiency=1.0, collective_latency_s=2e-6),
+        hbm_gbytes_per_s=3350.0, **_H100_FIT),
+    # Not fitted (UNFITTED): data-sheet peaks with the H100's efficiencies, until measured runs
+    # on them are in published_rows.json. Dense (not sparse) tensor-core rates; NVLink and
+    # Infinity Fabric one direction per device; 400 Gb/s (50 GB/s) of InfiniBand per device.
+    # H200 SXM (NVIDIA H200 Tensor Core GPU data sheet): BF16 989 TFLOPS, TF32 494, 141 GB
+    # HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way).
+    "h200": Hardware(
+        name="h200", peak_tflops=989.0, hbm_gib=141, gpus_per_node=8,
+        intra_node_gbytes_per_s=450.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=494.0,
+        hbm_gbytes_per_s=4800.0, **_H100_FIT),
+    # B200 (NVIDIA HGX B200 data sheet, per GPU of eight): BF16 2.25 PFLOPS, TF32 1.1 PFLOPS
+    # (half the sparse 4.5 and 2.2), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way).
+    "b200": Hardware(
+        name="b200", peak_tflops=2250.0, hbm_gib=180, gpus_per_node=8,
+        intra_node_gbytes_per_s=900.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=1100.0,
+        hbm_gbytes_per_s=8000.0, **_H100_FIT),
+    # MI300X (AMD Instinct MI300X data sheet): BF16 1307.4 TFLOPS, TF32 653.7, 192 GB HBM3 at
+    # 5.3 TB/s; seven Infinity Fabric links of 64 GB/s each way to the node's other GPUs
+    # (448 GB/s each way in all).
+    "mi300x": Hardware(
+        name="mi300x", peak_tflops=1307.4, hbm_gib=192, gpus_per_node=8,
+        intra_node_gbytes_per_s=448.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=653.7,
+        hbm_gbytes_per_s=5300.0, **_H100_FIT),
     # This 2-core CI host with 4 gloo ranks sharing it (one thread each), per rank, as
     # `calibrate_machine(ranks=4)` measured it on a quiet host (`python
     # benchmarks/plan_vs_measured.py` prints the fit; reduce_scatter_factor from the same
@@ -140,9 +173,13 @@ BUILT_IN: dict[str, Hardware] = {
 """GPU peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s
 hardware table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
 
-CUDA_PROFILES = (("H100", "h100-80g"), ("A100-SXM4-80GB", "a100-80g-selene"),
-                 ("A100 80GB", "a100-80g-selene"), ("A100", "a100-40g"),
-                 ("V100-SXM3-32GB", "v100-32g-dgx2h"))
+UNFITTED = ("h200", "b200", "mi300x")
+"""Built-in profiles from data sheets alone: no published row runs on them, so `plan validate`
+checks none of them, and `plan` says so in its header."""
+
+CUDA_PROFILES = (("H100", "h100-80g"), ("H200", "h200"), ("B200", "b200"), ("MI300X", "mi300x"),
+                 ("A100-SXM4-80GB", "a100-80g-selene"), ("A100 80GB", "a100-80g-selene"),
+                 ("A100", "a100-40g"), ("V100-SXM3-32GB", "v100-32g-dgx2h"))
 """Substrings of `torch.cuda.get_device_name` and the built-in profile each device matches."""
 CPU_PROFILE = "cpu-gloo"
 
@@ -200,7 +237,7 @@ _RANGES = {  # field: (low, high, low included); a NaN is in no range
                      "attention_backward_ratio", "reduce_scatter_factor", "matmul_efficiency",
                      "memory_efficiency", "network_efficiency"), _POSITIVE),
     **dict.fromkeys(("fp32_peak_tflops", "collective_latency_s", "layer_overhead_s",
-                     "matmul_half_gflop"),
+                     "matmul_half_gflop", "attention_efficiency"),
                     (0.0, math.inf, True)),
     "overlap_efficiency": (0.0, 1.0, True),
 }

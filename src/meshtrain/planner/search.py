@@ -24,7 +24,8 @@ pipeline fill and point-to-point traffic slow it); every degree combination is s
 zb-h1 where it runs (else 1f1b), sp on and ZeRO from stage 1, and only the REFINE_AT_MOST
 within REFINE_MARGIN of the best screened time are refined over every schedule, virtual
 stages, sp and ZeRO stage. A fixed `tp_overlap` fixes sp on (the cost model charges its layouts
-as sp's: it does not model the overlap). Measured (CPU seconds, this 2-core host, global batch
+as sp's: it does not model the overlap); `zero_impl` deepspeed fixes ZeRO 3, all it prices.
+Measured (CPU seconds, this 2-core host, global batch
 1536, 1536 and 512): GPT-3 175B on 3072 A100s 4.7 s, on 1024 6.1 s; Llama 3 70B at 8k tokens
 on 512 H100s 5.3 s (1.4-1.9x the search before the zero-bubble schedules, most of it their
 simulations); GPT-2 on 8 GPUs 0.04 s.
@@ -154,6 +155,8 @@ class _Search:
         self.precision = self.base["precision"]
         if self.base.get("tp_overlap"):  # it overlaps sp's communication: only sp layouts run
             self.fixed.setdefault("sequence_parallel", True)
+        if self.base.get("zero_impl", "meshtrain") != "meshtrain":  # it prices ZeRO-3 alone
+            self.fixed.setdefault("zero", 3)
         self.result = SearchResult(ranked=[], base=ParallelPlan(**self.base))
         self.seen: dict[ParallelPlan, Prediction | None] = {}
         self.checked: dict[ParallelPlan, bool] = {}

@@ -35,7 +35,8 @@ class LayerWork:
     core_matmuls: float
     """FLOPs of the attention core (scores and their product with the values)."""
     elementwise_bytes: float
-    """Bytes norms, activations, residual adds (and an eager softmax) read and write."""
+    """Bytes norms, activations, residual adds, positions (the family's `pointwise_bytes`:
+    eager unless the blocks are compiled) and an eager softmax read and write."""
     parameters: float
     """This rank's share of the layer's parameters."""
 
@@ -97,10 +98,9 @@ class Workload:
 
     def layer(self, index: int) -> LayerWork:
         m, t, tokens = self.model, self.layout.tp, self.local_tokens
-        h, f = m.hidden_size, m.ffn_size
+        h = m.hidden_size
         attention = m.attention_parameters(weights_only=True)
         mlp = m.mlp_parameters(weights_only=True)
-        matrices = mlp // (h * f)  # 2 (GELU MLP) or 3 (SwiGLU)
         parameters = m.attention_parameters() + m.mlp_parameters()
         if m.is_moe_layer(index):
             # the router, and the experts this rank holds beyond the one MLP counted above
@@ -112,9 +112,9 @@ class Workload:
         width = m.num_heads * m.head_dim
         ring = self.layout.cp > 1  # hand-written blocks: whole, eager softmax
         core = 4 * tokens * self._keys_per_query(ring) * width / t
-        replicated = 10 * h / (t if self.splits_hidden else 1)  # 2 norms in/out, 2 residual adds
-        activation = (2 * matrices - 2) * f / t  # GELU: read + write; SwiGLU: 2 reads, 2 writes
-        moved = tokens * (replicated + activation) * self.element_bytes
+        moved = tokens * m.pointwise_bytes(
+            hidden=h / (t if self.splits_hidden else 1), tp=t, element_size=self.element_bytes,
+            fused=self.layout.compile)
         if m.attention == "eager" or ring:
             moved += 4 * m.num_heads / t * tokens * self.seq_len * self.element_bytes
         return LayerWork(weight, core, moved, parameters / self.weight_parts)
@@ -129,6 +129,12 @@ class Workload:
         if ring:
             return min(s, m.sliding_window + s / self.layout.cp)
         return m.attended_keys(s)
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether the attention core runs as one fused kernel (SDPA without a ring: in 16 bits
+        FlashAttention on GPUs); eager attention and the ring's blocks are matmuls."""
+        return self.model.attention == "sdpa" and self.layout.cp == 1
 
     def head_matmul(self) -> float:
         return 2 * self.local_tokens * self.model.hidden_size * self.model.vocab_size \

@@ -33,6 +33,10 @@ from meshtrain.parallel.schemes.registry import SCHEMES, tp_grid, tp_scheme
 from meshtrain.parallel.schemes.scheme import TPScheme
 from meshtrain.precision import DTYPES
 
+ZERO_IMPLS = ("meshtrain", "deepspeed")
+"""The `zero_impl` choices: the ZeRO-3 meshtrain trains with, and DeepSpeed's, which the planner
+prices for comparing with published DeepSpeed runs."""
+
 
 def parse_dtype(name: str, setting: str) -> torch.dtype:
     if name not in DTYPES:
@@ -100,6 +104,12 @@ class ParallelPlan:
     pp_layers: tuple[int, ...] | None = _layout(
         None, "layers per pipeline stage, comma-separated (e.g. 3,5); with virtual stages one"
               " count per model chunk (pp x v of them; 2 x pp under zb-v); default: an even split")
+    zero_impl: str = _layout("meshtrain", "whose ZeRO-3 the planner prices: meshtrain (each"
+                                          " layer's parameters gathered ahead of it, behind"
+                                          " compute) or deepspeed (DeepSpeed's: gathered"
+                                          " when needed, gradients reduced in its buckets),"
+                                          " to compare with DeepSpeed's runs; training runs"
+                                          " meshtrain's only", choices=ZERO_IMPLS)
     offload_optimizer: str = _layout("none", "none; cpu: keep ZeRO's fp32 master shard, its"
                                              " gradient and the Adam moments in host memory"
                                              " and step there; nvme: keep the master shard and"
@@ -339,7 +349,17 @@ class ParallelPlan:
                 f" / cp = {tokens}) to be a multiple of {ALIGNMENT}: the weight gradient's"
                 f" float8 matmul runs over them; change `micro_batch` or `seq_len`"))
 
+    def check_trainable(self) -> None:
+        """Refuse what only the planner prices: another system's ZeRO-3."""
+        if self.zero_impl != "meshtrain":
+            raise SettingError(Code.ZERO_IMPL_TRAIN, (
+                f"`zero_impl` {self.zero_impl} prices another system's ZeRO-3 in the planner;"
+                " meshtrain trains with its own: drop `zero_impl`"))
+
     def _validate_zero(self, model) -> None:
+        if self.zero_impl != "meshtrain" and self.zero != 3:
+            raise SettingError(Code.ZERO_IMPL_STAGE, (
+                f"`zero_impl` {self.zero_impl} prices ZeRO-3: set `zero` 3 (got {self.zero})"))
         if self.zero and self.precision == "fp64":
             raise SettingError(Code.ZERO_FP64, (
                 f"`zero` {self.zero} keeps fp32 master shards, which would round"
