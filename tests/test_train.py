@@ -112,7 +112,7 @@ def test_loss_trajectories_equal_across_layouts(corpus, tmp_path, model, layouts
 
 
 def _run(corpus, out, tp, dp, resume=False, **train):
-    cfg = _config(corpus, out, **{"steps": 12, "eval_every": 6} | train)
+    cfg = _config(corpus, out, **{"steps": 8, "eval_every": 4} | train)
     cfg.checkpoint.resume = resume
     cfg.checkpoint.save_every = 0
     cfg.plan = dataclasses.replace(cfg.plan, tp=tp, dp=dp)
@@ -130,16 +130,16 @@ def test_resume_is_bitwise_identical(corpus, tmp_path, dropout):
     """(Without dropout the resume runs the same path less the RNG streams: extended.)"""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run_on_ranks(2, _run, corpus, str(whole), 2, 1, dropout=dropout)
-    run_on_ranks(2, _run, corpus, str(parts), 2, 1, dropout=dropout, stop_at=6)
-    assert max(_losses(parts)) == 6
+    run_on_ranks(2, _run, corpus, str(parts), 2, 1, dropout=dropout, stop_at=4)
+    assert max(_losses(parts)) == 4
     run_on_ranks(2, _run, corpus, str(parts), 2, 1, resume=True, dropout=dropout)
-    assert _losses(parts) == _losses(whole)  # bitwise: exact float equality, all 12 steps
+    assert _losses(parts) == _losses(whole)  # bitwise: exact float equality, all 8 steps
 
 
 def test_resume_at_another_layout(corpus, tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run_on_ranks(2, _run, corpus, str(whole), 2, 1)
-    run_on_ranks(2, _run, corpus, str(parts), 2, 1, stop_at=6)
+    run_on_ranks(2, _run, corpus, str(parts), 2, 1, stop_at=4)
     run_on_ranks(4, _run, corpus, str(parts), 1, 4, resume=True)  # tp2 -> dp4
     a, b = _losses(parts), _losses(whole)
     assert a.keys() == b.keys()
