@@ -12,6 +12,7 @@ from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
 from meshtrain.config.run_config import build_config, validate
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.parallel import CommRecorder
+from meshtrain.parallel.runtime import zero
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer, run_training
 
@@ -107,6 +108,37 @@ def test_zero3_frees_gathered_parameters_between_forward_and_backward(corpus):
     replicated, params = run_on_ranks(2, _bytes_held_by_the_graph, corpus, 0)[0]
     sharded, _ = run_on_ranks(2, _bytes_held_by_the_graph, corpus, 3)[0]
     assert sharded <= replicated - 0.9 * params, (sharded, replicated, params)
+
+
+def _zero3_backward_memory():
+    from meshtrain import GPTConfig
+    from meshtrain.parallel.runtime.zero import ZeroDataParallel
+
+    mesh = worker_mesh(dp=2)
+    cfg = GPTConfig(num_layers=3, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=16)
+    model = build_model(cfg, mesh, seed=0)
+    units = model.roles().units
+    zero = ZeroDataParallel([params for _, params in units], mesh.dp_cp, stage=3)
+    zero.attach([module for module, _ in units])
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(mesh.dp.rank))
+    logits = model(ids)
+    at_head = []  # this hook runs after ZeRO's own on the logits: the head's backward is next
+    logits.register_hook(lambda grad: at_head.append(zero.transient_bytes))
+    zero.sync = True
+    model.loss(logits, ids).backward()
+    zero.wait()
+    return at_head[0], zero.peak_transient_bytes, [b.padded * 4 for b in zero.buckets]
+
+
+def test_zero3_peak_is_bounded_by_the_units_it_gathers():
+    """Stage 3's transient bytes at their peak: unit 0 (embedding, final norm) and its
+    gradient bucket, the block in backward and the one prefetched, that block's gradient
+    bucket and the reductions in flight. The head's backward, the step's memory peak, runs with
+    unit 0 alone gathered (bench_zero.py: the prefetch there cost 12 MiB of peak)."""
+    at_head, peak, (unit0, *blocks) = run_on_ranks(2, _zero3_backward_memory)[0]
+    assert at_head == unit0
+    block = max(blocks)
+    assert 0 < peak <= 2 * unit0 + (3 + zero._IN_FLIGHT_REDUCTIONS) * block, (peak, unit0, block)
 
 
 def _offload_run(corpus, stage, offload):

@@ -142,10 +142,10 @@ class ZeroDataParallel:
             if b.reduced is not None:  # the previous micro-batch's reduction must land first
                 self._in_flight.remove(b)
                 self._complete(b)
-            b.set_grad_flat(torch.zeros(b.padded, dtype=b.grad_dtype, device=b.device))
+            b.fresh_grad_flat()
             self._track(b.grad_flat.numel() * b.grad_flat.element_size())
         if not b.as_grads:
-            b.grad_views[id(param)].add_(param.grad)
+            b.add_grad(param)
             param.grad = None
         if not self.sync or b is self.deferred:
             return
@@ -161,6 +161,7 @@ class ZeroDataParallel:
             b.work = comm.reduce_scatter_into(b.grad_shard, b.grad_flat, self.axis, op=avg,
                                               async_op=True)
             return
+        b.fill_unwritten()
         # in place, into the bucket's own shard slice (gloo is markedly faster so than into a
         # separate tensor); the slice is added to the persistent shard when it lands
         b.reduced = b.grad_flat[b.lo:b.lo + b.shard_size]
@@ -186,6 +187,7 @@ class ZeroDataParallel:
             if b.as_grads:
                 check_grad_views(b.params, b.grad_flat)
         if self.deferred_axis is not None and self.deferred.grad_flat is not None:
+            self.deferred.fill_unwritten()
             comm.all_reduce(self.deferred.grad_flat, self.deferred_axis)
         if self.sync:
             for b in self.buckets:  # stage 1: not launched; 2, 3: a bucket not yet reduced
@@ -353,11 +355,13 @@ class ZeroDataParallel:
 
     def _before_backward(self, k: int) -> None:
         self._gathered(self.buckets[k], BACKWARD)
-        # prefetch what backward computes next: the last block after the head, then the block
-        # before; the first block is followed by the embedding, whose unit stays gathered
-        following = len(self.buckets) - 1 if k == 0 else k - 1
-        if following > 0:
-            self._start_gather(self.buckets[following])
+        # prefetch the block before, which backward computes next. Not at the head (k = 0):
+        # its backward is the step's memory peak (the logits' gradient and the output
+        # layer's weight gradient alive), so the last block is gathered only when it starts
+        # (bench_zero: 12 MiB off the peak). The first block is followed by the embedding,
+        # whose unit stays gathered.
+        if k > 1:
+            self._start_gather(self.buckets[k - 1])
 
     # ------------------------------------------------------------------ memory and state
     def _track(self, nbytes: int) -> None:

@@ -104,3 +104,31 @@ class Bucket:
         """A (fresh) full gradient bucket, and each parameter's view into it."""
         self.grad_flat = flat
         self.grad_views = {id(p): self.param_view(flat, p) for p in self.params}
+        self.unwritten: set[int] = set()
+
+    def fresh_grad_flat(self) -> torch.Tensor:
+        """Stages 2 and 3: an unwritten bucket for one micro-batch. Each gradient is copied
+        in as it arrives rather than added to zeros, so memory is committed only as gradients
+        land (the page-backed host allocator touches no page before it is written): a unit
+        whose gradients arrive far apart (the final norm's at the start of backward, the
+        embedding's at its end) holds no full bucket in between."""
+        flat = torch.empty(self.padded, dtype=self.grad_dtype, device=self.device)
+        flat[self.numel:].zero_()  # the padding
+        self.set_grad_flat(flat)
+        self.unwritten = {id(p) for p in self.params}
+        return flat
+
+    def add_grad(self, p: nn.Parameter) -> None:
+        """Accumulate p's gradient into its view (the first of a fresh bucket's: copied)."""
+        view = self.grad_views[id(p)]
+        if id(p) in self.unwritten:
+            self.unwritten.discard(id(p))
+            view.copy_(p.grad)
+        else:
+            view.add_(p.grad)
+
+    def fill_unwritten(self) -> None:
+        """Zero the views of parameters that got no gradient, before the bucket is reduced."""
+        for pid in self.unwritten:
+            self.grad_views[pid].zero_()
+        self.unwritten = set()
