@@ -276,7 +276,8 @@ def test_watchdog_names_what_diverged(tmp_path, capsys, mode, expected):
 
 def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[int, str, float]:
     """Start a 2-rank training run, send `fault` to `rank` after two steps; returns the exit
-    code, stderr and the seconds from the fault to the line starting with `line_start`."""
+    code, stderr and the seconds from the fault to the line starting with `line_start` (the
+    whole command ends within 10 s of it: a stopped rank is ended by the launcher)."""
     out, err = tmp_path / "run", tmp_path / "stderr"
     with err.open("w") as stderr:
         launcher = start_cli(
@@ -284,6 +285,7 @@ def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[in
             "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32", "--log-every", "1",
             "--eval-every", "0", "--collective-timeout", str(TIMEOUT), "--out", str(out),
             stderr=stderr, stdout=subprocess.DEVNULL)
+    pid = None
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + 120
@@ -296,12 +298,13 @@ def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[in
         while line_start not in err.read_text() and time.monotonic() < faulted + 60:
             time.sleep(0.2)
         named = time.monotonic() - faulted
-        if fault == signal.SIGSTOP:
-            time.sleep(1)
-            os.kill(pid, signal.SIGKILL)  # else the launcher waits 30 s to kill a stopped rank
         code = launcher.wait(timeout=60)
+        assert time.monotonic() - faulted - named < 10, "the command outlived its verdict"
     finally:
         launcher.kill()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     return code, err.read_text(), named
 
 
