@@ -286,7 +286,10 @@ class LauncherSignals:
         """Global rank -> content of its file of `kind` (armed, exit), complete ones."""
         found = {}
         for path in Path(self._folder.name).glob(f"rank_*.{kind}"):
-            text = path.read_text()
+            try:
+                text = path.read_text()
+            except OSError:  # removed meanwhile (a restart's rank 0, or the launcher's end)
+                continue
             if text or kind == "armed":
                 found[int(path.stem.removeprefix("rank_"))] = text
         return found
