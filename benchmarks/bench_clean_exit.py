@@ -1,11 +1,14 @@
-"""Clean exits: run 4-rank jobs again and again and count the ones that end abnormally (a
-non-zero code, or gloo's "terminate called without an active exception" abort at exit).
+"""Clean exits: run 4-rank jobs again and again and count the ones that end abnormally: a
+non-zero or negative exit code (a rank or the launcher killed by a signal), gloo's "terminate
+called without an active exception" abort at exit, or any stderr line a clean run does not print.
+Python's faulthandler is on in every process, so an abort leaves its threads' stacks in stderr;
+the first abnormal runs of each job are shown with their first unexpected line.
 
     python benchmarks/bench_clean_exit.py --runs 50
 
-Two jobs, alternating: the guide's API example as a user might write it (the mesh set up, a
-forward and backward at tp 4, no `destroy_parallel`) under torchrun, and a 4-rank MoE training
-through `meshtrain train --nproc 4`."""
+Two jobs, alternating: the guide's "Python API" example as a user might write it at tp 4 (the
+mesh set up, `parallelize`, one optimizer step, no `destroy_parallel`) under torchrun, and a
+4-rank MoE training through `meshtrain train --nproc 4`."""
 
 from __future__ import annotations
 
@@ -17,14 +20,35 @@ import tempfile
 import textwrap
 
 API_SCRIPT = textwrap.dedent("""
-    import torch
     import meshtrain
-    mesh = meshtrain.init_parallel(tp=4, device="cpu")
-    model = meshtrain.build_model(meshtrain.preset("tiny"), mesh, seed=0)
-    ids = torch.randint(0, 256, (2, 16))
-    model.loss(model(ids), ids).backward()
-    print("done")  # no destroy_parallel: the process must still exit cleanly
+    import torch
+    from meshtrain import ParallelPlan, parallelize, preset
+
+    cfg = preset("llama-tiny")
+    plan = ParallelPlan(tp=4, sequence_parallel=True, micro_batch=2)
+    plan = plan.validate(cfg, world_size=4, global_batch=4, seq_len=32)
+    mesh = meshtrain.init_parallel(**plan.degrees, device="cpu")
+    run = parallelize(cfg, plan, mesh, seed=0, seq_len=32, lr=1e-3, weight_decay=0.0, steps=3)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+    batches = lambda step: [(t[:, :-1], t[:, 1:]) for t in tokens.split(plan.micro_batch)]
+    run.sync.zero_grad()
+    result = run.executor.forward_backward(0, batches, run.sync, loss_scale=1.0)
+    run.sync.wait()
+    run.executor.optimizer_step(lambda: run.sync.step(1e-3))
+    print("loss", result.loss.item())  # no destroy_parallel: the process must still exit cleanly
 """)
+CLEAN_STDERR = ("meshtrain:", "train: step", "model states")  # what a clean run prints
+
+
+def _abnormal(done: subprocess.CompletedProcess) -> str | None:
+    """Why a finished job is abnormal (None: it is clean)."""
+    noise = [line for line in done.stderr.splitlines()
+             if line.strip() and not line.startswith(CLEAN_STDERR)]
+    if done.returncode or noise:
+        first = noise[0][:160] if noise else ""
+        abort = ", abort" if "terminate called" in done.stderr else ""
+        return f"exit {done.returncode}{abort}: {first!r}"
+    return None
 
 
 def _jobs(folder: str) -> dict[str, list[str]]:
@@ -44,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50, help="runs of each job")
     args = parser.parse_args()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     bad: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as folder:
         jobs = _jobs(folder)
@@ -54,13 +78,12 @@ def main() -> None:
                     else []
                 done = subprocess.run([*command, *extra], capture_output=True, text=True,
                                       env=env, timeout=600)
-                aborted = "terminate called" in done.stderr
-                if done.returncode or aborted:
-                    bad.setdefault(name, []).append(
-                        f"run {run}: exit {done.returncode}{', abort' if aborted else ''}")
+                why = _abnormal(done)
+                if why:
+                    bad.setdefault(name, []).append(f"run {run}: {why}")
     for name in jobs:
         print(f"{name}: {len(bad.get(name, []))} abnormal of {args.runs}"
-              + (f" ({'; '.join(bad[name][:5])})" if name in bad else ""))
+              + "".join(f"\n  {line}" for line in bad.get(name, [])[:5]))
 
 
 if __name__ == "__main__":

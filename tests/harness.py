@@ -24,8 +24,8 @@ import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
+from meshtrain.operations.stopping import rank_processes
 from meshtrain.parallelize import build_model
 
 _pools: dict[int, RankPool] = {}
@@ -196,19 +196,8 @@ def run_torchrun(script: str, *args: str, nproc: int = 2,
 
 
 def rank_pids(parent: int) -> dict[int, int]:
-    """Global rank -> pid of `parent`'s children that are ranks (their RANK variable): the
-    ranks meshtrain's launcher or a torchrun agent started."""
-    pids = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1]
-                                               .split()[1]) != parent:
-                continue
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        pids |= {int(item[5:]): int(entry.name) for item in env if item.startswith(b"RANK=")}
-    return pids
+    """Global rank -> pid of `parent`'s children that are ranks."""
+    return rank_processes(parent)
 
 
 def _one_thread() -> dict:

@@ -2,12 +2,14 @@
 on real gloo ranks (a stopped rank, a killed rank, an op mismatch, a rank that sleeps), the
 `doctor` command, and how ranks and the launcher turn failures into one line."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -274,7 +276,8 @@ def test_watchdog_names_what_diverged(tmp_path, capsys, mode, expected):
 
 def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[int, str, float]:
     """Start a 2-rank training run, send `fault` to `rank` after two steps; returns the exit
-    code, stderr and the seconds from the fault to the line starting with `line_start`."""
+    code, stderr and the seconds from the fault to the line starting with `line_start` (the
+    whole command ends within 10 s of it: a stopped rank is ended by the launcher)."""
     out, err = tmp_path / "run", tmp_path / "stderr"
     with err.open("w") as stderr:
         launcher = start_cli(
@@ -282,6 +285,7 @@ def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[in
             "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32", "--log-every", "1",
             "--eval-every", "0", "--collective-timeout", str(TIMEOUT), "--out", str(out),
             stderr=stderr, stdout=subprocess.DEVNULL)
+    pid = None
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + 120
@@ -294,12 +298,13 @@ def _train_then(tmp_path, corpus, fault, rank: int, line_start: str) -> tuple[in
         while line_start not in err.read_text() and time.monotonic() < faulted + 60:
             time.sleep(0.2)
         named = time.monotonic() - faulted
-        if fault == signal.SIGSTOP:
-            time.sleep(1)
-            os.kill(pid, signal.SIGKILL)  # else the launcher waits 30 s to kill a stopped rank
         code = launcher.wait(timeout=60)
+        assert time.monotonic() - faulted - named < 10, "the command outlived its verdict"
     finally:
         launcher.kill()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     return code, err.read_text(), named
 
 
@@ -325,6 +330,48 @@ def test_a_killed_rank_is_named(tmp_path, corpus):
     lines = _meshtrain_lines(stderr)
     assert len(lines) == 1 and lines[0].startswith("meshtrain: rank 1 was killed by SIGKILL"), \
         stderr[-3000:]
+
+
+def _loading_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.extended  # a stopped rank in training is default; this waits the start-up margin
+def test_a_rank_stopped_during_start_up_is_a_hang_and_the_command_ends_soon_after(tmp_path,
+                                                                                   corpus):
+    out, err = tmp_path / "run", tmp_path / "stderr"
+    with err.open("w") as stderr:
+        launcher = start_cli(
+            "train", "--nproc", "2", "--device", "cpu", "--data", corpus, "--steps", "5",
+            "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32", "--eval-every", "0",
+            "--collective-timeout", str(TIMEOUT), "--out", str(out), stderr=stderr,
+            stdout=subprocess.DEVNULL)
+    ranks = {}
+    try:
+        deadline = time.monotonic() + 120
+        while 1 not in (ranks := rank_pids(launcher.pid)) or not _loading_torch(ranks[1]):
+            assert launcher.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.01)
+        os.kill(ranks[1], signal.SIGSTOP)  # before it joins the process group
+        stopped = time.monotonic()
+        while "meshtrain: hang" not in err.read_text() and launcher.poll() is None:
+            time.sleep(0.1)
+        named = time.monotonic() - stopped
+        code = launcher.wait(timeout=60)
+        ended = time.monotonic() - stopped - named
+    finally:
+        launcher.kill()
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    lines = _meshtrain_lines(err.read_text())
+    assert code == EXIT_HANG and len(lines) == 1, lines
+    assert lines[0].startswith("meshtrain: hang: rank 1 never completed rendezvous #1 on axis"
+                               " world and left no dump"), lines[0]
+    assert named < TIMEOUT + 30 and ended < 10, (named, ended)
 
 
 if __name__ == "__main__":

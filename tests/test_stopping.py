@@ -196,9 +196,66 @@ def test_stopped_restarted_and_continued_ends_as_the_uninterrupted_run(corpus, r
     code, err = _finish(proc)
     assert code == 0, err[-3000:]
     assert err.count("model states on rank 0") == 2  # it did restart
-    assert f"meshtrain: restart 1 of the ranks after one failed: resumed at step {kill_at - 2}" \
-        in err
+    assert ("meshtrain: restart 1: rank 1 ended without a word (killed by a signal); resumed"
+            f" from checkpoint step_{kill_at - 2:08d}") in err, err[-3000:]
     _assert_same_run(out, reference)
+
+
+def _loading_torch(pid: int) -> bool:
+    """The rank has begun to load torch: meshtrain's package has run its first line (which
+    holds stop signals), and the rank is seconds away from arming its own handling."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _ranks_started(proc: subprocess.Popen, loading: bool) -> dict[int, int]:
+    """The launcher's 2 rank pids once they exist (`loading`: once both load torch)."""
+    deadline = time.monotonic() + 90
+    while len(ranks := rank_pids(proc.pid)) < 2 or loading and not all(
+            map(_loading_torch, ranks.values())):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.01)
+    return ranks
+
+
+def _assert_no_rank_left(ranks: dict[int, int]) -> None:
+    deadline = time.monotonic() + 10
+    while any(map(_alive, ranks.values())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, ranks.values())), "a rank outlived the stop"
+
+
+def test_a_signal_to_the_launcher_during_start_up_stops_at_once(corpus, tmp_path):
+    """No rank has armed (they load torch): nothing to save, the ranks go, one line, exit 3."""
+    out = tmp_path / "run"
+    proc = start_cli(*_flags(corpus, out, "--nproc", "2"))
+    ranks = _ranks_started(proc, loading=False)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, err = _finish(proc, timeout=30)
+    assert code == 3 and _meshtrain_lines(err) == [
+        "meshtrain: stopped by SIGTERM during start-up, before the first step: nothing to"
+        " save"], err[-3000:]
+    _assert_no_rank_left(ranks)
+    check_free(out)
+
+
+@pytest.mark.extended  # its parts are default: the hold (below) and a rank's stop under restarts
+def test_a_signal_to_a_rank_during_start_up_stops_after_the_first_step(corpus, tmp_path):
+    """Held while the rank loads, acted on when it arms: as any rank's signal, a stop with a
+    checkpoint, not a failure to restart (under --max-restarts)."""
+    out = tmp_path / "run"
+    proc = start_cli(*_flags(corpus, out, "--nproc", "2", "--max-restarts", "1",
+                             "--auto-resume"))
+    ranks = _ranks_started(proc, loading=True)
+    os.kill(ranks[1], signal.SIGTERM)
+    code, err = _finish(proc)
+    assert code == 3 and _meshtrain_lines(err) == [
+        "meshtrain: stopped by SIGTERM after step 1; checkpoint step_00000001 saved; continue"
+        " with --resume (or --auto-resume)"], err[-3000:]
+    assert err.count("model states on rank 0") == 1  # not restarted
+    _assert_no_rank_left(ranks)
 
 
 def _in_process(capsys, corpus, out, *flags) -> tuple[int, str]:
@@ -279,6 +336,32 @@ def test_a_repeat_counts_once_and_a_later_signal_aborts():
     assert later.returncode == 128 + signal.SIGINT and later.stdout.split() == ["102.0"]
     assert later.stderr.strip() == ("meshtrain: rank 0: SIGINT again 1 s after SIGINT: aborted at"
                                     " once without saving; the last complete checkpoint is kept")
+
+
+_HELD_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from meshtrain.operations import stopping
+    stopping.DUPLICATE_WINDOW_S = 0.5
+    stopping.hold_signals()
+    for pause in sys.argv[1:]:
+        os.kill(os.getpid(), signal.SIGTERM)  # while the run starts: held, not fatal
+        time.sleep(float(pause))
+    stop = stopping.StopSignals(rank=0)
+    print(stop.request(), flush=True)
+    stop.arm()
+    time.sleep(0.2)
+    print(stop.request(), flush=True)
+""")
+
+
+@pytest.mark.parametrize("pauses,code,printed", [(["0"], 0, ["0.0", "115.0"]),
+                                                 (["1", "0"], 128 + signal.SIGTERM, ["0.0"])],
+                         ids=["once", "again-later"])
+def test_a_signal_before_arming_is_held_and_acted_on_when_armed(pauses, code, printed):
+    """As if it had come armed: a stop request, or an abort for a repeat past the window."""
+    run = subprocess.run([sys.executable, "-c", _HELD_SCRIPT, *pauses], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == code and run.stdout.split() == printed, run.stderr
 
 
 def test_a_stop_the_ranks_cannot_agree_on_gives_up():

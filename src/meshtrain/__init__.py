@@ -1,5 +1,10 @@
 """meshtrain: train transformer language models with Megatron-style parallelism on one mesh."""
 
+from meshtrain.operations.stopping import hold_in_launched_rank
+
+hold_in_launched_rank()  # first: a rank's stop signal while torch loads is held, not fatal
+# ruff: noqa: E402 (the imports below load torch: after the call above on purpose)
+
 from meshtrain.inference.dense import DenseModel, load_model
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.models import FAMILIES, PRESETS, CausalLM, get_family, preset

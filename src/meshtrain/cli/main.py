@@ -174,6 +174,8 @@ def _launch(nproc: int, argv: list[str], *, max_restarts: int = 0,
          "--signals-to-handle=SIGQUIT", "-m", "meshtrain"])
     launch_args.training_script_args = argv  # kept from the launcher's own option parsing
     with stopping.LauncherSignals(nproc) as signals:
+        if signals.in_start_up:
+            return signals.outcome()
         try:
             run(launch_args)
         except SignalException:
@@ -362,6 +364,8 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_command_line(argv)
+    if args.command == "train":  # until the run arms its own handling (see `stopping`)
+        stopping.hold_signals()
     commands = {"train": lambda: cmd_train(args, argv), "export": lambda: cmd_export(args),
                 "import-hf": lambda: cmd_import_hf(args), "prepare": lambda: cmd_prepare(args),
                 "doctor": lambda: cmd_doctor(args),

@@ -14,10 +14,15 @@ meshtrain's own launcher (`train --nproc`) takes these signals itself (`Launcher
 first is passed to torch's elastic agent, which forwards it to the ranks, waits up to the
 shutdown timeout and ends without restarting; the ranks report their exit codes through files,
 so the launcher exits with their code and at most one line of its own.
+
+Before a run arms its handling (imports, checks, rendezvous, building the model) a signal is
+held (`hold_signals`), never a traceback: a rank acts on it when it arms, so it stops after its
+first step with a checkpoint; the launcher stops at once while no step can have run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -26,18 +31,51 @@ import threading
 import time
 from pathlib import Path
 
-from meshtrain.operations.failures import EXIT_OK, EXIT_PEER_FAILED, EXIT_SIGNAL_BASE, EXIT_STOPPED
+from meshtrain.operations.failures import (
+    EXIT_HANG,
+    EXIT_OK,
+    EXIT_PEER_FAILED,
+    EXIT_SIGNAL_BASE,
+    EXIT_STOPPED,
+)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 PARENT_POLL_S = 0.5  # how often a launched rank checks that its launcher still lives
 DUPLICATE_WINDOW_S = 3.0  # a repeat of a stop signal within this counts once
 AGREE_DEADLINE_S = 30.0  # plus two of the longest step: time for every rank to reach the decision
 SHUTDOWN_TIMEOUT_S = 600  # the launcher's wait for the ranks' save before it kills them
+HANG_GRACE_S = 2.0  # after a hang verdict, the launcher ends the ranks still there this late
 SAVE_NOW = 1.0  # request values, all-reduced with MAX: 1 a timed save, 100 + signal number a stop
 STOP_BASE = 100.0
 # What meshtrain's launcher tells its ranks (environment variables).
 LAUNCHER_PID = "MESHTRAIN_LAUNCHER_PID"
 EXIT_DIR = "MESHTRAIN_EXIT_DIR"
+
+
+_held: list[tuple[int, float]] = []  # (signal, monotonic time) that came before arming
+
+
+def _hold(signum, frame) -> None:
+    _held.append((signum, time.monotonic()))
+
+
+def hold_signals() -> None:
+    """From now until the run arms (`StopSignals.arm`, `LauncherSignals`), remember each stop
+    signal instead of acting on it (Python's defaults die silently or print a traceback)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _hold)
+
+
+def hold_in_launched_rank() -> None:
+    """`hold_signals` in a rank meshtrain's launcher started, before torch loads (seconds in
+    which the launcher may already forward a signal); any other process keeps the defaults."""
+    if os.environ.get(LAUNCHER_PID) == str(os.getppid()):
+        hold_signals()
+
+
+def _rank_file(kind: str) -> Path:
+    """This rank's file of `kind` in meshtrain's launcher's folder."""
+    return Path(os.environ[EXIT_DIR], f"rank_{os.environ.get('RANK', '0')}.{kind}")
 
 
 def stop_signal(request: float) -> signal.Signals | None:
@@ -56,9 +94,27 @@ def launched() -> bool:
 
 def report_exit(code: int) -> None:
     """Tell meshtrain's launcher (if it started this rank) how this rank ends."""
-    folder = os.environ.get(EXIT_DIR)
-    if folder:
-        Path(folder, f"rank_{os.environ.get('RANK', '0')}.exit").write_text(str(code))
+    if EXIT_DIR in os.environ:
+        _rank_file("exit").write_text(str(code))
+
+
+def failed_rank(world: int) -> str:
+    """On an elastic restart under meshtrain's launcher: the rank whose failure caused it, from
+    the exit files of the last attempt (a killed rank writes none, its peers write
+    EXIT_PEER_FAILED), which it then removes for this attempt's; elsewhere unnamed."""
+    if EXIT_DIR not in os.environ:
+        return "a rank failed"
+    codes = {}
+    for path in Path(os.environ[EXIT_DIR]).glob("rank_*.exit"):
+        codes[int(path.stem.removeprefix("rank_"))] = int(path.read_text() or EXIT_OK)
+        path.unlink()
+    silent = [rank for rank in range(world) if rank not in codes]
+    if silent:
+        return f"rank {silent[0]} ended without a word (killed by a signal)"
+    failed = [(rank, code) for rank, code in sorted(codes.items())
+              if code not in (EXIT_OK, EXIT_STOPPED, EXIT_PEER_FAILED)]
+    return f"rank {failed[0][0]} failed with exit code {failed[0][1]}" if failed else \
+        "a rank failed"
 
 
 def _noop(signum, frame) -> None:
@@ -92,9 +148,11 @@ class StopSignals:
         self._previous["wakeup"] = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(read_fd,), name="meshtrain-stop",
                          daemon=True).start()
-        folder = os.environ.get(EXIT_DIR)
-        if folder:  # meshtrain's launcher forwards a late signal to this process id
-            Path(folder, f"rank_{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+        while _held:  # signals of the start-up count from when they came
+            sig, when = _held.pop(0)
+            self._on_signal(signal.Signals(sig), when)
+        if EXIT_DIR in os.environ:  # past start-up: the launcher's signal is forwarded here
+            _rank_file("armed").touch()
         if launched():
             threading.Thread(target=self._watch_parent, args=(os.getppid(),),
                              name="meshtrain-parent", daemon=True).start()
@@ -176,23 +234,32 @@ class LauncherSignals:
     """Stop signals in meshtrain's launcher (a context around torch's elastic `run`).
 
     The first raises torch's `SignalException`: its agent forwards the signal to every rank,
-    waits `shutdown_timeout` for them and ends without a restart. A repeat within
+    waits `shutdown_timeout` for them and ends without a restart. While some rank has not armed
+    (no step can have run) it asks the agent for SIGKILL instead: nothing is lost, and a rank
+    still importing torch would die of the signal without a word. A repeat within
     DUPLICATE_WINDOW_S is dropped; a later one is sent on to the ranks, which abort."""
 
     def __init__(self, world: int):
         self.world = world
         self._first: tuple[int, float] | None = None
+        self.in_start_up = False  # the first signal came before every rank had armed
         self._folder = tempfile.TemporaryDirectory(prefix="meshtrain-ranks-")
         self._previous: dict = {}
+        self._closed = threading.Event()
 
     def __enter__(self) -> LauncherSignals:
         os.environ[LAUNCHER_PID] = str(os.getpid())
         os.environ[EXIT_DIR] = self._folder.name
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if _held:  # during the launcher's own checks: no rank is started
+            self._first, self.in_start_up = _held[0], True
+            _held.clear()
+        threading.Thread(target=self._end_after_hang, name="meshtrain-hang", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closed.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         for name in (LAUNCHER_PID, EXIT_DIR):
@@ -205,26 +272,57 @@ class LauncherSignals:
         sig, now = signal.Signals(signum), time.monotonic()
         if self._first is None:
             self._first = (sig, now)
-            raise SignalException(f"meshtrain's launcher got {sig.name}", sigval=sig)
+            self.in_start_up = len(self._ranks("armed")) < self.world
+            raise SignalException(f"meshtrain's launcher got {sig.name}",
+                                  sigval=signal.SIGKILL if self.in_start_up else sig)
         if now - self._first[1] > DUPLICATE_WINDOW_S:
-            for pid in self._rank_pids():
+            for pid in rank_processes(os.getpid()).values():
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
 
-    def _rank_pids(self) -> list[int]:
-        return [int(p.read_text()) for p in Path(self._folder.name).glob("rank_*.pid")]
+    def _ranks(self, kind: str) -> dict[int, str]:
+        """Global rank -> content of its file of `kind` (armed, exit), complete ones."""
+        found = {}
+        for path in Path(self._folder.name).glob(f"rank_*.{kind}"):
+            try:
+                text = path.read_text()
+            except OSError:  # removed meanwhile (a restart's rank 0, or the launcher's end)
+                continue
+            if text or kind == "armed":
+                found[int(path.stem.removeprefix("rank_"))] = text
+        return found
+
 
     def codes(self) -> dict[int, int]:
         """Exit codes the ranks reported, by global rank."""
-        return {int(p.stem.removeprefix("rank_")): int(p.read_text())
-                for p in Path(self._folder.name).glob("rank_*.exit")}
+        return {rank: int(code) for rank, code in self._ranks("exit").items()}
+
+    def _end_after_hang(self) -> None:
+        """Once a rank reports a hang verdict, SIGKILL the ranks that have not ended by
+        HANG_GRACE_S later: stopped or stuck in the backend, they would hold torch's agent for
+        its shutdown timeout."""
+        while EXIT_HANG not in self.codes().values():
+            if self._closed.wait(0.5):
+                return
+        if self._closed.wait(HANG_GRACE_S):
+            return
+        ended = self.codes()
+        for rank, pid in rank_processes(os.getpid()).items():
+            if rank not in ended:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
 
     def outcome(self) -> int:
         """The launcher's exit code after a stop signal, and its one line where the ranks
         could not say it (a rank killed, or all aborted)."""
         codes, sig = self.codes(), signal.Signals(self._first[0])
+        if self.in_start_up:
+            print(f"meshtrain: stopped by {sig.name} during start-up, before the first step:"
+                  " nothing to save", file=sys.stderr)
+            return EXIT_STOPPED
         missing = [rank for rank in range(self.world) if rank not in codes]
         if missing:
             ranks = ", ".join(f"rank {r}" for r in missing)
@@ -249,3 +347,18 @@ class LauncherSignals:
                   " complete checkpoint is kept", file=sys.stderr)
         return code
 
+
+def rank_processes(parent: int) -> dict[int, int]:
+    """Global rank -> pid of the live children of `parent` that are ranks (their RANK variable):
+    the ranks meshtrain's launcher or a torchrun agent started, also before they run a line."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1]
+                                               .split()[1]) != parent:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        pids |= {int(item[5:]): int(entry.name) for item in env if item.startswith(b"RANK=")}
+    return pids

@@ -11,6 +11,9 @@ checkpoint write between collectives never trips it). When a wait passes `collec
    (`doctor.hang_line`) and writes it to `OUT/hang/verdict.txt`; the others wait for that file;
 4. every dumping rank leaves with `EXIT_HANG` through `os._exit`: the main thread is stuck in C++
    and cannot be unwound. The elastic launcher then stops the ranks that did not dump.
+The process group's start-up counts as a collective of the world (`rendezvous`), allowed
+START_UP_MARGIN_S more (the ranks load torch at their own pace): a rank stopped or dead before
+it joins is named like a peer that never reached a call.
 The exchange is through files, not the process group's store: `--out` is already shared by all
 ranks (checkpoints are written there), the dumps must be files for `meshtrain doctor` anyway, and
 a store hosted by a stopped rank would itself hang.
@@ -18,6 +21,7 @@ a store hosted by a stopped rank would itself hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -28,13 +32,16 @@ import time
 from pathlib import Path
 
 from meshtrain.data.corpus import write_atomic
+from meshtrain.mesh import MeshAxis
 from meshtrain.operations.doctor import hang_line, read_dumps
 from meshtrain.operations.failures import EXIT_HANG
+from meshtrain.operations.stopping import report_exit
 from meshtrain.parallel.communication.flight_recorder import FlightRecorder
 
 PROCESS_GROUP_MARGIN_S = 60.0  # the backend's timeout comes this much after ours
 RING_CAPACITY = 128  # collectives each rank remembers
 CLOCK_SKEW_S = 2.0  # dumps older than this before arming belong to an earlier run
+START_UP_MARGIN_S = 15.0  # a rendezvous may wait this much past `collective_timeout`
 
 
 def process_group_timeout(collective_timeout: float) -> datetime.timedelta:
@@ -71,11 +78,21 @@ class HangWatchdog:
             self._thread.join()
         self.recorder.__exit__(*exc)
 
+    @contextlib.contextmanager
+    def rendezvous(self):
+        """Watch the process group's start-up (every rank must join) as one collective."""
+        world = MeshAxis("world", self.world_size, self.rank, tuple(range(self.world_size)),
+                         None)
+        entry = self.recorder.issue("rendezvous", world, None)
+        yield
+        self.recorder.end(entry)
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
             self.recorder.poll_device()
             stuck = self.recorder.stuck()
-            if stuck is not None and stuck[1] > self.timeout:
+            margin = START_UP_MARGIN_S if stuck and stuck[0].op == "rendezvous" else 0.0
+            if stuck is not None and stuck[1] > self.timeout + margin:
                 return self._fire("waited longer than `collective_timeout`")
             if self._peer_dumped():
                 return self._fire("another rank dumped")
@@ -103,6 +120,7 @@ class HangWatchdog:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            report_exit(code)  # meshtrain's launcher then ends the ranks that left no dump
             os._exit(code)
 
     def _dump(self, reason: str) -> dict:

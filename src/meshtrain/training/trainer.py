@@ -43,7 +43,7 @@ from meshtrain.operations.failures import (
     writing,
 )
 from meshtrain.operations.run_lock import RunLock, record_ranks
-from meshtrain.operations.stopping import SAVE_NOW, StopSignals, stop_signal
+from meshtrain.operations.stopping import SAVE_NOW, StopSignals, failed_rank, stop_signal
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.executor import Packing
@@ -302,19 +302,20 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
         plan = cfg.plan.resolved(int(torch.distributed.get_world_size()
                                        if torch.distributed.is_initialized() else 1))
     timeout = cfg.parallel.collective_timeout
-    mesh = init_parallel(**plan.degrees, tp_scheme=plan.tp_scheme, tp_depth=plan.tp_depth,
-                         device=cfg.parallel.device,
-                         timeout=process_group_timeout(timeout))
-    if lock is not None:
-        lock.acquire_agreed(mesh)
-    try:
-        record_ranks(cfg.checkpoint.out, mesh)
-        with HangWatchdog(rank=mesh.rank, world_size=mesh.world_size, timeout=timeout,
-                          out=cfg.checkpoint.out):
-            return _train(cfg, mesh, stop)
-    finally:
+    with HangWatchdog(rank=int(os.environ.get("RANK", "0")), world_size=plan.world_size,
+                      timeout=timeout, out=cfg.checkpoint.out) as watchdog:
+        with watchdog.rendezvous():
+            mesh = init_parallel(**plan.degrees, tp_scheme=plan.tp_scheme,
+                                 tp_depth=plan.tp_depth, device=cfg.parallel.device,
+                                 timeout=process_group_timeout(timeout))
         if lock is not None:
-            lock.release()
+            lock.acquire_agreed(mesh)
+        try:
+            record_ranks(cfg.checkpoint.out, mesh)
+            return _train(cfg, mesh, stop)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None) -> list[dict]:
@@ -332,8 +333,9 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
     start = trainer.resume(out) if resuming else 0
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restarts and mesh.rank == 0:  # the agent restarted every rank after one failed
-        where = f"resumed at step {start}" if start else "no checkpoint yet: started over"
-        print(f"meshtrain: restart {restarts} of the ranks after one failed: {where}",
+        where = f"resumed from checkpoint step_{start:08d}" if start else \
+            "no checkpoint yet: started over"
+        print(f"meshtrain: restart {restarts}: {failed_rank(mesh.world_size)}; {where}",
               file=sys.stderr, flush=True)
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
