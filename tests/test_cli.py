@@ -1,6 +1,7 @@
 """The `meshtrain` command: help, config precedence, bad input, and a real multi-rank run."""
 
 import json
+import signal
 import tomllib
 
 import pytest
@@ -229,3 +230,13 @@ def test_trace_writes_the_pipeline_timeline(corpus, tmp_path, capsys):
                  str(tmp_path / "dense_trace")]) == 0
     assert "with --pp 1 it writes nothing" in capsys.readouterr().err
     assert not (tmp_path / "dense_trace").exists()
+
+
+def test_train_run_in_this_process_gives_its_signal_handlers_back(capsys):
+    """`train` holds stop signals until its run arms; called in a process that goes on, the
+    handlers it found come back (else that process, and what it forks, ignores SIGTERM)."""
+    from meshtrain.operations.stopping import STOP_SIGNALS
+
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    assert main(["train", "--device", "cpu", "--steps", "0"]) == 2  # refused before arming
+    assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before

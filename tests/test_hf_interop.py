@@ -142,11 +142,10 @@ def test_dense_logits_equal_transformers(hf, imported):
                 assert _max_difference(logits, expected) < 1e-5, (variant, source)
 
 
-def test_sample_reads_an_imported_run(imported, capsys):
-    capsys.readouterr()
-    assert main(["sample", str(imported["llama_gqa"]), "--prompt", "ab", "--max-new-tokens",
-                 "4", "--device", "cpu"]) == 0
-    assert capsys.readouterr().out.startswith("ab")
+def test_sample_reads_an_imported_run(imported):
+    sample = run_cli("sample", str(imported["llama_gqa"]), "--prompt", "ab",
+                     "--max-new-tokens", "4", "--device", "cpu")
+    assert sample.stdout.startswith("ab")
 
 
 def test_both_rotary_config_forms_import_alike(hf):

@@ -9,6 +9,7 @@ machines, run the same command under torchrun.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -364,15 +365,16 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_command_line(argv)
-    if args.command == "train":  # until the run arms its own handling (see `stopping`)
-        stopping.hold_signals()
     commands = {"train": lambda: cmd_train(args, argv), "export": lambda: cmd_export(args),
                 "import-hf": lambda: cmd_import_hf(args), "prepare": lambda: cmd_prepare(args),
                 "doctor": lambda: cmd_doctor(args),
                 "tokenizer": lambda: cmd_tokenizer_train(args), "plan": lambda: _plan(args),
                 "sample": lambda: cmd_sample(args, argv)}
+    # train: stop signals held until the run arms its own handling (see `stopping`)
+    held = stopping.signals_held() if args.command == "train" else contextlib.nullcontext()
     try:
-        return commands[args.command]()
+        with held:
+            return commands[args.command]()
     except (ValueError, CheckpointError) as e:
         return _error(e)
     except Exception as e:

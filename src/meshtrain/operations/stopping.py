@@ -59,11 +59,25 @@ def _hold(signum, frame) -> None:
     _held.append((signum, time.monotonic()))
 
 
-def hold_signals() -> None:
+def hold_signals() -> dict:
     """From now until the run arms (`StopSignals.arm`, `LauncherSignals`), remember each stop
-    signal instead of acting on it (Python's defaults die silently or print a traceback)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _hold)
+    signal instead of acting on it (Python's defaults die silently or print a traceback);
+    returns the handlers it replaced."""
+    return {sig: signal.signal(sig, _hold) for sig in STOP_SIGNALS}
+
+
+@contextlib.contextmanager
+def signals_held():
+    """`hold_signals` for one command run in this process, the previous handlers back after
+    it: a process that goes on (a test, a notebook calling `main`) must not keep holding its
+    stop signals, nor hand the holding handler to the processes it forks later."""
+    previous = hold_signals()
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _held.clear()
 
 
 def hold_in_launched_rank() -> None:
