@@ -36,6 +36,14 @@ def pytest_unconfigure(config):
     shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _meshes_per_module():
+    """Rank pools keep the meshes of one test module (see harness.forget_meshes)."""
+    yield
+    if "harness" in sys.modules:
+        sys.modules["harness"].forget_meshes()
+
+
 @pytest.fixture(scope="session")
 def corpus_file(tmp_path_factory):
     """`corpus_file(size, seed)`: the path of a synthetic byte corpus, written once a session."""

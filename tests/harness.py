@@ -48,12 +48,26 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
                 results.put((rank, True, fn(*args, **kwargs)))
             except BaseException:  # report anything, including assertion failures
                 results.put((rank, False, traceback.format_exc()))
+            _release_task_groups()
             # What a task leaves alive (cached meshes, imported modules) stays for good: out of
             # the collector's reach, later tasks' collections stop walking it again and again.
             gc.collect()
             gc.freeze()
     finally:
         dist.destroy_process_group()
+
+
+def _release_task_groups() -> None:
+    """Destroy the process groups a task made beyond the cached meshes' (a run builds its own
+    mesh). Gloo wakes each group's socket loop every 10 ms: the hundreds a pool piled up over
+    the suite kept idle pools busy, slowing every other test."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    kept = {dist.group.WORLD}.union(*(mesh.process_groups for mesh in _worker_meshes.values()))
+    for group in list(_world.pg_map):
+        if group not in kept:
+            dist.destroy_process_group(group)
 
 
 class RankPool:
@@ -138,13 +152,25 @@ def _close_all() -> None:
 
 
 def worker_mesh(**degrees):
-    """The ParallelMesh for these degrees in this worker, created once."""
+    """The ParallelMesh for these degrees in this worker, created once per test module."""
     from meshtrain.parallel.runtime.process_groups import init_parallel
 
     key = tuple(sorted(degrees.items()))
     if key not in _worker_meshes:
         _worker_meshes[key] = init_parallel(**degrees, device="cpu")
     return _worker_meshes[key]
+
+
+def _forget_meshes() -> None:
+    _worker_meshes.clear()  # (their groups go as the task ends)
+
+
+def forget_meshes() -> None:
+    """Every pool drops its cached meshes and their groups (conftest: as a test module ends, so
+    idle pools hold no groups of modules that are done)."""
+    for pool in list(_pools.values()):
+        with contextlib.suppress(AssertionError, TimeoutError):  # it closed itself: fresh next
+            pool.run(_forget_meshes)
 
 
 @contextlib.contextmanager

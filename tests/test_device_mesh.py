@@ -30,14 +30,10 @@ from meshtrain.training.trainer import Trainer
 # dcp.load(no_dist=True) in this process says it assumes one process: that is the point
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-_meshes: dict = {}  # per worker: DeviceMesh-built meshes, created once
-
-
 def _mesh_on_device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> ParallelMesh:
-    if (shape, names) not in _meshes:
-        device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        _meshes[shape, names] = init_parallel(device_mesh=device_mesh, device="cpu")
-    return _meshes[shape, names]
+    """A mesh on a new DeviceMesh's groups (the pool destroys them after the task)."""
+    device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_parallel(device_mesh=device_mesh, device="cpu")
 
 
 def _train_and_save(corpus, out, model, zero, on_device_mesh):

@@ -224,6 +224,15 @@ class ParallelMesh:
     def axis(self, name: str) -> MeshAxis:
         return self._axes[name]
 
+    @property
+    def process_groups(self) -> set:
+        """The torch process groups this mesh holds: its axes', and its DeviceMesh's once built
+        (what a process that builds meshes again and again may destroy once it drops one)."""
+        groups = {axis.group for axis in self._axes.values() if axis.group is not None}
+        if self._device_mesh is not None:
+            groups.update(self._device_mesh.get_all_groups())
+        return groups
+
     def tp_block(self, size: int) -> MeshAxis:
         """The `size` consecutive TP ranks around this one (size divides tp)."""
         return self.tp if size == self.tp.size else self._axes[f"tp_block{size}"]
