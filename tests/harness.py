@@ -32,12 +32,13 @@ _pools: dict[int, RankPool] = {}
 _worker_meshes: dict = {}  # in worker processes only
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, env: dict, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    os.environ.clear()  # the pool's creator's environment, as a spawned worker would see it
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
@@ -70,6 +71,19 @@ def _release_task_groups() -> None:
             dist.destroy_process_group(group)
 
 
+# What every worker imports before its first task; the fork server imports it once.
+_PRELOAD = ["torch._dynamo", "meshtrain.training.trainer", "meshtrain.cli.main", "harness"]
+
+
+def _worker_context():
+    """Workers forked from one server that imported torch and meshtrain once (a clean process:
+    no threads, no OpenMP pool), instead of each importing them again: a spawned 8-rank pool
+    paid the imports eight times over on two cores."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class RankPool:
     """`world_size` gloo ranks that run functions until closed; `with RankPool(n) as pool:`
     closes them on leaving (run_on_ranks keeps one pool per world size instead)."""
@@ -78,12 +92,13 @@ class RankPool:
         from meshtrain.parallel.runtime.process_groups import free_port
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        ctx = mp.get_context("spawn")
+        ctx = _worker_context()
         port = free_port()
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r],
+        env = dict(os.environ)
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, self.tasks[r],
                                                         self.results), daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
