@@ -24,6 +24,7 @@ from meshtrain.checkpointing.checkpoint import latest_checkpoint
 from meshtrain.cli.main import _train_config, check_train, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.operations.run_lock import LOCK_FILE, RunLock, check_free
+from meshtrain.training.trainer import Trainer, _Run
 
 STEPS = 30
 TINY = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "32", "--num-heads", "2",
@@ -256,6 +257,86 @@ def test_a_signal_to_a_rank_during_start_up_stops_after_the_first_step(corpus, t
         " with --resume (or --auto-resume)"], err[-3000:]
     assert err.count("model states on rank 0") == 1  # not restarted
     _assert_no_rank_left(ranks)
+
+
+# A rank's phases besides the step: a signal there is held until the next step's agreement
+# (a save or an evaluation in flight completes), and one after the last step changes nothing.
+_PHASES = {"save": (Trainer, "save"), "eval": (Trainer, "evaluate"), "shutdown": (_Run, "finish")}
+
+
+@pytest.mark.parametrize("phase,sig", [("save", signal.SIGTERM), ("eval", signal.SIGHUP),
+                                       ("shutdown", signal.SIGINT)])
+def test_a_signal_during_a_save_an_evaluation_or_the_shutdown(capsys, corpus, tmp_path,
+                                                               monkeypatch, phase, sig):
+    owner, name = _PHASES[phase]
+    original, fired = getattr(owner, name), []
+
+    def signalled(self, *args, **kwargs):
+        if not fired:
+            fired.append(os.kill(os.getpid(), sig))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, signalled)
+    out = tmp_path / "run"
+    code = main(_flags(corpus, out, "--steps", "6", "--save-every", "2", "--eval-every", "2"))
+    lines = _meshtrain_lines(capsys.readouterr().err)
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    if phase == "shutdown":  # the run is complete: it ends as one without the signal
+        assert code == 0 and lines == [] and saved[-1] == "step_00000006", lines
+        return
+    assert code == 3 and lines == [
+        f"meshtrain: stopped by {sig.name} after step 3; checkpoint step_00000003 saved;"
+        " continue with --resume (or --auto-resume)"], lines
+    assert saved == ["step_00000002", "step_00000003"]  # the save in flight completed
+    assert max(_losses(out)) == 3
+
+
+_SLOW_PHASE = textwrap.dedent("""
+    import os, time
+    from pathlib import Path
+    if os.environ.get("RANK") == "0":  # in meshtrain's ranks only, not in their launcher
+        from meshtrain.training import trainer
+        owner, name = {"save": (trainer.Trainer, "save"),
+                       "shutdown": (trainer._Run, "finish")}[os.environ["SLOW_PHASE"]]
+        original = getattr(owner, name)
+        def slow(self, *args, **kwargs):
+            Path(os.environ["SLOW_MARK"]).touch()
+            time.sleep(2)
+            return original(self, *args, **kwargs)
+        setattr(owner, name, slow)
+""")
+
+
+@pytest.mark.parametrize("phase", ["save", pytest.param("shutdown", marks=pytest.mark.extended)])
+def test_a_signal_to_the_launcher_while_rank_0_saves_or_shuts_down(corpus, tmp_path,
+                                                                    monkeypatch, phase):
+    """The launcher forwards SIGTERM while rank 0 is in a 2 s save (or its end of run): the
+    save completes and the ranks stop after the next step (at the end: a complete run, exit 0).
+    The shutdown case is extended: the in-process case above covers the rank's side of it."""
+    hook, mark, out = tmp_path / "hook", tmp_path / "in_phase", tmp_path / "run"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SLOW_PHASE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(hook), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("SLOW_PHASE", phase)
+    monkeypatch.setenv("SLOW_MARK", str(mark))
+    proc = start_cli(*_flags(corpus, out, "--nproc", "2", "--steps", "4", "--save-every", "2"))
+    deadline = time.monotonic() + 90
+    while not mark.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, err = _finish(proc)
+    lines = _meshtrain_lines(err)
+    if phase == "shutdown":
+        assert code == 0 and lines == [] and "Traceback" not in err, err[-3000:]
+        assert (out / "checkpoints" / "latest").read_text() == "step_00000004"
+        return
+    assert code == 3 and lines == [
+        "meshtrain: stopped by SIGTERM after step 3; checkpoint step_00000003 saved; continue"
+        " with --resume (or --auto-resume)"], err[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == \
+        ["step_00000002", "step_00000003"]
 
 
 def _in_process(capsys, corpus, out, *flags) -> tuple[int, str]:
