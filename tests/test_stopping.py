@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from meshtrain.checkpointing.checkpoint import latest_checkpoint
 from meshtrain.cli.main import _train_config, check_train, main
 from meshtrain.cli.parsers import build_parser
+from meshtrain.operations import stopping
 from meshtrain.operations.run_lock import LOCK_FILE, RunLock, check_free
 from meshtrain.training.trainer import Trainer, _Run
 
@@ -466,3 +467,31 @@ def test_a_lock_lives_while_a_listed_rank_lives(tmp_path):
                 check_free(tmp_path)
         else:
             check_free(tmp_path)
+
+
+def _attempt(run: Path, attempt: int, local_rank: int, rank: int, code: str | None) -> Path:
+    """torchrun's folder of one rank and attempt, with the files that rank left."""
+    folder = run / f"attempt_{attempt}" / str(local_rank)
+    folder.mkdir(parents=True)
+    (folder / f"rank_{rank}.armed").touch()
+    if code is not None:
+        (folder / f"rank_{rank}.exit").write_text(code)
+    return folder / "error.json"
+
+
+@pytest.mark.parametrize("codes,named", [
+    ({2: "6", 3: None}, "rank 3 ended without a word (killed by a signal)"),
+    ({2: None, 3: None}, "rank 2 and rank 3 ended without a word (killed by a signal)"),
+    ({2: "1", 3: "6"}, "rank 2 failed with exit code 1"),
+    ({2: "6", 3: "3"}, None),  # nothing here names a cause: another node's rank failed
+])
+def test_a_restart_under_torchrun_names_the_rank_from_the_last_attempts_files(
+        tmp_path, monkeypatch, codes, named):
+    """Under plain torchrun each rank leaves its armed and exit files beside its error file in
+    the agent's folder of its attempt; the next attempt reads the last one's on its node."""
+    for local_rank, (rank, code) in enumerate(codes.items()):
+        _attempt(tmp_path, 0, local_rank, rank, code)
+    monkeypatch.delenv(stopping.EXIT_DIR, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE",
+                       str(tmp_path / "attempt_1" / "0" / "error.json"))
+    assert stopping.failed_rank(4) == named

@@ -87,9 +87,18 @@ def hold_in_launched_rank() -> None:
         hold_signals()
 
 
+def _rank_folder() -> Path | None:
+    """Where this rank leaves its armed and exit files: meshtrain's launcher's folder, or under
+    torchrun the agent's folder of this rank and attempt (beside its error file); else None."""
+    if EXIT_DIR in os.environ:
+        return Path(os.environ[EXIT_DIR])
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return Path(error_file).parent if error_file else None
+
+
 def _rank_file(kind: str) -> Path:
-    """This rank's file of `kind` in meshtrain's launcher's folder."""
-    return Path(os.environ[EXIT_DIR], f"rank_{os.environ.get('RANK', '0')}.{kind}")
+    """This rank's file of `kind` (armed, exit) in its folder (`_rank_folder`)."""
+    return _rank_folder() / f"rank_{os.environ.get('RANK', '0')}.{kind}"
 
 
 def stop_signal(request: float) -> signal.Signals | None:
@@ -107,28 +116,41 @@ def launched() -> bool:
 
 
 def report_exit(code: int) -> None:
-    """Tell meshtrain's launcher (if it started this rank) how this rank ends."""
-    if EXIT_DIR in os.environ:
-        _rank_file("exit").write_text(str(code))
+    """Leave how this rank ends where its launcher (meshtrain's) or its restarted successors
+    (under torchrun) read it."""
+    if _rank_folder() is not None:
+        with contextlib.suppress(OSError):  # the agent's folder may be gone at its end
+            _rank_file("exit").write_text(str(code))
 
 
-def failed_rank(world: int) -> str:
-    """On an elastic restart under meshtrain's launcher: the rank whose failure caused it, from
-    the exit files of the last attempt (a killed rank writes none, its peers write
-    EXIT_PEER_FAILED), which it then removes for this attempt's; elsewhere unnamed."""
-    if EXIT_DIR not in os.environ:
-        return "a rank failed"
-    codes = {}
-    for path in Path(os.environ[EXIT_DIR]).glob("rank_*.exit"):
-        codes[int(path.stem.removeprefix("rank_"))] = int(path.read_text() or EXIT_OK)
-        path.unlink()
-    silent = [rank for rank in range(world) if rank not in codes]
+def _files_of(paths) -> dict[int, str]:
+    return {int(path.stem.removeprefix("rank_")): path.read_text() for path in paths}
+
+
+def failed_rank(world: int) -> str | None:
+    """On an elastic restart: the rank whose failure caused it, from the files this node's
+    ranks of the last attempt left (a killed rank writes no exit file, its peers write
+    EXIT_PEER_FAILED); None where they name none. One rank per node reads them."""
+    folder = _rank_folder()
+    if folder is None:
+        return None
+    if EXIT_DIR in os.environ:  # meshtrain's launcher: every rank, one folder for all attempts
+        codes = _files_of(folder.glob("rank_*.exit"))
+        for path in folder.glob("rank_*.exit"):
+            path.unlink()
+        expected = set(range(world))
+    else:  # torchrun: <run>/attempt_<k>/<local rank>/ per attempt, on this node only
+        attempt = folder.parent
+        last = attempt.parent / f"attempt_{int(attempt.name.removeprefix('attempt_')) - 1}"
+        codes = _files_of(last.glob("*/rank_*.exit"))
+        expected = set(_files_of(last.glob("*/rank_*.armed"))) | set(codes)
+    silent = sorted(expected - set(codes))
     if silent:
-        return f"rank {silent[0]} ended without a word (killed by a signal)"
-    failed = [(rank, code) for rank, code in sorted(codes.items())
-              if code not in (EXIT_OK, EXIT_STOPPED, EXIT_PEER_FAILED)]
-    return f"rank {failed[0][0]} failed with exit code {failed[0][1]}" if failed else \
-        "a rank failed"
+        ranks = " and ".join(f"rank {rank}" for rank in silent)
+        return f"{ranks} ended without a word (killed by a signal)"
+    failed = [(rank, int(code)) for rank, code in sorted(codes.items())
+              if code and int(code) not in (EXIT_OK, EXIT_STOPPED, EXIT_PEER_FAILED)]
+    return f"rank {failed[0][0]} failed with exit code {failed[0][1]}" if failed else None
 
 
 def _noop(signum, frame) -> None:
@@ -165,8 +187,9 @@ class StopSignals:
         while _held:  # signals of the start-up count from when they came
             sig, when = _held.pop(0)
             self._on_signal(signal.Signals(sig), when)
-        if EXIT_DIR in os.environ:  # past start-up: the launcher's signal is forwarded here
-            _rank_file("armed").touch()
+        if _rank_folder() is not None:  # past start-up: a launcher's signal is forwarded here
+            with contextlib.suppress(OSError):
+                _rank_file("armed").touch()
         if launched():
             threading.Thread(target=self._watch_parent, args=(os.getppid(),),
                              name="meshtrain-parent", daemon=True).start()

@@ -332,11 +332,8 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
     resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
     start = trainer.resume(out) if resuming else 0
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts and mesh.rank == 0:  # the agent restarted every rank after one failed
-        where = f"resumed from checkpoint step_{start:08d}" if start else \
-            "no checkpoint yet: started over"
-        print(f"meshtrain: restart {restarts}: {failed_rank(mesh.world_size)}; {where}",
-              file=sys.stderr, flush=True)
+    if restarts:  # the agent restarted every rank after one failed: say which, once
+        _say_restart(mesh, restarts, start)
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
     run = _Run(cfg, trainer, out, start, stop)
@@ -350,6 +347,18 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
         if trainer.saver is not None:
             trainer.saver.wait()  # the process ends only after its writer
     return run.finish()
+
+
+def _say_restart(mesh: ParallelMesh, restarts: int, start: int) -> None:
+    """Rank 0's line on an elastic restart: the failed rank as the first node that saw it
+    names it (each node's local rank 0 reads its own ranks' files), and what was resumed."""
+    mine = failed_rank(mesh.world_size) if os.environ.get("LOCAL_RANK", "0") == "0" else None
+    named = [cause for cause in comm.all_gather_objects(mine, mesh.world) if cause]
+    if mesh.rank == 0:
+        where = f"resumed from checkpoint step_{start:08d}" if start else \
+            "no checkpoint yet: started over"
+        print(f"meshtrain: restart {restarts}: {named[0] if named else 'a rank failed'};"
+              f" {where}", file=sys.stderr, flush=True)
 
 
 class _Run:
