@@ -285,6 +285,9 @@ BAD_INPUTS = [
     ("bad.jsonl", b'{"text": "ok"}\n{oops\n', "invalid JSON",
      r"bad.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes,"
      r" column 2\)", ["ok"]),
+    ("bad.jsonl", b'{"text": "ok"}\n' + b"[" * 100_000 + b"]" * 100_000 + b"\n", "invalid JSON",
+     r"bad.jsonl:2: JSON nested too deeply to read \(a record is an object with a text field\)",
+     ["ok"]),
     ("bad.jsonl", b'{"body": "x"}\n', "without text",
      "bad.jsonl:1: no string field 'text'", []),
     ("bad.jsonl", b'{"text": 3}\n', "without text", "bad.jsonl:1: no string field 'text'", []),

@@ -238,6 +238,10 @@ def _jsonl_text(line: bytes, where: str, problems: Problems, text_field: str) ->
     except json.JSONDecodeError as err:
         problems.report("invalid JSON", f"{where}: not valid JSON ({err.msg}, column {err.colno})")
         return None
+    except RecursionError:  # arrays or objects nested deeper than Python's parser recurses
+        problems.report("invalid JSON", f"{where}: JSON nested too deeply to read (a record is"
+                                        " an object with a text field)")
+        return None
     return _checked_text(value.get(text_field) if isinstance(value, dict) else None, where,
                          problems, text_field)
 
