@@ -163,6 +163,37 @@ def test_doctor_reads_only_the_newest_hang(tmp_path, capsys):
     assert "no dump from rank 1" in lines[1] and "waiting" in lines[-1]
 
 
+@pytest.mark.parametrize("content,problem", [
+    ("{", "not readable JSON (JSONDecodeError)"),
+    ("[" * 100_000, "not readable JSON (RecursionError)"),
+    ("null", "not a JSON object"),
+    ("{}", "no rank below a world size"),
+    ('{"rank": 2, "world_size": 2}', "no rank below a world size"),
+    ('{"rank": 0, "world_size": 2, "time": 1e999, "run": "r"}', "no time or run"),
+    ('{"rank": 0, "world_size": 2, "time": 9, "run": "r", "axes": {"dp": ["x"]}}',
+     "its axes are not lists of ranks"),
+    ('{"rank": 0, "world_size": 2, "time": 9, "run": "r", "axes": {}, "seq": {}, "entries": 5}',
+     "its entries are not a list"),
+    ('{"rank": 0, "world_size": 2, "time": 9, "run": "r", "axes": {}, "seq": {},'
+     ' "entries": [{"axis": "dp"}]}', "an entry lacks its axis, number, op, shape or dtype"),
+], ids=["cut", "nested", "null", "empty", "rank", "time", "axes", "entries", "entry"])
+def test_doctor_names_damaged_dumps_and_diagnoses_without_them(tmp_path, capsys, content,
+                                                                problem):
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "rank_1.json").write_text(content)
+    assert cli.main(["doctor", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"meshtrain: no readable hang dump in {hang} (rank_1.json: {problem}): the"
+                   " files are damaged; rerun the hung run to dump again\n")
+    (hang / "rank_0.json").write_text(json.dumps(
+        _dump(0, [_entry("dp", 1), _entry("dp", 2, ended=False)])))
+    assert cli.main(["doctor", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("meshtrain: hang: rank 1 never completed all_reduce #2")
+    assert lines[2] == f"skipped damaged dumps: rank_1.json: {problem}"
+
+
 def test_doctor_without_dumps_says_so(tmp_path, capsys):
     assert cli.main(["doctor", str(tmp_path), "--debug"]) == 2
     captured = capsys.readouterr()

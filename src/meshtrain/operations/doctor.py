@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from pathlib import Path
 
 from meshtrain.parallel.communication.flight_recorder import P2P_OPS
@@ -24,16 +25,70 @@ SESSION_WINDOW_S = 60.0  # dumps of one hang are written within seconds of each 
 _SHAPED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 
 
-def read_dumps(hang_dir: Path, *, since: float | None = None, run: str | None = None
-               ) -> dict[int, dict]:
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and \
+        math.isfinite(value) and abs(value) < 1e11  # a time within this era
+
+
+def _count(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _entry_problem(e) -> str | None:
+    if not isinstance(e, dict):
+        return "an entry is not an object"
+    if not all(isinstance(e.get(k), str) for k in ("axis", "op", "dtype")) or \
+            not _count(e.get("seq"), 1) or not isinstance(e.get("shape"), list):
+        return "an entry lacks its axis, number, op, shape or dtype"
+    if not (e.get("peer") is None or _count(e.get("peer"))) or not all(
+            e.get(k) is None or _number(e.get(k)) for k in ("issued", "blocked", "ended")):
+        return "an entry's peer or times are not numbers"
+    return None
+
+
+def dump_problem(dump) -> str | None:
+    """What makes `dump` (parsed JSON) unlike a flight-recorder dump; None when it is one."""
+    if not isinstance(dump, dict):
+        return "not a JSON object"
+    if not (_count(dump.get("rank")) and _count(dump.get("world_size"), 1)
+            and dump["rank"] < dump["world_size"]):
+        return "no rank below a world size"
+    if not _number(dump.get("time")) or not isinstance(dump.get("run"), str):
+        return "no time or run"
+    axes, seq = dump.get("axes"), dump.get("seq")
+    if not isinstance(axes, dict) or not all(
+            isinstance(r, list) and all(_count(x) for x in r) for r in axes.values()):
+        return "its axes are not lists of ranks"
+    if not isinstance(seq, dict) or not all(_count(n) for n in seq.values()):
+        return "its sequence numbers are not counts"
+    entries, waiting = dump.get("entries"), dump.get("waiting")
+    if not isinstance(entries, list):
+        return "its entries are not a list"
+    problems = [_entry_problem(e) for e in [*entries, *([waiting] if waiting else [])]]
+    if waiting is not None and problems[-1] is None and (
+            not _number(waiting.get("waited_s")) or
+            waiting["axis"] not in axes and waiting["op"] not in P2P_OPS):
+        return "its wait has no duration or is on an axis it does not list"
+    return next((p for p in problems if p), None)
+
+
+def read_dumps(hang_dir: Path, *, since: float | None = None, run: str | None = None,
+               damaged: dict | None = None) -> dict[int, dict]:
     """The dumps of one hang by global rank: those written at or after `since` (and of `run`),
-    else those of the newest dump's run written within `SESSION_WINDOW_S` of it."""
+    else those of the newest dump's run written within `SESSION_WINDOW_S` of it. Unreadable or
+    malformed files are left out (one being written, too), each named in `damaged` if given."""
     dumps = []
     for path in sorted(Path(hang_dir).glob("rank_*.json")):
         try:
-            dumps.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue  # being written, or damaged: the verdict does without it
+            dump = json.loads(path.read_text())
+        except (OSError, ValueError, RecursionError) as err:
+            problem = f"not readable JSON ({type(err).__name__})"
+        else:
+            if (problem := dump_problem(dump)) is None:
+                dumps.append(dump)
+                continue
+        if damaged is not None:
+            damaged[path.name] = problem
     if since is None and dumps:
         newest = max(dumps, key=lambda d: d["time"])
         since, run = newest["time"] - SESSION_WINDOW_S, newest["run"]
@@ -152,8 +207,12 @@ def table(dumps: dict[int, dict], last: int = 4) -> list[str]:
 
 def doctor(run_dir: str | Path) -> tuple[int, list[str]]:
     """(exit code, lines) of `meshtrain doctor RUN_DIR`: 0 with the verdict, 2 without dumps."""
-    run_dir = Path(run_dir)
-    dumps = read_dumps(run_dir / "hang")
+    run_dir, damaged = Path(run_dir), {}
+    dumps = read_dumps(run_dir / "hang", damaged=damaged)
+    skipped = "; ".join(f"{name}: {problem}" for name, problem in damaged.items())
+    if not dumps and damaged:
+        return 2, [f"meshtrain: no readable hang dump in {run_dir / 'hang'} ({skipped}): the"
+                   " files are damaged; rerun the hung run to dump again"]
     if not dumps:
         return 2, [f"meshtrain: no hang dumps in {run_dir / 'hang'}: the run did not hang (or"
                    " ran without a watchdog); nothing to diagnose"]
@@ -163,4 +222,5 @@ def doctor(run_dir: str | Path) -> tuple[int, list[str]]:
     head = [hang_line(dumps, run_dir),
             f"dumped at {when:%Y-%m-%d %H:%M:%S} by {len(dumps)} of {world} ranks"
             + (f"; no dump from rank {', '.join(map(str, missing))}" if missing else "")]
-    return 0, head + table(dumps)
+    skipped_line = [f"skipped damaged dumps: {skipped}"] if damaged else []
+    return 0, head + skipped_line + table(dumps)
