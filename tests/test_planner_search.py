@@ -293,6 +293,9 @@ def test_plan_layout_over_budget_warns(capsys):
     (["--json"], "--gpus is required"),
     (["--gpus", "8", "--seq-len", "0"], "--seq-len must be positive, got 0"),
     (["--gpus", "8", "--global-batch", "-1"], "--global-batch must be positive, got -1"),
+    (["--gpus", str(10**20)], f"--gpus {10**20} is more than any cluster holds: plan at most"
+                              " 1048576"),  # the divisor walk never ended
+    (["--gpus", "8", "--global-batch", str(10**20)], "sequences per step is past any run"),
 ])
 def test_plan_bad_input_is_one_line(capsys, args, message):
     code, out, err = _run(capsys, *args)

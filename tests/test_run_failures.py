@@ -118,7 +118,9 @@ def test_every_rank_sees_a_nan_that_one_rank_made(corpus, degrees):
      "--moe-capacity-factor must be > 0, got nan"),
     (["--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
     (["--bucket-mb", "inf"], "--bucket-mb must be positive, got inf"),
-], ids=["lr-inf", "lr-overflows-fp32", "capacity-nan", "bucket-nan", "bucket-inf"])
+    (["--global-batch", str(2**40)], f"--global-batch {2**40} and --micro-batch 4 are sequences"
+                                     " per step: past any run at more than 16777216; lower them"),
+], ids=["lr-inf", "lr-overflows-fp32", "capacity-nan", "bucket-nan", "bucket-inf", "batch"])
 def test_numbers_no_run_can_use_are_refused_before_training(corpus, tmp_path, capsys, flags,
                                                              line):
     refused = _refused(capsys, "train", *TINY, *flags, "--data", corpus,

@@ -305,12 +305,19 @@ def as_pair(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
+MAX_GLOBAL_BATCH = 2**24  # sequences per step; Llama 3's 16M-token batches are 2**11 of 8192
+
+
 def check_batch_sizes(*, global_batch: int, micro_batch: int, dp: int) -> None:
     """Raise ValueError unless every DP rank gets the same whole number of micro-batches."""
     for name, value in (("`global_batch`", global_batch), ("`micro_batch`", micro_batch),
                         ("dp", dp)):
         if value < 1:
             raise SettingError(Code.RANGE, f"{name} must be positive, got {value}")
+    if max(global_batch, micro_batch) > MAX_GLOBAL_BATCH:  # a draw per sequence per step
+        raise SettingError(Code.RANGE, (
+            f"`global_batch` {global_batch} and `micro_batch` {micro_batch} are sequences per"
+            f" step: past any run at more than {MAX_GLOBAL_BATCH}; lower them"))
     if global_batch % (micro_batch * dp):
         raise SettingError(Code.BATCH_SPLIT, (
             f"`global_batch` {global_batch} must be divisible by `micro_batch` x dp"

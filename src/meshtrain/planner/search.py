@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from meshtrain.data.corpus import MAX_GLOBAL_BATCH
 from meshtrain.errors import SettingError
 from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.layers.recompute import RECOMPUTE
@@ -134,6 +135,9 @@ def search(model: TransformerConfig, hardware: Hardware, *, gpus: int, seq_len: 
     return run.result
 
 
+MAX_GPUS = 2**20  # the largest clusters of 2026 hold about 10^5 devices
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -144,6 +148,12 @@ class _Search:
                  schedules):
         if gpus < 1:
             raise ValueError(f"`gpus` must be positive, got {gpus}")
+        if gpus > MAX_GPUS:  # the search walks the divisors: a number past any cluster
+            raise ValueError(f"`gpus` {gpus} is more than any cluster holds: plan at most"
+                             f" {MAX_GPUS}")
+        if global_batch is not None and global_batch > MAX_GLOBAL_BATCH:
+            raise ValueError(f"`global_batch` {global_batch} sequences per step is past any run:"
+                             f" plan at most {MAX_GLOBAL_BATCH}")
         self.model, self.hardware, self.gpus = model, hardware, gpus
         self.seq_len, self.global_batch, self.cost = seq_len, global_batch, cost
         self.schedules = schedules
