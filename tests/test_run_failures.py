@@ -118,14 +118,18 @@ def test_every_rank_sees_a_nan_that_one_rank_made(corpus, degrees):
      "--moe-capacity-factor must be > 0, got nan"),
     (["--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
     (["--bucket-mb", "inf"], "--bucket-mb must be positive, got inf"),
+    (["--num-layers", str(10**9)], "the model's weights, gradients and AdamW states need at"
+                                   " least 189,304.4 GiB for this machine's 1 rank(s)"
+                                   " (12,704,000,0"),  # and the MemAvailable it exceeds
     (["--global-batch", str(2**40)], f"--global-batch {2**40} and --micro-batch 4 are sequences"
                                      " per step: past any run at more than 16777216; lower them"),
-], ids=["lr-inf", "lr-overflows-fp32", "capacity-nan", "bucket-nan", "bucket-inf", "batch"])
+], ids=["lr-inf", "lr-overflows-fp32", "capacity-nan", "bucket-nan", "bucket-inf", "layers",
+        "batch"])
 def test_numbers_no_run_can_use_are_refused_before_training(corpus, tmp_path, capsys, flags,
                                                              line):
     refused = _refused(capsys, "train", *TINY, *flags, "--data", corpus,
                        "--out", str(tmp_path / "run"))
-    assert refused == f"meshtrain: error: {line}" and not (tmp_path / "run").exists()
+    assert refused.startswith(f"meshtrain: error: {line}") and not (tmp_path / "run").exists()
 
 
 def test_an_empty_out_is_refused_not_taken_for_the_current_directory(corpus, tmp_path, capsys,
@@ -218,3 +222,30 @@ def test_sample_refuses_settings_that_sample_nothing_before_reading(capsys, tmp_
     line = _refused(capsys, "sample", str(tmp_path / "no-run"), *flags)
     assert line == ("meshtrain: error: --max-new-tokens must be positive, --top-k >= 0 and"
                     " --temperature a finite number > 0")  # before the checkpoint is looked for
+
+
+@pytest.mark.parametrize("precision,per", [("fp32", 16), ("bf16", 18), ("fp64", 32)])
+def test_model_states_are_checked_against_the_machine_before_anything_is_built(
+        monkeypatch, precision, per):
+    """A lower bound: every parameter's weight, gradient and AdamW states once over the world;
+    this machine holds its ranks' share (MemAvailable), a process one rank's (RLIMIT_AS)."""
+    from meshtrain.config import machine_fit
+    from meshtrain.errors import Code, SettingError
+
+    assert machine_fit.state_bytes_per_parameter(precision) == per
+    gib = 2**30
+    monkeypatch.setattr(machine_fit, "available_host_bytes", lambda: 10 * gib)
+    monkeypatch.setattr(machine_fit, "process_limit_bytes", lambda: None)
+    params = 10 * gib // per  # exactly 10 GiB of states
+    machine_fit.check_states_fit(params, precision, world=1, ranks_here=1, device_type="cpu")
+    with pytest.raises(SettingError, match="need at least 10.0 GiB for this machine's 1 rank") \
+            as refused:
+        machine_fit.check_states_fit(params + 1, precision, world=1, ranks_here=1,
+                                     device_type="cpu")
+    assert refused.value.code is Code.MODEL_MEMORY
+    machine_fit.check_states_fit(4 * params, precision, world=8, ranks_here=2,
+                                 device_type="cpu")  # 2 of 8 ranks here: a quarter
+    monkeypatch.setattr(machine_fit, "process_limit_bytes", lambda: gib)
+    with pytest.raises(SettingError, match=r"for one rank .* allowed a process \(RLIMIT_AS\)"):
+        machine_fit.check_states_fit(4 * params, precision, world=8, ranks_here=2,
+                                     device_type="cpu")

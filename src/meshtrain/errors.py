@@ -90,6 +90,7 @@ class Code(Enum):
     # the model alone
     MODEL_SHAPE = "model shape cannot be built"
     MODEL_UNSUPPORTED = "model feature not implemented"
+    MODEL_MEMORY = "model states exceed the machine's memory"
     MOE_TOP_K = "MoE top-k exceeds the experts"
     # the data
     DATA_BLEND = "data_path is not a blend of compatible files"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpointing.checkpoint import CheckpointError, checkpoint_config
+from meshtrain.config.machine_fit import check_states_fit
 from meshtrain.config.settings import (
     CheckpointSettings,
     DataSettings,
@@ -315,7 +316,8 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
         raise ValueError(f"`threads` must be positive, got {p.threads}")
     plan = cfg.plan.resolved(world_size)
     plan.check_trainable()
-    check_local_devices(p.device, int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size)))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size))
+    check_local_devices(p.device, local_ranks)
     _validate_train(t)
     if cfg.checkpoint.keep_last < 0:
         raise ValueError(f"`keep_last` must be >= 0 (0 keeps every checkpoint), got"
@@ -338,6 +340,8 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                          " flush): trace `pp_schedule` 1f1b instead")
     plan = plan.validate(model, world_size=world_size, global_batch=t.global_batch,
                          seq_len=t.seq_len)
+    check_states_fit(model.num_parameters(), plan.precision, world=world_size,
+                     ranks_here=local_ranks, device_type=resolve_device(p.device).type)
     if plan.fp8 != "none":  # the one plan setting that depends on the device
         check_fp8_device(resolve_device(p.device), plan.fp8)
     return plan

@@ -1,0 +1,65 @@
+"""Whether a run's model states fit the machine it starts on, checked before anything is
+allocated: a model a thousand times too large should be one line, not an out-of-memory kill
+minutes later. A lower bound: every parameter's weight, gradient and AdamW states held once
+over the world (ZeRO and tensor parallelism only split them), activations not counted."""
+
+from __future__ import annotations
+
+import resource
+
+from meshtrain.errors import Code, SettingError
+
+GIB = 2**30
+
+
+def state_bytes_per_parameter(precision: str) -> int:
+    """Weight + gradient (fp32, fp64 in fp64 runs) + two AdamW moments, + an fp32 master
+    weight in 16-bit runs."""
+    weight = {"fp64": 8, "fp32": 4}.get(precision, 2)
+    state = max(weight, 4)
+    return weight + 3 * state + (4 if weight < 4 else 0)
+
+
+def available_host_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (None off Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def process_limit_bytes() -> int | None:
+    """This process's address-space limit (RLIMIT_AS), None when unlimited."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_states_fit(num_parameters: int, precision: str, *, world: int, ranks_here: int,
+                     device_type: str) -> None:
+    """Refuse a run whose model states cannot fit: on the CPU the share of this machine's
+    `ranks_here` of `world` ranks against MemAvailable and one rank's against RLIMIT_AS; on a
+    GPU one rank's against its device memory."""
+    per = state_bytes_per_parameter(precision)
+    total = num_parameters * per
+    here, per_rank = total * ranks_here / world, total / world
+    if device_type == "cuda":
+        import torch
+
+        limits = [(torch.cuda.get_device_properties(0).total_memory, per_rank, "one GPU",
+                   "of its memory")]
+    else:
+        limits = [(available_host_bytes(), here, f"this machine's {ranks_here} rank(s)",
+                   "available (MemAvailable)"),
+                  (process_limit_bytes(), per_rank, "one rank", "allowed a process (RLIMIT_AS)")]
+    for limit, need, who, what in limits:
+        if limit is not None and need > limit:
+            raise SettingError(Code.MODEL_MEMORY, (
+                f"the model's weights, gradients and AdamW states need at least"
+                f" {need / GIB:,.1f} GiB for {who} ({num_parameters:,} parameters x {per} bytes"
+                f" over {world} rank(s)), more than the {limit / GIB:,.1f} GiB {what}: shrink"
+                " the model (`num_layers`, `hidden_size`, `vocab_size`) or train on more"
+                " machines"))
