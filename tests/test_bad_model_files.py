@@ -312,3 +312,15 @@ def test_inconsistent_checkpoint_is_refused_in_one_line(case, made_run, corpus, 
         assert f"checkpoint {checkpoint}: {named}" in line, line
         assert line.rstrip().endswith("restore it or use an earlier one"), line
     assert {p.name for p in tmp_path.iterdir()} == {"run"}  # nothing written
+
+
+def test_an_import_larger_than_the_free_memory_is_refused_before_writing(hf, tmp_path, capsys,
+                                                                          monkeypatch):
+    """It streams a tensor at a time: two copies of the largest must fit MemAvailable."""
+    monkeypatch.setattr("meshtrain.machine_fit.available_host_bytes", lambda: 2 * 32 * 256 * 4 - 1)
+    line = _one_line(capsys, ["import-hf", str(hf["llama"]), "--out", str(tmp_path / "run")])
+    assert f"importing {hf['llama']} holds two copies of its largest tensor" in line, line
+    assert "[256, 32]: 0.0 GiB, more than the 0.0 GiB available (MemAvailable)" in line, line
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr("meshtrain.machine_fit.available_host_bytes", lambda: 2 * 32 * 256 * 4)
+    assert main(["import-hf", str(hf["llama"]), "--out", str(tmp_path / "run")]) == 0

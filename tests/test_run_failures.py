@@ -229,7 +229,7 @@ def test_model_states_are_checked_against_the_machine_before_anything_is_built(
         monkeypatch, precision, per):
     """A lower bound: every parameter's weight, gradient and AdamW states once over the world;
     this machine holds its ranks' share (MemAvailable), a process one rank's (RLIMIT_AS)."""
-    from meshtrain.config import machine_fit
+    from meshtrain import machine_fit
     from meshtrain.errors import Code, SettingError
 
     assert machine_fit.state_bytes_per_parameter(precision) == per

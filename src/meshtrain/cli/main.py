@@ -25,6 +25,7 @@ from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest, r
 from meshtrain.cli.flags import as_flags
 from meshtrain.cli.parsers import parse_command_line
 from meshtrain.config import run_config as config_mod
+from meshtrain.machine_fit import check_states_fit
 from meshtrain.mesh import resolve_degrees
 from meshtrain.operations import endings, run_lock, stopping
 from meshtrain.operations.cpu_threads import threads_per_rank
@@ -36,7 +37,7 @@ from meshtrain.operations.failures import (
 )
 from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES, check_offload_dir
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.runtime.process_groups import check_local_devices
+from meshtrain.parallel.runtime.process_groups import check_local_devices, resolve_device
 from meshtrain.planner.hardware import load_hardware
 
 
@@ -104,6 +105,9 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     if model.vocab_size < vocab:
         raise ValueError(f"--init-from: the model's vocabulary {model.vocab_size} is smaller"
                          f" than the data's {vocab}: use data of its tokenizer")
+    check_states_fit(model.num_parameters(), plan.precision, world=world_size,
+                     ranks_here=config_mod.local_ranks(cfg, world_size),
+                     device_type=resolve_device(cfg.parallel.device).type)
     t = cfg.train
     corpus.samplers(cfg.data.val_fraction, seq_len=t.seq_len, global_batch=t.global_batch,
                     micro_batch=plan.micro_batch, seed=t.seed)  # refuses a split too short

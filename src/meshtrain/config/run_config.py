@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.checkpointing.checkpoint import CheckpointError, checkpoint_config
-from meshtrain.config.machine_fit import check_states_fit
 from meshtrain.config.settings import (
     CheckpointSettings,
     DataSettings,
@@ -32,7 +31,7 @@ from meshtrain.config.settings import (
     TrainSettings,
 )
 from meshtrain.data.blend import parse_data_path
-from meshtrain.data.corpus import BYTE_VOCAB_SIZE
+from meshtrain.data.corpus import BYTE_VOCAB_SIZE, check_seed
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.interop.titan_dcp import dcp_model_config, is_dcp_directory
 from meshtrain.models import TransformerConfig, preset
@@ -307,6 +306,11 @@ def world_size_of(cfg: RunConfig, env_world: int | None) -> int:
     return plan.tp * plan.pp * plan.cp * (plan.dp or 1)
 
 
+def local_ranks(cfg: RunConfig, world_size: int) -> int:
+    """The ranks on this machine: torchrun's local world, else all of them (`nproc`)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.nproc or world_size))
+
+
 def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     """Check every setting before any rank starts; returns the resolved plan."""
     t, p = cfg.train, cfg.parallel
@@ -314,10 +318,12 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
         raise ValueError(f"`nproc` must be positive, got {p.nproc}")
     if p.threads is not None and p.threads < 1:
         raise ValueError(f"`threads` must be positive, got {p.threads}")
+    if p.threads is not None and p.threads > (cores := os.cpu_count() or 1):
+        raise ValueError(f"`threads` {p.threads} is more than this machine's {cores} cores:"
+                         f" give at most {cores} (more threads only wait for one another)")
     plan = cfg.plan.resolved(world_size)
     plan.check_trainable()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", p.nproc or world_size))
-    check_local_devices(p.device, local_ranks)
+    check_local_devices(p.device, local_ranks(cfg, world_size))
     _validate_train(t)
     if cfg.checkpoint.keep_last < 0:
         raise ValueError(f"`keep_last` must be >= 0 (0 keeps every checkpoint), got"
@@ -340,8 +346,6 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                          " flush): trace `pp_schedule` 1f1b instead")
     plan = plan.validate(model, world_size=world_size, global_batch=t.global_batch,
                          seq_len=t.seq_len)
-    check_states_fit(model.num_parameters(), plan.precision, world=world_size,
-                     ranks_here=local_ranks, device_type=resolve_device(p.device).type)
     if plan.fp8 != "none":  # the one plan setting that depends on the device
         check_fp8_device(resolve_device(p.device), plan.fp8)
     return plan
@@ -458,5 +462,4 @@ def _validate_train(t: TrainSettings) -> None:
         raise ValueError(f"`lr_decay_fraction` must be in (0, 1], got {t.lr_decay_fraction}")
     if t.loss_scale_window < 1:
         raise ValueError(f"`loss_scale_window` must be positive, got {t.loss_scale_window}")
-    if t.seed < 0:
-        raise ValueError(f"`seed` must be non-negative, got {t.seed}")
+    check_seed(t.seed)

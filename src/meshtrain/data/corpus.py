@@ -305,6 +305,13 @@ def as_pair(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
+def check_seed(seed: int) -> None:
+    """A seed torch's and numpy's generators both take: a 64-bit signed non-negative integer."""
+    if not 0 <= seed < 2**63:
+        raise SettingError(Code.RANGE, f"`seed` must be an integer from 0 to 2**63 - 1, got"
+                                       f" {seed}")
+
+
 MAX_GLOBAL_BATCH = 2**24  # sequences per step; Llama 3's 16M-token batches are 2**11 of 8192
 
 
@@ -351,8 +358,7 @@ class BatchSampler:
 
     def _set_sizes(self, *, global_batch: int, micro_batch: int, seed: int) -> None:
         check_batch_sizes(global_batch=global_batch, micro_batch=micro_batch, dp=1)
-        if seed < 0:
-            raise ValueError(f"`seed` must be non-negative, got {seed}")
+        check_seed(seed)
         self.global_batch, self.micro_batch, self.seed = global_batch, micro_batch, seed
 
     def micro_batches(self, step: int, *, dp_rank: int,

@@ -35,6 +35,7 @@ from meshtrain.checkpointing.verify import is_plain_name
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_mapping import HFMapping, refused, shown
+from meshtrain.machine_fit import check_import_fits
 from meshtrain.models import (
     FAMILIES,
     CausalLM,
@@ -272,6 +273,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Path:
     if (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
         raise ValueError(f"`out` {run_dir} holds a run: import into a new directory")
     planned = source.planned()
+    check_import_fits(planned, source.path)
     run_dir.mkdir(parents=True, exist_ok=True)
     if (source.path / TOKENIZER_FILE).is_file():
         shutil.copyfile(source.path / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)

@@ -5,6 +5,7 @@ over the world (ZeRO and tensor parallelism only split them), activations not co
 
 from __future__ import annotations
 
+import math
 import resource
 
 from meshtrain.errors import Code, SettingError
@@ -63,3 +64,16 @@ def check_states_fit(num_parameters: int, precision: str, *, world: int, ranks_h
                 f" over {world} rank(s)), more than the {limit / GIB:,.1f} GiB {what}: shrink"
                 " the model (`num_layers`, `hidden_size`, `vocab_size`) or train on more"
                 " machines"))
+
+
+def check_import_fits(planned, source) -> None:
+    """An import streams one tensor at a time and holds about two copies of the largest (read
+    and converted): refuse when those exceed MemAvailable."""
+    name, dtype, shape = max(planned, key=lambda p: math.prod(p[2]) * p[1].itemsize)
+    need = 2 * math.prod(shape) * dtype.itemsize
+    available = available_host_bytes()
+    if available is not None and need > available:
+        raise SettingError(Code.MODEL_MEMORY, (
+            f"importing {source} holds two copies of its largest tensor, {name}"
+            f" {list(shape)}: {need / GIB:,.1f} GiB, more than the {available / GIB:,.1f} GiB"
+            " available (MemAvailable): free memory or import on a larger machine"))
