@@ -364,6 +364,14 @@ class ZeroDataParallel:
 
     def _before_backward(self, k: int) -> None:
         self._gathered(self.buckets[k], BACKWARD)
+        if k == len(self.buckets) - 1 > 0:
+            # the last block's output gradient: the output layer's and final norm's backward
+            # are done, and unit 0 is not read again - the embedding's backward is a lookup's,
+            # which needs only the ids (a saved view of a freed parameter would fail loudly in
+            # backward, never read stale values). Its gradient bucket stays until the
+            # embedding's gradient lands; freeing the parameters here takes them off every
+            # block's backward (bench_zero: 16.5 MiB, as much as FSDP2's root keeps).
+            self._release(self.buckets[0])
         # prefetch the block before, which backward computes next. Not at the head (k = 0):
         # its backward is the step's memory peak (the logits' gradient and the output
         # layer's weight gradient alive), so the last block is gathered only when it starts
