@@ -57,11 +57,14 @@ def _status(field: str) -> int:
 
 
 @functools.cache
-def _warm_up_process() -> None:
-    """Pay torch's and gloo's one-time allocations before the first contender is measured."""
-    model = meshtrain.build_model(meshtrain.preset("tiny"), meshtrain.ParallelMesh.local(), seed=0)
-    ids = torch.zeros(2, 8, dtype=torch.long)
-    model.loss(model(ids), ids).backward()
+def _warm_up_process(shape: Shape) -> None:
+    """Pay torch's, the BLAS's and gloo's one-time allocations before the first contender is
+    measured: a step of the benchmark's own model on a rank's share of the batch, since the
+    BLAS keeps buffers sized by the matmuls it has run (a tiny model left ~8 MiB of them to
+    the first contender at full sizes, whichever it was)."""
+    model = meshtrain.build_model(shape.config(), meshtrain.ParallelMesh.local(), seed=0)
+    ids, targets = _rank_share(shape, 0)
+    model.loss(model(ids), targets).backward()
     torch.optim.AdamW(model.parameters()).step()
     if dist.is_initialized():
         dist.all_reduce(torch.zeros(1 << 20))
@@ -72,7 +75,7 @@ def measured(build):
     """Wrap a contender's build so its step records held and transient resident memory."""
 
     def wrapped(self, shape: Shape) -> Step:
-        _warm_up_process()
+        _warm_up_process(shape)
         before = _status("VmRSS")
         step = build(self, shape)
         step()  # the first step creates gradients and optimizer states

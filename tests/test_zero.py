@@ -130,6 +130,96 @@ def _zero3_backward_memory():
     return at_head[0], zero.peak_transient_bytes, [b.padded * 4 for b in zero.buckets]
 
 
+def _zero3_block_backward_memory():
+    """(tracked transient bytes, whether unit 0 is gathered) as each block's backward starts
+    (last block first), and the bucket sizes."""
+    from meshtrain import GPTConfig
+    from meshtrain.parallel.runtime.zero import ZeroDataParallel
+
+    mesh = worker_mesh(dp=2)
+    cfg = GPTConfig(num_layers=3, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=16)
+    model = build_model(cfg, mesh, seed=0)
+    units = model.roles().units
+    zero = ZeroDataParallel([params for _, params in units], mesh.dp_cp, stage=3)
+    zero.attach([module for module, _ in units])
+    seen = []
+
+    def record(_module, _args, out):  # after ZeRO's own forward hook, so its hook runs first
+        out.register_hook(lambda grad: seen.append((zero.transient_bytes,
+                                                    zero.buckets[0].resident)))
+
+    for block in model.layers.values():
+        block.register_forward_hook(record)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(mesh.dp.rank))
+    zero.sync = True
+    model.loss(model(ids), ids).backward()
+    zero.wait()
+    return seen, [b.padded * 4 for b in zero.buckets]
+
+
+def test_zero3_frees_the_head_unit_for_the_blocks_backward():
+    """Unit 0 (embedding, final norm, tied output layer) is read in backward by the output
+    layer and the final norm only: it is freed once the last block's output gradient arrives,
+    so no block's backward holds it beside its own unit, the one prefetched and the
+    reductions in flight (bench_zero.py: 16.5 MiB off the blocks' backward, FSDP2 keeps its
+    root gathered there). Unit 0's gradient bucket stays for the embedding's gradient."""
+    seen, (unit0, *blocks) = run_on_ranks(2, _zero3_block_backward_memory)[0]
+    block = max(blocks)
+    assert len(seen) == len(blocks) and not any(resident for _, resident in seen), seen
+    assert seen[0][0] <= unit0 + 2 * block, (seen, unit0, block)  # nothing in flight yet
+    assert all(tracked <= unit0 + (2 + zero._IN_FLIGHT_REDUCTIONS) * block
+               for tracked, _ in seen), (seen, unit0, block)
+
+
+def _zero3_gradient_bytes():
+    """Bytes of gradient shards alive (ZeRO's, and any .grad autograd left) at the end of a
+    step, through the next forward and at its head's backward, where activations peak; and
+    after that step's reductions."""
+    from meshtrain import GPTConfig
+    from meshtrain.parallel.runtime.zero import ZeroDataParallel
+
+    mesh = worker_mesh(dp=2)
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=16)
+    model = build_model(cfg, mesh, seed=0)
+    units = model.roles().units
+    zero = ZeroDataParallel([params for _, params in units], mesh.dp_cp, stage=3)
+    zero.attach([module for module, _ in units])
+    optimizer = torch.optim.AdamW([piece for _, piece in zero.step_pieces()])
+
+    def held() -> int:
+        shards = {b.grad_shard.untyped_storage().data_ptr(): b.grad_shard.untyped_storage()
+                  for b in zero.buckets if b.grad_shard is not None}
+        return sum(s.nbytes() for s in shards.values()) \
+            + sum(p.grad.numel() * 4 for p in model.parameters() if p.grad is not None)
+
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(mesh.dp.rank))
+    seen = {}
+    for step in range(2):
+        zero.zero_grad()
+        zero.sync = True
+        seen[f"forward {step}"] = held()
+        logits = model(ids)
+        logits.register_hook(lambda grad, step=step: seen.update({f"head {step}": held()}))
+        model.loss(logits, ids).backward()
+        zero.wait()
+        seen[f"reduced {step}"] = held()
+        zero.step(optimizer)
+        seen[f"stepped {step}"] = held()
+    return seen, sum(b.shard_size * 4 for b in zero.buckets)
+
+
+def test_zero3_holds_gradient_shards_only_from_reduction_to_update():
+    """Stages 2 and 3 make a bucket's gradient shard from the step's first reduction and free
+    it after the update (FSDP2's sharded gradients live so too): none through the forward and
+    the head's backward, where activations peak (bench_zero.py: the 33 MiB of shards held
+    there were the rest of ZeRO-3's peak above FSDP2's)."""
+    seen, shards = run_on_ranks(2, _zero3_gradient_bytes)[0]
+    for step in range(2):
+        assert seen[f"forward {step}"] == seen[f"head {step}"] == seen[f"stepped {step}"] == 0, \
+            seen
+        assert seen[f"reduced {step}"] == shards, (seen, shards)
+
+
 def test_zero3_peak_is_bounded_by_the_units_it_gathers():
     """Stage 3's transient bytes at their peak: unit 0 (embedding, final norm) and its
     gradient bucket, the block in backward and the one prefetched, that block's gradient

@@ -71,7 +71,8 @@ class GradientSync(ABC):
 
     @abstractmethod
     def memory_report(self) -> dict[str, int]:
-        """Bytes held between steps for parameters, gradients and optimizer states."""
+        """Bytes of the model states: parameters, gradients (ZeRO 2/3: the shard a step holds
+        from its first reduction to its update) and optimizer states."""
 
     def close(self) -> None:
         """Give back what outlives the process's objects (nvme offload's files)."""

@@ -36,6 +36,12 @@ class Bucket:
         self.lo = axis.rank * self.shard_size
         self.dtype, self.device = params[0].dtype, params[0].device
         self.grad_dtype = grad_dtype
+        self.pieces: list[tuple[nn.Parameter, int, int]] = []  # (param, start in shard, length)
+        for p in params:
+            start = max(self.offsets[id(p)], self.lo)
+            end = min(self.offsets[id(p)] + p.numel(), self.lo + self.shard_size)
+            if start < end:
+                self.pieces.append((p, start - self.lo, end - start))
         self._flatten_parameters(stage)
         self._make_gradients(stage)
         self.pending = len(params)
@@ -52,13 +58,6 @@ class Bucket:
         # the gradient shard itself, or (16-bit gradients, offload) an fp32 copy made for the
         # step and freed after it
         self.grad_in_place = not offload and grad_dtype == torch.float32
-        self.pieces: list[tuple[nn.Parameter, int, int]] = []  # (param, start in shard, length)
-        for p in params:
-            start = max(self.offsets[id(p)], self.lo)
-            end = min(self.offsets[id(p)] + p.numel(), self.lo + self.shard_size)
-            if start < end:
-                self.pieces.append((p, start - self.lo, end - start))
-        self.grad_pieces = {id(p): self.grad_shard[a:a + n] for p, a, n in self.pieces}
 
     def _flatten_parameters(self, stage: int) -> None:
         """Parameters become views of the full flat buffer for good. Stage 3 frees it by
@@ -82,18 +81,45 @@ class Bucket:
 
     def _make_gradients(self, stage: int) -> None:
         """Stage 1 keeps the full gradient bucket and reduces into its own shard; stages 2
-        and 3 keep only a shard (full buckets live during one reduction)."""
+        and 3 keep only a shard (full buckets live during one reduction), and only from the
+        step's first reduction to its update (`take_reduced` .. `drop_grad_shard`): no
+        gradient memory through the forward, where the activations peak."""
         self.as_grads = stage == 1 and self.dtype == self.grad_dtype
         self.grad_flat = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device) \
             if stage == 1 else None
-        self.grad_shard = self.grad_flat[self.lo:self.lo + self.shard_size] if stage == 1 \
-            else torch.zeros(self.shard_size, dtype=self.grad_dtype, device=self.device)
         self.grad_views: dict[int, torch.Tensor] = {}
+        self.grad_shard: torch.Tensor | None = None
+        self.grad_pieces: dict[int, torch.Tensor] = {}
         if self.grad_flat is not None:
             self.set_grad_flat(self.grad_flat)
+            self._set_grad_shard(self.grad_flat[self.lo:self.lo + self.shard_size])
         if self.as_grads:
             for p in self.params:
                 p.grad = self.grad_views[id(p)]
+
+    def _set_grad_shard(self, shard: torch.Tensor | None) -> None:
+        self.grad_shard = shard
+        self.grad_pieces = {} if shard is None else \
+            {id(p): shard[a:a + n] for p, a, n in self.pieces}
+
+    def take_reduced(self, reduced: torch.Tensor) -> None:
+        """Stages 2 and 3: add a landed reduction (a slice of the full bucket) to the gradient
+        shard; the step's first becomes it (a copy, so the full bucket can go)."""
+        if self.grad_shard is None:
+            self._set_grad_shard(reduced.clone())
+        else:
+            self.grad_shard.add_(reduced)
+
+    def ensure_grad_shard(self) -> None:
+        """A zero shard for a bucket no reduction reached this step (its parameters got no
+        gradient), so every piece has one."""
+        if self.grad_shard is None:
+            self._set_grad_shard(torch.zeros(self.shard_size, dtype=self.grad_dtype,
+                                             device=self.device))
+
+    def drop_grad_shard(self) -> None:
+        """Stages 2 and 3: free the shard once the update has read it."""
+        self._set_grad_shard(None)
 
     def param_view(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
         start = self.offsets[id(p)]
