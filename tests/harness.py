@@ -32,7 +32,8 @@ _pools: dict[int, RankPool] = {}
 _worker_meshes: dict = {}  # in worker processes only
 
 
-def _worker(rank: int, world_size: int, port: int, env: dict, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, env: dict, tasks, results,
+            release_groups: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -49,7 +50,8 @@ def _worker(rank: int, world_size: int, port: int, env: dict, tasks, results) ->
                 results.put((rank, True, fn(*args, **kwargs)))
             except BaseException:  # report anything, including assertion failures
                 results.put((rank, False, traceback.format_exc()))
-            _release_task_groups()
+            if release_groups:
+                _release_task_groups()
             # What a task leaves alive (cached meshes, imported modules) stays for good: out of
             # the collector's reach, later tasks' collections stop walking it again and again.
             gc.collect()
@@ -86,9 +88,11 @@ def _worker_context():
 
 class RankPool:
     """`world_size` gloo ranks that run functions until closed; `with RankPool(n) as pool:`
-    closes them on leaving (run_on_ranks keeps one pool per world size instead)."""
+    closes them on leaving (run_on_ranks keeps one pool per world size instead). With
+    `release_groups` (run_on_ranks' pools) each task's process groups beyond the cached meshes
+    are destroyed after it; without (the benchmarks), a task's groups serve later tasks."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, release_groups: bool = False):
         from meshtrain.parallel.runtime.process_groups import free_port
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -99,7 +103,8 @@ class RankPool:
         self.results = ctx.Queue()
         env = dict(os.environ)
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, self.tasks[r],
-                                                        self.results), daemon=True)
+                                                        self.results, release_groups),
+                                  daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -156,7 +161,7 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float = 120.0, **kwargs) -
     """Run `fn(*args, **kwargs)` on every rank of a `world_size` gloo pool; per-rank results."""
     pool = _pools.get(world_size)
     if pool is None:
-        pool = _pools[world_size] = RankPool(world_size)
+        pool = _pools[world_size] = RankPool(world_size, release_groups=True)
     return pool.run(fn, *args, timeout=timeout, **kwargs)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from harness import raises_as_flags, run_on_ranks, worker_mesh
+from harness import RankPool, raises_as_flags, run_on_ranks, worker_mesh
 
 from meshtrain.mesh import _axis_groups, resolve_degrees
 from meshtrain.parallel.communication.comm import all_gather
@@ -109,3 +109,28 @@ def test_a_pool_task_leaves_no_process_groups_behind():
     during = run_on_ranks(2, _build_a_mesh)
     assert all(d > b for d, b in zip(during, before, strict=True))
     assert run_on_ranks(2, _groups_alive) == before
+
+
+_kept = {}  # in a benchmark pool's workers: a group one task makes for later tasks
+
+
+def _keep_a_group() -> None:
+    _kept["group"] = torch.distributed.new_group([0, 1])
+
+
+def _send_on_the_kept_group() -> float:
+    """Point-to-point calls look the group up (a destroyed one is 'not registered')."""
+    x = torch.full((1,), 1.0 + torch.distributed.get_rank())
+    peer = 1 - torch.distributed.get_rank()
+    sent = torch.distributed.isend(x.clone(), group=_kept["group"], group_dst=peer)
+    torch.distributed.recv(x, group=_kept["group"], group_src=peer)
+    sent.wait()
+    return x.item()
+
+
+def test_a_benchmark_pool_keeps_a_tasks_groups_for_later_tasks():
+    """The benchmarks build their contenders (meshes, groups) in one task and time them in
+    others: their pools destroy nothing between tasks."""
+    with RankPool(2) as pool:
+        pool.run(_keep_a_group)
+        assert pool.run(_send_on_the_kept_group) == [2.0, 1.0]
