@@ -266,7 +266,7 @@ _PHASES = {"save": (Trainer, "save"), "eval": (Trainer, "evaluate"), "shutdown":
 
 
 @pytest.mark.parametrize("phase,sig", [("save", signal.SIGTERM), ("eval", signal.SIGHUP),
-                                       ("shutdown", signal.SIGINT)])
+                                       ("save", signal.SIGUSR1), ("shutdown", signal.SIGINT)])
 def test_a_signal_during_a_save_an_evaluation_or_the_shutdown(capsys, corpus, tmp_path,
                                                                monkeypatch, phase, sig):
     owner, name = _PHASES[phase]
