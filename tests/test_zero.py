@@ -110,16 +110,23 @@ def test_zero3_frees_gathered_parameters_between_forward_and_backward(corpus):
     assert sharded <= replicated - 0.9 * params, (sharded, replicated, params)
 
 
-def _zero3_backward_memory():
+def _zero3_gpt(num_layers: int):
+    """(mesh, model, its stage-3 ZeRO) of a small GPT on this pool's 2-rank dp mesh."""
     from meshtrain import GPTConfig
     from meshtrain.parallel.runtime.zero import ZeroDataParallel
 
     mesh = worker_mesh(dp=2)
-    cfg = GPTConfig(num_layers=3, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=16)
+    cfg = GPTConfig(num_layers=num_layers, hidden_size=64, num_heads=4, vocab_size=512,
+                    max_seq_len=16)
     model = build_model(cfg, mesh, seed=0)
     units = model.roles().units
     zero = ZeroDataParallel([params for _, params in units], mesh.dp_cp, stage=3)
     zero.attach([module for module, _ in units])
+    return mesh, model, zero
+
+
+def _zero3_backward_memory():
+    mesh, model, zero = _zero3_gpt(num_layers=3)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(mesh.dp.rank))
     logits = model(ids)
     at_head = []  # this hook runs after ZeRO's own on the logits: the head's backward is next
@@ -133,15 +140,7 @@ def _zero3_backward_memory():
 def _zero3_block_backward_memory():
     """(tracked transient bytes, whether unit 0 is gathered) as each block's backward starts
     (last block first), and the bucket sizes."""
-    from meshtrain import GPTConfig
-    from meshtrain.parallel.runtime.zero import ZeroDataParallel
-
-    mesh = worker_mesh(dp=2)
-    cfg = GPTConfig(num_layers=3, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=16)
-    model = build_model(cfg, mesh, seed=0)
-    units = model.roles().units
-    zero = ZeroDataParallel([params for _, params in units], mesh.dp_cp, stage=3)
-    zero.attach([module for module, _ in units])
+    mesh, model, zero = _zero3_gpt(num_layers=3)
     seen = []
 
     def record(_module, _args, out):  # after ZeRO's own forward hook, so its hook runs first
@@ -175,15 +174,7 @@ def _zero3_gradient_bytes():
     """Bytes of gradient shards alive (ZeRO's, and any .grad autograd left) at the end of a
     step, through the next forward and at its head's backward, where activations peak; and
     after that step's reductions."""
-    from meshtrain import GPTConfig
-    from meshtrain.parallel.runtime.zero import ZeroDataParallel
-
-    mesh = worker_mesh(dp=2)
-    cfg = GPTConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=16)
-    model = build_model(cfg, mesh, seed=0)
-    units = model.roles().units
-    zero = ZeroDataParallel([params for _, params in units], mesh.dp_cp, stage=3)
-    zero.attach([module for module, _ in units])
+    mesh, model, zero = _zero3_gpt(num_layers=2)
     optimizer = torch.optim.AdamW([piece for _, piece in zero.step_pieces()])
 
     def held() -> int:
