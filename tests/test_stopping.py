@@ -495,3 +495,5 @@ def test_a_restart_under_torchrun_names_the_rank_from_the_last_attempts_files(
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE",
                        str(tmp_path / "attempt_1" / "0" / "error.json"))
     assert stopping.failed_rank(4) == named
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "logs" / "0" / "error.json"))
+    assert stopping.failed_rank(4) is None  # a folder not of the agent's layout

@@ -141,6 +141,8 @@ def failed_rank(world: int) -> str | None:
         expected = set(range(world))
     else:  # torchrun: <run>/attempt_<k>/<local rank>/ per attempt, on this node only
         attempt = folder.parent
+        if not attempt.name.removeprefix("attempt_").isdigit():
+            return None  # not the agent's layout: nothing to read
         last = attempt.parent / f"attempt_{int(attempt.name.removeprefix('attempt_')) - 1}"
         codes = _files_of(last.glob("*/rank_*.exit"))
         expected = set(_files_of(last.glob("*/rank_*.armed"))) | set(codes)
