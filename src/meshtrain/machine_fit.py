@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import math
 import resource
+from pathlib import Path
+
+import torch
 
 from meshtrain.errors import Code, SettingError
+from meshtrain.precision import DTYPES, wide_dtype
 
 GIB = 2**30
 
 
 def state_bytes_per_parameter(precision: str) -> int:
-    """Weight + gradient (fp32, fp64 in fp64 runs) + two AdamW moments, + an fp32 master
-    weight in 16-bit runs."""
-    weight = {"fp64": 8, "fp32": 4}.get(precision, 2)
-    state = max(weight, 4)
-    return weight + 3 * state + (4 if weight < 4 else 0)
+    """Weight + gradient and two AdamW moments in the wide dtype (fp32, fp64 in fp64 runs),
+    + a master weight where the weight is narrower than that (16-bit runs)."""
+    weight = DTYPES[precision].itemsize
+    state = wide_dtype(DTYPES[precision]).itemsize
+    return weight + 3 * state + (state if weight < state else 0)
 
 
 def available_host_bytes() -> int | None:
@@ -48,8 +52,6 @@ def check_states_fit(num_parameters: int, precision: str, *, world: int, ranks_h
     total = num_parameters * per
     here, per_rank = total * ranks_here / world, total / world
     if device_type == "cuda":
-        import torch
-
         limits = [(torch.cuda.get_device_properties(0).total_memory, per_rank, "one GPU",
                    "of its memory")]
     else:
@@ -66,7 +68,8 @@ def check_states_fit(num_parameters: int, precision: str, *, world: int, ranks_h
                 " machines"))
 
 
-def check_import_fits(planned, source) -> None:
+def check_import_fits(planned: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                      source: Path) -> None:
     """An import streams one tensor at a time and holds about two copies of the largest (read
     and converted): refuse when those exceed MemAvailable."""
     name, dtype, shape = max(planned, key=lambda p: math.prod(p[2]) * p[1].itemsize)
