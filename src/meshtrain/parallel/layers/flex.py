@@ -41,17 +41,22 @@ def block_mask(mask: AttentionMask, s: int, t: int, k_start: int,
                device: torch.device) -> BlockMask:
     """The block mask of `s` queries (the last of the keys' tokens) over `t` keys from sequence
     index `k_start`; one per mask and shape (`mask.block_masks`), except for the shared plain
-    causal mask and inside compiled code, which build it every call."""
+    causal mask and inside compiled code (whose graph must not read or grow the cache), which
+    build it every call."""
+    if mask.causal_only or torch.compiler.is_compiling():
+        return _build(mask, s, t, k_start, device)
     key = (s, t, k_start, device)
-    if key in mask.block_masks:
-        return mask.block_masks[key]
+    if key not in mask.block_masks:
+        mask.block_masks[key] = _build(mask, s, t, k_start, device)
+    return mask.block_masks[key]
+
+
+def _build(mask: AttentionMask, s: int, t: int, k_start: int, device: torch.device) -> BlockMask:
+    """create_block_mask over the mask's rule: a row of tiles per document row (one for
+    all rows without documents), shared by every head."""
     batch = None if mask.documents is None else mask.documents.shape[0]
-    build = _kernels(device)[1]
-    built = build(mask.mask_mod(k_start + t - s, k_start, device), batch, None, s, t,
-                  device=device)
-    if not (mask.causal_only or torch.compiler.is_compiling()):
-        mask.block_masks[key] = built
-    return built
+    return _kernels(device)[1](mask.mask_mod(k_start + t - s, k_start, device), batch, None, s,
+                               t, device=device)
 
 
 def flex_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
