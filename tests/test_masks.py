@@ -17,12 +17,18 @@ from harness import run_on_ranks, worker_mesh
 from meshtrain.config.run_config import build_config, check_packing, validate
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import preset
-from meshtrain.parallel.layers.attention import AttentionCore
+from meshtrain.parallel.layers.attention import AttentionCore, attention_kernel
 from meshtrain.parallel.layers.context_parallel import (
     context_parallel_positions,
     ring_sub_blocks,
 )
-from meshtrain.parallel.layers.masks import AttentionMask, document_ids, document_positions
+from meshtrain.parallel.layers.flex import block_mask, flex_attention_masked
+from meshtrain.parallel.layers.masks import (
+    CAUSAL,
+    AttentionMask,
+    document_ids,
+    document_positions,
+)
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
@@ -63,13 +69,15 @@ def test_the_mask_is_the_rule_it_states(window):
             assert not AttentionMask(window).allowed(q, k).any()
 
 
-def _dense(q, k, v, mask: AttentionMask):
-    """softmax(QK^T/sqrt(d) masked)V, the reference (key/value heads repeated)."""
+def _dense(q, k, v, mask: AttentionMask, k_start: int = 0):
+    """softmax(QK^T/sqrt(d) masked)V, the reference (key/value heads repeated); the keys start
+    at sequence index `k_start`, the queries are the last of their tokens."""
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    positions = torch.arange(q.shape[-2])
+    k_pos = torch.arange(k_start, k_start + k.shape[-2])
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~mask.allowed(positions, positions), float("-inf"))
+    scores = scores.masked_fill(~mask.allowed(k_pos[len(k_pos) - q.shape[-2]:], k_pos),
+                                float("-inf"))
     return scores.softmax(-1) @ v
 
 
@@ -91,6 +99,59 @@ def test_local_kernels_follow_the_mask(window, documents, eager):
     core = AttentionCore(dropout=0.0, eager=eager, cp_axis=ParallelMesh.local().cp,
                          cp_mode="ring", recompute=False)
     assert torch.allclose(core(q, k, v, None, mask), _dense(q, k, v, mask), atol=1e-12)
+
+
+FLEX_CASES = {  # (window, documents, key/value heads, queries, keys, k_start)
+    "window": (5, False, 4, 16, 16, 0),
+    "documents-gqa": (None, True, 2, 16, 16, 0),
+    "both-gqa": (5, True, 1, 16, 16, 0),
+    "tiles": (40, True, 2, 300, 300, 0),  # over 128: the block mask has empty and full tiles
+    "cached-window": (5, False, 2, 6, 16, 9),
+    "cached-documents": (None, True, 2, 6, 16, 9),
+    "chunked-prefill": (None, False, 2, 6, 16, 0),
+}
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("case", FLEX_CASES)
+def test_the_flex_path_computes_what_the_dense_mask_does(case):
+    """The GPU's kernel, run here forward only (torch's flex_attention has no CPU backward)."""
+    window, documents, kv_heads, s, t, k_start = FLEX_CASES[case]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, s, 16, generator=g)
+    k, v = (torch.randn(2, kv_heads, t, 16, generator=g) for _ in range(2))
+    mask = AttentionMask(window, _random_documents(2, k_start + t, 6) if documents else None)
+    with torch.no_grad():
+        out = flex_attention_masked(q, k, v, mask, k_start)
+    assert (out - _dense(q, k, v, mask, k_start)).abs().max() < 1e-5
+
+
+def test_the_block_mask_marks_the_tiles_the_mask_leaves_visible():
+    mask = AttentionMask(40, _random_documents(2, 300, 6))
+    blocks = block_mask(mask, 300, 300, 0, torch.device("cpu"))
+    positions = torch.arange(300)
+    allowed = F.pad(mask.allowed(positions, positions), (0, 84, 0, 84))  # to 3 x 3 tiles
+    tiles = allowed.view(2, 1, 3, 128, 3, 128).any(dim=(3, 5))
+    assert torch.equal(blocks.to_dense().bool(), tiles) and not tiles.all()
+    assert block_mask(mask, 300, 300, 0, torch.device("cpu")) is blocks  # built once per mask
+    assert block_mask(CAUSAL, 6, 16, 0, torch.device("cpu")) is not \
+        block_mask(CAUSAL, 6, 16, 0, torch.device("cpu"))  # the shared mask keeps nothing
+
+
+def test_a_gpu_runs_flex_wherever_the_cpu_builds_a_dense_mask():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU needed
+    for mask in (AttentionMask(5), AttentionMask(None, _random_documents(2, 16, 0)),
+                 AttentionMask(5, _random_documents(2, 16, 0))):
+        assert attention_kernel(cuda, mask, 0.0, 16, 16) == "flex"
+        assert attention_kernel(cuda, mask, 0.0, 6, 16) == "flex"
+        assert attention_kernel(cpu, mask, 0.0, 16, 16) == "dense"
+        assert attention_kernel(cuda, mask, 0.1, 16, 16) == "dense"  # flex has no dropout
+        assert attention_kernel(cuda, mask, 0.0, 1, 16) == "dense"  # one row of a mask
+    for device in (cpu, cuda):
+        assert attention_kernel(device, CAUSAL, 0.0, 16, 16) == "causal"
+        assert attention_kernel(device, CAUSAL, 0.0, 1, 16) == "unmasked"
+    assert attention_kernel(cuda, CAUSAL, 0.0, 6, 16) == "flex"  # chunked prefill
+    assert attention_kernel(cpu, CAUSAL, 0.0, 6, 16) == "dense"
 
 
 def _context_parallel(cp_mode: str, window, documents: bool):

@@ -3,6 +3,9 @@
 
 It runs one of: torch's SDPA, an explicit eager path (whose saved tensors match the
 activation-memory formulas), ring attention or Ulysses all-to-all over the context-parallel axis.
+A mask other than plain causal is a dense bool tensor on the CPU and, on a GPU, a flex_attention
+block mask (`layers/flex.py`; also under Ulysses, whose gathered sequences take the local core),
+except with dropout, the eager path and the ring's blocks, which stay dense there too.
 Dropout on the probabilities draws from the per-TP-rank stream (heads differ per TP rank, so must
 their masks). Selective recomputation recomputes only this core in backward. Grouped-query
 attention (fewer key/value heads than query heads) runs natively in SDPA; the other paths repeat
@@ -24,6 +27,7 @@ from torch import nn
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.layers.context_parallel import ring_attention, ulysses_attention
 from meshtrain.parallel.layers.eager import eager_under_compile
+from meshtrain.parallel.layers.flex import flex_attention_masked
 from meshtrain.parallel.layers.masks import CAUSAL, AttentionMask
 from meshtrain.parallel.layers.recompute import recomputed
 from meshtrain.parallel.layers.rng import TENSOR_PARALLEL, RNGTracker
@@ -98,17 +102,31 @@ class AttentionCore(nn.Module):
                k_start: int = 0) -> torch.Tensor:
         if self.eager:
             return eager_attention(q, _repeat_heads(k, q), _repeat_heads(v, q), p, mask, k_start)
-        gqa = k.shape[1] != q.shape[1]
         s, t = q.shape[-2], k.shape[-2]
-        if mask.causal_only and s == t:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                  enable_gqa=gqa)
-        if mask.causal_only and s == 1:  # one query sees every cached key
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)
+        kernel = attention_kernel(q.device, mask, p, s, t)
+        if kernel == "flex":
+            return flex_attention_masked(q, k, v, mask, k_start)
         # SDPA's is_causal aligns the mask to the top left and knows no window or documents
-        allowed = mask.allowed(*_query_key_positions(q, k, k_start))
+        allowed = mask.allowed(*_query_key_positions(q, k, k_start)) if kernel == "dense" else None
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p,
-                                              enable_gqa=gqa)
+                                              is_causal=kernel == "causal",
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+def attention_kernel(device: torch.device, mask: AttentionMask, p: float, s: int,
+                     t: int) -> str:
+    """What the (non-eager) local core runs for `s` queries over `t` keys: "causal" (SDPA's
+    `is_causal`), "unmasked" (one query sees every cached key), "flex" (a GPU's block mask,
+    never a dense s x t one) or "dense" (SDPA with `mask.allowed`: on the CPU, whose golden
+    runs it keeps bitwise; with dropout, which flex has not; for one query, whose mask is a
+    row and would compile flex again at every cache length)."""
+    if mask.causal_only and s == t:
+        return "causal"
+    if mask.causal_only and s == 1:
+        return "unmasked"
+    if device.type == "cuda" and p == 0.0 and s > 1:
+        return "flex"
+    return "dense"
 
 
 def _repeat_heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

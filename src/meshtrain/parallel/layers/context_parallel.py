@@ -145,7 +145,10 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,
                    seq_len: int, mask: AttentionMask = CAUSAL) -> torch.Tensor:
     """Attention of this rank's queries over the whole (cp-split) sequence under `mask`; blocks
-    the mask hides whole (outside a window) are not computed. It stays eager inside compiled
+    the mask hides whole (outside a window) are not computed. On every device, a GPU too, a
+    computed sub-block masks its dense scores with a dense bool `mask.allowed` of the same rows
+    and columns (a chunk pair's (s/2cp)^2, at most (s/cp)^2), never a block mask: the ring's
+    hand-written kernel holds those scores whole anyway. It stays eager inside compiled
     blocks (`compile`): its point-to-point steps break any graph into small pieces, and
     inductor's AVX2 code for those pieces gave NaNs (torch 2.13, ATEN_CPU_CAPABILITY=avx2)."""
     return _RingAttention.apply(q, k, v, axis, seq_len, mask)

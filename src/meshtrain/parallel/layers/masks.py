@@ -3,9 +3,11 @@ positions (Mistral: position i sees j with i - window < j <= i), and documents (
 sequences: a token sees only tokens of its own document).
 
 The family says the window (its config), the run's data the documents (`document_ids` of the
-token ids, from the token file's end-of-document id). One builder, `AttentionMask.allowed`,
-serves every attention path: the eager and SDPA kernels, ring attention's blocks, Ulysses'
-gathered sequences, and the key/value cache (which keeps at most `window` positions).
+token ids, from the token file's end-of-document id). One rule, `_visible`, serves every
+attention path in two forms: `AttentionMask.allowed`, a dense bool mask (the eager and SDPA
+kernels, ring attention's blocks, Ulysses' gathered sequences on the CPU, the key/value cache
+which keeps at most `window` positions), and `AttentionMask.mask_mod`, flex_attention's
+per-element form, from which a GPU builds block masks instead (`layers/flex.py`).
 
 Positions here are indices into the packed sequence, not the positions a model embeds: with
 `reset_positions` those restart at every document (`document_positions`), the mask does not.
@@ -13,19 +15,35 @@ Positions here are indices into the packed sequence, not the positions a model e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+
+
+def _visible(window: int | None, documents: torch.Tensor | None, row, q, k) -> torch.Tensor:
+    """The rule, on broadcasting tensors of batch rows and query and key sequence indices (or
+    on the scalars flex_attention gives a mask_mod): causal, within `window`, same document."""
+    distance = q - k
+    ok = distance >= 0
+    if window is not None:
+        ok = ok & (distance < window)
+    if documents is not None:
+        ok = ok & (documents[row, q] == documents[row, k])
+    return ok
 
 
 @dataclass(frozen=True)
 class AttentionMask:
     """`window`: keys at most `window - 1` positions before the query (None: all of them).
     `documents`: `[b, S]` the document index of every token of the whole sequences (S, not this
-    rank's share: context-parallel ranks look up the tokens they hold by position)."""
+    rank's share: context-parallel ranks look up the tokens they hold by position).
+    `block_masks`: the flex block masks built for this mask (`layers/flex.py`), so the layers
+    of one forward, which share the mask, build each once."""
 
     window: int | None = None
     documents: torch.Tensor | None = None
+    block_masks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def causal_only(self) -> bool:
@@ -35,15 +53,24 @@ class AttentionMask:
     def allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Bool `[b or 1, 1, len(q_pos), len(k_pos)]`, True where the query at sequence index
         `q_pos[i]` may attend the key at `k_pos[j]` (broadcasts over heads)."""
-        distance = q_pos[:, None] - k_pos[None, :]
-        ok = distance >= 0
-        if self.window is not None:
-            ok = ok & (distance < self.window)
-        ok = ok[None, None]
+        documents, rows = None, None
         if self.documents is not None:
-            docs = self.documents.to(q_pos.device)
-            ok = ok & (docs[:, None, q_pos, None] == docs[:, None, None, k_pos])
-        return ok
+            documents = self.documents.to(q_pos.device)
+            rows = torch.arange(len(documents), device=q_pos.device)[:, None, None, None]
+        return _visible(self.window, documents, rows, q_pos[None, None, :, None],
+                        k_pos[None, None, None, :])
+
+    def mask_mod(self, q_start: int, k_start: int, device: torch.device) -> Callable:
+        """The rule as flex_attention's `mask_mod(b, h, i, j)`: query i is at sequence index
+        `q_start + i`, key j at `k_start + j` (both sides contiguous, as the local kernels and
+        Ulysses' gathered sequences are)."""
+        window = self.window
+        documents = None if self.documents is None else self.documents.to(device)
+
+        def mask_mod(b, h, i, j):
+            return _visible(window, documents, b, q_start + i, k_start + j)
+
+        return mask_mod
 
     def visible_span(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
         """Whether any query of `q_pos` may attend any key of `k_pos` (a block worth computing);
