@@ -30,13 +30,12 @@ from meshtrain.planner.calibrate import calibrate_machine
 from meshtrain.planner.costs import Prediction, predict
 from meshtrain.planner.hardware import Hardware, load_hardware
 
-RANKS, SEQ_LEN, GLOBAL_BATCH, WARMUP_STEPS = 4, 128, 16, 2
-MODEL_FLAGS = ["--model", "tiny", "--num-layers", "4", "--hidden-size", "128", "--num-heads",
-               "4", "--vocab-size", "512", "--seq-len", str(SEQ_LEN), "--global-batch",
-               str(GLOBAL_BATCH), "--precision", "fp32"]
-MODEL = dataclasses.replace(preset("tiny"), num_layers=4, hidden_size=128, num_heads=4,
+RANKS, SEQ_LEN, GLOBAL_BATCH, WARMUP_STEPS, LAYERS = 4, 128, 16, 2, 4
+MODEL = dataclasses.replace(preset("tiny"), num_layers=LAYERS, hidden_size=128, num_heads=4,
                             vocab_size=512)
-"""What MODEL_FLAGS build: the tiny preset keeps max_seq_len 256 (>= SEQ_LEN)."""
+"""What `model_flags` build: the tiny preset keeps max_seq_len 256 (>= SEQ_LEN)."""
+BREAKDOWN_LAYERS = (2, 6)
+"""`--breakdown` trains each layout at these depths: floor and per-layer slope."""
 LAYOUTS = (
     ParallelPlan(dp=4, micro_batch=4),
     ParallelPlan(dp=4, micro_batch=1),
@@ -55,6 +54,21 @@ LAYOUTS = (
     ParallelPlan(dp=1, pp=4, micro_batch=2, pp_schedule="1f1b"),
     ParallelPlan(dp=1, tp=2, pp=2, micro_batch=2, pp_schedule="1f1b"),
 )
+BREAKDOWN_LAYOUTS = (
+    ParallelPlan(dp=4, micro_batch=4),
+    ParallelPlan(dp=4, micro_batch=1),
+    ParallelPlan(dp=4, micro_batch=4, zero=1),
+    ParallelPlan(dp=4, micro_batch=4, zero=2),
+    ParallelPlan(dp=4, micro_batch=4, zero=3),
+    ParallelPlan(dp=4, micro_batch=4, recompute="full"),
+    ParallelPlan(tp=2, dp=2, micro_batch=4),
+    ParallelPlan(tp=2, dp=2, micro_batch=4, sequence_parallel=True),
+    ParallelPlan(cp=2, dp=2, micro_batch=4),
+    ParallelPlan(pp=2, dp=2, micro_batch=2, pp_schedule="1f1b"),
+    ParallelPlan(pp=2, dp=2, micro_batch=2, pp_schedule="zb-h1"),
+)
+"""One layout per family for `--breakdown`: its floor (what a step costs besides its layers)
+and its per-layer slope, measured against the model's."""
 GOALS = {"median error <= 15%": lambda s: s["median_error"] <= 0.15,
          "Spearman >= 0.8": lambda s: s["spearman"] >= 0.8,
          "first choice within 10% of the fastest": lambda s: s["first_choice_gap"] <= 0.10}
@@ -67,6 +81,13 @@ def short(layout: ParallelPlan) -> str:
                     if key in ("dp", "mb") or default.get(key) != value)
 
 
+def model_flags(layers: int = LAYERS) -> list[str]:
+    return ["--model", "tiny", "--num-layers", str(layers), "--hidden-size",
+            str(MODEL.hidden_size), "--num-heads", str(MODEL.num_heads), "--vocab-size",
+            str(MODEL.vocab_size), "--seq-len", str(SEQ_LEN), "--global-batch",
+            str(GLOBAL_BATCH), "--precision", "fp32"]
+
+
 def train_flags(layout: ParallelPlan) -> list[str]:
     flags = ["--tp", layout.tp, "--pp", layout.pp, "--dp", layout.dp, "--cp", layout.cp,
              "--zero", layout.zero, "--recompute", layout.recompute,
@@ -75,14 +96,15 @@ def train_flags(layout: ParallelPlan) -> list[str]:
     return [str(f) for f in flags] + (["--sequence-parallel"] if layout.sequence_parallel else [])
 
 
-def measure_once(layout: ParallelPlan, steps: int, attempts: int = 2) -> list[float]:
+def measure_once(layout: ParallelPlan, steps: int, attempts: int = 2,
+                 layers: int = LAYERS) -> list[float]:
     """Step times (s) after the warm-up steps of one `meshtrain train --nproc 4` run. A failed
     run is tried again once: on this shared host a rank now and then fails to start (exit 6)."""
     for attempt in range(attempts):
         with tempfile.TemporaryDirectory(prefix="plan_vs_measured_") as out:
             cmd = [sys.executable, "-m", "meshtrain", "train", "--nproc", str(RANKS),
-                   *MODEL_FLAGS, *train_flags(layout), "--steps", str(steps), "--eval-every",
-                   "0", "--log-every", "1", "--out", out]
+                   *model_flags(layers), *train_flags(layout), "--steps", str(steps),
+                   "--eval-every", "0", "--log-every", "1", "--out", out]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
             if done.returncode == 0:
                 rows = [json.loads(line)
@@ -144,12 +166,43 @@ def print_table(predicted: list[Prediction], measured: list[float], s: dict) -> 
         print(f"goal {goal}: {'met' if met(s) else 'not met'}")
 
 
+def breakdown(hardware: Hardware, repeats: int, steps: int) -> None:
+    """Train each of BREAKDOWN_LAYOUTS at each of BREAKDOWN_LAYERS' depths (taking turns) and
+    print the measured floor and per-layer slope beside the model's, with the model's split."""
+    low, high = BREAKDOWN_LAYERS
+    runs = [(lay, depth) for lay in BREAKDOWN_LAYOUTS for depth in BREAKDOWN_LAYERS]
+    times: list[list[float]] = [[] for _ in runs]
+    for repeat in range(repeats):
+        for k in range(len(runs)):
+            i = (repeat + k) % len(runs)
+            times[i] += measure_once(runs[i][0], steps, layers=runs[i][1])
+            print(f"  repeat {repeat + 1}/{repeats} {short(runs[i][0]):<36} layers"
+                  f" {runs[i][1]}: {statistics.median(times[i]) * 1e3:7.1f} ms", flush=True)
+    measured = {run: statistics.median(t) for run, t in zip(runs, times, strict=True)}
+    print(f"\n{'layout':<36} {'floor ms meas/model':>20} {'slope ms/layer meas/model':>26}"
+          f"   model floor split (compute/comm/bubble)")
+    for lay in BREAKDOWN_LAYOUTS:
+        model = {d: predict(dataclasses.replace(MODEL, num_layers=d), lay, hardware,
+                            seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, precision="fp32")
+                 for d in BREAKDOWN_LAYERS}
+        slope = (measured[lay, high] - measured[lay, low]) / (high - low)
+        model_slope = (model[high].step_time_s - model[low].step_time_s) / (high - low)
+        floor = measured[lay, low] - low * slope
+        parts = [(getattr(model[high], k) * low - getattr(model[low], k) * high) / (low - high)
+                 for k in ("compute_s", "exposed_comm_s", "bubble_s")]
+        print(f"{short(lay):<36} {floor * 1e3:9.1f} /{sum(parts) * 1e3:7.1f}"
+              f" {slope * 1e3:15.2f} /{model_slope * 1e3:7.2f}   "
+              + "/".join(f"{x * 1e3:.1f}" for x in parts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="steps per run (2 are warm-up)")
     parser.add_argument("--hardware", help="a profile name or TOML file instead of calibrating")
     parser.add_argument("--json", type=Path, help="also write everything to this file")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="measure each layout family's floor and per-layer slope instead")
     parser.add_argument("--measured", type=Path,
                         help="a previous run's --json: predict its measured times again (with"
                              " --hardware, or its own profile) instead of training")
@@ -168,6 +221,8 @@ def main() -> None:
         print(f"calibrating this machine at {RANKS} ranks:")
         hardware = calibrate_machine(ranks=RANKS, report=lambda line: print("  " + line))
     print(hardware.to_toml())
+    if args.breakdown:
+        return breakdown(hardware, args.repeats, args.steps)
     predicted = [predict(MODEL, lay, hardware, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
                          precision="fp32") for lay in LAYOUTS]
     if saved:

@@ -43,6 +43,9 @@ class Hardware:
     """Per-device, one-direction bandwidth to devices of other nodes."""
     fp32_peak_tflops: float = 0.0
     """fp32 matmul peak per device (0: half the 16-bit peak)."""
+    fp16_peak_tflops: float = 0.0
+    """fp16 matmul peak per device where it differs from bf16's (0: `peak_tflops`; a CPU
+    without fp16 units measures its own)."""
     hbm_gbytes_per_s: float = 2000.0
     """Device memory bandwidth (elementwise work: norms, softmax, dropout, optimizer)."""
     matmul_efficiency: float = 0.7
@@ -80,11 +83,16 @@ class Hardware:
     """One NVMe drive's sequential bandwidth per rank: `offload_optimizer` nvme's files."""
     default_precision: str = "bf16"
     """The precision `meshtrain plan` assumes for this hardware unless told otherwise."""
+    calibrated_ranks: int = 0
+    """Ranks that shared the machine while `plan calibrate` measured it (its numbers are one
+    rank's under that contention); 0: a profile from data sheets and published runs."""
 
     def peak_for(self, precision: str) -> float:
         """Matmul peak TFLOP/s in a precision (fp32, bf16, fp16)."""
         if precision == "fp32":
             return self.fp32_peak_tflops or self.peak_tflops / 2
+        if precision == "fp16":
+            return self.fp16_peak_tflops or self.peak_tflops
         return self.peak_tflops
 
     def mfu(self, tflops: float, precision: str) -> float | None:
@@ -168,7 +176,8 @@ BUILT_IN: dict[str, Hardware] = {
         fp32_peak_tflops=0.05066, hbm_gbytes_per_s=8.709, matmul_efficiency=0.884,
         matmul_half_gflop=0.0002586, memory_efficiency=1.0, network_efficiency=1.0,
         collective_latency_s=0.0008008, overlap_efficiency=0.1761, layer_overhead_s=0.0002854,
-        attention_backward_ratio=2.596, reduce_scatter_factor=3.616, default_precision="fp32"),
+        attention_backward_ratio=2.596, reduce_scatter_factor=3.616, default_precision="fp32",
+        calibrated_ranks=4),
 }
 """GPU peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s
 hardware table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
@@ -236,7 +245,8 @@ _RANGES = {  # field: (low, high, low included); a NaN is in no range
                      "inter_node_gbytes_per_s", "hbm_gbytes_per_s",
                      "attention_backward_ratio", "reduce_scatter_factor", "matmul_efficiency",
                      "memory_efficiency", "network_efficiency"), _POSITIVE),
-    **dict.fromkeys(("fp32_peak_tflops", "collective_latency_s", "layer_overhead_s",
+    **dict.fromkeys(("fp32_peak_tflops", "fp16_peak_tflops", "collective_latency_s",
+                     "layer_overhead_s", "calibrated_ranks",
                      "matmul_half_gflop", "attention_efficiency"),
                     (0.0, math.inf, True)),
     "overlap_efficiency": (0.0, 1.0, True),
