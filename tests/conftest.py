@@ -15,6 +15,10 @@ os.environ.update(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="AVX2", ONEDNN_MAX_CPU_IS
 # compile tests therefore cache in a folder of their own session, removed at its end.
 _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="meshtrain-tests-inductor-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+# `plan` and `train --layout auto` prefer a profile `plan calibrate` measured on this machine
+# ($MESHTRAIN_HOME/hardware): the tests must not read the user's, so they get an empty home.
+_HOME = tempfile.mkdtemp(prefix="meshtrain-tests-home-")
+os.environ["MESHTRAIN_HOME"] = _HOME
 sys.path.insert(0, os.path.dirname(__file__))
 # This tree's own sources first, also for the CLI subprocesses the tests start, so a git worktree
 # tests its code even where the environment's editable install points at another checkout.
@@ -34,6 +38,7 @@ from meshtrain.data.corpus import synthetic_corpus  # noqa: E402
 
 def pytest_unconfigure(config):
     shutil.rmtree(_INDUCTOR_CACHE, ignore_errors=True)
+    shutil.rmtree(_HOME, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -17,11 +17,12 @@ from meshtrain.planner.hardware import BUILT_IN, Hardware, load_hardware
 
 TRUE = Hardware(name="cpu-gloo", peak_tflops=0.1, hbm_gib=4.0, gpus_per_node=4,
                 intra_node_gbytes_per_s=0.8, inter_node_gbytes_per_s=0.8,
-                fp32_peak_tflops=0.04, hbm_gbytes_per_s=10.0, matmul_efficiency=0.9,
+                fp32_peak_tflops=0.04, fp16_peak_tflops=0.0005, hbm_gbytes_per_s=10.0,
+                matmul_efficiency=0.9,
                 matmul_half_gflop=0.002, memory_efficiency=1.0, network_efficiency=1.0,
                 collective_latency_s=5e-4, overlap_efficiency=0.25, layer_overhead_s=3e-4,
                 attention_backward_ratio=5.0, reduce_scatter_factor=2.0,
-                default_precision="fp32")
+                default_precision="fp32", calibrated_ranks=4)
 """A machine whose every measurement the cost model predicts exactly."""
 OPS = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
        "reduce_scatter": coll.reduce_scatter, "send": lambda hw, n, g, span: coll.send(hw, n, span)}
@@ -29,24 +30,25 @@ OPS = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
 
 def measurements_of(hw: Hardware) -> dict:
     """What the ranks would report on `hw`: each time from the cost model's own formulas."""
-    layer = calibrate._layer_compute(hw)
+    layer = {b: calibrate._layer_compute(hw, calibrate.LAYER["cpu"], b)
+             for b in calibrate.LAYER_BATCHES}
     return {
         "backend": "gloo", "device": "cpu", "memory_bytes": 16 * 2**30,
         "matmul": [(d, s, _matmul(hw, 2 * math.prod(s), d)) for d in ("fp32", "bf16")
-                   for s in calibrate.MATMUL_SHAPES],
+                   for s in calibrate.MATMUL_SHAPES]
+        + [("fp16", s, _matmul(hw, 2 * math.prod(s), "fp16")) for s in calibrate.FP16_SHAPES],
         "elementwise": [(n, _elementwise(hw, n)) for n in (3 << 25, 2 << 25)],
         "collectives": [(op, g, n, OPS[op](hw, n, g, g)) for op in calibrate.COLLECTIVES
                         for g in (2, 4) for n in calibrate.COLLECTIVE_BYTES],
         "overlap": {"comm": 0.01, "compute": 0.005, "both": 0.005 + 0.01 - 0.25 * 0.005},
-        "block": {"forward": layer / 3 + hw.layer_overhead_s,
-                  "backward": 2 * layer / 3 + 2 * hw.layer_overhead_s},
+        "layer": {b: t + 3 * hw.layer_overhead_s for b, t in layer.items()},
         "attention": {"forward": 1e-3, "backward": hw.attention_backward_ratio * 1e-3},
     }
 
 
 def test_fits_recover_the_machine_the_formulas_describe():
     fitted = calibrate.fit_profile(measurements_of(TRUE), ranks=4)
-    for d in ("fp32", "bf16"):  # peak x efficiency is what a time determines
+    for d in ("fp32", "bf16", "fp16"):  # peak x efficiency is what a time determines
         for s in calibrate.MATMUL_SHAPES + ((64, 64, 64), (4096, 4096, 4096)):
             flops = 2 * math.prod(s)
             assert _matmul(fitted, flops, d) == pytest.approx(_matmul(TRUE, flops, d), rel=2e-3)
@@ -61,6 +63,22 @@ def test_fits_recover_the_machine_the_formulas_describe():
         assert getattr(fitted, field) == pytest.approx(getattr(TRUE, field), rel=2e-3), field
     assert fitted.hbm_gib == 4.0 and fitted.gpus_per_node == 4
     assert fitted.default_precision == "fp32" and fitted.name == "cpu-gloo"
+    assert fitted.calibrated_ranks == 4
+
+
+def test_a_real_layer_slower_than_its_matmuls_rescales_compute_and_sets_the_overhead():
+    """Its layer twice as slow as the matmuls and memory passes timed alone predict, plus 1 ms
+    of host time per pass: the fit halves the compute rates and finds the overhead."""
+    measured = measurements_of(TRUE)
+    measured["layer"] = {b: 2 * calibrate._layer_compute(TRUE, calibrate.LAYER["cpu"], b)
+                         + 3e-3 for b in calibrate.LAYER_BATCHES}
+    lines = []
+    fitted = calibrate.fit_profile(measured, ranks=4, report=lines.append)
+    for d in ("fp32", "bf16", "fp16"):
+        assert _matmul(fitted, 1e9, d) == pytest.approx(2 * _matmul(TRUE, 1e9, d), rel=2e-3)
+    assert _elementwise(fitted, 1e9) == pytest.approx(2 * _elementwise(TRUE, 1e9), rel=2e-3)
+    assert fitted.layer_overhead_s == pytest.approx(1e-3, rel=2e-3)
+    assert "compute x0.5, layer_overhead_s 0.001" in lines[-1]
 
 
 @pytest.fixture(scope="module")

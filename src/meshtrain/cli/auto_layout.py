@@ -15,18 +15,24 @@ from meshtrain.data.blend import load_data
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
 from meshtrain.parallel.runtime.plan import ParallelPlan, parse_spec, spec_key
 from meshtrain.planner.costs import Prediction
-from meshtrain.planner.hardware import Hardware, device_profile, load_hardware
+from meshtrain.planner.hardware import Hardware, calibrated_path, device_profile, load_hardware
 from meshtrain.planner.search import search
 from meshtrain.planner.workload import ELEMENT_BYTES
 
 
-def default_hardware(device: str) -> Hardware:
-    """The built-in profile of this machine: its CUDA device's (unless `device` is cpu), else
-    the CPU one."""
+def default_hardware(device: str, ranks: int | None = None) -> Hardware:
+    """This machine's profile: the one `plan calibrate` measured of it at `ranks` ranks (at
+    most its CUDA devices) where there is one, else the built-in profile of its CUDA device
+    (unless `device` is cpu), else the CPU one."""
     import torch
 
-    name = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() \
-        else None
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if ranks is not None:
+        local = min(ranks, torch.cuda.device_count()) if cuda else ranks
+        measured = calibrated_path("cuda-nccl" if cuda else "cpu-gloo", local)
+        if measured.is_file():
+            return load_hardware(str(measured))
+    name = torch.cuda.get_device_name(0) if cuda else None
     hardware = device_profile(name)
     if hardware is None:
         raise ValueError(f"no built-in hardware profile matches the CUDA device {name!r}: pass"
@@ -61,7 +67,8 @@ def choose_layout(cfg: RunConfig, world_size: int, given: set[tuple[str, str]]) 
         if getattr(cfg.plan, name) is not None:
             raise ValueError(f"`{name}` belongs to one layout: drop it with `layout` (the"
                              " planner splits layers evenly and recomputes all or none)")
-    hardware = load_hardware(p.hardware) if p.hardware else default_hardware(p.device)
+    hardware = load_hardware(p.hardware) if p.hardware else default_hardware(p.device,
+                                                                             world_size)
     d = cfg.data
     vocab = cfg.model.vocab_size or (BYTE_VOCAB_SIZE if d.data is None and d.data_path is None
                                      else load_data(d.data, d.data_path).vocab_size)

@@ -152,9 +152,20 @@ def _plan_parser(sub) -> None:
                    help="also list the rejected layouts by reason, with examples")
     tools = p.add_subparsers(dest="plan_command", metavar="{calibrate,validate}")
     c = command(tools, "calibrate",
-                help="measure this machine (matmuls, collectives) into a hardware file")
-    c.add_argument("--out", required=True, metavar="FILE.toml", help="the profile to write")
-    c.add_argument("--ranks", type=int, default=4, help="ranks whose collectives are measured")
+                help="measure this machine (matmuls, collectives, with --ranks ranks at once)"
+                     " into a hardware file, or fit a profile to real runs (--from-run)")
+    c.add_argument("--out", default=None, metavar="FILE.toml",
+                   help="the profile to write (default: this machine's profile for --ranks"
+                        " ranks, under $MESHTRAIN_HOME/hardware or ~/.cache/meshtrain/hardware,"
+                        " which `plan` and `train --layout auto` then use by themselves)")
+    c.add_argument("--ranks", type=int, default=4,
+                   help="ranks measured at once (on a CPU they share its cores)")
+    c.add_argument("--from-run", nargs="+", default=None, metavar="RUN",
+                   help="instead of measuring, fit the --hardware profile (default: this"
+                        " machine's) to these finished `train` runs' step times: their"
+                        " config.toml and metrics.jsonl")
+    c.add_argument("--hardware", default=argparse.SUPPRESS, metavar="NAME|FILE.toml",
+                   help="the profile --from-run starts from")
     command(tools, "validate",
             help="predicted vs published TFLOP/s of the published runs' layouts")
 

@@ -24,7 +24,13 @@ from meshtrain.errors import SettingError
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
 from meshtrain.planner.costs import Prediction
-from meshtrain.planner.hardware import BUILT_IN, UNFITTED, Hardware, load_hardware
+from meshtrain.planner.hardware import (
+    BUILT_IN,
+    UNFITTED,
+    Hardware,
+    calibrated_path,
+    load_hardware,
+)
 from meshtrain.planner.search import OVER_BUDGET, SearchResult, search
 from meshtrain.planner.workload import ELEMENT_BYTES
 
@@ -106,7 +112,8 @@ def _request(args: argparse.Namespace) -> Request:
     if seq_len > model.max_seq_len:
         raise ValueError(f"`seq_len` {seq_len} exceeds `max_seq_len` {model.max_seq_len}:"
                          " raise `max_seq_len` or shorten `seq_len`")
-    hardware = load_hardware(args.hardware) if args.hardware else default_hardware("auto")
+    hardware = load_hardware(args.hardware) if args.hardware else \
+        default_hardware("auto", args.gpus)
     precision = args.precision or hardware.default_precision
     if precision not in ELEMENT_BYTES:
         raise ValueError(f"`precision` must be one of {', '.join(ELEMENT_BYTES)}, got"
@@ -167,6 +174,10 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
     mine = "" if request.hardware_given else "; this machine's profile, no --hardware given"
     if hw.name in UNFITTED:
         mine += "; data-sheet peaks, efficiencies not fitted to any run of it"
+    if hw.calibrated_ranks:
+        mine += f"; measured with {hw.calibrated_ranks} ranks sharing the machine"
+        if hw.name.startswith("cpu") and hw.calibrated_ranks != request.gpus:
+            mine += f" (`plan calibrate --ranks {request.gpus}` measures {request.gpus})"
     lines = [f"{' '.join(request.model_flags)}: {m.num_parameters() / 1e9:.4g}B parameters,"
              f" seq {request.seq_len}, global batch {request.global_batch}, {request.precision}",
              f"on {request.gpus} x {hw.name} ({hw.hbm_gib:g} GiB,"
@@ -238,11 +249,24 @@ def _json_layout(request: Request, result: SearchResult, p: Prediction) -> dict:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from meshtrain.planner.calibrate import calibrate_machine
+    from meshtrain.planner.run_fit import fit_runs, read_run
 
-    out = Path(args.out)
-    if out.suffix != ".toml":
+    if args.ranks < 2 and not args.from_run:
+        raise ValueError(f"`ranks` must be at least 2 (collectives need a group), got"
+                         f" {args.ranks}")
+    out = Path(args.out) if args.out else None
+    if out is not None and out.suffix != ".toml":
         raise ValueError(f"`out` {out} must be a .toml file (`hardware` reads it)")
-    hardware = calibrate_machine(ranks=args.ranks)
+    if args.from_run:
+        runs = [read_run(run) for run in args.from_run]  # every run read before the fit
+        base = load_hardware(args.hardware) if args.hardware else \
+            default_hardware("auto", args.ranks)
+        hardware = fit_runs(base, runs, report=lambda line: print(f"meshtrain: {line}"))
+    else:
+        hardware = calibrate_machine(ranks=args.ranks)
+    if out is None:
+        out = calibrated_path(hardware.name, hardware.calibrated_ranks or args.ranks)
+        out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, hardware.to_toml().encode())
     print(f"meshtrain: wrote {out}; plan with it: meshtrain plan --hardware {out} --gpus N")
     return 0

@@ -6,7 +6,8 @@ a 2-core machine, 4 ranks share 2 cores, and that is the machine the planner pre
 are the cost model's own formulas, so a calibrated profile predicts the measured times back:
 
 - matmul, `costs._matmul`: t(w) = w / (peak x eff(w)), eff(w) = E x w / (w + H), w in GFLOP.
-  peak is the best rate of its dtype (bf16: `peak_tflops`, fp32: `fp32_peak_tflops`); then
+  peak is the best rate of its dtype (bf16: `peak_tflops`, fp32: `fp32_peak_tflops`, fp16:
+  `fp16_peak_tflops`); then
   t(w) = (w + H) / (peak x E) is linear in 1/E and H/E, fitted over every shape of both dtypes
   by least squares on the relative error (`matmul_efficiency` = E, `matmul_half_gflop` = H).
 - memory: bytes moved / time of large elementwise adds and copies (`memory_efficiency` 1).
@@ -15,8 +16,11 @@ are the cost model's own formulas, so a calibrated profile predicts the measured
   relative error (`network_efficiency` 1; one host: intra-node = inter-node bandwidth).
 - overlap: an all-reduce started asynchronously behind W seconds of matmuls ends X seconds late;
   the cost model's exposed = comm - overlap x W gives overlap = (comm - X) / W, clamped to [0, 1].
-- layer overhead: a tiny transformer block's forward + backward minus the cost model's compute
-  for it, over 3 (the model charges it once in the forward and twice in the backward).
+- a real layer: a small transformer layer's forward + backward at two micro-batch sizes, every
+  rank at once, t(b) = 3 x overhead + k x the model's compute (the overhead charged once in the
+  forward and twice in the backward): k rescales the compute rates fitted above (what a layer
+  adds around its matmuls: small kernels, autograd, contention), the rest is
+  `layer_overhead_s`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from meshtrain.parallelize import build_model
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.costs import chunk_costs
 from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.run_fit import scaled
 from meshtrain.planner.workload import Workload
 
 MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024),
@@ -51,8 +56,13 @@ QUICK_MATMUL_SHAPES = ((128, 128, 128), (512, 512, 512), (512, 128, 384), (2048,
 COLLECTIVE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 QUICK_COLLECTIVE_BYTES = (4 << 10, 1 << 20)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
-TINY_BLOCK = GPTConfig(num_layers=1, hidden_size=32, num_heads=2, vocab_size=64, max_seq_len=16)
-"""So small that its matmuls take microseconds: what is left of its time is host overhead."""
+LAYER = {"cpu": GPTConfig(num_layers=1, hidden_size=128, num_heads=4, vocab_size=64,
+                         max_seq_len=128),
+         "cuda": GPTConfig(num_layers=1, hidden_size=1024, num_heads=16, vocab_size=64,
+                          max_seq_len=1024)}
+"""The transformer layer timed as training runs it, per device: a small model's on a CPU."""
+LAYER_BATCHES = (1, 4)
+"""Micro-batches the layer is timed at: the host overhead is what does not grow with them."""
 MAX_CALLS = 2000
 TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -144,7 +154,7 @@ def _rank_main(rank: int, ranks: int, port: int, quick: bool, results) -> None:
             "elementwise": _time_elementwise(r, 1 << (22 if quick else 23)),
             "collectives": _time_collectives(r, ranks, sizes),
             "overlap": _time_overlap(r, (1 if quick else 4) << 20),
-            "block": _time_block(r),
+            "layer": _time_layer(r),
             "attention": _time_attention(r),
         }
         if rank == 0:
@@ -159,14 +169,20 @@ def _device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Each precision's matmuls are timed: a CPU without fp16 units prices fp16 as it runs it."""
+
+
+FP16_SHAPES = ((128, 128, 128), (512, 128, 384))
+"""fp16's few shapes: enough for its peak, small enough where it is emulated (this CPU: 0.4
+GFLOP/s, a hundredth of bf16's); the efficiency curve is fitted on fp32 and bf16."""
 
 
 def _time_matmuls(r: _Rank, shapes: tuple[tuple[int, int, int], ...]) -> list[tuple]:
     """(dtype, (m, k, n), seconds) of `[m, k] @ [k, n]` in each dtype."""
     fns = {}
     for dtype, torch_dtype in DTYPES.items():
-        for m, k, n in shapes:
+        for m, k, n in FP16_SHAPES if dtype == "fp16" else shapes:
             a = torch.randn(m, k, device=r.device).to(torch_dtype)
             b = torch.randn(k, n, device=r.device).to(torch_dtype)
             fns[dtype, (m, k, n)] = lambda a=a, b=b: a @ b
@@ -182,14 +198,35 @@ def _time_elementwise(r: _Rank, numel: int) -> list[tuple[float, float]]:
 
 def _time_collectives(r: _Rank, ranks: int, sizes: tuple[int, ...]) -> list[tuple]:
     """(op, group size, bytes, seconds) for groups of 2 (every pair at once: tensor-parallel
-    groups run side by side) and of all ranks; sends go around the group's ring."""
+    groups run side by side) and of all ranks; sends go around the group's ring. Each is timed
+    after a burst of matmuls, as a step's collectives follow its compute, less the burst alone:
+    on a CPU shared by more ranks than cores a collective's partner may not be running when it
+    arrives, which a tight loop of collectives alone, its ranks in lock-step, never shows."""
     rank = dist.get_rank()
     pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(ranks // 2)]
     groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, ranks: dist.group.WORLD}
+    burst = _burst(r, BURST_S)
     fns = {(op, size, nbytes): _collective(op, nbytes, group, r.device) if group is not None
            else (lambda: None)
            for size, group in groups.items() for op in COLLECTIVES for nbytes in sizes}
-    return [(*key, t) for key, t in r.timed_each(fns).items()]
+    t = r.timed_each({"burst": burst} | {key: lambda fn=fn: (burst(), fn())
+                                          for key, fn in fns.items()})
+    return [(*key, max(t[key] - t["burst"], 1e-7)) for key in fns]
+
+
+BURST_S = 2e-3
+"""Compute before each timed collective: about a small layer's forward on a CPU rank."""
+
+
+def _burst(r: _Rank, seconds: float) -> Callable[[], None]:
+    """Matmuls taking about `seconds` on every rank at once."""
+    a = torch.randn(128, 128, device=r.device)
+    count = max(1, round(seconds / r.timed(lambda: a @ a)))
+
+    def burst() -> None:
+        for _ in range(count):
+            a @ a
+    return burst
 
 
 def _collective(op: str, nbytes: int, group, device: torch.device) -> Callable[[], None]:
@@ -237,18 +274,22 @@ def _time_overlap(r: _Rank, nbytes: int) -> dict[str, float]:
     return r.timed_each({"comm": comm, "compute": compute, "both": both})
 
 
-def _time_block(r: _Rank) -> dict[str, float]:
-    """Forward and backward seconds of `TINY_BLOCK`'s transformer layer on one sequence."""
-    model = build_model(TINY_BLOCK, ParallelMesh.local(r.device))
-    block = model.layers["0"]
-    s, h = TINY_BLOCK.max_seq_len, TINY_BLOCK.hidden_size
-    x = torch.randn(1, s, h, device=r.device, requires_grad=True)
+def _time_layer(r: _Rank) -> dict[int, float]:
+    """Forward + backward seconds of `LAYER`'s transformer layer at each of LAYER_BATCHES,
+    every rank at once (on a shared CPU, under the contention of a data-parallel step)."""
+    cfg = LAYER[r.device.type]
+    model = build_model(cfg, ParallelMesh.local(r.device))
+    layer = model.layers["0"]
+    s, h = cfg.max_seq_len, cfg.hidden_size
     positions = torch.arange(s, device=r.device)
-    grad = torch.ones(1, s, h, device=r.device)
-    t = r.timed_each({
-        "forward": lambda: block(x, model.rng, positions, AuxiliaryOutputs()),
-        "both": lambda: block(x, model.rng, positions, AuxiliaryOutputs()).backward(grad)})
-    return {"forward": t["forward"], "backward": t["both"] - t["forward"]}
+    fns = {}
+    for b in LAYER_BATCHES:
+        x = torch.randn(b, s, h, device=r.device, requires_grad=True)
+        grad = torch.ones(b, s, h, device=r.device)
+        fns[b] = lambda x=x, grad=grad: layer(x, model.rng, positions,
+                                              AuxiliaryOutputs()).backward(grad)
+    return r.timed_each(fns)
+
 
 def _time_attention(r: _Rank) -> dict[str, float]:
     """Forward and backward seconds of a causal SDPA core (the ratio the cost model needs)."""
@@ -266,8 +307,10 @@ def fit_profile(measured: dict, *, ranks: int,
     """The profile whose cost formulas best reproduce what the ranks measured."""
     say = report or (lambda line: None)
     peaks = {d: max(_gflop(shape) / t for dt, shape, t in measured["matmul"] if dt == d)
-             for d in DTYPES}  # GFLOP/s
+             for d in ("fp32", "bf16")}  # GFLOP/s
     efficiency, half = _fit_matmul(measured["matmul"], peaks, say)
+    peaks["fp16"] = _fit_peak([row for row in measured["matmul"] if row[0] == "fp16"],
+                              efficiency, half, say)
     moved, seconds = (sum(col) for col in zip(*measured["elementwise"], strict=True))
     alpha, link, scatter = _fit_collectives(measured["collectives"], say)
     a = measured["attention"]
@@ -283,18 +326,31 @@ def fit_profile(measured: dict, *, ranks: int,
         name=f"{measured['device']}-{measured['backend']}", peak_tflops=peaks["bf16"] / 1e3,
         hbm_gib=measured["memory_bytes"] / (ranks if cpu else 1) / 2**30, gpus_per_node=ranks,
         intra_node_gbytes_per_s=link / 1e9, inter_node_gbytes_per_s=link / 1e9,
-        fp32_peak_tflops=peaks["fp32"] / 1e3, hbm_gbytes_per_s=moved / seconds / 1e9,
+        fp32_peak_tflops=peaks["fp32"] / 1e3, fp16_peak_tflops=peaks["fp16"] / 1e3,
+        calibrated_ranks=ranks, hbm_gbytes_per_s=moved / seconds / 1e9,
         matmul_efficiency=efficiency, matmul_half_gflop=half, memory_efficiency=1.0,
         network_efficiency=1.0, collective_latency_s=alpha, overlap_efficiency=overlap,
         attention_backward_ratio=ratio, reduce_scatter_factor=scatter,
         default_precision="fp32" if cpu else "bf16")
-    block = measured["block"]
-    compute = _layer_compute(hardware)
-    overhead = max(0.0, (block["forward"] + block["backward"] - compute) / 3)
-    say(f"tiny block: forward {block['forward'] * 1e6:.0f} us, backward"
-        f" {block['backward'] * 1e6:.0f} us, modelled compute {compute * 1e6:.0f} us"
-        f" -> layer_overhead_s {overhead:.3g}")
-    return _rounded(dataclasses.replace(hardware, layer_overhead_s=overhead))
+    return _rounded(_fit_layer(hardware, measured["layer"], measured["device"], say))
+
+
+def _fit_layer(hardware: Hardware, times: dict[int, float], device: str,
+               say: Callable[[str], None]) -> Hardware:
+    """Scale the fitted compute rates and set `layer_overhead_s` so that a real layer's
+    forward + backward at each micro-batch, t(b) = 3 x overhead + k x modelled compute(b),
+    is predicted: the two batches give k and the overhead (the matmuls timed alone miss what
+    a layer adds around them: many small kernels, autograd, the other ranks' contention)."""
+    (b1, t1), (b2, t2) = sorted(times.items())
+    c1, c2 = (_layer_compute(hardware, LAYER[device], b) for b in (b1, b2))
+    k = (t2 - t1) / (c2 - c1) if c2 > c1 else t2 / c2
+    k = k if k > 0 else t2 / c2
+    overhead = max(0.0, (t1 - k * c1) / 3)
+    say(f"layer (hidden {LAYER[device].hidden_size}, seq {LAYER[device].max_seq_len}):"
+        f" forward + backward {t1 * 1e3:.2f} ms at micro-batch {b1}, {t2 * 1e3:.2f} ms at {b2};"
+        f" modelled compute {c1 * 1e3:.2f} / {c2 * 1e3:.2f} ms -> compute x{1 / k:.3g},"
+        f" layer_overhead_s {overhead:.3g}")
+    return dataclasses.replace(scaled(hardware, 1 / k, 1.0), layer_overhead_s=overhead)
 
 
 def _gflop(shape: tuple[int, int, int]) -> float:
@@ -305,16 +361,28 @@ def _gflop(shape: tuple[int, int, int]) -> float:
 def _fit_matmul(rows: list[tuple], peaks: dict[str, float],
                 say: Callable[[str], None]) -> tuple[float, float]:
     """E and H of t(w) = (w + H) / (peak x E): linear in 1/E and H/E."""
-    points = [(_gflop(shape) / peaks[d], 1 / peaks[d], t) for d, shape, t in rows]
+    points = [(_gflop(shape) / peaks[d], 1 / peaks[d], t) for d, shape, t in rows
+              if d != "fp16"]
     inverse, half_over = _relative_least_squares(points)
     efficiency, half = 1 / inverse, half_over / inverse
-    for d in DTYPES:
+    for d in peaks:
         say(f"matmul {d}: best {peaks[d]:.1f} GFLOP/s; " + ", ".join(
             f"{'x'.join(map(str, shape))} {_gflop(shape) / t:.1f}" for dt, shape, t in rows
             if dt == d))
     say(f"matmul fit: matmul_efficiency {efficiency:.3g}, matmul_half_gflop {half:.3g}, worst"
         f" time error {_worst_error(points, inverse, half_over):.0%}")
     return efficiency, half
+
+
+def _fit_peak(rows: list[tuple], efficiency: float, half: float,
+              say: Callable[[str], None]) -> float:
+    """The peak (GFLOP/s) under which the fitted curve t(w) = (w + H) / (peak x E) predicts
+    these rows' times best (their mean relative rate), for a dtype timed on a few shapes."""
+    peak = statistics.fmean((_gflop(shape) + half) / (t * efficiency) for _, shape, t in rows)
+    say(f"matmul {rows[0][0]}: " + ", ".join(f"{'x'.join(map(str, shape))}"
+                                             f" {_gflop(shape) / t:.2f}" for _, shape, t in rows)
+        + f" GFLOP/s -> peak {peak:.3g} GFLOP/s on the fitted curve")
+    return peak
 
 
 UNIT_LATENCY = Hardware(name="steps", peak_tflops=1.0, hbm_gib=1.0, gpus_per_node=1 << 20,
@@ -369,14 +437,16 @@ def _worst_error(points: list[tuple[float, float, float]], x: float, y: float) -
     return max(abs((x * p + y * q) / t - 1) for p, q, t in points)
 
 
-def _layer_compute(hardware: Hardware) -> float:
-    """The cost model's forward + backward compute of `TINY_BLOCK`'s layer, host overhead left
-    out: its first pipeline chunk with two layers minus with one (embedding and head cancel)."""
+def _layer_compute(hardware: Hardware, cfg: GPTConfig, batch: int) -> float:
+    """The cost model's forward + backward compute of `cfg`'s layer at micro-batch `batch`,
+    host overhead left out: a one-chunk model with two layers minus with one (embedding and
+    head cancel)."""
     hardware = dataclasses.replace(hardware, layer_overhead_s=0.0)
 
     def chunk(layers: int) -> float:
-        cfg = dataclasses.replace(TINY_BLOCK, num_layers=layers)
-        work = Workload(cfg, ParallelPlan(dp=1), cfg.max_seq_len, 1, "fp32")
+        model = dataclasses.replace(cfg, num_layers=layers)
+        work = Workload(model, ParallelPlan(dp=1, micro_batch=batch), model.max_seq_len, batch,
+                        "fp32")
         cost = chunk_costs(work, hardware)[0]
         return cost.forward + cost.backward
     return chunk(2) - chunk(1)

@@ -5,7 +5,7 @@ the rank whose step is longest. Per model chunk and micro-batch (`chunk_costs`):
 costs FLOPs / (peak x efficiency(its size)), a fused attention core FLOPs / (peak x the
 hardware's attention efficiency), elementwise work (the family's `pointwise_bytes`, eager or
 compiled) bytes / memory bandwidth, each layer a fixed host overhead (x2 in backward), each
-TP/CP collective its alpha-beta time (`collectives.py`); backward is twice the forward (a fused
+TP/CP/EP collective its alpha-beta time (`collectives.py`); backward is twice the forward (a fused
 attention core's `attention_backward_ratio` x), plus what recomputation repeats. Overlap is
 charged where meshtrain achieves it: a column-parallel layer's input-gradient all-reduce runs
 behind its weight-gradient matmul; data-parallel buckets (ZeRO 1/2: reduce-scatters) behind the
@@ -170,7 +170,9 @@ def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False
     tp_forward, tp_backward, tp_weight = (*_grid_comm(hw, work.layer_traffic(), lay.tp), 0.0) \
         if lay.scheme.splits_hidden else _tensor_parallel_comm(work, hw, weights, split)
     cp_forward, cp_backward = _context_parallel_comm(work, hw, core)
-    forward_comm, backward_comm = tp_forward + cp_forward, tp_backward + cp_backward
+    ep_forward, ep_backward = _expert_comm(work, hw, index)
+    forward_comm = tp_forward + cp_forward + ep_forward
+    backward_comm = tp_backward + cp_backward + ep_backward
     if lay.recompute == "selective":
         backward += core
     elif lay.recompute == "full":
@@ -205,11 +207,36 @@ def _tensor_parallel_comm(work: Workload, hw: Hardware, weights: list[float],
     n = work.activation_bytes
     if work.layout.sequence_parallel:
         gather, scatter = coll.all_gather(hw, n, t, t), coll.reduce_scatter(hw, n, t, t)
+        if work.layout.tp_overlap:
+            return _overlapped_sequence_parallel(hw, t, gather, scatter, weights, split)
         return 2 * (gather + scatter), 2 * (2 * gather + scatter), 2 * gather if split else 0.0
     one = coll.all_reduce(hw, n, t, t)
     if split:
         return 2 * one, 2 * one, 0.0
     return 2 * one, _hidden(hw, one, weights[0]) + _hidden(hw, one, weights[2]), 0.0
+
+
+def _overlapped_sequence_parallel(hw: Hardware, t: int, gather: float, scatter: float,
+                                  weights: list[float],
+                                  split: bool) -> tuple[float, float, float]:
+    """`tp_overlap` (`collective_matmul.py`): each linear's all-gather or reduce-scatter runs as
+    ring steps behind its chunked matmul, forward and backward (a column-parallel backward's
+    reduce-scatter carries the input's re-gather on the same steps, unless a split backward
+    leaves that to the `W`, unoverlapped)."""
+    qkv, proj, fc1, fc2 = weights
+    forward = sum(_ring_behind(hw, comm, matmul, t) for comm, matmul in (
+        (gather, qkv), (scatter, proj), (gather, fc1), (scatter, fc2)))
+    column = scatter if split else scatter + gather
+    weight = 2 * gather if split else 0.0
+    backward = sum(_ring_behind(hw, column, m, t) for m in (qkv, fc1)) \
+        + sum(_ring_behind(hw, gather, m, t) for m in (proj, fc2)) + weight
+    return forward, backward, weight
+
+
+def _ring_behind(hw: Hardware, comm: float, matmul: float, t: int) -> float:
+    """What stays exposed of a collective of `comm` seconds run as t - 1 ring steps, each
+    behind one of the t chunks of a matmul of `matmul` seconds in all."""
+    return (t - 1) * max(0.0, comm / (t - 1) - hw.overlap_efficiency * matmul / t)
 
 
 def _grid_comm(hw: Hardware, traffic: Traffic, tp: int) -> tuple[float, float]:
@@ -231,6 +258,19 @@ def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[f
     step = coll.send(hw, block, span)
     forward = (c - 1) * _hidden(hw, step, core / c)
     return forward, (c - 1) * _hidden(hw, 2 * step, 2 * core / c) + step
+
+
+def _expert_comm(work: Workload, hw: Hardware, index: int) -> tuple[float, float]:
+    """An MoE layer under expert parallelism: its forward sends the kept (token, choice) rows
+    to their experts' ranks and the results back (two all-to-alls, after a tiny one of the
+    per-expert counts), its backward the same two in reverse; every choice priced as kept."""
+    lay, m = work.layout, work.model
+    if lay.ep == 1 or not m.is_moe_layer(index):
+        return 0.0, 0.0
+    span = lay.tp * lay.cp * lay.ep
+    rows = work.local_tokens * m.moe_top_k * m.hidden_size * work.element_bytes
+    exchange = coll.all_to_all(hw, rows, lay.ep, span)
+    return 2 * exchange + coll.all_to_all(hw, 8 * m.moe_experts, lay.ep, span), 2 * exchange
 
 
 def _embedding_cost(work: Workload, hw: Hardware) -> ChunkCost:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,12 +113,13 @@ class Hardware:
 # Efficiencies fitted per profile against the published runs of `published_rows.json` by
 # `PYTHONPATH=src python benchmarks/plan_vs_published.py --fit` (docs/benchmarks.md, "Planner
 # validation against published runs"); the A100 40 GB takes the 80 GB's (same chip and links).
-# H100's network_efficiency 1 and 2 us latency sit at their grids' bounds: they absorb overlap
-# Megatron-Core has and meshtrain lacks (the docs say which rows).
+# H100's network_efficiency 1 and 2 us latency sit at their grids' bounds: they absorb the
+# overlap of the distributed optimizer's parameter all-gather Megatron-Core has and meshtrain
+# lacks (its --tp-comm-overlap is priced as `tp_overlap`; the docs say which rows).
 _A100_FIT = {"matmul_efficiency": 0.675, "memory_efficiency": 0.6, "network_efficiency": 0.9,
              "collective_latency_s": 2e-5, "attention_efficiency": 0.5,
              "attention_backward_ratio": 2.5}
-_H100_FIT = {"matmul_efficiency": 0.75, "memory_efficiency": 0.9, "network_efficiency": 1.0,
+_H100_FIT = {"matmul_efficiency": 0.65, "memory_efficiency": 0.9, "network_efficiency": 1.0,
              "collective_latency_s": 2e-6, "attention_efficiency": 0.35,
              "attention_backward_ratio": 2.5}
 # Fused attention (not fitted): FlashAttention-2, what torch's SDPA runs on these GPUs, reaches
@@ -200,6 +202,14 @@ def device_profile(cuda_name: str | None) -> Hardware | None:
         return BUILT_IN[CPU_PROFILE]
     return next((BUILT_IN[profile] for needle, profile in CUDA_PROFILES if needle in cuda_name),
                 None)
+
+
+def calibrated_path(name: str, ranks: int) -> Path:
+    """Where `plan calibrate` keeps the profile it measured of this machine (`name`, as
+    `calibrate_machine` names it: cpu-gloo, cuda-nccl) at `ranks` ranks, and where `plan` looks
+    for it: `$MESHTRAIN_HOME/hardware/`, by default under ~/.cache/meshtrain."""
+    home = os.environ.get("MESHTRAIN_HOME") or Path.home() / ".cache" / "meshtrain"
+    return Path(home) / "hardware" / f"{name}-{ranks}ranks.toml"
 
 
 def load_hardware(name_or_file: str) -> Hardware:

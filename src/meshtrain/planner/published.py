@@ -36,6 +36,12 @@ MATERIALIZED_SOFTMAX_SOURCES = ("readme2020", "narayanan2021", "korthikanti2022"
 softmax reads and writes the s x s scores, which the cost model charges as `eager` attention.
 Megatron-Core's H100 table and MegaScale (2024) ran flash attention (`sdpa`)."""
 
+TP_COMM_OVERLAP_SOURCES = ("mcore",)
+"""Runs with Megatron-Core's `--tp-comm-overlap` (its README: "fine-grained overlapping of
+data-parallel (--overlap-grad-reduce --overlap-param-gather), tensor-parallel
+(--tp-comm-overlap) and pipeline-parallel communication"), priced as meshtrain's `tp_overlap`:
+sequence parallelism's collectives as ring steps behind the chunked matmuls."""
+
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 """What the search may choose for a row that leaves its schedule out: the runs are Megatron's,
 which has no zero-bubble schedule."""
@@ -61,13 +67,13 @@ DIAGNOSES = (
      " all-gathers the rest over NVLink (scatter/gather); the other ~9% their sequence-parallel"
      " twins share"),
     (("mcore-h100",),
-     "Megatron-Core overlaps the sequence-parallel all-gathers and reduce-scatters with the"
-     " GEMMs (--tp-comm-overlap) and the distributed optimizer's parameter all-gather with the"
-     " next forward (--overlap-param-gather), which the rows do not list, so neither is"
-     " priced: rows without a pipeline at tp >= 4 come out slow, the more since their"
+     "Megatron-Core overlaps the distributed optimizer's parameter all-gather with the next"
+     " forward (--overlap-param-gather), which meshtrain does not do and so does not price:"
+     " rows without a pipeline come out slow (the gather exposed whole), the more since their"
      " attention is priced at FlashAttention-2's 35% of the H100 (meshtrain's SDPA; the rows"
      " ran TransformerEngine's); the H100 fit absorbs part of it (communication at its grids'"
-     " bounds), so the deep-pipeline rows, mostly compute, come out fast"),
+     " bounds), so the deep-pipeline rows, mostly compute, come out fast. Their"
+     " --tp-comm-overlap is priced (`tp_overlap`)"),
 )
 """Why rows are off, by id prefix (printed only for rows off by more than EXPLAIN_ABOVE)."""
 
@@ -116,11 +122,13 @@ def fixed_fields(row: dict) -> dict[str, object]:
     parallelism at tp 1 (Megatron-Core's 1.7B row) splits nothing: off. Every row ran
     Megatron's 1D tensor parallelism, and fused kernels (layer norm, bias-GeLU,
     bias-dropout-add, softmax) that read and write each tensor once, as compiled blocks do.
-    ZeRO-3 is priced as the row's `system` runs it (ZERO_IMPL_OF_SYSTEM)."""
+    ZeRO-3 is priced as the row's `system` runs it (ZERO_IMPL_OF_SYSTEM); Megatron-Core's
+    rows overlap their sequence-parallel communication (TP_COMM_OVERLAP_SOURCES)."""
     sp = row["sequence_parallel"] and row["tp"] > 1
     fixed: dict[str, object] = {"tp": row["tp"], "pp": row["pp"], "dp": row["dp"], "cp": 1,
                                 "sp": sp, "recompute": row["recompute"], "scheme": "1d",
-                                "compile": True, "zero_impl": ZERO_IMPL_OF_SYSTEM[row["system"]]}
+                                "compile": True, "zero_impl": ZERO_IMPL_OF_SYSTEM[row["system"]],
+                                "tp_overlap": sp and row["id"].startswith(TP_COMM_OVERLAP_SOURCES)}
     fixed.update({field: row[key] for key, field in SEARCHED.items() if key in row})
     return fixed
 

@@ -68,7 +68,7 @@ def read_run(path: str | Path) -> MeasuredRun:
 
     def predicted(hardware: Hardware) -> float:
         return predict(model, cfg.plan, hardware, seq_len=t.seq_len,
-                       global_batch=t.global_batch, precision=t.precision).step_time_s
+                       global_batch=t.global_batch, precision=cfg.plan.precision).step_time_s
     return MeasuredRun(path, predicted, statistics.median(times[WARMUP_STEPS:]))
 
 
@@ -86,7 +86,7 @@ def scaled(hardware: Hardware, compute: float, network: float) -> Hardware:
 
 def fit_runs(hardware: Hardware, runs: list[MeasuredRun],
              report: Callable[[str], None] | None = None) -> Hardware:
-    """The profile (named `<name>-fitted`) whose predictions of `runs` err least."""
+    """The profile whose predictions of `runs` err least (same name: the same machine)."""
     say = report or (lambda line: None)
 
     def loss(compute: float, network: float) -> float:
@@ -98,8 +98,7 @@ def fit_runs(hardware: Hardware, runs: list[MeasuredRun],
             for run in runs}) > 1:  # their communication shares differ: both can be told apart
         network = _golden(lambda n: loss(_golden(lambda c: loss(c, n)), n))
     compute = _golden(lambda c: loss(c, network))
-    fitted = dataclasses.replace(scaled(hardware, compute, network),
-                                 name=f"{hardware.name}-fitted")
+    fitted = scaled(hardware, compute, network)
     for run in runs:
         before, after = run.predict(hardware), run.predict(fitted)
         say(f"{run.path}: measured {run.step_time_s * 1e3:.1f} ms, predicted"
