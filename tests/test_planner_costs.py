@@ -9,7 +9,7 @@ from meshtrain.memory import zero_formula_bytes
 from meshtrain.models import preset
 from meshtrain.parallel.runtime import schedules
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.planner.costs import predict
+from meshtrain.planner.costs import chunk_costs, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
 from meshtrain.planner.search import search
@@ -183,3 +183,35 @@ def test_deepspeed_zero3_exposes_the_gathers_meshtrain_prefetches():
     params = m.num_parameters()
     gathers = 2 * 2 * params * 7 / 8 / (hw.intra_node_gbytes_per_s * 1e9)  # forward, backward
     assert theirs.exposed_comm_s - own.exposed_comm_s == pytest.approx(2 * gathers, rel=0.2)
+
+
+def test_tp_overlap_hides_sequence_parallel_collectives_behind_the_chunked_matmuls():
+    """Each of a layer's sequence-parallel collectives runs as t - 1 ring steps behind the t
+    chunks of its matmul: with matmuls far longer than the steps nothing but the fixed terms
+    stays exposed, with free matmuls (infinitely fast compute) everything does."""
+    hw = dataclasses.replace(BUILT_IN["h100-80g"], intra_node_gbytes_per_s=50.0)
+    lay = ParallelPlan(dp=1, tp=4, micro_batch=4, sequence_parallel=True)
+    plain, overlapped = (predict(GPT, dataclasses.replace(lay, tp_overlap=on), hw,
+                                 seq_len=1024, global_batch=4) for on in (False, True))
+    assert overlapped.compute_s == plain.compute_s
+    assert overlapped.exposed_comm_s < plain.exposed_comm_s
+    fast = dataclasses.replace(hw, peak_tflops=1e9, hbm_gbytes_per_s=1e12)
+    free = [predict(GPT, dataclasses.replace(lay, tp_overlap=on), fast, seq_len=1024,
+                    global_batch=4) for on in (False, True)]
+    # nothing to hide behind: the two differ only by the re-gather riding the reduce-scatter
+    assert free[1].exposed_comm_s == pytest.approx(free[0].exposed_comm_s, rel=0.05)
+
+
+def test_expert_parallel_layers_pay_their_all_to_alls():
+    moe = dataclasses.replace(GPT, moe_experts=8)
+    hw = BUILT_IN["a100-80g-selene"]
+    one, two = (chunk_costs(Workload(moe, ParallelPlan(dp=8, ep=ep, micro_batch=1), 1024, 8,
+                                     "bf16"), hw)[0] for ep in (1, 2))
+    rows = 1024 * moe.hidden_size * 2  # one micro-batch's tokens x top-1 x h, bf16
+    link = hw.intra_node_gbytes_per_s * 1e9 * hw.network_efficiency
+    exchange = hw.collective_latency_s + rows / 2 / link
+    counts = hw.collective_latency_s + 8 * 8 / 2 / link
+    layers = moe.num_layers
+    assert two.forward_comm - one.forward_comm == pytest.approx(layers * (2 * exchange + counts))
+    assert two.backward_comm - one.backward_comm == pytest.approx(layers * 2 * exchange)
+    assert two.forward == one.forward  # the same work, only moved

@@ -100,16 +100,19 @@ def test_every_row_is_predicted_and_the_median_meets_the_goal(results):
     assert all(r.prediction.memory_gib <= BUILT_IN[r.row["hardware"]].hbm_gib for r in results)
     assert {r.prediction.layout.pp_schedule for r in results} <= set(MEGATRON_SCHEDULES)
     median, worst = summary(results)
-    assert median <= 0.06  # 5.7% with the built-in profiles (docs/benchmarks.md)
-    assert worst <= 0.27  # 26.2%: mcore-h100-32b (Megatron-Core's overlap, not priced)
+    assert median <= 0.06  # 5.9% with the built-in profiles (docs/benchmarks.md)
+    assert worst <= 0.19  # 18.3%: mcore-h100-16b (its parameter-gather overlap not priced)
     others = [abs(r.error) for r in results if not r.row["id"].startswith("mcore-h100")]
     assert max(others) <= 0.18  # 17.3%: readme2020-a100-4b-mp4-dp128
+    overlapped = {r.row["id"] for r in results if r.prediction.layout.tp_overlap}
+    assert overlapped == {row for row in ROWS if row.startswith("mcore-h100")} - {
+        "mcore-h100-1.7b"}  # its tp 1 has no sequence parallelism to overlap
 
 
 def test_the_report_lists_every_row_and_the_goals(results):
     text = format_report(results)
     assert all(row_id in text for row_id in ROWS)
-    assert "goal median <= 7%: met" in text and "goal no row worse than 20%: NOT met" in text
+    assert "goal median <= 7%: met" in text and "goal no row worse than 20%: met" in text
     explained = text.split("and why:")[-1]
     assert all((f"{r.row['id']} (" in explained) == (abs(r.error) > 0.15) for r in results)
     assert "no diagnosis" not in text
