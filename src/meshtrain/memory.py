@@ -1,10 +1,16 @@
-"""Measuring memory: bytes autograd saves for backward (activations)."""
+"""Measuring memory: bytes autograd saves for backward (activations), the model states a rank
+holds, and the peak of everything live over a region (`measure_peak`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def saved_activation_bytes(fn: Callable[[], object],
@@ -77,3 +83,118 @@ def zero_formula_bytes(num_params: int, *, param_bytes: int, grad_bytes: int, st
     p, g, k, n = param_bytes, grad_bytes, state_bytes, dp
     per_param = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
     return per_param * num_params
+
+
+HELD, ALLOCATED = "held", "allocated"
+
+
+@dataclasses.dataclass
+class PeakMemory:
+    """What `measure_peak` found: filled in when its region ends."""
+
+    peak: int = 0
+    """Bytes live at the region's high-water mark (CUDA: `max_memory_allocated`)."""
+    at_peak: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The peak by kind: each `baseline` group, `held` (other storages live at the start) and
+    `allocated` (storages the region made)."""
+    slack: int = 0
+    """CUDA: bytes the caching allocator reserved beyond the peak (fragmentation); 0 on CPU."""
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Sees every op's tensors: a storage first seen as an op's output is the region's
+    allocation; one first seen as an input was live at the start (it counts from there). Each
+    storage counts once (views share it), at its current size (ZeRO-3 resizes its gathered
+    buffers in place), until a finalizer on it says it was freed."""
+
+    def __init__(self, baseline: dict[str, Iterable[torch.Tensor]]):
+        super().__init__()
+        self.live: dict[int, tuple[weakref.ref, str, int]] = {}
+        self.finalizers: list[weakref.finalize] = []
+        self.result = PeakMemory()
+        for kind, tensors in baseline.items():
+            for tensor in tensors:
+                self._track(tensor, kind)
+        self._measure()
+
+    def _track(self, tensor: torch.Tensor, kind: str) -> int:
+        """Track `tensor`'s storage if new; returns its bytes when it was new, else 0."""
+        storage = _storage(tensor)
+        key = id(storage)
+        if storage is None or key in self.live:
+            return 0
+        self.live[key] = (weakref.ref(storage), kind, storage.nbytes())
+        self.finalizers.append(weakref.finalize(storage, self.live.pop, key, None))
+        return storage.nbytes()
+
+    def _measure(self) -> None:
+        """Sum what is live now; keep it if it is the high-water mark."""
+        now: dict[str, int] = {}
+        for key, (ref, kind, _) in list(self.live.items()):
+            storage = ref()
+            if storage is not None:
+                self.live[key] = (ref, kind, storage.nbytes())
+                now[kind] = now.get(kind, 0) + storage.nbytes()
+        if sum(now.values()) >= self.result.peak:
+            self.result.peak, self.result.at_peak = sum(now.values()), now
+
+    def _resized(self, tensors: list[torch.Tensor]) -> bool:
+        for tensor in tensors:
+            storage = _storage(tensor)
+            entry = self.live.get(id(storage))
+            if entry is not None and entry[2] != storage.nbytes():
+                return True
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        earlier = sum(self._track(t, HELD) for t in inputs)
+        if earlier:  # live since the start: every moment so far held it too
+            self.result.peak += earlier
+            self.result.at_peak[HELD] = self.result.at_peak.get(HELD, 0) + earlier
+        out = func(*args, **(kwargs or {}))
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if sum(self._track(t, ALLOCATED) for t in outputs) or self._resized(inputs + outputs):
+            self._measure()
+        return out
+
+    def close(self) -> PeakMemory:
+        self._measure()
+        for finalizer in self.finalizers:
+            finalizer.detach()
+        return self.result
+
+
+@contextlib.contextmanager
+def measure_peak(device: torch.device | None = None,
+                 baseline: dict[str, Iterable[torch.Tensor]] | None = None
+                 ) -> Iterator[PeakMemory]:
+    """The high-water mark of bytes in tensors over the `with` block, filled into the yielded
+    `PeakMemory` at its end. CPU: the live tensor storages (`_LiveStorages`; `baseline` names
+    groups of tensors live at the start so the peak shows their share, e.g. parameters); it
+    slows every op, so measure a step, not a run. CUDA: the allocator's own peak, reset at the
+    start, and the reserved memory beyond it."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        result = PeakMemory()
+        yield result
+        torch.cuda.synchronize(device)
+        result.peak = torch.cuda.max_memory_allocated(device)
+        result.at_peak = {HELD: start, ALLOCATED: result.peak - start}
+        result.slack = torch.cuda.max_memory_reserved(device) - result.peak
+        return
+    mode = _LiveStorages(baseline or {})
+    try:
+        with mode:
+            yield mode.result
+    finally:
+        mode.close()
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # sparse, fake: no storage of their own
+        return None
