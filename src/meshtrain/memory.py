@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
+import gc
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -96,73 +97,71 @@ class PeakMemory:
     """Bytes live at the region's high-water mark (CUDA: `max_memory_allocated`)."""
     at_peak: dict[str, int] = dataclasses.field(default_factory=dict)
     """The peak by kind: each `baseline` group, `held` (other storages live at the start) and
-    `allocated` (storages the region made)."""
+    `allocated` (storages the region made or first showed)."""
     slack: int = 0
     """CUDA: bytes the caching allocator reserved beyond the peak (fragmentation); 0 on CPU."""
 
 
 class _LiveStorages(TorchDispatchMode):
-    """Sees every op's tensors: a storage first seen as an op's output is the region's
-    allocation; one first seen as an input was live at the start (it counts from there). Each
-    storage counts once (views share it), at its current size (ZeRO-3 resizes its gathered
-    buffers in place), until a finalizer on it says it was freed."""
+    """What is live at the start: the `baseline` groups, then every other tensor the garbage
+    collector finds (`held`). Then every op's tensors: a storage not seen before is the region's
+    allocation (so is a buffer a communication backend made outside Python and hands over, as
+    gloo's reduce-scatter does with its copy of a bucket). Each storage counts once (views share
+    it), at its current size (ZeRO-3 resizes its gathered buffers in place), while a weak
+    reference to the C++ storage says it is alive."""
 
     def __init__(self, baseline: dict[str, Iterable[torch.Tensor]]):
         super().__init__()
-        self.live: dict[int, tuple[weakref.ref, str, int]] = {}
-        self.finalizers: list[weakref.finalize] = []
+        self.live: dict[int, tuple[StorageWeakRef, str, int]] = {}
         self.result = PeakMemory()
         for kind, tensors in baseline.items():
             for tensor in tensors:
                 self._track(tensor, kind)
+        for found in gc.get_objects():  # every other tensor Python holds
+            if issubclass(type(found), torch.Tensor):  # no __class__ lookup: no warnings
+                self._track(found, HELD)
         self._measure()
 
     def _track(self, tensor: torch.Tensor, kind: str) -> int:
         """Track `tensor`'s storage if new; returns its bytes when it was new, else 0."""
         storage = _storage(tensor)
-        key = id(storage)
-        if storage is None or key in self.live:
+        if storage is None:
             return 0
-        self.live[key] = (weakref.ref(storage), kind, storage.nbytes())
-        self.finalizers.append(weakref.finalize(storage, self.live.pop, key, None))
+        entry = self.live.get(storage._cdata)
+        if entry is not None and not entry[0].expired():
+            return 0
+        self.live[storage._cdata] = (StorageWeakRef(storage), kind, storage.nbytes())
         return storage.nbytes()
 
     def _measure(self) -> None:
         """Sum what is live now; keep it if it is the high-water mark."""
         now: dict[str, int] = {}
         for key, (ref, kind, _) in list(self.live.items()):
-            storage = ref()
-            if storage is not None:
-                self.live[key] = (ref, kind, storage.nbytes())
-                now[kind] = now.get(kind, 0) + storage.nbytes()
+            if ref.expired():
+                del self.live[key]
+                continue
+            nbytes = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            self.live[key] = (ref, kind, nbytes)
+            now[kind] = now.get(kind, 0) + nbytes
         if sum(now.values()) >= self.result.peak:
             self.result.peak, self.result.at_peak = sum(now.values()), now
 
     def _resized(self, tensors: list[torch.Tensor]) -> bool:
         for tensor in tensors:
             storage = _storage(tensor)
-            entry = self.live.get(id(storage))
+            entry = self.live.get(storage._cdata) if storage is not None else None
             if entry is not None and entry[2] != storage.nbytes():
                 return True
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        earlier = sum(self._track(t, HELD) for t in inputs)
-        if earlier:  # live since the start: every moment so far held it too
-            self.result.peak += earlier
-            self.result.at_peak[HELD] = self.result.at_peak.get(HELD, 0) + earlier
         out = func(*args, **(kwargs or {}))
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if sum(self._track(t, ALLOCATED) for t in outputs) or self._resized(inputs + outputs):
+        new = sum(self._track(t, ALLOCATED) for t in inputs + outputs)
+        if new or self._resized(inputs + outputs):
             self._measure()
         return out
-
-    def close(self) -> PeakMemory:
-        self._measure()
-        for finalizer in self.finalizers:
-            finalizer.detach()
-        return self.result
 
 
 @contextlib.contextmanager
@@ -186,15 +185,16 @@ def measure_peak(device: torch.device | None = None,
         result.slack = torch.cuda.max_memory_reserved(device) - result.peak
         return
     mode = _LiveStorages(baseline or {})
-    try:
-        with mode:
-            yield mode.result
-    finally:
-        mode.close()
+    with mode:
+        yield mode.result
+    mode._measure()
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The CPU storage behind `tensor`, if it has one (not a GPU's, a meta or sparse tensor's)."""
+    if tensor.device.type != "cpu":
+        return None
     try:
         return tensor.untyped_storage()
-    except (NotImplementedError, RuntimeError):  # sparse, fake: no storage of their own
+    except (NotImplementedError, RuntimeError):  # sparse, wrapper subclasses
         return None
