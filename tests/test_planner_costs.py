@@ -78,13 +78,19 @@ def test_per_chunk_costs_equal_the_scalar_form_when_even():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_model_states_follow_the_zero_formula(zero):
+    """Two micro-batches a step: ZeRO 2/3's gradient shard, made at the first one's reduction,
+    is held through the second's forward; with one micro-batch it is made after the backward,
+    past the peak."""
     lay = ParallelPlan(dp=8, micro_batch=1, zero=zero)
-    p = predict(GPT, lay, BUILT_IN["a100-80g-selene"], seq_len=1024, global_batch=8)
+    hw = BUILT_IN["a100-80g-selene"]
+    p = predict(GPT, lay, hw, seq_len=1024, global_batch=16)
     psi = GPT.num_parameters()
     states = p.memory.parameters + p.memory.gradients + p.memory.optimizer_states
     expected = zero_formula_bytes(psi, param_bytes=2, grad_bytes=4, state_bytes=12, dp=8,
                                   stage=zero)
     assert states == pytest.approx(expected, rel=0.01)  # norms and biases: counted per layer
+    one = predict(GPT, lay, hw, seq_len=1024, global_batch=8).memory
+    assert one.gradients == (0.0 if zero >= 2 else p.memory.gradients)
 
 
 def test_offloading_moves_the_optimizer_states_off_the_device_and_charges_the_transfers():

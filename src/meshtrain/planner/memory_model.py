@@ -4,16 +4,19 @@ Per pipeline rank (the busiest is reported): parameters p, gradients g = 4 (fp32
 and optimizer states K = 8 (Adam moments) + 4 (fp32 master weights, 16-bit runs only) bytes per
 parameter (none on the device under `offload_optimizer`), divided over dp x cp by ZeRO (stage 1:
 K; 2: g + K; 3: everything: `memory.zero_formula_bytes`), of the parameters a rank holds (1/tp
-of a layer's, 1/q^2 under 2.5d's replication over depth: `Workload.weight_parts`); activations =
-the family's per-layer bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp,
+of a layer's, 1/q^2 under 2.5d's replication over depth: `Workload.weight_parts`; the first
+stage also GPT's position table); stages 2 and 3 hold no gradient shard at the peak of a
+one-micro-batch step (it is made after the backward). The gradients are the data-parallel
+buckets themselves (each `.grad` is a view into one), so a bucket costs nothing more.
+Activations = the family's per-layer bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp,
 `Workload.layer_activation_bytes`) x the layers of each (micro-batch, chunk) the schedule keeps
 in flight (the simulator's peak, a split backward's counted until its `W`: ZB-H1 and ZB-V hold p
 stages' worth on every rank, 1F1B's on its first; what a pending `W` keeps, its linear layers'
 inputs and output gradients, is taken as the activations it replaces), chunks where the schedule
-places them (zb-v: rank 0 holds the embedding and the output layer);
-buffers = fp32 logits and their gradient on the last stage, the gradient bucket being reduced,
-ZeRO-3's two gathered layers, pipeline send/receive buffers and, under full recomputation, one
-layer's recomputed activations.
+places them (zb-v: rank 0 holds the embedding and the output layer). Buffers (`_buffers`): the
+larger of the loss's and the output layer's backward's working sets, ZeRO-3's two gathered
+layers and pipeline send/receive buffers. Measured against `train --peak-memory` on every
+layout of `benchmarks/plan_memory_vs_measured.py`.
 """
 
 from __future__ import annotations
@@ -62,24 +65,60 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
                  rank: int) -> MemoryBreakdown:
     lay = work.layout
     own = pipe.chunks_of(rank)
-    params = sum(chunks[g].parameters for g in own)
+    ranges = lay.stage_layers(work.model.num_layers)
+    first, last = 0 in own, len(ranges) - 1 in own
+    params = sum(chunks[g].parameters for g in own) + (work.position_parameters() if first
+                                                       else 0.0)
     e, n = work.element_bytes, lay.dp * lay.cp
     # offloaded (cpu, nvme): master and moments leave the device
     k = 0 if lay.offload_optimizer != "none" else 8 + (4 if e < 4 else 0)
+    # ZeRO 2/3 make the gradient shard at the step's first reduction: with one micro-batch
+    # that is after the backward, where the peak is
+    g = 0 if lay.zero >= 2 and work.micro_batches == 1 else GRAD_BYTES
     parts = [zero_formula_bytes(params, param_bytes=pb, grad_bytes=gb, state_bytes=sb, dp=n,
                                 stage=lay.zero)
-             for pb, gb, sb in ((e, 0, 0), (0, GRAD_BYTES, 0), (0, 0, k))]
-    ranges = lay.stage_layers(work.model.num_layers)
-    layers_per_chunk = sum(len(ranges[g]) for g in own) / len(own)
+             for pb, gb, sb in ((e, 0, 0), (0, g, 0), (0, 0, k))]
+    layers_per_chunk = sum(len(ranges[c]) for c in own) / len(own)
     activations = pipe.peak_in_flight[rank] * layers_per_chunk * work.layer_activation_bytes()
-    last = len(ranges) - 1 in own
-    buffers = 2 * work.logits_bytes() if last else 0.0
-    buffers += BUCKET_BYTES * (2 if lay.zero in (1, 2) else 1) if n > 1 else 0.0
+    return MemoryBreakdown(*parts, activations, _buffers(work, params, first, last))
+
+
+def _buffers(work: Workload, params: float, first: bool, last: bool) -> float:
+    """What lives besides the model states and the layers' saved activations, at the larger
+    of the step's two peaks: the loss at the end of the forward (the last stage: fp32 logits
+    and their log-softmax, the final norm's input and output) and the output layer's backward
+    (the logits' gradient in their place; ZeRO 2/3's fresh gradient buckets; under full
+    recomputation one layer's recomputed activations). Throughout: ZeRO-3's two gathered
+    layers, pipeline send/receive buffers."""
+    lay = work.layout
+    head = 2 * work.boundary_bytes if last else 0.0
+    forward = head + (2 * work.logits_bytes() if last else 0.0)
+    backward = head + (work.logits_bytes() if last else 0.0) + _fresh_gradients(work, params, first)
+    if lay.recompute == "full":
+        backward += replace(work, layout=replace(lay, recompute="none")).layer_activation_bytes()
+    buffers = max(forward, backward)
     if lay.zero == 3:
-        buffers += 2 * max(c.parameters for c in chunks) / max(len(r) for r in ranges) * e
+        buffers += 2 * _largest_layer(work) * work.element_bytes
     if lay.pp > 1:
         buffers += 2 * work.boundary_bytes
-    if lay.recompute == "full":
-        full = replace(work, layout=replace(lay, recompute="none"))
-        buffers += full.layer_activation_bytes()
-    return MemoryBreakdown(*parts, activations, buffers)
+    return buffers
+
+
+def _fresh_gradients(work: Workload, params: float, first: bool) -> float:
+    """ZeRO 2/3 gather each micro-batch's gradients in a fresh full bucket until it is
+    reduce-scattered: at the output layer's backward stage 2's first bucket (at most
+    `BUCKET_BYTES`, of the last parameters) is filling; stage 3 (a bucket per unit) fills the
+    embedding unit's (with an untied output layer) and the last layer's. Stages 0 and 1
+    accumulate into the gradients themselves."""
+    lay = work.layout
+    if lay.zero == 2:
+        return min(BUCKET_BYTES, params * GRAD_BYTES)
+    if lay.zero != 3:
+        return 0.0
+    embedding = work.embedding_parameters() * (1 if work.model.tie_embeddings else 2) \
+        + (work.position_parameters() if first else 0.0)
+    return (embedding + _largest_layer(work)) * GRAD_BYTES
+
+
+def _largest_layer(work: Workload) -> float:
+    return max(work.layer(i).parameters for i in range(work.model.num_layers))

@@ -13,6 +13,7 @@ cost model (`costs.py`) turns them into seconds on a `Hardware`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
@@ -146,6 +147,13 @@ class Workload:
 
     def embedding_parameters(self) -> float:
         return self.model.vocab_size * self.model.hidden_size / self.weight_parts
+
+    def position_parameters(self) -> float:
+        """This rank's share of the embedding's tables besides the word table (GPT's learned
+        positions): whole under 1d, split along the hidden size (the grid side) on a grid."""
+        lay = self.layout
+        parts = lay.tp // lay.batch_parts if lay.scheme.splits_hidden else 1
+        return sum(math.prod(shape) for shape in self.model.embedding_shapes().values()) / parts
 
     def layer_activation_bytes(self) -> float:
         """Bytes one layer saves for backward per micro-batch (the family's tested formula;
