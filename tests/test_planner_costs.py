@@ -185,7 +185,11 @@ def test_deepspeed_zero3_exposes_the_gathers_meshtrain_prefetches():
     ds = dataclasses.replace(lay, zero_impl="deepspeed")
     hw = BUILT_IN["h100-80g"]
     own, theirs = (predict(m, x, hw, seq_len=8192, global_batch=16) for x in (lay, ds))
-    assert theirs.compute_s == own.compute_s and theirs.memory == own.memory
+    assert theirs.compute_s == own.compute_s
+    # the same memory but for the gradients filling at the backward's peak: a 5e8-element
+    # reduce bucket of DeepSpeed's against meshtrain's fp32 bucket per unit
+    assert dataclasses.replace(theirs.memory, buffers=own.memory.buffers) == own.memory
+    assert theirs.memory.buffers != own.memory.buffers
     params = m.num_parameters()
     gathers = 2 * 2 * params * 7 / 8 / (hw.intra_node_gbytes_per_s * 1e9)  # forward, backward
     assert theirs.exposed_comm_s - own.exposed_comm_s == pytest.approx(2 * gathers, rel=0.2)

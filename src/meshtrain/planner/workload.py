@@ -23,6 +23,10 @@ from meshtrain.parallel.schemes.scheme import Traffic
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_BYTES = 4
 """Gradients are accumulated and reduced in fp32 (`grad_dtype`'s default)."""
+DEEPSPEED_REDUCE_BUCKET = 5e8
+"""Elements per gradient reduce-scatter of DeepSpeed's ZeRO: its `reduce_bucket_size` default
+(DeepSpeed's configuration documentation, "ZeRO Optimizations"). Its `allgather_bucket_size`
+(also 5e8) buckets stage 1 and 2's parameter all-gather; stage 3 gathers module by module."""
 CAUSAL_FRACTION = 0.5
 """Share of the s x s score and value matmuls a causal kernel computes."""
 
