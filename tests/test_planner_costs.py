@@ -121,6 +121,18 @@ def test_activations_are_the_formula_times_what_1f1b_keeps_in_flight():
     assert p.memory.activations == pytest.approx(4 * 2 * work.layer_activation_bytes())
 
 
+def test_the_first_stage_holds_every_activation_it_sent_until_the_steps_end():
+    """`run_schedule` waits for its sends at the step's end (measured: `--peak-memory`), so
+    the first stage's buffers grow by one sent activation per micro-batch."""
+    lay = ParallelPlan(dp=1, pp=4, micro_batch=1)
+    small_vocab = dataclasses.replace(GPT, vocab_size=512)
+    few, many = (predict(small_vocab, lay, BUILT_IN["a100-80g-selene"], seq_len=1024,
+                         global_batch=g).memory for g in (8, 16))
+    boundary = Workload(small_vocab, lay, 1024, 8, "bf16").boundary_bytes
+    assert many.activations == few.activations
+    assert many.buffers - few.buffers == pytest.approx(8 * boundary)
+
+
 def test_tensor_parallel_communication_is_charged_and_hidden_where_meshtrain_hides_it():
     hw = BUILT_IN["a100-80g-selene"]
     one = predict(GPT, ParallelPlan(dp=1, tp=1, micro_batch=4), hw, seq_len=1024, global_batch=4)
