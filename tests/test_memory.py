@@ -8,7 +8,7 @@ from harness import run_on_ranks, worker_mesh
 
 from meshtrain import ParallelMesh, preset
 from meshtrain.contracts import AuxiliaryOutputs
-from meshtrain.memory import layer_activation_formula, saved_activation_bytes
+from meshtrain.memory import layer_activation_formula, measure_peak, saved_activation_bytes
 from meshtrain.parallel.layers.recompute import recomputed
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallelize import build_model
@@ -71,3 +71,49 @@ def test_formula_reduces_to_the_papers_constants():
         sbh * (10 + 24 / 4 + 5 * A * S / (H * 4))
     assert layer_activation_formula(s=S, b=B, h=H, a=A, tp=4, sequence_parallel=True) == \
         sbh / 4 * (34 + 5 * A * S / H)
+
+
+def test_peak_counts_live_storages_once_each():
+    weights = torch.zeros(1000)  # 4000 bytes
+    with measure_peak(baseline={"weights": [weights]}) as peak:
+        a = torch.ones(250)  # 5000 live
+        view = a.view(25, 10)  # a view: the same storage, nothing more
+        b = torch.empty(500)  # 7000
+        del b  # 5000
+        c = weights + 1  # 9000: the high-water mark
+        del a, view, c
+        torch.empty(100)  # 4400
+    # `held`: whatever else this process holds (other tests' tensors), live throughout
+    assert peak.peak == 9000 + peak.at_peak.get("held", 0)
+    assert peak.at_peak["weights"] == 4000 and peak.at_peak["allocated"] == 5000
+
+
+def test_tensors_live_at_the_start_count_before_an_op_uses_them():
+    earlier = torch.zeros(100)
+    with measure_peak() as peak:
+        scratch = torch.empty(300)  # 1200 bytes, with the 400 of `earlier`
+        del scratch
+        earlier.add_(1)
+    assert peak.at_peak["allocated"] == 1200 and peak.at_peak["held"] >= 400
+
+
+def test_peak_follows_storages_resized_in_place():
+    """ZeRO-3 frees a gathered buffer by resizing its storage to 0 and regrows it to gather."""
+    flat = torch.zeros(100)
+    storage = flat.untyped_storage()
+    with measure_peak(baseline={"flat": [flat]}) as peak:
+        storage.resize_(0)
+        scratch = torch.empty(300)  # 1200 live: the 400 no longer count
+        del scratch
+        storage.resize_(400)
+        flat.set_(storage, 0, (100,)).fill_(1)  # regrown, then written: 400
+        torch.empty(100)  # 800
+    assert peak.at_peak["flat"] == 0 and peak.at_peak["allocated"] == 1200
+
+
+def test_peak_sees_backward():
+    weight = torch.zeros(1000, requires_grad=True)
+    with measure_peak(baseline={"weight": [weight]}) as peak:
+        (weight * 2).sum().backward()
+    assert peak.at_peak["weight"] == 4000
+    assert peak.at_peak["allocated"] >= 4000  # at least the gradient

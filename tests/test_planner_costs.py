@@ -78,13 +78,19 @@ def test_per_chunk_costs_equal_the_scalar_form_when_even():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_model_states_follow_the_zero_formula(zero):
+    """Two micro-batches a step: ZeRO 2/3's gradient shard, made at the first one's reduction,
+    is held through the second's forward; with one micro-batch it is made after the backward,
+    past the peak."""
     lay = ParallelPlan(dp=8, micro_batch=1, zero=zero)
-    p = predict(GPT, lay, BUILT_IN["a100-80g-selene"], seq_len=1024, global_batch=8)
+    hw = BUILT_IN["a100-80g-selene"]
+    p = predict(GPT, lay, hw, seq_len=1024, global_batch=16)
     psi = GPT.num_parameters()
     states = p.memory.parameters + p.memory.gradients + p.memory.optimizer_states
     expected = zero_formula_bytes(psi, param_bytes=2, grad_bytes=4, state_bytes=12, dp=8,
                                   stage=zero)
     assert states == pytest.approx(expected, rel=0.01)  # norms and biases: counted per layer
+    one = predict(GPT, lay, hw, seq_len=1024, global_batch=8).memory
+    assert one.gradients == (0.0 if zero >= 2 else p.memory.gradients)
 
 
 def test_offloading_moves_the_optimizer_states_off_the_device_and_charges_the_transfers():
@@ -113,6 +119,18 @@ def test_activations_are_the_formula_times_what_1f1b_keeps_in_flight():
     p = predict(small_vocab, lay, BUILT_IN["a100-80g-selene"], seq_len=1024, global_batch=16)
     # the first stage, the busiest, holds p micro-batches of its num_layers / p layers
     assert p.memory.activations == pytest.approx(4 * 2 * work.layer_activation_bytes())
+
+
+def test_the_first_stage_holds_every_activation_it_sent_until_the_steps_end():
+    """`run_schedule` waits for its sends at the step's end (measured: `--peak-memory`), so
+    the first stage's buffers grow by one sent activation per micro-batch."""
+    lay = ParallelPlan(dp=1, pp=4, micro_batch=1)
+    small_vocab = dataclasses.replace(GPT, vocab_size=512)
+    few, many = (predict(small_vocab, lay, BUILT_IN["a100-80g-selene"], seq_len=1024,
+                         global_batch=g).memory for g in (8, 16))
+    boundary = Workload(small_vocab, lay, 1024, 8, "bf16").boundary_bytes
+    assert many.activations == few.activations
+    assert many.buffers - few.buffers == pytest.approx(8 * boundary)
 
 
 def test_tensor_parallel_communication_is_charged_and_hidden_where_meshtrain_hides_it():
@@ -179,7 +197,11 @@ def test_deepspeed_zero3_exposes_the_gathers_meshtrain_prefetches():
     ds = dataclasses.replace(lay, zero_impl="deepspeed")
     hw = BUILT_IN["h100-80g"]
     own, theirs = (predict(m, x, hw, seq_len=8192, global_batch=16) for x in (lay, ds))
-    assert theirs.compute_s == own.compute_s and theirs.memory == own.memory
+    assert theirs.compute_s == own.compute_s
+    # the same memory but for the gradients filling at the backward's peak: a 5e8-element
+    # reduce bucket of DeepSpeed's against meshtrain's fp32 bucket per unit
+    assert dataclasses.replace(theirs.memory, buffers=own.memory.buffers) == own.memory
+    assert theirs.memory.buffers != own.memory.buffers
     params = m.num_parameters()
     gathers = 2 * 2 * params * 7 / 8 / (hw.intra_node_gbytes_per_s * 1e9)  # forward, backward
     assert theirs.exposed_comm_s - own.exposed_comm_s == pytest.approx(2 * gathers, rel=0.2)

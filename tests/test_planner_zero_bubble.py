@@ -90,11 +90,11 @@ def test_zb_v_puts_the_first_and_last_chunk_on_rank_0_and_keeps_its_turn_in_memo
     assert chunks[p - 1].forward_comm < chunks[p - 2].forward_comm  # no send at the turn
     assert chunks[p].backward_comm < chunks[p + 1].backward_comm
     # the busiest rank: 1F1B's last (2 layers and the output layer's copy of the embedding),
-    # zb-v's first, which holds the embedding too
+    # zb-v's first, which holds the embedding (and its position table) too
     one_f_one_b = predict(GPT, ParallelPlan(dp=1, pp=p), IDEAL, seq_len=1024, global_batch=8)
     v = predict(GPT, lay, IDEAL, seq_len=1024, global_batch=8)
     assert v.memory.parameters - one_f_one_b.memory.parameters == pytest.approx(
-        2 * work.embedding_parameters(), rel=1e-6)
+        2 * (work.embedding_parameters() + work.position_parameters()), rel=1e-6)
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])

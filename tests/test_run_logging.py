@@ -3,6 +3,7 @@ the run's name, continued by a resumed run; `profile_steps` and `wandb_project` 
 any work."""
 
 import importlib.util
+import json
 import sys
 import types
 
@@ -82,3 +83,17 @@ def test_wandb_without_its_package_names_the_extra(capsys, monkeypatch, tmp_path
     assert capsys.readouterr().err == ("meshtrain: error: --wandb-project needs the wandb"
                                        " package: pip install 'meshtrain[wandb]' (or drop"
                                        " --wandb-project)\n")
+
+
+def test_peak_memory_writes_the_second_steps_peak_beside_the_model_states(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--num-layers", "1", "--hidden-size", "32",
+                 "--num-heads", "2", "--seq-len", "32", "--global-batch", "2", "--micro-batch",
+                 "2", "--eval-every", "0", "--peak-memory", "--out", str(out)]) == 0
+    (rank,) = json.loads((out / "memory.json").read_text())["ranks"]
+    peak = rank["peak"]
+    assert peak["step"] == 2 and peak["peak"] == sum(peak["at_peak"].values())
+    # the step holds every model state (the parameters, and the gradients and Adam moments
+    # it finds live) and allocates activations on top of them
+    assert peak["at_peak"]["parameters"] + peak["at_peak"]["held"] >= rank["total"]
+    assert peak["at_peak"]["allocated"] > 0

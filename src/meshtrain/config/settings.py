@@ -173,3 +173,7 @@ class LoggingSettings:
                                          " torch.profiler: one trace per rank in"
                                          " --out/profile/rank<R>.json, readable in"
                                          " ui.perfetto.dev")
+    peak_memory: bool = _f(False, "measure the second step's peak memory on every rank (the"
+                                  " high-water mark of live tensor storages on CPU, which slows"
+                                  " that step; max_memory_allocated on CUDA) into"
+                                  " --out/memory.json")

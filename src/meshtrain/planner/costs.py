@@ -34,7 +34,7 @@ from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware, model_tflops
 from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
 from meshtrain.planner.pipeline_model import ChunkCost, rank_chunks, run_pipeline
-from meshtrain.planner.workload import GRAD_BYTES, Workload
+from meshtrain.planner.workload import DEEPSPEED_REDUCE_BUCKET, GRAD_BYTES, Workload
 
 GIB = 2**30
 OPTIMIZER_BYTES_PER_PARAMETER = 80
@@ -337,11 +337,6 @@ def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) ->
         exposed *= work.micro_batches
     return exposed + (coll.all_gather(hw, weights, g, span) if lay.zero else 0.0)
 
-
-DEEPSPEED_REDUCE_BUCKET = 5e8
-"""Elements per gradient reduce-scatter of DeepSpeed's ZeRO: its `reduce_bucket_size` default
-(DeepSpeed's configuration documentation, "ZeRO Optimizations"). Its `allgather_bucket_size`
-(also 5e8) buckets stage 1 and 2's parameter all-gather; stage 3 gathers module by module."""
 
 
 def _deepspeed_zero3(work: Workload, hw: Hardware, params: float, units: int,

@@ -13,6 +13,7 @@ cost model (`costs.py`) turns them into seconds on a `Hardware`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig
@@ -22,6 +23,10 @@ from meshtrain.parallel.schemes.scheme import Traffic
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_BYTES = 4
 """Gradients are accumulated and reduced in fp32 (`grad_dtype`'s default)."""
+DEEPSPEED_REDUCE_BUCKET = 5e8
+"""Elements per gradient reduce-scatter of DeepSpeed's ZeRO: its `reduce_bucket_size` default
+(DeepSpeed's configuration documentation, "ZeRO Optimizations"). Its `allgather_bucket_size`
+(also 5e8) buckets stage 1 and 2's parameter all-gather; stage 3 gathers module by module."""
 CAUSAL_FRACTION = 0.5
 """Share of the s x s score and value matmuls a causal kernel computes."""
 
@@ -146,6 +151,13 @@ class Workload:
 
     def embedding_parameters(self) -> float:
         return self.model.vocab_size * self.model.hidden_size / self.weight_parts
+
+    def position_parameters(self) -> float:
+        """This rank's share of the embedding's tables besides the word table (GPT's learned
+        positions): whole under 1d, split along the hidden size (the grid side) on a grid."""
+        lay = self.layout
+        parts = lay.tp // lay.batch_parts if lay.scheme.splits_hidden else 1
+        return sum(math.prod(shape) for shape in self.model.embedding_shapes().values()) / parts
 
     def layer_activation_bytes(self) -> float:
         """Bytes one layer saves for backward per micro-batch (the family's tested formula;

@@ -34,6 +34,7 @@ from meshtrain.data.blend import Blend, load_data
 from meshtrain.data.corpus import BatchSampler, write_atomic
 from meshtrain.data.tokenization import TOKENIZER_FILE
 from meshtrain.interop.titan_dcp import is_dcp_directory, load_dcp_weights
+from meshtrain.memory import PeakMemory, measure_peak
 from meshtrain.mesh import ParallelMesh
 from meshtrain.operations.failures import (
     EXIT_FAILED,
@@ -399,6 +400,7 @@ class _Run:
                                 f" {self.log.path} (a write cut short)")
         trace = cfg.parallel.trace  # a pipeline's warm step (the CLI says when there is none)
         self.traced = min(start + 1, self.stop - 1) if trace and mesh.pp.size > 1 else None
+        self.peak_step = min(start + 1, self.stop - 1) if cfg.logging.peak_memory else None
         window = profile_window(cfg.logging.profile_steps, self.stop) \
             if cfg.logging.profile_steps else range(0)
         self.profiler = StepProfiler(window, out, mesh.rank, mesh.device)
@@ -409,7 +411,13 @@ class _Run:
     def step(self, step: int) -> None:
         trainer, t = self.trainer, self.cfg.train
         self.profiler.before(step + 1)
-        row = self._traced(step) if step == self.traced else trainer.train_step(step)
+        peak = None
+        if step == self.peak_step:
+            with measure_peak(trainer.mesh.device,
+                              baseline={"parameters": trainer.model.parameters()}) as peak:
+                row = self._run_step(step)
+        else:
+            row = self._run_step(step)
         if (trace := self.profiler.after(step + 1)) is not None:
             self.progress.write(f"meshtrain: profiled steps {self.profiler.window.start}-"
                                 f"{step + 1}: one trace per rank, e.g. {trace} (ui.perfetto.dev)")
@@ -417,6 +425,8 @@ class _Run:
         self._stop_if_nonfinite(row)
         if step == self.start:
             self._report_memory()
+        if peak is not None:
+            self._report_peak(step, peak)
         elapsed = self.timer.lap()
         if self.signals is not None:
             self.signals.longest_step = max(self.signals.longest_step, elapsed)
@@ -453,6 +463,9 @@ class _Run:
                              f" {path.name} saved; continue with `resume` (or `auto_resume`)",
                              EXIT_STOPPED, agreed=True)
         self.timer.lap()  # exclude evaluation and checkpointing from the next step's time
+
+    def _run_step(self, step: int) -> dict:
+        return self._traced(step) if step == self.traced else self.trainer.train_step(step)
 
     def _stop_if_nonfinite(self, row: dict) -> None:
         """After `max_nonfinite_steps` consecutive inf/NaN steps, end the run before anything
@@ -511,6 +524,20 @@ class _Run:
             self.progress.write(f"model states on rank 0: {report[0]['total'] / 2**20:.1f} MiB"
                                 " (parameters, gradients, optimizer states; all ranks in"
                                 f" {self.out / 'memory.json'})")
+
+    def _report_peak(self, step: int, peak: PeakMemory) -> None:
+        """Each rank's peak of `step` joins its model states in memory.json."""
+        peaks = comm.all_gather_objects(dataclasses.asdict(peak), self.trainer.mesh.world)
+        if self.log is None:
+            return
+        path = self.out / "memory.json"
+        report = json.loads(path.read_text())
+        for rank, measured in zip(report["ranks"], peaks, strict=True):
+            rank["peak"] = measured | {"step": step + 1}
+        path.write_text(json.dumps(report, indent=1))
+        most = max(range(len(peaks)), key=lambda r: peaks[r]["peak"])
+        self.progress.write(f"peak memory of step {step + 1}: {peaks[most]['peak'] / 2**20:.1f}"
+                            f" MiB on rank {most}, the most (every rank's in {path})")
 
     def _write(self, row: dict) -> None:
         if self.log is not None:
