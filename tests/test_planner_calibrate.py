@@ -66,6 +66,17 @@ def test_fits_recover_the_machine_the_formulas_describe():
     assert fitted.calibrated_ranks == 4
 
 
+def test_the_fit_keeps_the_step_count_the_collectives_follow():
+    """gloo's latency-bound collectives take log2(g) steps a phase, NCCL's rings g - 1: a
+    machine of either kind is recognised from its timings alone."""
+    for counting in ("ring", "log"):
+        machine = dataclasses.replace(TRUE, collective_steps=counting)
+        fitted = calibrate.fit_profile(measurements_of(machine), ranks=4)
+        assert fitted.collective_steps == counting
+        assert fitted.collective_latency_s == pytest.approx(TRUE.collective_latency_s, rel=1e-3)
+    assert coll.steps(TRUE, 8) == 7 and coll.steps(machine, 8) == 3 and coll.steps(machine, 6) == 3
+
+
 def test_a_real_layer_slower_than_its_matmuls_rescales_compute_and_sets_the_overhead():
     """Its layer twice as slow as the matmuls and memory passes timed alone predict, plus 1 ms
     of host time per pass: the fit halves the compute rates and finds the overhead."""

@@ -107,7 +107,8 @@ def test_plan_names_the_ranks_a_cpu_profile_was_measured_with(capsys):
 def test_a_profile_records_its_fp16_peak_and_ranks(tmp_path):
     hw = dataclasses.replace(BASE, fp16_peak_tflops=0.0004)
     assert hw.peak_for("fp16") == 0.0004 and hw.peak_for("bf16") == BASE.peak_tflops
-    assert BASE.peak_for("fp16") == BASE.peak_tflops  # unmeasured: bf16's
+    assert BUILT_IN["h100-80g"].peak_for("fp16") == BUILT_IN["h100-80g"].peak_tflops  # bf16's
+    assert BASE.peak_for("fp16") < BASE.peak_tflops / 10  # this CPU's, measured
     path = tmp_path / "p.toml"
     path.write_text(hw.to_toml())
     assert tomllib.loads(path.read_text())["calibrated_ranks"] == 4

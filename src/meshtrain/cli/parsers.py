@@ -152,12 +152,12 @@ def _plan_parser(sub) -> None:
                    help="also list the rejected layouts by reason, with examples")
     tools = p.add_subparsers(dest="plan_command", metavar="{calibrate,validate}")
     c = command(tools, "calibrate",
-                help="measure this machine (matmuls, collectives, with --ranks ranks at once)"
-                     " into a hardware file, or fit a profile to real runs (--from-run)")
+                help="measure this machine (matmuls, collectives, a layer; its ranks busy at"
+                     " once) into a hardware file, or fit a profile to finished runs")
     c.add_argument("--out", default=None, metavar="FILE.toml",
                    help="the profile to write (default: this machine's profile for --ranks"
                         " ranks, under $MESHTRAIN_HOME/hardware or ~/.cache/meshtrain/hardware,"
-                        " which `plan` and `train --layout auto` then use by themselves)")
+                        " which `plan` and train's automatic layout then use by themselves)")
     c.add_argument("--ranks", type=int, default=4,
                    help="ranks measured at once (on a CPU they share its cores)")
     c.add_argument("--from-run", nargs="+", default=None, metavar="RUN",

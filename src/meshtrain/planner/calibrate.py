@@ -44,7 +44,7 @@ from meshtrain.parallel.runtime.process_groups import free_port
 from meshtrain.parallelize import build_model
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.costs import chunk_costs
-from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.hardware import COLLECTIVE_STEPS, Hardware
 from meshtrain.planner.run_fit import scaled
 from meshtrain.planner.workload import Workload
 
@@ -312,7 +312,7 @@ def fit_profile(measured: dict, *, ranks: int,
     peaks["fp16"] = _fit_peak([row for row in measured["matmul"] if row[0] == "fp16"],
                               efficiency, half, say)
     moved, seconds = (sum(col) for col in zip(*measured["elementwise"], strict=True))
-    alpha, link, scatter = _fit_collectives(measured["collectives"], say)
+    alpha, link, scatter, counting = _fit_collectives(measured["collectives"], say)
     a = measured["attention"]
     ratio = max(1.0, a["backward"] / a["forward"])
     say(f"attention core: forward {a['forward'] * 1e6:.0f} us, backward"
@@ -331,7 +331,7 @@ def fit_profile(measured: dict, *, ranks: int,
         matmul_efficiency=efficiency, matmul_half_gflop=half, memory_efficiency=1.0,
         network_efficiency=1.0, collective_latency_s=alpha, overlap_efficiency=overlap,
         attention_backward_ratio=ratio, reduce_scatter_factor=scatter,
-        default_precision="fp32" if cpu else "bf16")
+        collective_steps=counting, default_precision="fp32" if cpu else "bf16")
     return _rounded(_fit_layer(hardware, measured["layer"], measured["device"], say))
 
 
@@ -398,25 +398,35 @@ MODEL = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
 
 
 def _fit_collectives(rows: list[tuple],
-                     say: Callable[[str], None]) -> tuple[float, float, float]:
+                     say: Callable[[str], None]) -> tuple[float, float, float, str]:
     """alpha and the bandwidth (bytes/s) of t = steps x alpha + moved / bandwidth, fitted on
-    every collective but reduce-scatter; then reduce_scatter_factor, the reduce-scatters' time
-    beyond their steps' latency over what that bandwidth predicts for their bytes, summed over
-    sizes so the large ones decide (gloo has no native ring; small ones are all latency)."""
-    points = [(MODEL[op](UNIT_LATENCY, n, g, g), MODEL[op](UNIT_BYTES, n, g, g), t)
-              for op, g, n, t in rows if op != "reduce_scatter"]
-    alpha, per_byte = _relative_least_squares(points)
-    scattered = [(t - alpha * MODEL[op](UNIT_LATENCY, n, g, g),
+    every collective but reduce-scatter, under each way of counting steps (`collective_steps`:
+    the one with the smaller squared relative error is kept); then reduce_scatter_factor, the
+    reduce-scatters' time beyond their steps' latency over what that bandwidth predicts for
+    their bytes, summed over sizes so the large ones decide (gloo has no native ring; small
+    ones are all latency)."""
+    fits = {}
+    for counting in COLLECTIVE_STEPS:
+        latency = dataclasses.replace(UNIT_LATENCY, collective_steps=counting)
+        points = [(MODEL[op](latency, n, g, g), MODEL[op](UNIT_BYTES, n, g, g), t)
+                  for op, g, n, t in rows if op != "reduce_scatter"]
+        alpha, per_byte = _relative_least_squares(points)
+        error = sum(((alpha * p + per_byte * q) / t - 1) ** 2 for p, q, t in points)
+        fits[counting] = (error, alpha, per_byte, latency, points)
+    counting = min(fits, key=lambda c: fits[c][0])
+    _, alpha, per_byte, latency, points = fits[counting]
+    scattered = [(t - alpha * MODEL[op](latency, n, g, g),
                   per_byte * MODEL[op](UNIT_BYTES, n, g, g))
                  for op, g, n, t in rows if op == "reduce_scatter"]
     scatter = max(1.0, sum(t for t, _ in scattered) / sum(b for _, b in scattered))
     for op in COLLECTIVES:
         say(f"{op}: " + ", ".join(f"g{g} {n >> 10} KiB {t * 1e3:.3f} ms" for o, g, n, t in rows
                                   if o == op))
-    say(f"collective fit: collective_latency_s {alpha:.3g}, bandwidth {1e-9 / per_byte:.3g}"
-        f" GB/s, worst time error {_worst_error(points, alpha, per_byte):.0%};"
-        f" reduce_scatter_factor {scatter:.3g}")
-    return alpha, 1 / per_byte, scatter
+    say(f"collective fit: collective_steps {counting} (squared error "
+        + ", ".join(f"{c} {fits[c][0]:.3g}" for c in fits) + f"), collective_latency_s"
+        f" {alpha:.3g}, bandwidth {1e-9 / per_byte:.3g} GB/s, worst time error"
+        f" {_worst_error(points, alpha, per_byte):.0%}; reduce_scatter_factor {scatter:.3g}")
+    return alpha, 1 / per_byte, scatter, counting
 
 
 def _relative_least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float]:

@@ -4,12 +4,18 @@ For a group of g ranks and a message of n bytes (the full tensor: the all-reduce
 all-gather's output / reduce-scatter's input): all-reduce 2(g-1) steps moving 2(g-1)/g n bytes
 per rank; all-gather and reduce-scatter (g-1) steps moving (g-1)/g n; all-to-all (g-1) steps
 moving (g-1)/g n; a send 1 step moving n. Each step costs `collective_latency_s`; bytes move at
-the link's bandwidth times `network_efficiency`. The link is intra-node when the group's ranks
-lie in one node: mesh axes are ordered pp, dp, cp, tp (outer to inner), so a group whose ranks
-span `span` consecutive ranks stays inside a node when span <= gpus_per_node.
+the link's bandwidth times `network_efficiency`. A profile whose `collective_steps` is "log"
+counts log2(g) steps per phase instead of g - 1 (gloo's halving-doubling and bcube algorithms
+for latency-bound messages: measured on this host, its small all-reduce at g 4 takes about twice
+g 2's time, not three times); the bytes stay the bandwidth-optimal ones. The link is
+intra-node when the group's ranks lie in one node: mesh axes are ordered pp, dp, cp, tp (outer
+to inner), so a group whose ranks span `span` consecutive ranks stays inside a node when
+span <= gpus_per_node.
 """
 
 from __future__ import annotations
+
+import math
 
 from meshtrain.planner.hardware import Hardware
 
@@ -25,24 +31,30 @@ def _ring(hardware: Hardware, *, steps: int, moved: float, span: int) -> float:
     return steps * hardware.collective_latency_s + moved / bandwidth(hardware, span)
 
 
+def steps(hardware: Hardware, group: int) -> int:
+    """Latency steps of one phase (a gather or a scatter) over `group` ranks."""
+    return math.ceil(math.log2(group)) if hardware.collective_steps == "log" else group - 1
+
+
 def all_reduce(hardware: Hardware, nbytes: float, group: int, span: int) -> float:
     if group == 1:
         return 0.0
-    return _ring(hardware, steps=2 * (group - 1), moved=2 * (group - 1) / group * nbytes,
-                 span=span)
+    return _ring(hardware, steps=2 * steps(hardware, group),
+                 moved=2 * (group - 1) / group * nbytes, span=span)
 
 
 def all_gather(hardware: Hardware, nbytes: float, group: int, span: int) -> float:
     """Also a reduce-scatter's or an all-to-all's time (same steps and bytes)."""
     if group == 1:
         return 0.0
-    return _ring(hardware, steps=group - 1, moved=(group - 1) / group * nbytes, span=span)
+    return _ring(hardware, steps=steps(hardware, group), moved=(group - 1) / group * nbytes,
+                 span=span)
 
 
 def reduce_scatter(hardware: Hardware, nbytes: float, group: int, span: int) -> float:
     if group == 1:
         return 0.0
-    return _ring(hardware, steps=group - 1, span=span,
+    return _ring(hardware, steps=steps(hardware, group), span=span,
                  moved=hardware.reduce_scatter_factor * (group - 1) / group * nbytes)
 
 all_to_all = all_gather

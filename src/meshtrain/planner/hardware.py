@@ -18,6 +18,8 @@ from pathlib import Path
 
 PEAK_PRECISIONS = ("fp32", "bf16", "fp16")
 """The precisions a profile gives a matmul peak for."""
+COLLECTIVE_STEPS = ("ring", "log")
+"""How a profile counts a collective's latency steps (`collectives.steps`)."""
 
 
 def model_tflops(flops_per_token: float, tokens_per_s: float, devices: int) -> float:
@@ -84,6 +86,9 @@ class Hardware:
     """One NVMe drive's sequential bandwidth per rank: `offload_optimizer` nvme's files."""
     default_precision: str = "bf16"
     """The precision `meshtrain plan` assumes for this hardware unless told otherwise."""
+    collective_steps: str = "ring"
+    """Latency steps of a collective phase over g ranks: "ring", g - 1 (NCCL's rings); "log",
+    log2(g) (gloo's latency-bound algorithms); `plan calibrate` keeps the one that fits."""
     calibrated_ranks: int = 0
     """Ranks that shared the machine while `plan calibrate` measured it (its numbers are one
     rank's under that contention); 0: a profile from data sheets and published runs."""
@@ -168,18 +173,18 @@ BUILT_IN: dict[str, Hardware] = {
         intra_node_gbytes_per_s=448.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=653.7,
         hbm_gbytes_per_s=5300.0, **_H100_FIT),
     # This 2-core CI host with 4 gloo ranks sharing it (one thread each), per rank, as
-    # `calibrate_machine(ranks=4)` measured it on a quiet host (`python
-    # benchmarks/plan_vs_measured.py` prints the fit; reduce_scatter_factor from the same
-    # measurements through the fixed estimator); another host, or this one under other load,
-    # calibrates its own (under load this host measured fp32 matmuls at half this rate).
+    # `calibrate_machine(ranks=4)` measured it on a quiet host (2026-11-27, `python
+    # benchmarks/plan_vs_measured.py` prints the fit: collectives timed behind a matmul burst,
+    # gloo's log2(g) latency steps, a real layer's compute and host overhead); another host, or
+    # this one under other load, calibrates its own (`meshtrain plan calibrate`).
     "cpu-gloo": Hardware(
-        name="cpu-gloo", peak_tflops=0.1127, hbm_gib=5.885, gpus_per_node=4,
-        intra_node_gbytes_per_s=0.9493, inter_node_gbytes_per_s=0.9493,
-        fp32_peak_tflops=0.05066, hbm_gbytes_per_s=8.709, matmul_efficiency=0.884,
-        matmul_half_gflop=0.0002586, memory_efficiency=1.0, network_efficiency=1.0,
-        collective_latency_s=0.0008008, overlap_efficiency=0.1761, layer_overhead_s=0.0002854,
-        attention_backward_ratio=2.596, reduce_scatter_factor=3.616, default_precision="fp32",
-        calibrated_ranks=4),
+        name="cpu-gloo", peak_tflops=0.1079, hbm_gib=5.885, gpus_per_node=4,
+        intra_node_gbytes_per_s=0.947, inter_node_gbytes_per_s=0.947,
+        fp32_peak_tflops=0.04905, fp16_peak_tflops=0.002244, hbm_gbytes_per_s=8.449,
+        matmul_efficiency=0.6922, matmul_half_gflop=0.0002749, memory_efficiency=0.7526,
+        network_efficiency=1.0, collective_latency_s=0.001725, overlap_efficiency=0.0,
+        layer_overhead_s=0.0005276, attention_backward_ratio=2.914, reduce_scatter_factor=4.31,
+        default_precision="fp32", collective_steps="log", calibrated_ranks=4),
 }
 """GPU peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s
 hardware table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
@@ -243,6 +248,9 @@ def load_hardware(name_or_file: str) -> Hardware:
             bound = f"{'[' if low_included else '('}{low:g}, {high:g}{closing}"
             raise ValueError(f"`hardware` file {path}: {name} must be a number in {bound}, got"
                              f" {value!r}; fix the file or calibrate again")
+    if hardware.collective_steps not in COLLECTIVE_STEPS:
+        raise ValueError(f"`hardware` file {path}: collective_steps must be ring or log, got"
+                         f" {hardware.collective_steps!r}")
     if hardware.default_precision not in PEAK_PRECISIONS:
         raise ValueError(f"`hardware` file {path}: default_precision must be fp32, bf16 or"
                          f" fp16, got {hardware.default_precision!r}")
