@@ -117,3 +117,25 @@ def test_peak_sees_backward():
         (weight * 2).sum().backward()
     assert peak.at_peak["weight"] == 4000
     assert peak.at_peak["allocated"] >= 4000  # at least the gradient
+
+
+def test_the_peak_probe_passes_over_tensors_without_data_that_a_trace_left_alive():
+    """flex_attention's CPU forward traces its mask function and leaves fake tensors (meta
+    storages of symbolic size) in torch's caches: the probe's scan of what is live finds them
+    and must not count them."""
+    from meshtrain.parallel.layers.flex import flex_attention_masked
+    from meshtrain.parallel.layers.masks import AttentionMask
+
+    documents = torch.arange(32).div(5, rounding_mode="floor")[None]
+    for window, docs, s, t, k_start in ((4, None, 16, 16, 0), (None, documents, 16, 16, 0),
+                                        (4, documents, 6, 16, 9), (None, None, 6, 16, 0)):
+        q, kv = torch.randn(1, 4, s, 8), torch.randn(1, 2, t, 8)
+        with torch.no_grad():
+            flex_attention_masked(q, kv, kv, AttentionMask(window, docs), k_start)
+    with measure_peak() as held:
+        pass
+    with measure_peak() as probe:
+        kept = torch.empty(1000)
+    assert probe.peak - held.peak == kept.untyped_storage().nbytes()
+    # plain byte counts: a traced tensor's symbolic size would break the metrics' JSON
+    assert all(type(n) is int for n in (probe.peak, *probe.at_peak.values()))

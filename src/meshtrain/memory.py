@@ -87,6 +87,7 @@ def zero_formula_bytes(num_params: int, *, param_bytes: int, grad_bytes: int, st
 
 
 HELD, ALLOCATED = "held", "allocated"
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclasses.dataclass
@@ -117,9 +118,9 @@ class _LiveStorages(TorchDispatchMode):
         for kind, tensors in baseline.items():
             for tensor in tensors:
                 self._track(tensor, kind)
-        for found in gc.get_objects():  # every other tensor Python holds
-            if issubclass(type(found), torch.Tensor):  # no __class__ lookup: no warnings
-                self._track(found, HELD)
+        for found in gc.get_objects():  # every other plain tensor Python holds
+            if type(found) in PLAIN_TENSORS:  # not subclasses: a compile's fake tensors have
+                self._track(found, HELD)      # no data, a DTensor's local shard is found alone
         self._measure()
 
     def _track(self, tensor: torch.Tensor, kind: str) -> int:
@@ -195,6 +196,7 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     if tensor.device.type != "cpu":
         return None
     try:
-        return tensor.untyped_storage()
+        storage = tensor.untyped_storage()
     except (NotImplementedError, RuntimeError):  # sparse, wrapper subclasses
         return None
+    return storage if storage.device.type == "cpu" else None  # a fake tensor's is on meta
