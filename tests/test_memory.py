@@ -127,8 +127,8 @@ def test_the_peak_probe_passes_over_tensors_without_data_that_a_trace_left_alive
     from meshtrain.parallel.layers.masks import AttentionMask
 
     documents = torch.arange(32).div(5, rounding_mode="floor")[None]
-    for window, docs, s, t, k_start in ((4, None, 16, 16, 0), (None, documents, 16, 16, 0),
-                                        (4, documents, 6, 16, 9), (None, None, 6, 16, 0)):
+    # two shapes: the second trace makes its sizes symbolic
+    for window, docs, s, t, k_start in ((None, documents, 16, 16, 0), (4, documents, 6, 16, 9)):
         q, kv = torch.randn(1, 4, s, 8), torch.randn(1, 2, t, 8)
         with torch.no_grad():
             flex_attention_masked(q, kv, kv, AttentionMask(window, docs), k_start)
