@@ -113,3 +113,14 @@ def test_a_profile_records_its_fp16_peak_and_ranks(tmp_path):
     path.write_text(hw.to_toml())
     assert tomllib.loads(path.read_text())["calibrated_ranks"] == 4
     assert load_hardware(str(path)) == hw
+
+
+def test_a_fit_from_runs_is_kept_as_this_machines_profile_at_their_rank_count(tmp_path, capsys):
+    """Fitted from a data-sheet profile or at another rank count, the result is still this
+    machine's profile for the runs' world size: the one `plan --gpus 2` looks for."""
+    run = write_run(tmp_path / "a", {"dp": 2}, scaled(BASE, 0.5, 1.0))
+    assert main(["plan", "calibrate", "--from-run", str(run), "--hardware", "h100-80g"]) == 0
+    path = calibrated_path("cpu-gloo", 2)
+    assert f"wrote {path}" in capsys.readouterr().out
+    assert load_hardware(str(path)).peak_tflops == BUILT_IN["h100-80g"].peak_tflops
+    path.unlink()

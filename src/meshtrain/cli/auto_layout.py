@@ -29,7 +29,7 @@ def default_hardware(device: str, ranks: int | None = None) -> Hardware:
     cuda = device != "cpu" and torch.cuda.is_available()
     if ranks is not None:
         local = min(ranks, torch.cuda.device_count()) if cuda else ranks
-        measured = calibrated_path("cuda-nccl" if cuda else "cpu-gloo", local)
+        measured = calibrated_path(machine_name(device), local)
         if measured.is_file():
             return load_hardware(str(measured))
     name = torch.cuda.get_device_name(0) if cuda else None
@@ -38,6 +38,14 @@ def default_hardware(device: str, ranks: int | None = None) -> Hardware:
         raise ValueError(f"no built-in hardware profile matches the CUDA device {name!r}: pass"
                          " `hardware` FILE.toml (meshtrain plan calibrate writes one)")
     return hardware
+
+
+def machine_name(device: str) -> str:
+    """The name `plan calibrate` gives this machine's profiles (its device and backend), under
+    which `default_hardware` finds them."""
+    import torch
+
+    return "cuda-nccl" if device != "cpu" and torch.cuda.is_available() else "cpu-gloo"
 
 
 def fixed_fields(cfg: RunConfig, given: set[tuple[str, str]]) -> dict[str, object]:

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from meshtrain.cli.auto_layout import default_hardware, short_spec
+from meshtrain.cli.auto_layout import default_hardware, machine_name, short_spec
 from meshtrain.cli.flags import as_flags
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
@@ -257,15 +257,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None and out.suffix != ".toml":
         raise ValueError(f"`out` {out} must be a .toml file (`hardware` reads it)")
+    ranks = args.ranks
     if args.from_run:
         runs = [read_run(run) for run in args.from_run]  # every run read before the fit
+        if len({run.ranks for run in runs}) == 1:  # kept as this machine's at their ranks
+            ranks = runs[0].ranks
         base = load_hardware(args.hardware) if args.hardware else \
-            default_hardware("auto", args.ranks)
+            default_hardware("auto", ranks)
         hardware = fit_runs(base, runs, report=lambda line: print(f"meshtrain: {line}"))
     else:
-        hardware = calibrate_machine(ranks=args.ranks)
+        hardware = calibrate_machine(ranks=ranks)
     if out is None:
-        out = calibrated_path(hardware.name, hardware.calibrated_ranks or args.ranks)
+        out = calibrated_path(machine_name("auto"), ranks)
         out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, hardware.to_toml().encode())
     print(f"meshtrain: wrote {out}; plan with it: meshtrain plan --hardware {out} --gpus N")

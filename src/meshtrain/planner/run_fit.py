@@ -39,6 +39,8 @@ class MeasuredRun:
     """One run's layout and workload and its median step time after the warm-up."""
 
     path: Path
+    ranks: int
+    """The run's world size."""
     predict: Callable[[Hardware], float]
     """Predicted step time (s) of this run on a profile."""
     step_time_s: float
@@ -69,7 +71,8 @@ def read_run(path: str | Path) -> MeasuredRun:
     def predicted(hardware: Hardware) -> float:
         return predict(model, cfg.plan, hardware, seq_len=t.seq_len,
                        global_batch=t.global_batch, precision=cfg.plan.precision).step_time_s
-    return MeasuredRun(path, predicted, statistics.median(times[WARMUP_STEPS:]))
+    return MeasuredRun(path, cfg.plan.world_size, predicted,
+                       statistics.median(times[WARMUP_STEPS:]))
 
 
 def scaled(hardware: Hardware, compute: float, network: float) -> Hardware:
