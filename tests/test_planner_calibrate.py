@@ -33,7 +33,7 @@ def measurements_of(hw: Hardware) -> dict:
     layer = {b: calibrate._layer_compute(hw, calibrate.LAYER["cpu"], b)
              for b in calibrate.LAYER_BATCHES}
     return {
-        "backend": "gloo", "device": "cpu", "memory_bytes": 16 * 2**30,
+        "backend": "gloo", "device": "cpu", "memory_bytes": 16 * 2**30, "cores": 2,
         "matmul": [(d, s, _matmul(hw, 2 * math.prod(s), d)) for d in ("fp32", "bf16")
                    for s in calibrate.MATMUL_SHAPES]
         + [("fp16", s, _matmul(hw, 2 * math.prod(s), "fp16")) for s in calibrate.FP16_SHAPES],
@@ -48,6 +48,7 @@ def measurements_of(hw: Hardware) -> dict:
 
 def test_fits_recover_the_machine_the_formulas_describe():
     fitted = calibrate.fit_profile(measurements_of(TRUE), ranks=4)
+    assert fitted.oversubscription == 2.0  # 4 one-thread ranks on the record's 2 cores
     for d in ("fp32", "bf16", "fp16"):  # peak x efficiency is what a time determines
         for s in calibrate.MATMUL_SHAPES + ((64, 64, 64), (4096, 4096, 4096)):
             flops = 2 * math.prod(s)
@@ -112,6 +113,7 @@ def test_quick_calibration_is_finite_and_describes_two_ranks(calibrated):
         assert values[positive] > 0, positive
     assert calibrated.overlap_efficiency <= 1
     assert calibrated.gpus_per_node == 2
+    assert calibrated.oversubscription == max(1.0, 2 / (os.cpu_count() or 1))
     assert calibrated.intra_node_gbytes_per_s == calibrated.inter_node_gbytes_per_s
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     assert calibrated.hbm_gib == pytest.approx(host / 2, rel=1e-3)

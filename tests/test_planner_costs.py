@@ -56,15 +56,18 @@ def test_simulated_bubble_matches_the_closed_formula_on_even_stages(schedule, v)
     assert run.makespan == pytest.approx(m * (f + b) + bubble)
 
 
+@pytest.mark.parametrize("oversubscription", [1.0, 2.0])
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
-def test_capped_simulation_equals_the_full_one_on_uneven_stages(schedule, v):
+def test_capped_simulation_equals_the_full_one_on_uneven_stages(schedule, v, oversubscription):
     p, m = 3, 60  # cap is p x max(8, 2v + 2) = 24 < m
     chunks = [ChunkCost(1.0 + 0.3 * g, 0.1, 2.0 + 0.5 * g, 0.0, 1.0) for g in range(p * v)]
-    run = run_pipeline(chunks, ParallelPlan(dp=1, pp=p, virtual_stages=v, pp_schedule=schedule), m)
+    run = run_pipeline(chunks, ParallelPlan(dp=1, pp=p, virtual_stages=v, pp_schedule=schedule), m,
+                       oversubscription)
     lists = {"gpipe": lambda: schedules.gpipe(p, m), "1f1b": lambda: schedules.one_f_one_b(p, m),
              "interleaved": lambda: schedules.interleaved(p, m, v)}[schedule]()
     full = schedules.simulate(lists, forward_cost=[c.forward + c.forward_comm for c in chunks],
-                              backward_cost=[c.backward for c in chunks], v=v)
+                              backward_cost=[c.backward for c in chunks], v=v,
+                              oversubscription=oversubscription)
     assert run.makespan == pytest.approx(full.makespan)
     assert run.busy == pytest.approx(full.busy)
 

@@ -40,20 +40,21 @@ def test_zb_h1_models_a_third_of_1f1bs_bubble_and_zb_v_less():
     assert 0 < v < h1
 
 
+@pytest.mark.parametrize("oversubscription", [1.0, 2.0])
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
-def test_capped_simulation_equals_the_full_one_on_uneven_stages(schedule):
+def test_capped_simulation_equals_the_full_one_on_uneven_stages(schedule, oversubscription):
     p, m = 3, 60  # cap is p x max(8, 2v + 2) = 24 < m
     lay = ParallelPlan(dp=1, pp=p, pp_schedule=schedule)
     chunks = [ChunkCost(1.0 + 0.3 * g, 0.1, 2.0 + 0.5 * g, 0.2, 1.0, 0.7 + 0.2 * g)
               for g in range(p * lay.chunks_per_rank)]
-    run = run_pipeline(chunks, lay, m)
+    run = run_pipeline(chunks, lay, m, oversubscription)
     generator = {"zb-h1": zero_bubble.zb_h1, "zb-v": zero_bubble.zb_v}[schedule]
     input_grad, weight_grad = split_backward(chunks)
     full = schedules.simulate(
         generator(p, m), forward_cost=[c.forward + c.forward_comm for c in chunks],
         backward_cost=[c.backward + c.backward_comm for c in chunks],
         input_grad_cost=input_grad, weight_grad_cost=weight_grad, v=lay.chunks_per_rank,
-        placement=schedules.schedule_placement(schedule))
+        placement=schedules.schedule_placement(schedule), oversubscription=oversubscription)
     assert run.makespan == pytest.approx(full.makespan)
     assert run.busy == pytest.approx(full.busy)
 

@@ -98,3 +98,26 @@ def test_existing_schedules_simulate_as_before_the_split_backward(key):
                    backward_cost=[2 + 0.5 * (g % 3) for g in range(p * v)])
     assert (sim.makespan, sim.busy, sim.peak_in_flight) == BEFORE_SPLIT[key]
     assert sim.peak_activations == [n / v for n in sim.peak_in_flight]
+
+
+def test_shared_processors_give_a_waiting_ranks_share_to_the_busy_one():
+    # GPipe, p = 2, m = 2, F = 1, B = 2, two ranks per processor (o = 2): rank 0's F0 runs alone
+    # at twice the speed (0.5), then F1 beside rank 1's F0 at speed 1 (to 1.5), rank 1's F1
+    # alone (2.0), its B0 alone (3.0), B1 beside rank 0's B0 (5.0), rank 0's B1 alone (6.0):
+    # the step is the total work over the two processors, where unshared it is 9.
+    sim = simulate(gpipe(2, 2), forward_cost=1.0, backward_cost=2.0, oversubscription=2.0)
+    assert sim.makespan == 6.0 and sim.busy == [4.5, 4.5]
+    assert [(a.kind, start, end) for a, start, end in sim.timeline[1]] == [
+        ("F", 0.5, 1.5), ("F", 1.5, 2.0), ("B", 2.0, 3.0), ("B", 3.0, 5.0)]
+    unshared = simulate(gpipe(2, 2), forward_cost=1.0, backward_cost=2.0)
+    assert unshared.makespan == 9.0 and unshared.busy == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("o", [1.5, 3.0])
+def test_shared_processors_never_beat_the_total_work_nor_run_past_the_unshared_step(o):
+    lists = one_f_one_b(4, 8)
+    costs = {"forward_cost": [1 + 0.25 * g for g in range(4)],
+             "backward_cost": [2 + 0.5 * (g % 3) for g in range(4)]}
+    unshared, shared = simulate(lists, **costs), simulate(lists, **costs, oversubscription=o)
+    assert sum(unshared.busy) / 4 <= shared.makespan < unshared.makespan
+    assert all(b <= shared.makespan for b in shared.busy)

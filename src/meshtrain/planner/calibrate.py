@@ -149,7 +149,7 @@ def _rank_main(rank: int, ranks: int, port: int, quick: bool, results) -> None:
         sizes = QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES
         measured = {
             "backend": dist.get_backend(), "device": device.type,
-            "memory_bytes": _device_memory(device),
+            "memory_bytes": _device_memory(device), "cores": os.cpu_count() or 1,
             "matmul": _time_matmuls(r, shapes),
             "elementwise": _time_elementwise(r, 1 << (22 if quick else 23)),
             "collectives": _time_collectives(r, ranks, sizes),
@@ -331,7 +331,8 @@ def fit_profile(measured: dict, *, ranks: int,
         matmul_efficiency=efficiency, matmul_half_gflop=half, memory_efficiency=1.0,
         network_efficiency=1.0, collective_latency_s=alpha, overlap_efficiency=overlap,
         attention_backward_ratio=ratio, reduce_scatter_factor=scatter,
-        collective_steps=counting, default_precision="fp32" if cpu else "bf16")
+        collective_steps=counting, default_precision="fp32" if cpu else "bf16",
+        oversubscription=max(1.0, ranks / measured["cores"]) if cpu else 1.0)
     return _rounded(_fit_layer(hardware, measured["layer"], measured["device"], say))
 
 

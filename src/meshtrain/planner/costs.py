@@ -78,7 +78,7 @@ def predict(model: TransformerConfig, layout: ParallelPlan, hardware: Hardware, 
     checks layouts with `ParallelPlan.validate` first) on `hardware`."""
     work = Workload(model, layout, seq_len, global_batch, precision)
     chunks = chunk_costs(work, hardware)
-    pipe = run_pipeline(chunks, layout, work.micro_batches)
+    pipe = run_pipeline(chunks, layout, work.micro_batches, hardware.oversubscription)
     totals = []
     for rank in range(layout.pp):
         own = [chunks[g] for g in pipe.chunks_of(rank)]

@@ -92,6 +92,10 @@ class Hardware:
     calibrated_ranks: int = 0
     """Ranks that shared the machine while `plan calibrate` measured it (its numbers are one
     rank's under that contention); 0: a profile from data sheets and published runs."""
+    oversubscription: float = 1.0
+    """Ranks per processor when all compute (CPU threads wanted over cores; 1 on GPUs): the
+    measured rates are each rank's share, and a rank waiting in a pipeline bubble gives its
+    share to the busy ones (`schedules.simulate`), so bubbles cost less than their length."""
 
     def peak_for(self, precision: str) -> float:
         """Matmul peak TFLOP/s in a precision (fp32, bf16, fp16)."""
@@ -184,7 +188,8 @@ BUILT_IN: dict[str, Hardware] = {
         matmul_efficiency=0.6922, matmul_half_gflop=0.0002749, memory_efficiency=0.7526,
         network_efficiency=1.0, collective_latency_s=0.001725, overlap_efficiency=0.0,
         layer_overhead_s=0.0005276, attention_backward_ratio=2.914, reduce_scatter_factor=4.31,
-        default_precision="fp32", collective_steps="log", calibrated_ranks=4),
+        default_precision="fp32", collective_steps="log", calibrated_ranks=4,
+        oversubscription=2.0),
 }
 """GPU peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s
 hardware table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
@@ -268,6 +273,7 @@ _RANGES = {  # field: (low, high, low included); a NaN is in no range
                      "matmul_half_gflop", "attention_efficiency"),
                     (0.0, math.inf, True)),
     "overlap_efficiency": (0.0, 1.0, True),
+    "oversubscription": (1.0, math.inf, True),
 }
 """What a profile's numbers may be (infinities and NaN never). Efficiencies are only bounded
 below: a calibration measures its peak and may fit a little over it."""

@@ -1,8 +1,10 @@
 """The pipeline bubble from meshtrain's own schedules, run by the simulator on per-chunk costs.
 
-Long steps are simulated at a capped number of micro-batches and extended at the busiest rank's
-per-micro-batch rate: once a schedule reaches its steady state every further micro-batch adds
-exactly that rank's work (checked against the uncapped simulation in the tests).
+Long steps are simulated at a capped number of micro-batches and extended at the steady state's
+rate: each further micro-batch adds the busiest rank's work, or, where ranks share processors
+(`Hardware.oversubscription`), every further p micro-batches add what the last p added (read
+from a second simulation p micro-batches shorter). Both are checked against the uncapped
+simulation in the tests.
 
 The zero-bubble schedules (zb-h1, zb-v) run each chunk's backward as `I` and `W`
 (`split_backward`), zb-v on two chunks per rank placed in a V (`schedules.v_shape_chunk`): rank 0
@@ -73,8 +75,11 @@ def split_backward(chunks: list[ChunkCost]) -> tuple[tuple[float, ...], tuple[fl
     return tuple(b - w for b, w in zip(whole, weight, strict=True)), weight
 
 
-def run_pipeline(chunks: list[ChunkCost], layout: ParallelPlan, micro_batches: int) -> PipelineRun:
-    p, v, m = layout.pp, layout.chunks_per_rank, micro_batches
+def run_pipeline(chunks: list[ChunkCost], layout: ParallelPlan, micro_batches: int,
+                 oversubscription: float = 1.0) -> PipelineRun:
+    """Simulate the layout's schedule on the chunk costs; `oversubscription` as the hardware's
+    (`Hardware.oversubscription`: ranks sharing processors speed up while others wait)."""
+    p, v, m, o = layout.pp, layout.chunks_per_rank, micro_batches, oversubscription
     schedule = layout.pp_schedule
     forward = tuple(c.forward + c.forward_comm for c in chunks)
     backward = tuple(c.backward + c.backward_comm for c in chunks)
@@ -82,32 +87,45 @@ def run_pipeline(chunks: list[ChunkCost], layout: ParallelPlan, micro_batches: i
         busy = m * (forward[0] + backward[0])
         return PipelineRun(busy, [busy], [1], 1, 1, m, schedule)
     if schedule == "2bw":
-        one = _simulate("2bw", p, v, m, forward, backward, steps=1)
-        two = _simulate("2bw", p, v, m, forward, backward, steps=2)
+        one = _simulate("2bw", p, v, m, forward, backward, steps=1, oversubscription=o)
+        two = _simulate("2bw", p, v, m, forward, backward, steps=2, oversubscription=o)
         busy = [b2 - b1 for b1, b2 in zip(one.busy, two.busy, strict=True)]
         return PipelineRun(two.makespan - one.makespan, busy, two.peak_in_flight, p, v, m,
                            schedule)
     halves = split_backward(chunks) if schedule in schedules.SPLIT_BACKWARD else (None, None)
     cap = p * max(8, 2 * v + 2)
-    simulated = _simulate(schedule, p, v, min(m, cap), forward, backward, *halves)
-    per_micro = [sum(forward[g] + backward[g] for g in rank_chunks(schedule, p, v, r))
-                 for r in range(p)]
-    extra = max(m - cap, 0)
-    busy = [b + extra * rate for b, rate in zip(simulated.busy, per_micro, strict=True)]
-    return PipelineRun(simulated.makespan + extra * max(per_micro), busy,
-                       simulated.peak_in_flight, p, v, m, schedule)
+    simulated = _simulate(schedule, p, v, min(m, cap), forward, backward, *halves,
+                          oversubscription=o)
+    if m <= cap:
+        return PipelineRun(simulated.makespan, simulated.busy, simulated.peak_in_flight, p, v,
+                           m, schedule)
+    extra = m - cap
+    if o == 1:  # every further micro-batch adds the busiest rank's work: it sets the pace
+        per_micro = [sum(forward[g] + backward[g] for g in rank_chunks(schedule, p, v, r))
+                     for r in range(p)]
+        busy = [b + extra * w for b, w in zip(simulated.busy, per_micro, strict=True)]
+        return PipelineRun(simulated.makespan + extra * max(per_micro), busy,
+                           simulated.peak_in_flight, p, v, m, schedule)
+    # Shared processors: how waits overlap sets the pace; every further p micro-batches add
+    # what the last p added.
+    shorter = _simulate(schedule, p, v, cap - p, forward, backward, *halves, oversubscription=o)
+    scale = extra / p
+    busy = [b + scale * (b - s) for b, s in zip(simulated.busy, shorter.busy, strict=True)]
+    return PipelineRun(simulated.makespan + scale * (simulated.makespan - shorter.makespan),
+                       busy, simulated.peak_in_flight, p, v, m, schedule)
 
 
 @functools.lru_cache(maxsize=4096)
 def _simulate(schedule: str, p: int, v: int, m: int, forward: tuple[float, ...],
               backward: tuple[float, ...], input_grad: tuple[float, ...] | None = None,
-              weight_grad: tuple[float, ...] | None = None,
-              steps: int = 1) -> schedules.Simulation:
+              weight_grad: tuple[float, ...] | None = None, steps: int = 1,
+              oversubscription: float = 1.0) -> schedules.Simulation:
     return schedules.simulate(
         _schedule(schedule, p, v, m, steps), forward_cost=list(forward),
         backward_cost=list(backward), v=v, placement=schedules.schedule_placement(schedule),
         input_grad_cost=None if input_grad is None else list(input_grad),
-        weight_grad_cost=None if weight_grad is None else list(weight_grad))
+        weight_grad_cost=None if weight_grad is None else list(weight_grad),
+        oversubscription=oversubscription)
 
 
 @functools.lru_cache(maxsize=256)

@@ -16,6 +16,7 @@ lists on a real model.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -198,54 +199,106 @@ def simulate(schedule: list[list[Action]], *, forward_cost: float | Sequence[flo
              backward_cost: float | Sequence[float] = 2.0, v: int = 1,
              input_grad_cost: float | Sequence[float] | None = None,
              weight_grad_cost: float | Sequence[float] | None = None,
-             placement: Placement = model_chunk) -> Simulation:
+             placement: Placement = model_chunk, oversubscription: float = 1.0) -> Simulation:
     """Run every rank's list in order; an action waits for its input (`_input_ready`). A number
     is a cost per whole stage (a chunk of an interleaved schedule costs 1/v of it); a sequence
     gives each model chunk's own cost, in global chunk order (uneven stages, the head on the
     last one). `I` and `W` cost half of `backward_cost` each unless given. A chunk's
     activations count as held from its forward until its `B` or `W`: the weight gradient still
     needs them. `placement` maps (rank, local chunk) to the global chunk (`v_shape_chunk` for
-    ZB-V). Communication is free."""
+    ZB-V). Communication is free.
+
+    `oversubscription` o > 1: the ranks share processors, o ranks to one when all compute (as
+    gloo ranks on a CPU host with fewer cores than ranks), and the costs were measured so; while
+    only b of the p ranks compute, each runs min(o, p / b) times as fast: a waiting rank's share
+    of the processors goes to the busy ones, and `busy` is wall time spent computing."""
     p = len(schedule)
-    last = p * v - 1
     backward = _chunk_costs(backward_cost, p, v)
     costs = {FORWARD: _chunk_costs(forward_cost, p, v), BACKWARD: backward,
              INPUT_GRAD: _half_unless_given(input_grad_cost, backward, p, v),
              WEIGHT_GRAD: _half_unless_given(weight_grad_cost, backward, p, v)}
-    held = {FORWARD: 1, BACKWARD: -1, WEIGHT_GRAD: -1}
-    done: dict[tuple[str, int, int], float] = {}  # (kind, micro, global chunk) -> end time
-    position = [0] * p
-    clock = [0.0] * p
-    busy = [0.0] * p
-    in_flight, peak = [0] * p, [0] * p
-    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    remaining = sum(len(r) for r in schedule)
-    while remaining:
-        progressed = False
-        for s in range(p):
-            while position[s] < len(schedule[s]):
-                a = schedule[s][position[s]]
-                g = placement(s, a.chunk, p)
-                dep = _input_ready(a, g, last, done)
-                if dep is None:
-                    break
-                start = max(clock[s], dep)
-                cost = costs[a.kind][g] if a.kind in costs else 0.0
-                clock[s] = start + cost
-                busy[s] += cost
-                if a.kind in costs:
-                    done[(a.kind, a.micro, g)] = clock[s]
-                    timeline[s].append((a, start, clock[s]))
-                    in_flight[s] += held.get(a.kind, 0)
-                    peak[s] = max(peak[s], in_flight[s])
-                position[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {s: schedule[s][position[s]] for s in range(p)
-                     if position[s] < len(schedule[s])}
+    replay = _Replay(schedule, costs, placement, v, oversubscription)
+    ready: Sequence[int] = range(p)
+    while True:
+        for s in ready:
+            replay.start_next(s)
+        if not replay.running:
+            if not replay.remaining:
+                return Simulation(max(replay.clock), replay.busy, replay.peak, replay.timeline, v)
+            stuck = {s: schedule[s][replay.position[s]] for s in range(p)
+                     if replay.position[s] < len(schedule[s])}
             raise RuntimeError(f"schedule deadlocks: ranks wait on {stuck}")
-    return Simulation(max(clock), busy, peak, timeline, v)
+        ready = replay.finish_next()
+
+
+class _Replay:
+    """`simulate`'s state: where each rank is in its list, what it runs, what is done. Time is
+    kept twice: `virtual`, the work each running action has done since it started (all running
+    actions advance alike, so they end in the order of their virtual end), and `now`, the wall
+    time, which advances by virtual time / the speed of the moment (unshared: the same)."""
+
+    HELD = {FORWARD: 1, BACKWARD: -1, WEIGHT_GRAD: -1}
+
+    def __init__(self, schedule: list[list[Action]], costs: dict[str, list[float]],
+                 placement: Placement, v: int, oversubscription: float):
+        p = len(schedule)
+        self.schedule, self.costs, self.placement = schedule, costs, placement
+        self.oversubscription = oversubscription
+        self.last = p * v - 1
+        self.done: dict[tuple[str, int, int], float] = {}  # (kind, micro, global chunk) -> end
+        self.position, self.clock, self.busy = [0] * p, [0.0] * p, [0.0] * p
+        self.in_flight, self.peak = [0] * p, [0] * p
+        self.timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+        self.running: dict[int, tuple[Action, int, float]] = {}  # rank -> (action, chunk, start)
+        self.ends: list[tuple[float, int]] = []  # heap of (virtual end, rank)
+        self.blocked: dict[int, tuple[int, int]] = {}  # rank -> (micro, global chunk) it waits on
+        self.remaining = sum(len(r) for r in schedule)
+        self.virtual = self.now = 0.0
+
+    def start_next(self, s: int) -> None:
+        """Pass rank `s`'s free actions (communication, steps) and start its next costed one if
+        its input is ready."""
+        actions = self.schedule[s]
+        while self.position[s] < len(actions):
+            a = actions[self.position[s]]
+            g = self.placement(s, a.chunk, len(self.schedule))
+            costed = a.kind in self.costs
+            if costed:
+                if _input_ready(a, g, self.last, self.done) is None:
+                    self.blocked[s] = (a.micro, g)
+                    return
+                self.running[s] = (a, g, self.now)
+                heapq.heappush(self.ends, (self.virtual + self.costs[a.kind][g], s))
+                self.in_flight[s] += self.HELD.get(a.kind, 0)
+                self.peak[s] = max(self.peak[s], self.in_flight[s])
+            self.position[s] += 1
+            self.remaining -= 1
+            if costed:
+                return
+
+    def finish_next(self) -> list[int]:
+        """Advance to the next end; return the ranks that may start an action: those that
+        finished, and those waiting on the same micro-batch in a neighbouring chunk."""
+        speed = min(self.oversubscription, len(self.schedule) / len(self.running))
+        virtual = self.ends[0][0]
+        self.now = virtual if self.oversubscription == 1 else (
+            self.now + (virtual - self.virtual) / speed)
+        self.virtual = virtual
+        woken = []
+        while self.ends and self.ends[0][0] <= virtual:
+            s = heapq.heappop(self.ends)[1]
+            a, g, start = self.running.pop(s)
+            self.done[(a.kind, a.micro, g)] = self.now
+            self.timeline[s].append((a, start, self.now))
+            self.busy[s] += self.now - start
+            self.clock[s] = self.now
+            woken.append(s)
+            woken += [w for w, (micro, chunk) in self.blocked.items()
+                      if micro == a.micro and abs(chunk - g) <= 1]
+        woken = list(dict.fromkeys(woken))
+        for w in woken:
+            self.blocked.pop(w, None)
+        return woken
 
 
 def _input_ready(a: Action, g: int, last: int, done: dict) -> float | None:
