@@ -1,7 +1,7 @@
 """The planner's predicted step times against measured ones, on this machine at 4 ranks.
 
     python benchmarks/plan_vs_measured.py [--repeats 3] [--steps 8] [--hardware FILE.toml]
-                                          [--json OUT] [--measured PREVIOUS.json] [--breakdown]
+                                          [--json OUT] [--measured RUN.json ...] [--breakdown]
 
 Calibrates this machine (`calibrate_machine(ranks=4)`; `--hardware` skips that), predicts one
 small GPT's step time in 22 layouts covering tp, dp, pp under each schedule (zero-bubble ones
@@ -12,8 +12,10 @@ further along the list each time, and a layout's time is the median over all its
 the warm-up ones; the load average is recorded before and after. Prints predicted (compute /
 exposed communication / bubble) against measured, the relative errors, Spearman's rank
 correlation and whether the planner's first choice is the fastest measured layout, against
-the issue's goals. `--breakdown` instead trains one layout per family at two depths and puts
-the measured floor (a step without its layers) and per-layer slope beside the model's.
+the issue's goals. `--measured` predicts saved runs again instead of training (several: each
+layout's median over them, the "median of three runs" of the issue). `--breakdown` instead
+trains one layout per family at two depths and puts the measured floor (a step without its
+layers) and per-layer slope beside the model's.
 """
 
 from __future__ import annotations
@@ -227,20 +229,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write everything to this file")
     parser.add_argument("--breakdown", action="store_true",
                         help="measure each layout family's floor and per-layer slope instead")
-    parser.add_argument("--measured", type=Path,
-                        help="a previous run's --json: predict its measured times again (with"
-                             " --hardware, or its own profile) instead of training")
+    parser.add_argument("--measured", type=Path, nargs="+",
+                        help="previous runs' --json: predict their measured times (each"
+                             " layout's median over the runs) again, with --hardware or the"
+                             " first run's profile, instead of training")
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS or args.repeats < 1:
         parser.error(f"--steps must exceed {WARMUP_STEPS} and --repeats be positive")
     for layout, model in CASES:  # fail before the long part
         layout.validate(model, world_size=RANKS,
                                                   global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
-    saved = json.loads(args.measured.read_text()) if args.measured else None
+    saved = [json.loads(path.read_text()) for path in args.measured or ()]
+    load_before = os.getloadavg()  # before calibrating: its 4 ranks load the host too
     if args.hardware:
         hardware = load_hardware(args.hardware)
     elif saved:
-        hardware = Hardware(**saved["hardware"])
+        hardware = Hardware(**saved[0]["hardware"])
     else:
         print(f"calibrating this machine at {RANKS} ranks:")
         hardware = calibrate_machine(ranks=RANKS, report=lambda line: print("  " + line))
@@ -250,12 +254,12 @@ def main() -> None:
     predicted = [predict(model, lay, hardware, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
                          precision="fp32") for lay, model in CASES]
     if saved:
-        by_spec = {row["layout"]: row["measured_step_time_s"] for row in saved["rows"]}
-        measured = [by_spec[short(*case)] for case in CASES]
+        by_spec = [{row["layout"]: row["measured_step_time_s"] for row in run["rows"]}
+                   for run in saved]
+        measured = [statistics.median(run[short(*case)] for run in by_spec) for case in CASES]
     else:
         print(f"measuring {len(CASES)} layouts x {args.repeats} repeats x {args.steps}"
               " steps:")
-        load_before = os.getloadavg()
         measured = measure_all(args.repeats, args.steps)
         print(f"load average before {load_before}, after {os.getloadavg()}")
     summary = summarize(predicted, measured)
