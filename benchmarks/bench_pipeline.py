@@ -15,20 +15,24 @@ contenders also record each action's start and end (`run_schedule(timeline=...)`
 gives every rank's measured idle fraction next to the simulator's (`pipeline_trace.idle_report`)
 and the mean time of each kind of action.
 
-    python benchmarks/bench_pipeline.py            # 5 layers, hidden 512, s=256, V=8192, b=8, m=8
+    python benchmarks/bench_pipeline.py            # 5 layers, hidden 512, s=256, V=5632, b=8, m=8
     python benchmarks/bench_pipeline.py --pp 4     # the same with 11 layers on 4 ranks
     python benchmarks/bench_pipeline.py --quick    # tiny sizes: a smoke run of every contender
     python benchmarks/bench_pipeline.py --only meshtrain-zb-v,torch-zb-v,meshtrain-1f1b,single-2t
 
 Layers per model chunk: of all splits, the one that balances the ranks best when the LM head
-with its loss counts as HEAD_LAYERS layers; meshtrain and torch get the same split for a
-schedule, and the report prints it (pp 2: 3 + 2 for one chunk per rank, the head on the lighter
-stage). To see where meshtrain's time goes, trace the same shape with `meshtrain train --pp 2
---trace DIR` (docs/benchmarks.md has the command).
+with its loss and the embedding count as the layers `end_layers` gives them; meshtrain and torch
+get the same split for a schedule, and the report prints it (pp 2: 3 + 2 for one chunk per rank,
+the head on the lighter stage). The vocabulary (`--vocab`, default 5632) makes the head and the
+embedding together about one layer, so ZB-V's rank 0, which holds both ends, can balance the
+others (at 8192, the earlier runs' size, they are 1.4 layers and no split of whole layers
+balances the V). To see where meshtrain's time goes, trace the same shape with `meshtrain train
+--pp 2 --trace DIR` (docs/benchmarks.md has the command).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -79,14 +83,19 @@ MICRO_BATCHES = 8
 PP_CHOICES = (2, 4)
 # (full, quick) per pp: at pp 4 every schedule with two chunks per rank needs 8 chunks of at
 # least one layer, and 11 layers + the head balance 4 ranks (12.5 layer-units, 3.5 at most each)
-SHAPES = {2: (Shape(layers=5, hidden=512, heads=8, seq=256, vocab=8192, batch=8),
+VOCAB = 5632
+SHAPES = {2: (Shape(layers=5, hidden=512, heads=8, seq=256, vocab=VOCAB, batch=8),
               Shape(layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)),
-          4: (Shape(layers=11, hidden=512, heads=8, seq=256, vocab=8192, batch=8),
+          4: (Shape(layers=11, hidden=512, heads=8, seq=256, vocab=VOCAB, batch=8),
               Shape(layers=11, hidden=64, heads=4, seq=32, vocab=256, batch=8))}
-HEAD_LAYERS = 1.5
-"""The LM head with its loss, in layers of forward + backward work (h=512, V=8192: a 1F1B trace
-in docs/benchmarks.md measured stage 1, 2 layers + head, at 533 ms against stage 0's 3 layers at
-454 ms, i.e. the head is about 1.6 layers)."""
+
+
+def end_layers(vocab: int) -> tuple[float, float]:
+    """The embedding and the LM head with its loss, in layers of forward + backward work, both
+    in proportion to the vocabulary. At h=512, s=256, V=8192 run E's per-rank F and B times
+    (docs/benchmarks.md) give a layer 86 ms a micro-batch, the embedding 27 (its gradient is
+    a dense V x h tensor) and the head 96: 0.31 and 1.12 layers."""
+    return 0.31 * vocab / 8192, 1.12 * vocab / 8192
 
 COMPUTE = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 
@@ -96,17 +105,19 @@ def micro_batches(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(ids.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES), strict=True))
 
 
-def layer_split(num_layers: int, p: int, v: int, placement: Placement) -> list[range]:
+def layer_split(num_layers: int, p: int, v: int, placement: Placement,
+                vocab: int) -> list[range]:
     """Layers of each global chunk (p x v of them, at least one layer each): the split whose
-    busiest rank has the least work, counting the head as HEAD_LAYERS (then the most even
+    busiest rank has the least work, counting the ends as `end_layers` (then the most even
     ranks; then earlier chunks the larger, as `stage_layers` gives the remainder)."""
     n = p * v
+    embedding, head = end_layers(vocab)
 
     def rank_work(split: tuple[int, ...]) -> list[float]:
         work = [0.0] * p
         for r, c in itertools.product(range(p), range(v)):
             g = placement(r, c, p)
-            work[r] += split[g] + (HEAD_LAYERS if g == n - 1 else 0.0)
+            work[r] += split[g] + (head if g == n - 1 else 0.0) + (embedding if g == 0 else 0.0)
         return work
 
     def key(split: tuple[int, ...]):
@@ -166,7 +177,7 @@ class PipelineContender(Contender):
         return self.p
 
     def chunks(self, shape: Shape) -> list[range]:
-        return layer_split(shape.layers, self.p, self.v, self.placement)
+        return layer_split(shape.layers, self.p, self.v, self.placement, shape.vocab)
 
     def describe_split(self, shape: Shape) -> str:
         return split_text(self.chunks(shape), self.p, self.v, self.placement)
@@ -352,16 +363,19 @@ CONTENDERS: list[Contender] = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    def pp_flag(parser) -> None:
+    def pp_flags(parser) -> None:
         parser.add_argument("--pp", type=int, choices=PP_CHOICES, default=2,
                             help="pipeline ranks (default 2; 4 runs 4 processes on this host)")
+        parser.add_argument("--vocab", type=int, default=VOCAB,
+                            help=f"vocabulary (default {VOCAB}; 8192: the runs before 2026-11-27"
+                                 " afternoon)")
 
-    args, contenders = parse_args(argv, CONTENDERS, __doc__, pp_flag)
+    args, contenders = parse_args(argv, CONTENDERS, __doc__, pp_flags)
     for c in contenders:
         if isinstance(c, PipelineContender):
             c.p = args.pp
     full, quick = SHAPES[args.pp]
-    shape = quick if args.quick else full
+    shape = quick if args.quick else dataclasses.replace(full, vocab=args.vocab)
     load_before = os.getloadavg()[0]
     results, unavailable = measure(args, shape, contenders, world=args.pp)
     assert not unavailable, unavailable

@@ -3,7 +3,8 @@ ranks (issue 32 item 6).
 
     python benchmarks/plan_memory_vs_measured.py [--json OUT] [--measured PREVIOUS.json]
 
-Trains each layout of `plan_vs_measured.LAYOUTS` (the same small GPT, fp32) for 3 steps with
+Trains each layout of `plan_vs_measured.CASES` (the same small GPT, fp32; its MoE variant for
+the expert-parallel layouts) for 3 steps with
 `meshtrain train --nproc 4 --peak-memory`, which measures the second step's peak on every rank
 (on CPU the high-water mark of live tensor storages: `memory.measure_peak`), and prints the
 planner's busiest rank (params/grads/optim/activ/buffers) against the largest measured peak
@@ -23,9 +24,8 @@ import tempfile
 from pathlib import Path
 
 from plan_vs_measured import (
+    CASES,
     GLOBAL_BATCH,
-    LAYOUTS,
-    MODEL,
     RANKS,
     SEQ_LEN,
     model_flags,
@@ -33,6 +33,7 @@ from plan_vs_measured import (
     train_flags,
 )
 
+from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.costs import predict
 from meshtrain.planner.hardware import CPU_PROFILE, load_hardware
@@ -43,33 +44,34 @@ MIB = 2**20
 KINDS = ("parameters", "gradients", "optimizer_states", "activations", "buffers")
 
 
-def measure(layout: ParallelPlan, attempts: int = 2) -> list[dict]:
+def measure(layout: ParallelPlan, model: TransformerConfig, attempts: int = 2) -> list[dict]:
     """Each rank's `peak` from memory.json of a 3-step run (a failed start is tried again)."""
     for attempt in range(attempts):
         with tempfile.TemporaryDirectory(prefix="plan_memory_") as out:
             cmd = [sys.executable, "-m", "meshtrain", "train", "--nproc", str(RANKS),
-                   *model_flags(), *train_flags(layout), "--steps", "3", "--eval-every", "0",
+                   *model_flags(moe_experts=model.moe_experts), *train_flags(layout),
+                   "--steps", "3", "--eval-every", "0",
                    "--peak-memory", "--out", out]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
             if done.returncode == 0:
                 return [rank["peak"] for rank in
                         json.loads(Path(out, "memory.json").read_text())["ranks"]]
-        print(f"  {short(layout)} failed (exit {done.returncode}, attempt {attempt + 1})",
-              flush=True)
-    sys.exit(f"{short(layout)} failed {attempts} times:\n{done.stderr[-3000:]}")
+        print(f"  {short(layout, model)} failed (exit {done.returncode}, attempt"
+              f" {attempt + 1})", flush=True)
+    sys.exit(f"{short(layout, model)} failed {attempts} times:\n{done.stderr[-3000:]}")
 
 
-def predicted(layout: ParallelPlan) -> MemoryBreakdown:
+def predicted(layout: ParallelPlan, model: TransformerConfig) -> MemoryBreakdown:
     """Memory does not depend on the hardware: any profile gives the same breakdown."""
-    return predict(MODEL, layout, load_hardware(CPU_PROFILE), seq_len=SEQ_LEN,
+    return predict(model, layout, load_hardware(CPU_PROFILE), seq_len=SEQ_LEN,
                    global_batch=GLOBAL_BATCH, precision="fp32").memory
 
 
-def print_table(rows: list[tuple[ParallelPlan, MemoryBreakdown, list[dict]]]) -> bool:
+def print_table(rows: list[tuple[str, MemoryBreakdown, list[dict]]]) -> bool:
     print(f"\n{'layout':<40} {'predicted MiB (params/grads/optim/activ/buffers)':>50}"
           f" {'measured MiB (params/held/allocated)':>38} {'error':>7}")
     errors = []
-    for layout, memory, ranks in rows:
+    for name, memory, ranks in rows:
         peak = max(ranks, key=lambda r: r["peak"])
         split = "/".join(f"{getattr(memory, k) / MIB:.1f}" for k in KINDS)
         at = peak["at_peak"]
@@ -79,7 +81,7 @@ def print_table(rows: list[tuple[ParallelPlan, MemoryBreakdown, list[dict]]]) ->
         errors.append(abs(error))
         ours, theirs = f"{memory.total / MIB:.1f} ({split})", \
             f"{peak['peak'] / MIB:.1f} ({measured})"
-        print(f"{short(layout):<40} {ours:>50} {theirs:>38} {error:+7.1%}")
+        print(f"{name:<40} {ours:>50} {theirs:>38} {error:+7.1%}")
     met = max(errors) <= GOAL
     print(f"\nworst |error| {max(errors):.1%}; every layout within {GOAL:.0%}:"
           f" {'met' if met else 'not met'}")
@@ -95,20 +97,20 @@ def main() -> None:
     if args.measured:
         saved = {row["layout"]: row["ranks"] for row in
                  json.loads(args.measured.read_text())["rows"]}
-        measured = [saved[layout.spec()] for layout in LAYOUTS]
+        measured = [saved[short(*case)] for case in CASES if short(*case) in saved]
+        cases = [case for case in CASES if short(*case) in saved]
     else:
-        measured = []
-        for layout in LAYOUTS:
-            measured.append(measure(layout))
-            print(f"  {short(layout):<40} {max(r['peak'] for r in measured[-1]) / MIB:7.1f}"
-                  " MiB", flush=True)
-    rows = [(layout, predicted(layout), ranks)
-            for layout, ranks in zip(LAYOUTS, measured, strict=True)]
+        measured, cases = [], CASES
+        for layout, model in cases:
+            measured.append(measure(layout, model))
+            print(f"  {short(layout, model):<40}"
+                  f" {max(r['peak'] for r in measured[-1]) / MIB:7.1f} MiB", flush=True)
+    rows = [(short(layout, model), predicted(layout, model), ranks)
+            for (layout, model), ranks in zip(cases, measured, strict=True)]
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({"rows": [
-            {"layout": layout.spec(), "ranks": ranks} for layout, _, ranks in rows]},
-            indent=1) + "\n")
+            {"layout": name, "ranks": ranks} for name, _, ranks in rows]}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

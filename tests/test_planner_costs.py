@@ -240,3 +240,16 @@ def test_expert_parallel_layers_pay_their_all_to_alls():
     assert two.forward_comm - one.forward_comm == pytest.approx(layers * (2 * exchange + counts))
     assert two.backward_comm - one.backward_comm == pytest.approx(layers * 2 * exchange)
     assert two.forward == one.forward  # the same work, only moved
+
+
+@pytest.mark.parametrize("top_k,every", [(1, 1), (2, 1), (1, 2)])
+def test_moe_layers_keep_their_expert_rows_and_outputs_for_backward(top_k, every):
+    moe = dataclasses.replace(GPT, moe_experts=8, moe_top_k=top_k, moe_every=every)
+    lay = ParallelPlan(dp=8, ep=2, micro_batch=2)
+    dense, sparse = (Workload(m, lay, 1024, 16, "bf16").layer_activation_bytes()
+                     for m in (GPT, moe))
+    rows = 2 * 1024 * GPT.hidden_size * 2  # a micro-batch's tokens x h, bf16
+    assert sparse - dense == pytest.approx(2 * top_k * rows / every)
+    full = dataclasses.replace(lay, recompute="full")
+    assert Workload(moe, full, 1024, 16, "bf16").layer_activation_bytes() == \
+        Workload(GPT, full, 1024, 16, "bf16").layer_activation_bytes()

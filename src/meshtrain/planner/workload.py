@@ -172,4 +172,16 @@ class Workload:
                                    sequence_parallel=lay.sequence_parallel,
                                    recompute=recompute, element_size=self.element_bytes,
                                    dropout=m.dropout > 0)
-        return saved / lay.tp if grid else saved
+        return (saved / lay.tp if grid else saved) + self._expert_rows_bytes(recompute)
+
+    def _expert_rows_bytes(self, recompute: str) -> float:
+        """What an MoE layer keeps beyond a dense MLP's, averaged over the layers: its experts'
+        input rows (a gathered copy of the routed tokens, or what the all-to-all delivered)
+        and their outputs until the combine's backward, k rows of h per token each, on every
+        TP rank (measured on CPU: `benchmarks/plan_memory_vs_measured.py`)."""
+        m, lay = self.model, self.layout
+        if not m.moe_experts or recompute == "full":
+            return 0.0
+        share = sum(map(m.is_moe_layer, range(m.num_layers))) / m.num_layers
+        tokens = lay.micro_batch * self.seq_len // lay.cp
+        return share * 2 * m.moe_top_k * tokens * m.hidden_size * self.element_bytes
