@@ -15,7 +15,7 @@ contenders also record each action's start and end (`run_schedule(timeline=...)`
 gives every rank's measured idle fraction next to the simulator's (`pipeline_trace.idle_report`)
 and the mean time of each kind of action.
 
-    python benchmarks/bench_pipeline.py            # 5 layers, hidden 512, s=256, V=5632, b=8, m=8
+    python benchmarks/bench_pipeline.py            # 5 layers, hidden 512, s=256, V=6784, b=8, m=8
     python benchmarks/bench_pipeline.py --pp 4     # the same with 11 layers on 4 ranks
     python benchmarks/bench_pipeline.py --quick    # tiny sizes: a smoke run of every contender
     python benchmarks/bench_pipeline.py --only meshtrain-zb-v,torch-zb-v,meshtrain-1f1b,single-2t
@@ -23,9 +23,9 @@ and the mean time of each kind of action.
 Layers per model chunk: of all splits, the one that balances the ranks best when the LM head
 with its loss and the embedding count as the layers `end_layers` gives them; meshtrain and torch
 get the same split for a schedule, and the report prints it (pp 2: 3 + 2 for one chunk per rank,
-the head on the lighter stage). The vocabulary (`--vocab`, default 5632) makes the head and the
+the head on the lighter stage). The vocabulary (`--vocab`, default 6784) makes the head and the
 embedding together about one layer, so ZB-V's rank 0, which holds both ends, can balance the
-others (at 8192, the earlier runs' size, they are 1.4 layers and no split of whole layers
+others (at 8192, the earlier runs' size, they are 1.2 layers and no split of whole layers
 balances the V). To see where meshtrain's time goes, trace the same shape with `meshtrain train
 --pp 2 --trace DIR` (docs/benchmarks.md has the command).
 """
@@ -83,7 +83,7 @@ MICRO_BATCHES = 8
 PP_CHOICES = (2, 4)
 # (full, quick) per pp: at pp 4 every schedule with two chunks per rank needs 8 chunks of at
 # least one layer, and 11 layers + the head balance 4 ranks (12.5 layer-units, 3.5 at most each)
-VOCAB = 5632
+VOCAB = 6784
 SHAPES = {2: (Shape(layers=5, hidden=512, heads=8, seq=256, vocab=VOCAB, batch=8),
               Shape(layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)),
           4: (Shape(layers=11, hidden=512, heads=8, seq=256, vocab=VOCAB, batch=8),
@@ -92,10 +92,11 @@ SHAPES = {2: (Shape(layers=5, hidden=512, heads=8, seq=256, vocab=VOCAB, batch=8
 
 def end_layers(vocab: int) -> tuple[float, float]:
     """The embedding and the LM head with its loss, in layers of forward + backward work, both
-    in proportion to the vocabulary. At h=512, s=256, V=8192 run E's per-rank F and B times
-    (docs/benchmarks.md) give a layer 86 ms a micro-batch, the embedding 27 (its gradient is
-    a dense V x h tensor) and the head 96: 0.31 and 1.12 layers."""
-    return 0.31 * vocab / 8192, 1.12 * vocab / 8192
+    in proportion to the vocabulary. At h=512, s=256, V=5632 meshtrain's ZB-V measured rank 0
+    (2 layers and both ends) at 200 ms a micro-batch and rank 1 (3 layers) at 212: the ends
+    are 0.83 layers there, 1.2 at V=8192, of which the head (one V x h matmul each way and the
+    loss) is most and the embedding (a dense V x h gradient) the rest."""
+    return 0.2 * vocab / 8192, 1.0 * vocab / 8192
 
 COMPUTE = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 
