@@ -10,10 +10,11 @@ m micro-batches, plain AdamW) for the same steps, so their losses must agree; th
 embedding's two copies (first and last rank) get their gradients summed, as in meshtrain (under
 ZB-V rank 0 holds both ends: one copy, used by two chunks). Repetitions alternate between
 contenders and ranked contenders run in one long-lived p-process gloo group (one thread per
-rank), as in bench_tp.py; the single process (two threads) runs in this process. meshtrain's
-contenders also record each action's start and end (`run_schedule(timeline=...)`): the report
-gives every rank's measured idle fraction next to the simulator's (`pipeline_trace.idle_report`)
-and the mean time of each kind of action.
+rank), as in bench_tp.py; the single process (two threads) runs in this process. Every
+pipeline contender also records each compute action's start and end (meshtrain's executor:
+`run_schedule(timeline=...)`; torch's: its stages' forward/backward/weight calls, the loss in
+the last forward): the report gives every rank's measured idle fraction next to the
+simulator's (`pipeline_trace.idle_report`) and the mean time of each kind of action.
 
     python benchmarks/bench_pipeline.py            # 5 layers, hidden 512, s=256, V=6784, b=8, m=8
     python benchmarks/bench_pipeline.py --pp 4     # the same with 11 layers on 4 ranks
@@ -38,6 +39,7 @@ import itertools
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -336,9 +338,14 @@ class TorchPipelining(PipelineContender):
         params = list({id(q): q for s in stages for q in s.submod.parameters()}.values())
         ids, targets = make_batch(shape)
         per_loss = 1 if divide_loss else MICRO_BATCHES
+        timelines: list[list] = []  # as meshtrain's: (kind, micro, chunk, start, end) per step
+        for chunk, stage in enumerate(stages):
+            _time_actions(stage, chunk, timelines)
+        _time_loss(schedule, timelines)
 
         def forward_backward() -> torch.Tensor:
             losses: list[torch.Tensor] = []
+            timelines.append([])
             schedule.step(*[ids] if first else [],
                           **dict(target=targets, losses=losses) if last else {})
             if tied is not None:
@@ -347,10 +354,45 @@ class TorchPipelining(PipelineContender):
 
         step = training_step(params, forward_backward)
         order = getattr(schedule, "pipeline_order", None)  # every rank's compute actions
-        step.trace = {"order": None if order is None else {
+        step.trace = {"timelines": timelines, "order": None if order is None else {
             r: [(a.computation_type.value, a.microbatch_index, a.stage_index)
                 for a in acts if a is not None] for r, acts in order.items()}}
         return step
+
+
+def _time_actions(stage, chunk: int, timelines: list[list]) -> None:
+    """Record a torch `PipelineStage`'s compute actions into the step's timeline as meshtrain's
+    executor does (F; B, or I when the schedule splits it; W), so torch's idle is measured the
+    same way. Local chunk `chunk`: the stage's place among this rank's."""
+    def timed(method, kind_of):
+        def run(micro, *args, **kwargs):
+            start = time.perf_counter()
+            out = method(micro, *args, **kwargs)
+            timelines[-1].append((kind_of(kwargs), micro, chunk, start, time.perf_counter()))
+            return out
+        return run
+
+    stage.forward_one_chunk = timed(stage.forward_one_chunk, lambda kw: FORWARD)
+    stage.backward_one_chunk = timed(
+        stage.backward_one_chunk,
+        lambda kw: BACKWARD if kw.get("full_backward", True) else INPUT_GRAD)
+    stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk,
+                                            lambda kw: WEIGHT_GRAD)
+
+
+def _time_loss(schedule, timelines: list[list]) -> None:
+    """torch computes the last stage's loss after its forward, outside the stage: count it in
+    that forward, as meshtrain's forward of the last chunk includes the loss."""
+    compute = schedule._maybe_compute_loss
+
+    def run(stage, *args, **kwargs):
+        out = compute(stage, *args, **kwargs)
+        if stage.is_last:
+            kind, micro, chunk, start, _ = timelines[-1][-1]
+            timelines[-1][-1] = (kind, micro, chunk, start, time.perf_counter())
+        return out
+
+    schedule._maybe_compute_loss = run
 
 
 CONTENDERS: list[Contender] = [
@@ -450,17 +492,19 @@ def idle_summary(r: Result, warmup: int) -> dict:
 
 
 def report_idle(args, results: list[Result]) -> None:
-    """meshtrain's measured idle per rank next to the simulator's with each chunk's measured
-    mean costs, and the mean time of each kind of compute action per rank."""
+    """Each contender's measured idle per rank (meshtrain's and torch's) next to the
+    simulator's with each chunk's measured mean costs, and the mean time of each kind of
+    compute action per rank."""
     traced = [r for r in results if r.trace and r.trace[0].get("timelines")]
     if not traced:
         return
-    print(f"\nmeshtrain's measured idle per rank (1 - compute / makespan, median over the"
-          f" {args.rounds * args.steps} measured steps) vs the simulator with each chunk's"
-          " measured mean F/B/I/W times (communication free); per rank the mean ms of F and of"
-          " B, or of F and I + W (I, W)")
+    print(f"\nmeasured idle per rank (1 - compute / makespan, median over the"
+          f" {args.rounds * args.steps} measured steps; torch's stages timed as meshtrain's"
+          " executor times its actions, the loss in the last forward) vs the simulator with each"
+          " chunk's measured mean F/B/I/W times (communication free); per rank the mean ms of F"
+          " and of B, or of F and I + W (I, W)")
     width = max(14, 6 * args.pp)  # "12.3% " per rank
-    head = (f"{'contender':32} {'idle measured':>{width}} {'idle simulated':>{width}}"
+    head = (f"{'contender':50} {'idle measured':>{width}} {'idle simulated':>{width}}"
             f" {'makespan ms meas/sim':>21}  F/B or F/I+W (I, W) ms per rank")
     print(head + "\n" + "-" * len(head))
     mean_idle = {}
@@ -475,15 +519,17 @@ def report_idle(args, results: list[Result]) -> None:
                  f" ({_ms(row['input_grad_ms'])}, {_ms(row['weight_grad_ms'])})"
                  for row in ranks]
         makespan = f"{summary['makespan_measured']:.0f}/{summary['makespan_simulated']:.0f}"
-        print(f"{r.contender.name:32} {_percents(measured):>{width}}"
+        print(f"{r.contender.name:50} {_percents(measured):>{width}}"
               f" {_percents([row['idle_simulated'] for row in ranks]):>{width}} {makespan:>21}"
               f"  {'; '.join(kinds)}")
-    if "1f1b" in mean_idle:
-        for zb in ("zb-h1", "zb-v"):
-            if zb in mean_idle:
-                print(f"{zb}: mean measured idle {mean_idle[zb]:.1%} ="
-                      f" {mean_idle[zb] / mean_idle['1f1b']:.2f} x 1f1b's {mean_idle['1f1b']:.1%}"
-                      + (" (goal: at most 1/3)" if zb == "zb-v" else ""))
+    for one, zero_bubble in (("1f1b", "zb-h1"), ("1f1b", "zb-v"),
+                             ("Schedule1F1B", "ScheduleInterleavedZeroBubble"),
+                             ("Schedule1F1B", "ScheduleZBVZeroBubble")):
+        if one in mean_idle and zero_bubble in mean_idle:
+            print(f"{zero_bubble}: mean measured idle {mean_idle[zero_bubble]:.1%} ="
+                  f" {mean_idle[zero_bubble] / mean_idle[one]:.2f} x {one}'s"
+                  f" {mean_idle[one]:.1%}" + (" (goal: at most 1/3)" if zero_bubble == "zb-v"
+                                               else ""))
 
 
 def _ms(x: float) -> str:
