@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -257,6 +258,10 @@ def main() -> None:
         by_spec = [{row["layout"]: row["measured_step_time_s"] for row in run["rows"]}
                    for run in saved]
         measured = [statistics.median(run[short(*case)] for run in by_spec) for case in CASES]
+        for i, j in itertools.combinations(range(len(saved)), 2):  # the noise's own ranking
+            print(f"measured runs {args.measured[i]} and {args.measured[j]} rank the layouts with"
+                  " Spearman " + format(spearman(*([run[short(*case)] for case in CASES]
+                                                    for run in (by_spec[i], by_spec[j]))), ".2f"))
     else:
         print(f"measuring {len(CASES)} layouts x {args.repeats} repeats x {args.steps}"
               " steps:")

@@ -224,7 +224,8 @@ def simulate(schedule: list[list[Action]], *, forward_cost: float | Sequence[flo
             replay.start_next(s)
         if not replay.running:
             if not replay.remaining:
-                return Simulation(max(replay.clock), replay.busy, replay.peak, replay.timeline, v)
+                makespan = max((t[-1][2] for t in replay.timeline if t), default=0.0)
+                return Simulation(makespan, replay.busy, replay.peak, replay.timeline, v)
             stuck = {s: schedule[s][replay.position[s]] for s in range(p)
                      if replay.position[s] < len(schedule[s])}
             raise RuntimeError(f"schedule deadlocks: ranks wait on {stuck}")
@@ -246,7 +247,7 @@ class _Replay:
         self.oversubscription = oversubscription
         self.last = p * v - 1
         self.done: dict[tuple[str, int, int], float] = {}  # (kind, micro, global chunk) -> end
-        self.position, self.clock, self.busy = [0] * p, [0.0] * p, [0.0] * p
+        self.position, self.busy = [0] * p, [0.0] * p
         self.in_flight, self.peak = [0] * p, [0] * p
         self.timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
         self.running: dict[int, tuple[Action, int, float]] = {}  # rank -> (action, chunk, start)
@@ -291,7 +292,6 @@ class _Replay:
             self.done[(a.kind, a.micro, g)] = self.now
             self.timeline[s].append((a, start, self.now))
             self.busy[s] += self.now - start
-            self.clock[s] = self.now
             woken.append(s)
             woken += [w for w, (micro, chunk) in self.blocked.items()
                       if micro == a.micro and abs(chunk - g) <= 1]
