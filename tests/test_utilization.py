@@ -2,6 +2,7 @@
 against the peak of the run's hardware profile."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -31,14 +32,21 @@ def _cfg(corpus: str, out: str, **parallel):
                              "data": {"data": corpus}, "checkpoint": {"out": out}})
 
 
-def _rows(corpus: str, out: str, parallel: dict) -> list[dict]:
-    return run_training(_cfg(corpus, out, **parallel))
+def _rows(corpus: str, out: str, parallel: dict) -> tuple[list[dict], int]:
+    return run_training(_cfg(corpus, out, **parallel)), torch.get_num_threads()
 
 
-@pytest.mark.parametrize("parallel,peak", [({}, BUILT_IN["cpu-gloo"].fp32_peak_tflops),
-                                           ({"hardware": "h100-80g"}, 494.0)])
-def test_each_row_carries_tflops_and_mfu_of_its_tokens_per_s(corpus, tmp_path, parallel, peak):
-    rows = run_on_ranks(2, _rows, corpus, str(tmp_path), parallel)[0]  # rank 0's rows
+def _cpu_rank_peak(threads: int, local_ranks: int) -> float:
+    """cpu-gloo's fp32 peak is one one-thread rank's share with 4 ranks on 2 cores: half a core."""
+    cores = min(threads, (os.cpu_count() or 1) / local_ranks)
+    return BUILT_IN["cpu-gloo"].fp32_peak_tflops * cores / 0.5
+
+
+@pytest.mark.parametrize("hardware", [None, "h100-80g"])
+def test_each_row_carries_tflops_and_mfu_of_its_tokens_per_s(corpus, tmp_path, hardware):
+    parallel = {} if hardware is None else {"hardware": hardware}
+    rows, threads = run_on_ranks(2, _rows, corpus, str(tmp_path), parallel)[0]  # rank 0's
+    peak = 494.0 if hardware else _cpu_rank_peak(threads, local_ranks=2)  # h100: TF32
     flops = _gpt_flops_per_token(TINY, SEQ)
     assert flops == TINY.flops_per_token(SEQ)  # the one definition the planner uses too
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -46,6 +54,22 @@ def test_each_row_carries_tflops_and_mfu_of_its_tokens_per_s(corpus, tmp_path, p
         tflops = flops * row["tokens_per_s"] / 2 / 1e12  # per rank: 2 ranks share the tokens
         assert row["tflops"] == pytest.approx(tflops, rel=1e-12)
         assert row["mfu"] == pytest.approx(tflops / peak, rel=1e-12)
+
+
+def test_a_cpu_rank_s_peak_is_its_share_of_the_cores_the_calibration_measured():
+    """The README's one-process run on 2 cores once showed 134.7% MFU against a quarter of the
+    machine's peak: a calibrated CPU profile's peaks scale with the cores a rank computes on."""
+    cpu = BUILT_IN["cpu-gloo"]  # 4 one-thread ranks on 2 cores: each has half a core
+    assert cpu.for_cpu_rank(0.5) == cpu
+    whole = cpu.for_cpu_rank(2.0)  # one rank with both cores' threads
+    assert whole.peak_for("fp32") == pytest.approx(4 * cpu.peak_for("fp32"))
+    assert whole.peak_for("bf16") == pytest.approx(4 * cpu.peak_for("bf16"))
+    assert whole.peak_for("fp16") == pytest.approx(4 * cpu.peak_for("fp16"))
+    assert BUILT_IN["h100-80g"].for_cpu_rank(2.0) is BUILT_IN["h100-80g"]  # a data sheet's
+    one = Utilization.of_run(1.0, ranks=1, precision="fp32", device=torch.device("cpu"),
+                             hardware=None, local_ranks=1)
+    cores = min(torch.get_num_threads(), os.cpu_count() or 1)
+    assert one.hardware.peak_for("fp32") == pytest.approx(_cpu_rank_peak(cores, 1))
 
 
 def test_utilization_fields():
@@ -60,8 +84,8 @@ def test_utilization_fields():
 def test_the_profile_is_the_setting_else_the_device_s():
     cpu = torch.device("cpu")
     of_run = Utilization.of_run
-    assert of_run(1.0, ranks=1, precision="fp32", device=cpu, hardware=None).hardware \
-        is BUILT_IN["cpu-gloo"]
+    assert of_run(1.0, ranks=1, precision="fp32", device=cpu, hardware=None).hardware.name \
+        == "cpu-gloo"
     assert of_run(1.0, ranks=1, precision="fp32", device=cpu, hardware="a100-40g").hardware \
         is BUILT_IN["a100-40g"]
     assert device_profile("NVIDIA H100 80GB HBM3") is BUILT_IN["h100-80g"]

@@ -105,6 +105,18 @@ class Hardware:
             return self.fp16_peak_tflops or self.peak_tflops
         return self.peak_tflops
 
+    def for_cpu_rank(self, cores_per_rank: float) -> Hardware:
+        """This profile for a CPU rank computing on `cores_per_rank` cores. A CPU calibration's
+        peaks are one one-thread rank's share of the machine (1 / `oversubscription` cores), so
+        they scale by the cores this rank has over that share; a profile no calibration measured
+        (a data sheet's) is returned as it is."""
+        if not self.calibrated_ranks:
+            return self
+        scale = cores_per_rank * self.oversubscription
+        return dataclasses.replace(self, peak_tflops=self.peak_tflops * scale,
+                                   fp32_peak_tflops=self.fp32_peak_tflops * scale,
+                                   fp16_peak_tflops=self.fp16_peak_tflops * scale)
+
     def mfu(self, tflops: float, precision: str) -> float | None:
         """Model FLOPs utilization: `tflops` (per device, `model_tflops`) over the peak in
         `precision`; None in a precision without a peak here (fp64)."""

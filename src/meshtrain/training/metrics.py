@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 import uuid
@@ -173,15 +174,19 @@ class Utilization:
 
     @classmethod
     def of_run(cls, flops_per_token: float, *, ranks: int, precision: str,
-               device: torch.device, hardware: str | None) -> Utilization:
+               device: torch.device, hardware: str | None, local_ranks: int = 1) -> Utilization:
         """`hardware`: the run's `hardware` setting (a built-in name or a TOML file); None: the
         built-in profile of `device` (a CUDA device's by its name, none when no profile matches
-        it; the CPU's, `cpu-gloo`), as `layout` auto plans with."""
+        it; the CPU's, `cpu-gloo`), as `layout` auto plans with. On a CPU the peak is what this
+        rank's threads can have of the machine's cores beside its `local_ranks` - 1 peers."""
         if hardware is not None:
             profile = load_hardware(hardware)
         else:
             profile = device_profile(torch.cuda.get_device_name(device)
                                      if device.type == "cuda" else None)
+        if profile is not None and device.type == "cpu":
+            cores = os.cpu_count() or 1
+            profile = profile.for_cpu_rank(min(torch.get_num_threads(), cores / local_ranks))
         return cls(flops_per_token, ranks, precision, profile)
 
     def fields(self, tokens_per_s: float) -> dict[str, float]:

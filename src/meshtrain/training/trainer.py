@@ -29,7 +29,7 @@ from meshtrain.checkpointing.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from meshtrain.config.run_config import RunConfig, check_packing, profile_window
+from meshtrain.config.run_config import RunConfig, check_packing, local_ranks, profile_window
 from meshtrain.data.blend import Blend, load_data
 from meshtrain.data.corpus import BatchSampler, write_atomic
 from meshtrain.data.tokenization import TOKENIZER_FILE
@@ -391,7 +391,7 @@ class _Run:
         self.utilization = Utilization.of_run(
             trainer.model.cfg.flops_per_token(t.seq_len), ranks=mesh.world_size,
             precision=trainer.plan.precision, device=mesh.device,
-            hardware=cfg.parallel.hardware)
+            hardware=cfg.parallel.hardware, local_ranks=local_ranks(cfg, mesh.world_size))
         if self.log is not None and self.log.kept_aside is not None:
             self.progress.write(f"meshtrain: the rows after step {start} of the interrupted run"
                                 f" are kept in {self.log.kept_aside}")
