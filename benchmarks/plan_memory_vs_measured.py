@@ -4,7 +4,7 @@ ranks (issue 32 item 6).
     python benchmarks/plan_memory_vs_measured.py [--json OUT] [--measured PREVIOUS.json]
 
 Trains each layout of `plan_vs_measured.CASES` (the same small GPT, fp32; its MoE variant for
-the expert-parallel layouts) for 3 steps with
+the expert-parallel layouts) and of `MEMORY_ONLY` for 3 steps with
 `meshtrain train --nproc 4 --peak-memory`, which measures the second step's peak on every rank
 (on CPU the high-water mark of live tensor storages: `memory.measure_peak`), and prints the
 planner's busiest rank (params/grads/optim/activ/buffers) against the largest measured peak
@@ -26,6 +26,7 @@ from pathlib import Path
 from plan_vs_measured import (
     CASES,
     GLOBAL_BATCH,
+    MODEL,
     RANKS,
     SEQ_LEN,
     model_flags,
@@ -39,6 +40,19 @@ from meshtrain.planner.costs import predict
 from meshtrain.planner.hardware import CPU_PROFILE, load_hardware
 from meshtrain.planner.memory_model import MemoryBreakdown
 
+MEMORY_ONLY = tuple((layout, MODEL) for layout in (
+    ParallelPlan(tp=2, pp=2, dp=1, micro_batch=2, pp_schedule="interleaved", virtual_stages=2),
+    ParallelPlan(pp=2, dp=2, micro_batch=2, pp_schedule="2bw"),
+    ParallelPlan(tp=2, dp=2, micro_batch=4, sequence_parallel=True, zero=1),
+    ParallelPlan(tp=2, dp=2, micro_batch=4, recompute="full"),
+    ParallelPlan(dp=2, cp=2, micro_batch=4, cp_mode="all2all"),
+    ParallelPlan(dp=4, micro_batch=1, zero=3),
+    ParallelPlan(pp=2, dp=2, micro_batch=1, pp_schedule="gpipe"),
+    ParallelPlan(tp=4, dp=1, micro_batch=4, sequence_parallel=True),
+    ParallelPlan(pp=4, dp=1, micro_batch=1, pp_schedule="zb-h1"),
+    ParallelPlan(pp=2, dp=2, micro_batch=1, zero=1, pp_schedule="zb-v", recompute="selective")))
+"""Layouts checked for memory only (beside the timed `CASES`): other schedules, micro-batch
+sizes, Ulysses, and combinations of the families."""
 GOAL = 0.10
 MIB = 2**20
 KINDS = ("parameters", "gradients", "optimizer_states", "activations", "buffers")
@@ -97,10 +111,10 @@ def main() -> None:
     if args.measured:
         saved = {row["layout"]: row["ranks"] for row in
                  json.loads(args.measured.read_text())["rows"]}
-        measured = [saved[short(*case)] for case in CASES if short(*case) in saved]
-        cases = [case for case in CASES if short(*case) in saved]
+        measured = [saved[short(*case)] for case in CASES + MEMORY_ONLY if short(*case) in saved]
+        cases = [case for case in CASES + MEMORY_ONLY if short(*case) in saved]
     else:
-        measured, cases = [], CASES
+        measured, cases = [], CASES + MEMORY_ONLY
         for layout, model in cases:
             measured.append(measure(layout, model))
             print(f"  {short(layout, model):<40}"

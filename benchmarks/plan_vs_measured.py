@@ -116,7 +116,7 @@ def train_flags(layout: ParallelPlan) -> list[str]:
              "--ep", layout.ep, "--zero", layout.zero, "--recompute", layout.recompute,
              "--micro-batch", layout.micro_batch, "--offload-optimizer",
              layout.offload_optimizer, "--pp-schedule", layout.pp_schedule,
-             "--virtual-stages", layout.virtual_stages]
+             "--virtual-stages", layout.virtual_stages, "--cp-mode", layout.cp_mode]
     return [str(f) for f in flags] + (["--sequence-parallel"] if layout.sequence_parallel else [])
 
 

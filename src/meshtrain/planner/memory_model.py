@@ -2,8 +2,10 @@
 
 Per pipeline rank (the busiest is reported): parameters p, gradients g = 4 (fp32 accumulation)
 and optimizer states K = 8 (Adam moments) + 4 (fp32 master weights, 16-bit runs only) bytes per
-parameter (none on the device under `offload_optimizer`), divided over dp x cp by ZeRO (stage 1:
-K; 2: g + K; 3: everything: `memory.zero_formula_bytes`), of the parameters a rank holds (1/tp
+parameter (none on the device under `offload_optimizer`; PipeDream-2BW: + 4 for the previous
+weight version, + 4 more in fp32 for the weights the optimizer steps apart from the model's),
+divided over dp x cp by ZeRO (stage 1: K; 2: g + K; 3: everything: `memory.zero_formula_bytes`),
+of the parameters a rank holds (1/tp
 of a layer's, 1/q^2 under 2.5d's replication over depth: `Workload.weight_parts`; the first
 stage also GPT's position table); stages 2 and 3 hold no gradient shard at the peak of a
 one-micro-batch step (it is made after the backward). The gradients are the data-parallel
@@ -72,6 +74,10 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
     e, n = work.element_bytes, lay.dp * lay.cp
     # offloaded (cpu, nvme): master and moments leave the device
     k = 0 if lay.offload_optimizer != "none" else 8 + (4 if e < 4 else 0)
+    if lay.pp > 1 and lay.pp_schedule == "2bw":
+        # `PipeDream2BW` keeps the fp32 weights the optimizer steps apart from the model's
+        # (16-bit runs: the masters above) and their previous version
+        k += 4 + (4 if e == 4 else 0)
     # ZeRO 2/3 make the gradient shard at the step's first reduction: with one micro-batch
     # that is after the backward, where the peak is
     g = 0 if lay.zero >= 2 and work.micro_batches == 1 else GRAD_BYTES
