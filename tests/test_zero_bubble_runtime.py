@@ -15,6 +15,7 @@ from meshtrain.parallel.communication.comm import all_gather_objects
 from meshtrain.parallel.layers.tensor import ColumnParallelLinear, RowParallelLinear
 from meshtrain.parallel.layers.weight_grads import (
     accumulate,
+    accumulate_deferred,
     defer_weight_gradients,
     run_deferred,
 )
@@ -148,6 +149,30 @@ def test_input_gradient_leaves_weight_gradients_to_the_weight_action():
     assert len(fired) == len(params)
     for (name, p), q in zip(fused.named_parameters(), params, strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_w_accumulates_each_layer_s_weight_gradients_before_computing_the_next():
+    """At a `W` at most one layer's weight gradients exist beside `.grad`; a parameter listed
+    twice (and kept from the `I`) is summed and accumulated once: its hook fires once."""
+    a, b, shared = (torch.nn.Parameter(torch.zeros(4)) for _ in range(3))
+    fired = []
+    for p in (a, b, shared):
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+
+    def compute_a():
+        return torch.ones(4), torch.full((4,), 2.0)
+
+    def compute_b():
+        assert torch.equal(a.grad, torch.ones(4))  # the first layer's is in already
+        assert shared.grad is None  # repeated: held until the end
+        return torch.full((4,), 3.0), torch.full((4,), 5.0)
+
+    queued = [((a, shared), compute_a), ((b, shared), compute_b)]
+    accumulate_deferred([(shared, torch.full((4,), 7.0))], queued)
+    assert not queued  # each function (and what it kept) dropped once run
+    assert torch.equal(b.grad, torch.full((4,), 3.0))
+    assert torch.equal(shared.grad, torch.full((4,), 14.0))
+    assert fired == [a, b, shared]
 
 
 def test_zero_bubble_refusals():

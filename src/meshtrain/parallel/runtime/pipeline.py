@@ -43,7 +43,7 @@ from meshtrain.errors import Code, SettingError
 from meshtrain.memory import saved_activation_bytes
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
-from meshtrain.parallel.layers.weight_grads import WeightGradients, accumulate, run_deferred
+from meshtrain.parallel.layers.weight_grads import WeightGradients, accumulate_deferred
 from meshtrain.parallel.runtime.schedules import (
     BACKWARD,
     FORWARD,
@@ -285,7 +285,7 @@ class _Runner:
             torch.autograd.backward(*self._roots(g, key))
         else:
             queued, kept = work
-            accumulate(kept + run_deferred(queued))
+            accumulate_deferred(kept, queued)
         del self.state.saved[key]
 
     def send_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
