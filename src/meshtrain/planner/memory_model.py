@@ -1,18 +1,17 @@
 """Peak memory per device: the ZeRO paper's model states and the tested activation formula.
 
-Per pipeline rank (the busiest is reported): parameters p, gradients g = 4 (fp32 accumulation)
-and optimizer states K = 8 (Adam moments) + 4 (fp32 master weights, 16-bit runs only) bytes per
-parameter (none on the device under `offload_optimizer`; PipeDream-2BW: + 4 for the previous
-weight version, + 4 more in fp32 for the weights the optimizer steps apart from the model's),
-divided over dp x cp by ZeRO (stage 1: K; 2: g + K; 3: everything: `memory.zero_formula_bytes`),
-of the parameters a rank holds (1/tp
-of a layer's, 1/q^2 under 2.5d's replication over depth: `Workload.weight_parts`; the first
-stage also GPT's position table); stages 2 and 3 hold no gradient shard at the peak of a
-one-micro-batch step (it is made after the backward). The gradients are the data-parallel
-buckets themselves (each `.grad` is a view into one), so a bucket costs nothing more.
+Per pipeline rank (the busiest is reported): parameters p, gradients g = 4 (fp32 accumulation) and
+optimizer states K = 8 (Adam moments) + 4 (fp32 master weights, 16-bit runs only) bytes per
+parameter (none on the device under `offload_optimizer`; PipeDream-2BW: + 4 for the previous weight
+version, + 4 more in fp32 for the weights the optimizer steps apart from the model's), divided over
+dp x cp by ZeRO (stage 1: K; 2: g + K; 3: everything: `memory.zero_formula_bytes`), of the
+parameters a rank holds (1/tp of a layer's, 1/q^2 under 2.5d's replication over depth:
+`Workload.weight_parts`; the first stage also GPT's position table); stages 2 and 3 hold no gradient
+shard at the peak of a one-micro-batch step (it is made after the backward). The gradients are the
+data-parallel buckets themselves (each `.grad` is a view into one), so a bucket costs nothing more.
 Activations = the family's per-layer bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp,
-`Workload.layer_activation_bytes`) x the layers of each (micro-batch, chunk) the schedule keeps
-in flight (the simulator's peak, a split backward's counted until its `W`: ZB-H1 and ZB-V hold p
+`Workload.layer_activation_bytes`) x the layers of each (micro-batch, chunk) the schedule keeps in
+flight (the simulator's peak, a split backward's counted until its `W`: ZB-H1 and ZB-V hold p
 stages' worth on every rank, 1F1B's on its first; what a pending `W` keeps, its linear layers'
 inputs and output gradients, is taken as the activations it replaces), chunks where the schedule
 places them (zb-v: rank 0 holds the embedding and the output layer). Buffers (`_buffers`): the
