@@ -110,6 +110,23 @@ def test_2bw_holds_two_more_weight_versions(precision, extra):
         pytest.approx(extra * params_per_rank)
 
 
+def test_zero3_holds_a_tied_embedding_gathered_through_the_step():
+    """The output layer's backward and the lookup's both need a tied embedding: measured live
+    (gathered word and position tables) at the peak of a layer's backward. Under ZeRO-3 tying
+    adds that gathered table (bf16) and drops the untied output layer's fresh fp32 gradient
+    bucket; under ZeRO-2 neither."""
+    hw = BUILT_IN["a100-80g-selene"]
+    untied = dataclasses.replace(preset("llama2-7b"), num_layers=4)
+    tied = dataclasses.replace(untied, tie_word_embeddings=True)
+
+    def tying(zero: int) -> float:
+        lay = ParallelPlan(dp=8, micro_batch=1, zero=zero)
+        return (predict(tied, lay, hw, seq_len=1024, global_batch=8).memory.buffers
+                - predict(untied, lay, hw, seq_len=1024, global_batch=8).memory.buffers)
+    table = tied.vocab_size * tied.hidden_size
+    assert tying(3) - tying(2) == pytest.approx(table * 2 - table * 4)
+
+
 def test_offloading_moves_the_optimizer_states_off_the_device_and_charges_the_transfers():
     hw = dataclasses.replace(BUILT_IN["a100-80g-selene"], host_link_gbytes_per_s=20.0,
                              host_memory_gbytes_per_s=80.0, disk_gbytes_per_s=2.0)

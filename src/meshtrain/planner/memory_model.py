@@ -104,7 +104,9 @@ def _buffers(work: Workload, params: float, first: bool, heads: float) -> float:
     working sets: the loss's (the fp32 logits) and the backward's (the output layer's: the
     logits' gradient in the log-softmax's place; or a layer's, `_layer_backward`; with ZeRO
     2/3's fresh gradient buckets and, under full recomputation, one layer's recomputed
-    activations); throughout, ZeRO-3's two gathered layers."""
+    activations); throughout, ZeRO-3's two gathered layers and, with tied embeddings, the
+    gathered embedding tables, which the output layer's backward and the lookup's both need
+    (measured live at the peak of a layer's backward)."""
     lay = work.layout
     saved = heads * (2 * work.boundary_bytes + work.logits_bytes())
     forward = saved + (work.logits_bytes() if heads else 0.0)
@@ -114,6 +116,9 @@ def _buffers(work: Workload, params: float, first: bool, heads: float) -> float:
     buffers = max(forward, backward)
     if lay.zero == 3:
         buffers += 2 * _largest_layer(work) * work.element_bytes
+        if work.model.tie_embeddings:
+            tables = work.embedding_parameters() + work.position_parameters()
+            buffers += tables * work.element_bytes
     return buffers
 
 
