@@ -24,11 +24,7 @@ from meshtrain.parallel.layers.tensor import (
     RowParallelLinear,
     VocabParallelHead,
 )
-from meshtrain.parallel.layers.weight_grads import (
-    accumulate,
-    defer_weight_gradients,
-    run_deferred,
-)
+from meshtrain.parallel.layers.weight_grads import accumulate_deferred, defer_weight_gradients
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.training.trainer import Trainer
 
@@ -96,8 +92,8 @@ def _layer_run(tp: int, overlap: bool, split_backward: bool):
                 grads = torch.autograd.grad([loss], [local, *params], allow_unused=True)
             assert all(p.grad is None for p in params) and len(queued) == 4
             local.grad = grads[0]
-            accumulate([(p, g) for p, g in zip(params, grads[1:], strict=True) if g is not None]
-                       + run_deferred(queued))
+            accumulate_deferred([(p, g) for p, g in zip(params, grads[1:], strict=True)
+                                 if g is not None], queued)
         else:
             loss.backward()
     tensors = {"logits": logits.detach(), "input.grad": local.grad}

@@ -14,10 +14,8 @@ from meshtrain.parallel import named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather_objects
 from meshtrain.parallel.layers.tensor import ColumnParallelLinear, RowParallelLinear
 from meshtrain.parallel.layers.weight_grads import (
-    accumulate,
     accumulate_deferred,
     defer_weight_gradients,
-    run_deferred,
 )
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.training.trainer import Trainer
@@ -145,7 +143,7 @@ def test_input_gradient_leaves_weight_gradients_to_the_weight_action():
     assert len(queued) == 2  # the two linears; the LayerNorm's gradients came back now
     kept = [(p, g) for p, g in zip(params, grads[1:], strict=True) if g is not None]
     assert [p.shape for p, _ in kept] == [torch.Size([8])] * 3  # row bias, norm
-    accumulate(kept + run_deferred(queued))
+    accumulate_deferred(kept, queued)
     assert len(fired) == len(params)
     for (name, p), q in zip(fused.named_parameters(), params, strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)

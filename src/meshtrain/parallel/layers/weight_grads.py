@@ -65,16 +65,6 @@ def now_or_later(weight_grads: WeightGradients | None, params: Sequence[torch.Te
     return weight_grads.now_or_later(params, compute)
 
 
-def run_deferred(work: list[WeightWork]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(parameter, gradient) of every queued function, run in queue order (as backward runs
-    them: without recording a graph)."""
-    pairs = []
-    with torch.no_grad():
-        for params, compute in work:
-            pairs += [(p, g) for p, g in zip(params, compute(), strict=True) if p is not None]
-    return pairs
-
-
 def accumulate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Add the gradients into the parameters' `.grad` through autograd's own accumulation, so
     the post-accumulate hooks of data-parallel reduction fire as after a fused backward (a
