@@ -15,9 +15,9 @@ flight (the simulator's peak, a split backward's counted until its `W`: ZB-H1 an
 stages' worth on every rank, 1F1B's on its first; what a pending `W` keeps, its linear layers'
 inputs and output gradients, is taken as the activations it replaces), chunks where the schedule
 places them (zb-v: rank 0 holds the embedding and the output layer). Buffers (`_buffers`): the
-larger of the loss's and the backward's working sets, ZeRO-3's two gathered layers and the
-pipeline's sends, which live until the step's end. Measured against `train --peak-memory` on every
-layout of `benchmarks/plan_memory_vs_measured.py`.
+larger of the loss's and the backward's working sets, ZeRO-3's two gathered layers (and a tied
+embedding's gathered tables) and the pipeline's sends, which live until the step's end.
+Measured against `train --peak-memory` on every layout of `benchmarks/plan_memory_vs_measured.py`.
 """
 
 from __future__ import annotations
