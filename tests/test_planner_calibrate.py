@@ -146,3 +146,19 @@ def test_profiles_round_trip_through_toml(calibrated, tmp_path):
 def test_calibration_needs_a_group_to_time():
     with pytest.raises(ValueError, match="`ranks` must be an integer of at least 2"):
         calibrate.calibrate_machine(ranks=1)
+
+
+def test_a_fit_that_needs_a_negative_term_keeps_the_better_single_term():
+    """Noisy times whose unconstrained fit needs a negative latency: the bytes-only fit, which
+    explains them better than the latency-only one, is kept (not the latency-only by default)."""
+    points = [(1.0, 1.0, 0.9), (1.0, 100.0, 110.0), (1.0, 1000.0, 1000.0)]
+    x, y = calibrate._relative_least_squares(points)
+    assert x == 0.0 and y == pytest.approx(1.0, rel=0.1)
+
+
+def test_collectives_that_do_not_grow_with_their_bytes_are_refused():
+    measured = measurements_of(TRUE)
+    measured["collectives"] = [(op, g, n, 2e-3 if n < 1 << 20 else 1e-3)  # larger ones faster
+                               for op, g, n, _ in measured["collectives"]]
+    with pytest.raises(ValueError, match="did not grow with their bytes.*calibrate again"):
+        calibrate.fit_profile(measured, ranks=4)

@@ -54,7 +54,7 @@ MATMUL_SHAPES = ((128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024,
 """(m, k, n): squares, and a small transformer's QKV, MLP and their backward shapes."""
 QUICK_MATMUL_SHAPES = ((128, 128, 128), (512, 512, 512), (512, 128, 384), (2048, 256, 1024))
 COLLECTIVE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
-QUICK_COLLECTIVE_BYTES = (4 << 10, 1 << 20)
+QUICK_COLLECTIVE_BYTES = (4 << 10, 8 << 20)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 LAYER = {"cpu": GPTConfig(num_layers=1, hidden_size=128, num_heads=4, vocab_size=64,
                          max_seq_len=128),
@@ -416,6 +416,10 @@ def _fit_collectives(rows: list[tuple],
         fits[counting] = (error, alpha, per_byte, latency, points)
     counting = min(fits, key=lambda c: fits[c][0])
     _, alpha, per_byte, latency, points = fits[counting]
+    if per_byte <= 0:
+        raise ValueError("calibration: the collectives' times did not grow with their bytes, so"
+                         " no bandwidth can be fitted (the host was too busy to time them);"
+                         " calibrate again when it is quieter")
     scattered = [(t - alpha * MODEL[op](latency, n, g, g),
                   per_byte * MODEL[op](UNIT_BYTES, n, g, g))
                  for op, g, n, t in rows if op == "reduce_scatter"]
@@ -441,7 +445,9 @@ def _relative_least_squares(points: list[tuple[float, float, float]]) -> tuple[f
         x, y = (sa * sbb - sb * sab) / det, (sb * saa - sa * sab) / det
         if x >= 0 and y >= 0:
             return x, y
-    return (sa / saa, 0.0) if saa > 0 else (0.0, sb / sbb)
+    ends = [(sa / saa, 0.0)] if saa > 0 else []
+    ends += [(0.0, sb / sbb)] if sbb > 0 else []
+    return min(ends, key=lambda xy: sum((xy[0] * u + xy[1] * v - 1) ** 2 for u, v in a))
 
 
 def _worst_error(points: list[tuple[float, float, float]], x: float, y: float) -> float:
