@@ -154,13 +154,13 @@ def test_toml_weights_may_be_numbers_or_text():
 def test_a_blended_run_resumes_at_another_micro_batch(tmp_path, capsys):
     """Packed documents (the files share eod_id), evaluation on both held-out tails, and a
     resume at another layout (micro-batch 1) that continues the uninterrupted run's losses; a
-    changed blend on resume is announced. (Not `eod_mask_loss`: it averages each micro-batch's
-    own mean, so its losses move with the micro-batch whatever the data.)"""
+    changed blend on resume is announced. The eod-masked loss is the batch's per-token mean,
+    so it does not move with the micro-batch either."""
     a, b = _token_file(tmp_path, "a.bin", 1), _token_file(tmp_path, "b.bin", 2)
     flags = ["train", "--device", "cpu", "--num-layers", "1", "--hidden-size", "32",
              "--num-heads", "2", "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2",
              "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--document-mask",
-             "--reset-positions", "--data-path", "0.7", a, "0.3", b]
+             "--reset-positions", "--eod-mask-loss", "--data-path", "0.7", a, "0.3", b]
     assert main([*flags, "--out", str(tmp_path / "whole")]) == 0
     parts = str(tmp_path / "parts")
     assert main([*flags, "--out", parts, "--stop-at", "2"]) == 0

@@ -271,15 +271,15 @@ def documents_file(tmp_path_factory) -> str:
 PACKED = {"document_mask": True, "reset_positions": True, "eod_mask_loss": True}
 
 
-def _cfg(data: str, model: str = "llama-tiny", **parallel):
+def _cfg(data: str, model: str = "llama-tiny", micro_batch: int = 2, **parallel):
     return build_config({}, {"model": {"model": model, "num_layers": 2}, "train": {
-        "steps": 4, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "seed": 5,
+        "steps": 4, "global_batch": 4, "micro_batch": micro_batch, "seq_len": 32, "seed": 5,
         "eval_every": 0, "warmup_steps": 1}, "parallel": {"device": "cpu"} | parallel,
         "data": {"data": data} | PACKED, "checkpoint": {"out": "/nonexistent"}})
 
 
 def _trajectory(data: str, model: str, degrees: dict, parallel: dict) -> list[float]:
-    cfg = _cfg(data, model, **parallel)
+    cfg = _cfg(data, model, **parallel)  # parallel may set micro_batch
     cfg.plan = dataclasses.replace(cfg.plan, **degrees)
     trainer = Trainer.build(cfg, worker_mesh(**degrees))
     return [trainer.train_step(step)["loss"] for step in range(4)]
@@ -293,6 +293,23 @@ def test_packed_training_is_the_same_run_at_pp2_tp2_and_cp2(documents_file, mode
         losses = run_on_ranks(2, _trajectory, documents_file, model, degrees, parallel)[-1]
         rel = max(abs(a - b) / b for a, b in zip(losses, reference, strict=True))
         assert rel < 1e-5, (degrees, rel)
+
+
+def test_the_eod_masked_loss_is_the_batch_s_per_token_mean_however_it_is_split(
+        documents_file):
+    """Micro-batches and dp ranks hold different numbers of loss tokens: each token weighs the
+    same whatever the split, as in one micro-batch on one process (not each micro-batch's
+    mean averaged, which moved micro-batch 1 by 2e-4 from micro-batch 4 here)."""
+    whole = run_on_ranks(1, _trajectory, documents_file, "tiny", {"dp": 1},
+                         {"micro_batch": 4})[0]
+    for degrees, parallel in [({"dp": 1}, {"micro_batch": 1}),
+                              ({"dp": 2}, {"micro_batch": 1}),
+                              ({"pp": 2, "dp": 1}, {"pp": 2, "micro_batch": 1}),
+                              ({"cp": 2, "dp": 2}, {"cp": 2, "micro_batch": 1})]:
+        ranks = math.prod(degrees.values())
+        losses = run_on_ranks(ranks, _trajectory, documents_file, "tiny", degrees, parallel)[-1]
+        rel = max(abs(a - b) / b for a, b in zip(losses, whole, strict=True))
+        assert rel < 2e-6, (degrees, parallel, rel)
 
 
 def test_packing_settings_are_refused_where_they_cannot_run(corpus, documents_file):

@@ -82,17 +82,28 @@ class LocalExecutor:
         if not (packing.document_mask or packing.eod_mask_loss):
             return [MicroBatch(x, y, self.device_positions) for x, y in moved]
         device, slices = self.mesh.device, []
-        for (x, y), (local_x, local_y) in zip(batches, moved, strict=True):
+        loss_tokens = self._loss_tokens_per_share(batches) if packing.eod_mask_loss else None
+        for (x, _), (local_x, local_y) in zip(batches, moved, strict=True):
             documents = document_ids(x, packing.eod_id) if packing.document_mask else None
             positions = document_positions(documents)[:, mine].to(device) \
                 if packing.reset_positions else self.device_positions
-            loss_tokens = None
-            if packing.eod_mask_loss:  # the whole sequence's count, shared by the cp ranks
+            if packing.eod_mask_loss:
                 local_y = local_y.masked_fill(local_y == packing.eod_id, IGNORE_INDEX)
-                loss_tokens = ((y != packing.eod_id).sum() / self.mesh.cp.size).to(device)
             slices.append(MicroBatch(local_x, local_y, positions, None if documents is None
                                      else documents.to(device), loss_tokens))
         return slices
+
+    def _loss_tokens_per_share(self, batches: Batches) -> torch.Tensor:
+        """The targets with a loss (not end-of-document) in the whole global batch, summed over
+        the dp ranks, over its m x dp x cp shares: each micro-batch's loss is its sum over this,
+        so averaging over micro-batches, dp and cp ranks gives the batch's per-token mean, the
+        same however the batch is split (a mean of micro-batch means would weight a token by
+        how many others share its micro-batch)."""
+        mesh = self.mesh
+        count = torch.tensor([sum(int((y != self.packing.eod_id).sum()) for _, y in batches)],
+                             dtype=torch.float64, device=mesh.device)
+        comm.all_reduce(count, mesh.dp)
+        return (count[0] / (len(batches) * mesh.dp.size * mesh.cp.size)).float()
 
     def forward_backward(self, step: int, batches: Callable[[int], Batches], sync, *,
                          loss_scale: float, timeline: list | None = None) -> StepResult:
