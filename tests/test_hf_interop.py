@@ -25,6 +25,7 @@ from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import BatchSampler, load_corpus, split_tokens, synthetic_corpus
 from meshtrain.data.tokenization import train_bpe
 from meshtrain.interop.hf_io import HFModelDirectory, import_hf
+from meshtrain.models import get_family, preset
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.runtime.plan import ParallelPlan
@@ -54,6 +55,9 @@ CONFIGS = {
     # Mistral: a window of 8 on sequences of 24 (v0.1); v0.2/v0.3 configs have none
     "mistral": transformers.MistralConfig(**LLAMA, sliding_window=8),
     "mistral_v03": transformers.MistralConfig(**LLAMA, sliding_window=None),
+    # Qwen2's window (8) on the layers from max_window_layers (1) on: layer 0 attends all
+    "qwen2_window": transformers.Qwen2Config(**LLAMA, use_sliding_window=True, sliding_window=8,
+                                             max_window_layers=1),
 }
 
 
@@ -182,7 +186,7 @@ def _logits_at(run: str, ids: torch.Tensor, degrees: dict) -> torch.Tensor | Non
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied", "qwen2_tied",
-                                     "qwen2", "mistral"])
+                                     "qwen2", "mistral", "qwen2_window"])
 def test_logits_equal_transformers_at_tp2_and_pp2(hf, imported, variant):
     with torch.no_grad():
         expected = _reference(hf[variant])(IDS).logits
@@ -203,19 +207,22 @@ def _context_parallel_logits(run: str, ids: torch.Tensor) -> tuple[torch.Tensor,
         return mine, model.full_logits(model(ids[:, mine], mine))
 
 
-def test_windowed_logits_equal_transformers_at_cp2(hf, imported):
-    """Mistral's window (8) on sequences of 24, split over two context-parallel ranks."""
+@pytest.mark.parametrize("variant", ["mistral", "qwen2_window"])
+def test_windowed_logits_equal_transformers_at_cp2(hf, imported, variant):
+    """A window of 8 on sequences of 24 (Mistral's on every layer, Qwen2's from layer 1 on),
+    split over two context-parallel ranks."""
     with torch.no_grad():
-        expected = _reference(hf["mistral"])(IDS).logits
-    assert HFModelDirectory(hf["mistral"]).cfg.sliding_window == 8
+        expected = _reference(hf[variant])(IDS).logits
+    cfg = HFModelDirectory(hf[variant]).cfg
+    assert (cfg.sliding_window, cfg.window_start_layer) == (8, variant == "qwen2_window")
     assert HFModelDirectory(hf["mistral_v03"]).cfg.sliding_window is None
-    for mine, logits in run_on_ranks(2, _context_parallel_logits, str(imported["mistral"]),
-                                     IDS):
+    assert HFModelDirectory(hf["qwen2"]).cfg.sliding_window is None
+    for mine, logits in run_on_ranks(2, _context_parallel_logits, str(imported[variant]), IDS):
         assert _max_difference(logits, expected[:, mine]) < 1e-5
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied", "qwen2_tied",
-                                     "qwen2", "mistral"])
+                                     "qwen2", "mistral", "qwen2_window"])
 def test_greedy_generation_equals_transformers(hf, variant):
     prompt = IDS[:, :6]
     theirs = _reference(hf[variant]).generate(prompt, attention_mask=torch.ones_like(prompt),
@@ -377,7 +384,8 @@ def _write_config(path: Path, base: str, **fields) -> Path:
     ("llama_gqa", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
      "\"rope_scaling\": rope type 'linear'"),
     ("llama_gqa", {"architectures": ["GemmaForCausalLM"]}, '"architectures"'),
-    ("qwen2", {"use_sliding_window": True}, '"use_sliding_window": True'),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8,
+               "layer_types": ["sliding_attention", "full_attention"]}, '"layer_types"'),
     ("qwen2", {"hidden_act": "gelu"}, '"hidden_act"'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unsupported_configs_are_one_line_errors(base, fields, named, tmp_path, capsys):
@@ -386,6 +394,22 @@ def test_unsupported_configs_are_one_line_errors(base, fields, named, tmp_path, 
     err = capsys.readouterr().err
     assert named in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_window_the_architecture_cannot_hold_is_not_exported():
+    """Exported as is, a windowed Llama or GPT-2 would attend the whole sequence, and Mistral
+    windows every layer."""
+    for family, fields, named in (("llama", {"sliding_window": 8}, "`sliding_window` 8"),
+                                  ("gpt", {"sliding_window": 8}, "`sliding_window` 8"),
+                                  ("mistral", {"window_start_layer": 1},
+                                   "`window_start_layer` 1")):
+        cfg = preset({"llama": "llama-tiny", "gpt": "tiny", "mistral": "mistral-tiny"}[family],
+                     **fields)
+        with pytest.raises(ValueError, match=named + ".*export it with format meshtrain"):
+            get_family(family).hf_mapping().window_to_hf(cfg)
+    windowed = preset("qwen2-tiny", sliding_window=8, window_start_layer=3)
+    assert get_family("qwen2").hf_mapping().window_to_hf(windowed)["layer_types"] == \
+        ["full_attention"] * 3 + ["sliding_attention"]
 
 
 def test_files_of_the_base_model_and_stray_tensors(hf, tmp_path):

@@ -206,8 +206,10 @@ def explain(result: SearchResult, request: Request) -> list[str]:
     first, each with a few examples."""
     m, s = request.model, request.seq_len
     span = m.attention_span(s)
-    lines = [f"attention: sliding window {m.sliding_window} of sequence {s}: attention FLOPs"
-             f" {span / s:.3g} of the causal mask's" if span < s else
+    where = f" on layers {m.window_start_layer}-{m.num_layers - 1} of {m.num_layers}" \
+        if m.window_start_layer else ""
+    lines = [f"attention: sliding window {m.sliding_window}{where} of sequence {s}: attention"
+             f" FLOPs {span / s:.3g} of the causal mask's" if span < s else
              f"attention: causal over the whole sequence ({s})", "rejected layouts by reason:"]
     for reason, items in sorted(result.rejected.items(), key=lambda kv: -len(kv[1])):
         lines.append(f"  {reason}: {len(items)}")

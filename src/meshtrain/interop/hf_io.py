@@ -312,7 +312,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
     token_ids = {"bos_token_id": tokenizer.bos_id if tokenizer else None,
                  "eos_token_id": tokenizer.eod_id if tokenizer else None}
     dtype = str(entries[0][1]).removeprefix("torch.")
-    hf_config = mapping.config_to_hf(cfg) | token_ids | {"dtype": dtype}
+    hf_config = mapping.config_to_hf(cfg) | mapping.window_to_hf(cfg) | token_ids | {"dtype": dtype}
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -71,6 +71,14 @@ class HFMapping(ABC):
     def config_to_hf(self, cfg: TransformerConfig) -> dict:
         """config.json's fields for `cfg` (without "dtype")."""
 
+    def window_to_hf(self, cfg: TransformerConfig) -> dict:
+        """config.json's sliding-window fields for `cfg`; an architecture without windows
+        refuses a windowed config (exported as is, it would attend the whole sequence)."""
+        if cfg.sliding_window is not None:
+            raise ValueError(f"`sliding_window` {cfg.sliding_window}: {self.architecture} has no"
+                             " sliding window; export it with format meshtrain")
+        return {}
+
     @abstractmethod
     def tensor_maps(self, cfg: TransformerConfig) -> list[TensorMap]:
         """Every tensor of the model, in the order of our parameters."""

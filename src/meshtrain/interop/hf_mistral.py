@@ -25,7 +25,13 @@ class MistralMapping(LlamaMapping):
         hf = super().config_to_hf(cfg)
         for llama_only in ("attention_bias", "mlp_bias"):
             del hf[llama_only]
-        return hf | {"sliding_window": cfg.sliding_window}
+        return hf
+
+    def window_to_hf(self, cfg: MistralConfig) -> dict:
+        if cfg.window_start_layer:
+            raise ValueError(f"`window_start_layer` {cfg.window_start_layer}: {self.architecture}"
+                             " windows every layer; export it with format meshtrain")
+        return {"sliding_window": cfg.sliding_window}
 
 
 MAPPING = MistralMapping()

@@ -41,9 +41,16 @@ def preset(name: str, **overrides) -> TransformerConfig:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
+RETIRED_FIELDS = {("qwen2", "use_sliding_window"): False}
+"""Fields earlier versions recorded, with the one value they could hold, which leaving them out
+now means (Qwen2's windows are `sliding_window` and `window_start_layer`)."""
+
+
 def config_from_dict(family: str, fields: dict) -> TransformerConfig:
     """A family's config from its recorded fields (a checkpoint manifest's `model`)."""
     config = get_family(family).config
+    fields = {name: value for name, value in fields.items()
+              if (family, name) not in RETIRED_FIELDS or RETIRED_FIELDS[family, name] != value}
     known = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(fields) - known)
     if unknown:

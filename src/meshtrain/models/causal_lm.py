@@ -110,7 +110,7 @@ class CausalLM(nn.Module, ABC):
         statistics of MoE layers. `cache` (eval mode only; see `kv_cache`): the keys and values
         of the tokens before `x`, which the new ones are appended to. `documents`: `[b, S]`
         the document of every token of the whole sequences (packed data): attention stays
-        within each; with the family's `sliding_window` it forms the `AttentionMask`.
+        within each; with the layer's window (`layer_window`) it forms its `AttentionMask`.
         """
         aux = aux if aux is not None else AuxiliaryOutputs()
         chunks = range(len(self.stage.chunks)) if chunk is None else [chunk]
@@ -119,11 +119,12 @@ class CausalLM(nn.Module, ABC):
         if positions is None and x.dim() == 2:
             start = 0 if cache is None else cache.length
             positions = torch.arange(start, start + x.shape[1], device=x.device)
-        mask = AttentionMask(self.cfg.sliding_window, documents)
+        indices = [i for c in chunks for i in self.stage.chunks[c]]
+        masks = {w: AttentionMask(w, documents) for w in map(self.cfg.layer_window, indices)}
         if self.stage.has_embedding and chunks[0] == 0:
             x = self.embedding(x, positions, self.rng)
-        for index in (i for c in chunks for i in self.stage.chunks[c]):
-            block = self.layers[str(index)]
+        for index in indices:
+            block, mask = self.layers[str(index)], masks[self.cfg.layer_window(index)]
             if index in self._recomputed_layers and self.training:
                 x = recomputed(block, self.rng, x, self.rng, positions, aux, None, mask)
             else:
@@ -151,7 +152,7 @@ class CausalLM(nn.Module, ABC):
         elif not 1 <= capacity <= cfg.max_seq_len:
             problem = f"its capacity must be 1 .. `max_seq_len` ({cfg.max_seq_len}), got {capacity}"
         else:
-            return KVCache(stage.layers, capacity, window=cfg.sliding_window)
+            return KVCache(stage.layers, capacity, window_of=cfg.layer_window)
         raise ValueError(f"no key/value cache here: {problem} (generation caches whole models"
                          " at any 1D tp)")
 

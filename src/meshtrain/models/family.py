@@ -43,6 +43,9 @@ class TransformerConfig(ABC):
     """Whether the output layer is the input embedding."""
     sliding_window: int | None = None
     """Each token attends the last `sliding_window` positions (itself included); None: all."""
+    window_start_layer: int = 0
+    """The first layer the window applies to (Qwen2's `max_window_layers`): the layers before
+    it attend every earlier position."""
     dropout: float = 0.0
     """Dropout on embeddings, attention probabilities and residual branches."""
     init_std: float = 0.02
@@ -114,6 +117,14 @@ class TransformerConfig(ABC):
             raise SettingError(Code.RANGE, (
                 f"`sliding_window` must be positive (or unset for none), got"
                 f" {self.sliding_window}"))
+        if self.window_start_layer and self.sliding_window is None:
+            raise SettingError(Code.MODEL_SHAPE, (
+                f"`window_start_layer` {self.window_start_layer} places a window, and"
+                " `sliding_window` is unset: set both or neither"))
+        if not 0 <= self.window_start_layer < self.num_layers:
+            raise SettingError(Code.RANGE, (
+                f"`window_start_layer` must be 0 .. num_layers - 1 = {self.num_layers - 1}"
+                f" (unset `sliding_window` for no window), got {self.window_start_layer}"))
         if not 0.0 <= self.dropout < 1.0:
             raise SettingError(Code.RANGE, (
                 f"`dropout` must be in [0, 1), got {self.dropout}"))
@@ -254,16 +265,31 @@ class TransformerConfig(ABC):
             + (self.num_layers - moe) * mlp + moe * (self.moe_top_k * mlp + h * self.moe_experts)
         return layers + self.vocab_size * h
 
-    def attention_span(self, seq_len: int) -> int:
-        """Keys per query the FLOP convention counts: the whole sequence under the causal mask
-        (Megatron-LM counts the masked half), the window where one is shorter."""
-        return min(seq_len, self.sliding_window or seq_len)
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (global), None where it attends all."""
+        return self.sliding_window if index >= self.window_start_layer else None
+
+    @property
+    def windowed_fraction(self) -> float:
+        """The share of the layers that slide a window."""
+        if self.sliding_window is None:
+            return 0.0
+        return (self.num_layers - self.window_start_layer) / self.num_layers
+
+    def attention_span(self, seq_len: int) -> float:
+        """Keys per query the FLOP convention counts, over the layers on average: the whole
+        sequence under the causal mask (Megatron-LM counts the masked half), the window where
+        one is shorter."""
+        f = self.windowed_fraction
+        return f * min(seq_len, self.sliding_window or seq_len) + (1 - f) * seq_len
 
     def attended_keys(self, seq_len: int) -> float:
-        """Keys a query attends on average (what a kernel skipping masked work computes):
-        (s + 1) / 2 under the causal mask, nearly the window W when W is much shorter than s."""
-        w = self.attention_span(seq_len)
-        return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+        """Keys a query attends on average over the layers (what a kernel skipping masked work
+        computes): (s + 1) / 2 under the causal mask, nearly the window W when W is much
+        shorter than s."""
+        f = self.windowed_fraction
+        full = window_keys(seq_len, seq_len)
+        return f * window_keys(self.sliding_window or seq_len, seq_len) + (1 - f) * full
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs to train on one token (forward and backward, no recomputation), in the
@@ -273,6 +299,12 @@ class TransformerConfig(ABC):
         attention = 12 * self.num_layers * self.attention_span(seq_len) * self.num_heads \
             * self.head_dim
         return 6 * self.matmul_parameters_per_token() + attention
+
+
+def window_keys(window: int, seq_len: int) -> float:
+    """Keys a query attends on average in a sequence of `seq_len` under a causal window."""
+    w = min(window, seq_len)
+    return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
 
 WIDE_BYTES = 4

@@ -15,7 +15,7 @@ of them): nothing is gathered.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -63,9 +63,10 @@ class KVCache:
     is how many tokens have run through them, which is the position of the next token (a
     windowed cache holds fewer)."""
 
-    def __init__(self, layers: Iterable[int], capacity: int, *, window: int | None = None):
+    def __init__(self, layers: Iterable[int], capacity: int, *,
+                 window_of: Callable[[int], int | None] = lambda index: None):
         self.capacity = capacity
-        self.layers = {index: LayerCache(capacity, window) for index in layers}
+        self.layers = {index: LayerCache(capacity, window_of(index)) for index in layers}
 
     def __getitem__(self, index: int) -> LayerCache:
         return self.layers[index]

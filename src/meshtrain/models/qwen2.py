@@ -4,8 +4,7 @@ output projection and the MLP have none), rotary theta 10^6, and the output laye
 embedding at the small sizes.
 
 Qwen2's sliding windows (`use_sliding_window`, off in every released Qwen2.5 model) apply to
-the layers from `max_window_layers` on; meshtrain's windows (`sliding_window`, see Mistral) apply
-to every layer, so Qwen2's are refused.
+the layers from `max_window_layers` on: here `sliding_window` from `window_start_layer` on.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ class Qwen2Config(LlamaConfig):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     qkv_bias: bool = True
-    use_sliding_window: bool = False
-    """Qwen2's windowed attention on the upper layers: not implemented (refused when on)."""
 
     def validate(self) -> None:
         super().validate()
@@ -35,11 +32,6 @@ class Qwen2Config(LlamaConfig):
             raise SettingError(Code.MODEL_UNSUPPORTED, "`qkv_bias` cannot be off in Qwen2 (its"
                                                        " q, k and v projections have biases):"
                                                        " drop it")
-        if self.use_sliding_window:
-            raise SettingError(Code.MODEL_UNSUPPORTED, (
-                "`use_sliding_window`: Qwen2 slides its window on the layers from"
-                " max_window_layers on, and meshtrain windows every layer alike:"
-                " turn it off"))
 
 
 def _qwen2(layers: int, hidden: int, heads: int, kv: int, ffn: int, **kw) -> Qwen2Config:

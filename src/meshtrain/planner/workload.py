@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtrain.models.family import TransformerConfig
+from meshtrain.models.family import TransformerConfig, window_keys
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.schemes.scheme import Traffic
 
@@ -127,13 +127,15 @@ class Workload:
     def _keys_per_query(self, ring: bool) -> float:
         """Keys each query's scores are computed for: half the sequence for a causal fused
         kernel, the whole of it for the ring's whole blocks; under a sliding window the keys
-        it leaves (the ring skips blocks wholly outside it)."""
+        it leaves (the ring skips blocks wholly outside it), averaged over the layers with and
+        without it."""
         m, s = self.model, self.seq_len
+        full = s * (1.0 if ring else CAUSAL_FRACTION)
         if m.sliding_window is None or m.sliding_window >= s:
-            return s * (1.0 if ring else CAUSAL_FRACTION)
-        if ring:
-            return min(s, m.sliding_window + s / self.layout.cp)
-        return m.attended_keys(s)
+            return full
+        windowed = min(s, m.sliding_window + s / self.layout.cp) if ring else \
+            window_keys(m.sliding_window, s)
+        return m.windowed_fraction * windowed + (1 - m.windowed_fraction) * full
 
     @property
     def fused_attention(self) -> bool:
