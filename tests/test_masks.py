@@ -5,6 +5,7 @@ its document alone at tp 2, cp 2 (ring and all-to-all) and pp 2; refusals before
 """
 
 import dataclasses
+import itertools
 import json
 import math
 
@@ -63,10 +64,12 @@ def test_the_mask_is_the_rule_it_states(window):
                     and documents[b, i] == documents[b, j]
                 assert bool(allowed[b, 0, i, j]) == rule
     g = torch.Generator().manual_seed(1)
-    for _ in range(50):  # a block it calls invisible has no visible pair
+    for _ in range(200):  # a block it calls invisible has no visible pair
         q, k = (torch.randperm(12, generator=g)[:4] for _ in range(2))
-        if not mask.visible_span(q, k):
-            assert not AttentionMask(window).allowed(q, k).any()
+        assert mask.visible_span(q, k) or not mask.allowed(q, k).any()
+    for q_lo, k_lo, n in itertools.product(range(12), range(12), (1, 2, 3, 5)):
+        q, k = torch.arange(q_lo, min(12, q_lo + n)), torch.arange(k_lo, min(12, k_lo + n))
+        assert mask.visible_span(q, k) == bool(mask.allowed(q, k).any())  # runs: exact
 
 
 def _dense(q, k, v, mask: AttentionMask, k_start: int = 0):
@@ -345,3 +348,23 @@ def test_ring_attention_computes_only_the_sub_blocks_the_mask_leaves(cp):
     assert counts == [n * n * (3 / 4 + (cp - 1) / 2)] * cp
     windowed = _counted(s, cp, AttentionMask(window=n // 2))
     assert max(windowed) < min(counts)
+
+
+def test_ring_attention_skips_the_chunk_pairs_no_document_spans():
+    """Documents shorter than a chunk leave most pairs of chunks empty: the ring computes a
+    (query chunk, key chunk) pair exactly when some token of one attends some of the other."""
+    cp, s = 4, 256
+    g = torch.Generator().manual_seed(3)
+    starts = torch.rand(2, s, generator=g) < 1 / 16  # documents of ~16 tokens; chunks of 32
+    mask = AttentionMask(documents=torch.cumsum(starts.int(), dim=-1))
+    positions = [context_parallel_positions(s, cp, r) for r in range(cp)]
+    for r, source in itertools.product(range(cp), range(cp)):
+        q_pos, k_pos = positions[r], positions[source]
+        computed = torch.zeros(len(q_pos), len(k_pos), dtype=torch.bool)
+        for rows, cols in ring_sub_blocks(q_pos, k_pos, mask):
+            computed[rows, cols] = True
+        visible = mask.allowed(q_pos, k_pos).any(dim=0)[0]
+        half = len(q_pos) // 2
+        for a, b in itertools.product((slice(0, half), slice(half, None)), repeat=2):
+            assert computed[a, b].all() == computed[a, b].any() == visible[a, b].any()
+    assert sum(_counted(s, cp, mask)) < sum(_counted(s, cp, AttentionMask())) / 2

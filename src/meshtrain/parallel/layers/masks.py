@@ -44,6 +44,7 @@ class AttentionMask:
     window: int | None = None
     documents: torch.Tensor | None = None
     block_masks: dict = field(default_factory=dict, compare=False, repr=False)
+    _host: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def causal_only(self) -> bool:
@@ -73,12 +74,26 @@ class AttentionMask:
         return mask_mod
 
     def visible_span(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-        """Whether any query of `q_pos` may attend any key of `k_pos` (a block worth computing);
-        documents are not consulted (a document boundary rarely empties a whole block)."""
-        q_lo, q_hi, k_lo, k_hi = q_pos.min(), q_pos.max(), k_pos.min(), k_pos.max()
-        if k_lo > q_hi:
+        """Whether any query of `q_pos` may attend any key of `k_pos` (host positions: a block
+        worth computing), never False for a block with a visible pair. Where every key
+        precedes every query, the closest pair (the last key, the first query) decides, since
+        document ids never decrease along a row; where they interleave the answer is yes,
+        which is exact for contiguous runs of positions (the ring's chunks: a token and
+        itself)."""
+        q_lo, q_hi, k_lo, k_hi = (int(p) for p in (q_pos.min(), q_pos.max(), k_pos.min(),
+                                                   k_pos.max()))
+        if k_lo > q_hi or (self.window is not None and q_lo - k_hi >= self.window):
             return False
-        return self.window is None or bool(q_lo - k_hi < self.window)
+        if self.documents is None or k_hi >= q_lo:
+            return True
+        documents = self.host_documents()
+        return bool((documents[:, k_hi] == documents[:, q_lo]).any())
+
+    def host_documents(self) -> torch.Tensor:
+        """`documents` on the host, copied once per mask (one forward's layers share it)."""
+        if "documents" not in self._host:
+            self._host["documents"] = self.documents.cpu()
+        return self._host["documents"]
 
 
 CAUSAL = AttentionMask()
