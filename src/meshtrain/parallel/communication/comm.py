@@ -244,11 +244,16 @@ def send(tensor: torch.Tensor, axis: MeshAxis, to: int, *, tag: int = 0) -> dist
                                    tag=tag))
 
 
-def recv(tensor: torch.Tensor, axis: MeshAxis, src: int, *, tag: int = 0) -> None:
-    """Receive into `tensor` from axis rank `src` (blocking)."""
-    entry = _record("recv", axis, tensor, peer=axis.ranks[src])
-    dist.irecv(tensor, src=axis.ranks[src], group=axis.group, tag=tag).wait()
-    _done(entry)
+def recv(tensor: torch.Tensor, axis: MeshAxis, src: int, *, tag: int = 0,
+         async_op: bool = False) -> dist.Work | None:
+    """Receive into `tensor` from axis rank `src`: blocking, or started (`async_op`: wait on
+    the returned work before reading `tensor`)."""
+    entry = _record("recv", axis, tensor, blocking=not async_op, peer=axis.ranks[src])
+    work = dist.irecv(tensor, src=axis.ranks[src], group=axis.group, tag=tag)
+    if async_op:
+        return _done(entry, work)
+    work.wait()
+    return _done(entry)
 
 
 def ring_shift(tensor: torch.Tensor, axis: MeshAxis) -> torch.Tensor:

@@ -150,8 +150,9 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                      before_backward=before_backward, use_weights_of=use_weights_of,
                      loss_scale=loss_scale, count_saved_of=count_saved_of, state=state,
                      placement=placement, weight_grads=weight_grads, params=list(params))
-    for a in actions:
+    for index, a in enumerate(actions):
         start = time.perf_counter()
+        runner.receive_ahead(actions, index)
         runner.run(a)
         if timeline is not None:
             timeline.append((a.kind, a.micro, a.chunk, start, time.perf_counter()))
@@ -180,6 +181,10 @@ class _Runner:
         self.before_backward, self.use_weights_of = before_backward, use_weights_of
         self.state = state
         self.result = ScheduleRun([], 0, 0)
+        # gloo only: NCCL runs a communicator's point-to-point calls in order on one stream,
+        # where a receive posted early would hold up this rank's own sends behind it.
+        self.ahead = {RECV_ACTIVATION: 0, RECV_GRAD: 0} if mesh.device.type == "cpu" else {}
+        self.posted: dict[tuple[str, int], tuple] = {}  # (kind, tag) -> (work, buffer)
         # Evaluation's activations get their own tags: 2BW training sends may still be in
         # flight.
         self.forward_tag = 0 if torch.is_grad_enabled() else 2
@@ -198,6 +203,35 @@ class _Runner:
         kind: 0 activation, 1 gradient, 2 evaluation activation)."""
         return 3 * (i * (self.last + 1) + boundary) + kind
 
+    def _source(self, a: Action) -> tuple:
+        """Where a receive action's tensor comes from: (axis, global chunk, tag)."""
+        g = self.placement(self.mesh.pp.rank, a.chunk, self.mesh.pp.size)
+        if a.kind == RECV_ACTIVATION:
+            return self.axis, g - 1, self.tag(a.micro, g - 1, self.forward_tag)
+        return self.grad_axis, g + 1, self.tag(a.micro, g, 1)
+
+    def receive_ahead(self, actions: list[Action], index: int) -> None:
+        """Post the next receive of each kind from another rank before action `index` runs
+        (one outstanding per kind), so its transfer proceeds while this rank computes instead
+        of starting when the receive is reached."""
+        for kind, cursor in self.ahead.items():
+            if any(posted == kind for posted, _ in self.posted):
+                continue
+            cursor = max(cursor, index)
+            while cursor < len(actions) and not (
+                    actions[cursor].kind == kind
+                    and self.owner[self._source(actions[cursor])[1]] != self.mesh.pp.rank):
+                cursor += 1
+            self.ahead[kind] = cursor + 1
+            if cursor < len(actions):
+                axis, from_chunk, tag = self._source(actions[cursor])
+                buffer = self._buffer()
+                self.posted[kind, tag] = (comm.recv(buffer, axis, self.owner[from_chunk],
+                                                    tag=tag, async_op=True), buffer)
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.activation_shape, dtype=self.dtype, device=self.mesh.device)
+
     def _send(self, tensor: torch.Tensor, axis, to_chunk: int, tag: int) -> None:
         """To the rank holding global chunk `to_chunk`, or in memory when that is this one."""
         if self.owner[to_chunk] == self.mesh.pp.rank:
@@ -206,15 +240,20 @@ class _Runner:
             self.state.sends.append((comm.send(tensor, axis, self.owner[to_chunk], tag=tag),
                                      tensor))
 
-    def _recv(self, axis, from_chunk: int, tag: int) -> torch.Tensor:
+    def _recv(self, kind: str, axis, from_chunk: int, tag: int) -> torch.Tensor:
         if self.owner[from_chunk] == self.mesh.pp.rank:
             return self.state.handed.pop(tag)
-        buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.mesh.device)
+        if (kind, tag) in self.posted:
+            work, buffer = self.posted.pop((kind, tag))
+            work.wait()
+            return buffer
+        buffer = self._buffer()
         comm.recv(buffer, axis, self.owner[from_chunk], tag=tag)
         return buffer
 
     def recv_activation(self, i: int, g: int, key: tuple[int, int]) -> None:
-        received = self._recv(self.axis, g - 1, self.tag(i, g - 1, self.forward_tag))
+        received = self._recv(RECV_ACTIVATION, self.axis, g - 1,
+                              self.tag(i, g - 1, self.forward_tag))
         self.state.inputs[key] = received.requires_grad_(torch.is_grad_enabled())
 
     def _compute(self, x: torch.Tensor, key: tuple[int, int], batch, last: bool):
@@ -245,7 +284,7 @@ class _Runner:
         self._send(tensor, self.axis, g + 1, self.tag(i, g, self.forward_tag))
 
     def recv_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
-        self.state.grads[key] = self._recv(self.grad_axis, g + 1, self.tag(i, g, 1))
+        self.state.grads[key] = self._recv(RECV_GRAD, self.grad_axis, g + 1, self.tag(i, g, 1))
 
     def _roots(self, g: int, key: tuple[int, int]) -> tuple[list, list]:
         """What a chunk's backward starts from: the loss (last chunk) or the output with the
