@@ -78,7 +78,7 @@ from meshtrain.parallel.runtime.schedules import (
     simulate,
     v_shape_chunk,
 )
-from meshtrain.parallel.runtime.zero_bubble import zb_h1, zb_v
+from meshtrain.parallel.runtime.zero_bubble import estimated_costs, zb_h1, zb_v
 from meshtrain.training.pipeline_trace import idle_report
 
 MICRO_BATCHES = 8
@@ -216,7 +216,12 @@ class MeshtrainPipeline(PipelineContender):
         stage = StageSpec(tuple(chunks[g] for g in mine), has_embedding=mine[0] == 0,
                           has_head=mine[-1] == last)
         model = meshtrain.build_model(shape.config(), mesh, seed=0, stage=stage)
-        actions = MESHTRAIN_SCHEDULES[self.schedule][0](p, MICRO_BATCHES)[s]
+        if self.schedule == "zb-v":  # as PipelineExecutor: the order chosen on estimated costs
+            costs = estimated_costs(tuple(len(layers) for layers in chunks),
+                                    *shape.config().pipeline_work_shares(shape.seq))
+            actions = zb_v(p, MICRO_BATCHES, costs)[s]
+        else:
+            actions = MESHTRAIN_SCHEDULES[self.schedule][0](p, MICRO_BATCHES)[s]
         # as PipelineExecutor: the split backward only under the zero-bubble schedules
         weight_grads = defer_weight_gradients(model) if self.schedule in SPLIT_BACKWARD \
             else None
@@ -554,7 +559,10 @@ def report_orders(results: list[Result], p: int) -> None:
         differ = [s for s in range(p) if [tuple(a) for a in order[s]] != ours[s]]
         verdict = "the same" if not differ else f"different on ranks {differ}"
         print(f"{r.contender.name}: per-rank compute order (F/I/W or F/B, micro-batch, global"
-              f" chunk) {verdict} as meshtrain's {twin}")
+              f" chunk) {verdict} as meshtrain's {twin}"
+              + (" handcrafted order (meshtrain runs it or a greedy one, whichever the"
+                 " simulator finishes first on the estimated chunk costs)" if twin == "zb-v"
+                 else ""))
 
 
 if __name__ == "__main__":

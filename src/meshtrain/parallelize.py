@@ -124,4 +124,5 @@ def step_executor(model: CausalLM, factory: LayerFactory, sync: GradientSync,
         return PipeDreamExecutor(model, mesh, seq_len=seq_len, activation_shape=shape,
                                  current=sync.masters.params, steps=steps, packing=packing)
     return PipelineExecutor(model, mesh, seq_len=seq_len, schedule=plan.pp_schedule,
-                            activation_shape=shape, packing=packing)
+                            activation_shape=shape, packing=packing, chunk_layers=tuple(
+                                len(layers) for layers in plan.stage_layers(model.cfg.num_layers)))

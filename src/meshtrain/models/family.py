@@ -265,6 +265,17 @@ class TransformerConfig(ABC):
             + (self.num_layers - moe) * mlp + moe * (self.moe_top_k * mlp + h * self.moe_experts)
         return layers + self.vocab_size * h
 
+    def pipeline_work_shares(self, seq_len: int) -> tuple[float, float]:
+        """The output layer's matmul FLOPs and one layer's attention-core FLOPs (scores and
+        their use of the values, over the keys a query attends), each over one layer's
+        weight-matmul FLOPs (MoE: top-k experts): what ZB-V weighs chunks by
+        (`zero_bubble.estimated_costs`)."""
+        experts = self.moe_top_k if self.moe_experts else 1
+        weights = self.attention_parameters(weights_only=True) \
+            + experts * self.mlp_parameters(weights_only=True)
+        attention = 2 * self.attended_keys(seq_len) * self.num_heads * self.head_dim
+        return self.vocab_size * self.hidden_size / weights, attention / weights
+
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer `index` (global), None where it attends all."""
         return self.sliding_window if index >= self.window_start_layer else None

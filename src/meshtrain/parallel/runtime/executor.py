@@ -37,6 +37,7 @@ from meshtrain.parallel.runtime.schedules import (
     Action,
     schedule_placement,
 )
+from meshtrain.parallel.runtime.zero_bubble import estimated_costs
 from meshtrain.precision import wide_dtype
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -154,9 +155,13 @@ class PipelineExecutor(LocalExecutor):
     bytes per in-flight chunk, and `last_run` keeps the latest step's peaks."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int, schedule: str,
-                 activation_shape: tuple[int, ...], packing: Packing = ONE_STREAM):
+                 activation_shape: tuple[int, ...], packing: Packing = ONE_STREAM,
+                 chunk_layers: tuple[int, ...] = ()):
         super().__init__(model, mesh, seq_len=seq_len, packing=packing)
         self.schedule, self.activation_shape = schedule, activation_shape
+        self.chunk_costs = estimated_costs(chunk_layers, *model.cfg.pipeline_work_shares(
+            seq_len)) if schedule == "zb-v" else None  # every chunk's layers: zb-v's order
+        self.built: dict[int, list[Action]] = {}  # action lists by micro-batch count
         self.count_saved_bytes = False
         self.last_run: ScheduleRun | None = None
         self.placement = schedule_placement(schedule)
@@ -164,10 +169,15 @@ class PipelineExecutor(LocalExecutor):
             else None
 
     def actions(self, num_micro_batches: int) -> list[Action]:
-        """This rank's actions for one flush step (2BW evaluates with 1F1B's forwards)."""
-        p, s, m = self.mesh.pp.size, self.mesh.pp.rank, num_micro_batches
-        schedule = "1f1b" if self.schedule == "2bw" else self.schedule
-        return action_lists(schedule, p, m, v=len(self.model.stage.chunks))[s]
+        """This rank's actions for one flush step (2BW evaluates with 1F1B's forwards), built
+        once per micro-batch count."""
+        m = num_micro_batches
+        if m not in self.built:
+            schedule = "1f1b" if self.schedule == "2bw" else self.schedule
+            self.built[m] = action_lists(schedule, self.mesh.pp.size, m,
+                                         v=len(self.model.stage.chunks),
+                                         chunk_costs=self.chunk_costs)[self.mesh.pp.rank]
+        return self.built[m]
 
     def stage(self, routing: RoutingStats | None):
         """The stage function for `run_schedule`: one local chunk's forward and its extra loss;
