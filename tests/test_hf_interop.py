@@ -245,6 +245,7 @@ def _first_batch_loss(model, corpus: str, **sampler) -> float:
     return torch.stack(losses).mean().item()
 
 
+@pytest.mark.extended  # 9 s; importing then training is default in the fine-tune case below
 def test_training_from_an_imported_model_at_tp2_dp2(imported, corpus, tmp_path):
     run, out, exported = imported["llama_gqa"], tmp_path / "run", tmp_path / "hf"
     run_cli("train", "--init-from", str(run), "--nproc", "4", "--tp", "2", "--device", "cpu",
