@@ -151,8 +151,8 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                      loss_scale=loss_scale, count_saved_of=count_saved_of, state=state,
                      placement=placement, weight_grads=weight_grads, params=list(params))
     for index, a in enumerate(actions):
-        start = time.perf_counter()
         runner.receive_ahead(actions, index)
+        start = time.perf_counter()
         runner.run(a)
         if timeline is not None:
             timeline.append((a.kind, a.micro, a.chunk, start, time.perf_counter()))
