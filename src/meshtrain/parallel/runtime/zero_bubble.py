@@ -28,6 +28,7 @@ from meshtrain.parallel.runtime.schedules import (
     WEIGHT_GRAD,
     Action,
     _check,
+    _input_ready,
     _with_communication,
     simulate,
     v_shape_chunk,
@@ -129,12 +130,14 @@ def _greedy_v_orders(p: int, m: int, costs: ChunkCosts) -> list[list[list[Action
             for priority in GREEDY_PRIORITIES]
 
 
+KINDS = {"F": FORWARD, "I": INPUT_GRAD, "W": WEIGHT_GRAD}
+
+
 def _list_schedule(p: int, m: int, costs: ChunkCosts,
                    priority: list[tuple[str, int]]) -> list[list[Action]]:
-    kinds = {"F": FORWARD, "I": INPUT_GRAD, "W": WEIGHT_GRAD}
     cost = {"F": costs.forward, "I": costs.input_grad, "W": costs.weight_grad}
-    done: dict[tuple[str, int, int], float] = {}  # (kind, micro, global chunk) -> end
-    nxt = {(r, kind, c): 0 for r in range(p) for kind in kinds for c in (0, 1)}
+    done: dict[tuple[str, int, int], float] = {}  # (action kind, micro, global chunk) -> end
+    nxt = {(r, kind, c): 0 for r in range(p) for kind in KINDS for c in (0, 1)}
     free, held = [0.0] * p, [0] * p
     ends: list[float] = []  # a heap of the ends of started actions
     orders: list[list[Action]] = [[] for _ in range(p)]
@@ -149,11 +152,11 @@ def _list_schedule(p: int, m: int, costs: ChunkCosts,
                 continue
             kind, c = pick
             i, g = nxt[(r, kind, c)], v_shape_chunk(r, c, p)
-            done[(kind, i, g)] = free[r] = t + cost[kind][g]
+            done[(KINDS[kind], i, g)] = free[r] = t + cost[kind][g]
             heapq.heappush(ends, free[r])
             nxt[(r, kind, c)] += 1
             held[r] += {"F": 1, "I": 0, "W": -1}[kind]
-            orders[r].append(Action(kinds[kind], i, c))
+            orders[r].append(Action(KINDS[kind], i, c))
             started = True
         if not started:  # every free rank waits: on to the next end
             while ends[0] <= t:
@@ -171,18 +174,11 @@ def _ready(r: int, kind: str, c: int, t: float, p: int, m: int, nxt: dict, done:
     i, g = nxt[(r, kind, c)], v_shape_chunk(r, c, p)
     if i >= m:
         return False
-    if kind == "F":
-        if held[r] >= 2 * p - (1 if c == 0 else 0):
-            return False
-        end = done.get(("F", i, g - 1)) if g > 0 else 0.0
-    elif kind == "I":
-        if nxt[(r, "F", c)] <= i:
-            return False
-        end = done.get(("F", i, g)) if g == 2 * p - 1 else done.get(("I", i, g + 1))
-    else:
-        if nxt[(r, "I", c)] <= i:
-            return False
-        end = done.get(("I", i, g))
+    if kind == "F" and held[r] >= 2 * p - (1 if c == 0 else 0):
+        return False
+    if kind != "F" and nxt[(r, "F" if kind == "I" else "I", c)] <= i:  # not yet on this rank
+        return False
+    end = _input_ready(Action(KINDS[kind], i, c), g, 2 * p - 1, done)
     return end is not None and end <= t
 
 
