@@ -21,7 +21,7 @@ TRUE = Hardware(name="cpu-gloo", peak_tflops=0.1, hbm_gib=4.0, gpus_per_node=4,
                 matmul_efficiency=0.9,
                 matmul_half_gflop=0.002, memory_efficiency=1.0, network_efficiency=1.0,
                 collective_latency_s=5e-4, overlap_efficiency=0.25, layer_overhead_s=3e-4,
-                attention_backward_ratio=5.0, reduce_scatter_factor=2.0,
+                attention_backward_ratio=5.0, reduce_scatter_all_reduces=True,
                 default_precision="fp32", calibrated_ranks=4)
 """A machine whose every measurement the cost model predicts exactly."""
 OPS = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
@@ -60,9 +60,10 @@ def test_fits_recover_the_machine_the_formulas_describe():
                 assert fn(fitted, n, g, g) == pytest.approx(fn(TRUE, n, g, g), rel=1e-3), op
     for field in ("hbm_gbytes_per_s", "collective_latency_s", "intra_node_gbytes_per_s",
                   "inter_node_gbytes_per_s", "overlap_efficiency", "layer_overhead_s",
-                  "attention_backward_ratio", "reduce_scatter_factor"):
+                  "attention_backward_ratio"):
         assert getattr(fitted, field) == pytest.approx(getattr(TRUE, field), rel=2e-3), field
     assert fitted.hbm_gib == 4.0 and fitted.gpus_per_node == 4
+    assert fitted.reduce_scatter_all_reduces  # gloo's: the record's backend
     assert fitted.default_precision == "fp32" and fitted.name == "cpu-gloo"
     assert fitted.calibrated_ranks == 4
 
@@ -141,6 +142,34 @@ def test_profiles_round_trip_through_toml(calibrated, tmp_path):
         path = tmp_path / f"{profile.name}.toml"
         path.write_text(profile.to_toml())
         assert load_hardware(str(path)) == profile
+
+
+def test_gloo_reduce_scatter_is_priced_as_the_all_reduce_it_runs():
+    """torch's gloo backend all-reduces the whole tensor and keeps its chunk; NCCL's native
+    reduce-scatter moves an all-gather's bytes: a calibration on either fits one latency and
+    bandwidth to all four collectives."""
+    n = 1 << 20
+    assert coll.reduce_scatter(TRUE, n, 4, 4) == coll.all_reduce(TRUE, n, 4, 4)
+    nccl = dataclasses.replace(TRUE, reduce_scatter_all_reduces=False)
+    assert coll.reduce_scatter(nccl, n, 4, 4) == coll.all_gather(nccl, n, 4, 4)
+    record = measurements_of(nccl) | {"backend": "nccl", "device": "cuda"}
+    fitted = calibrate.fit_profile(record, ranks=4)
+    assert not fitted.reduce_scatter_all_reduces
+    assert fitted.collective_latency_s == pytest.approx(TRUE.collective_latency_s, rel=1e-3)
+
+
+def test_a_profile_with_the_retired_reduce_scatter_factor_still_loads(tmp_path):
+    """Profiles calibrated before priced reduce-scatter's bytes at a factor (gloo: 2 or more
+    measured, NCCL: 1): each loads as the machine it describes."""
+    for factor, all_reduces in ((3.6, True), (1.0, False)):
+        text = BUILT_IN["cpu-gloo"].to_toml().replace(
+            "reduce_scatter_all_reduces = true", f"reduce_scatter_factor = {factor}")
+        path = tmp_path / "old.toml"
+        path.write_text(text)
+        assert load_hardware(str(path)).reduce_scatter_all_reduces is all_reduces
+    path.write_text(text.replace("reduce_scatter_factor = 1.0", 'reduce_scatter_all_reduces = 1'))
+    with pytest.raises(ValueError, match="reduce_scatter_all_reduces must be true or false"):
+        load_hardware(str(path))
 
 
 def test_calibration_needs_a_group_to_time():

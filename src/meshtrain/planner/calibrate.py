@@ -312,7 +312,8 @@ def fit_profile(measured: dict, *, ranks: int,
     peaks["fp16"] = _fit_peak([row for row in measured["matmul"] if row[0] == "fp16"],
                               efficiency, half, say)
     moved, seconds = (sum(col) for col in zip(*measured["elementwise"], strict=True))
-    alpha, link, scatter, counting = _fit_collectives(measured["collectives"], say)
+    gloo = measured["backend"] == "gloo"
+    alpha, link, counting = _fit_collectives(measured["collectives"], gloo, say)
     a = measured["attention"]
     ratio = max(1.0, a["backward"] / a["forward"])
     say(f"attention core: forward {a['forward'] * 1e6:.0f} us, backward"
@@ -330,7 +331,7 @@ def fit_profile(measured: dict, *, ranks: int,
         calibrated_ranks=ranks, hbm_gbytes_per_s=moved / seconds / 1e9,
         matmul_efficiency=efficiency, matmul_half_gflop=half, memory_efficiency=1.0,
         network_efficiency=1.0, collective_latency_s=alpha, overlap_efficiency=overlap,
-        attention_backward_ratio=ratio, reduce_scatter_factor=scatter,
+        attention_backward_ratio=ratio, reduce_scatter_all_reduces=gloo,
         collective_steps=counting, default_precision="fp32" if cpu else "bf16",
         oversubscription=max(1.0, ranks / measured["cores"]) if cpu else 1.0)
     return _rounded(_fit_layer(hardware, measured["layer"], measured["device"], say))
@@ -398,40 +399,37 @@ MODEL = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
          "send": lambda hw, nbytes, group, span: coll.send(hw, nbytes, span)}
 
 
-def _fit_collectives(rows: list[tuple],
-                     say: Callable[[str], None]) -> tuple[float, float, float, str]:
+def _fit_collectives(rows: list[tuple], all_reduces: bool,
+                     say: Callable[[str], None]) -> tuple[float, float, str]:
     """alpha and the bandwidth (bytes/s) of t = steps x alpha + moved / bandwidth, fitted on
-    every collective but reduce-scatter, under each way of counting steps (`collective_steps`:
-    the one with the smaller squared relative error is kept); then reduce_scatter_factor, the
-    reduce-scatters' time beyond their steps' latency over what that bandwidth predicts for
-    their bytes, summed over sizes so the large ones decide (gloo has no native ring; small
-    ones are all latency)."""
+    every collective under each way of counting steps (`collective_steps`: the one with the
+    smaller squared relative error is kept); reduce-scatters counted as the all-reduces they
+    are where the backend has none of its own (`all_reduces`: gloo)."""
     fits = {}
     for counting in COLLECTIVE_STEPS:
-        latency = dataclasses.replace(UNIT_LATENCY, collective_steps=counting)
-        points = [(MODEL[op](latency, n, g, g), MODEL[op](UNIT_BYTES, n, g, g), t)
-                  for op, g, n, t in rows if op != "reduce_scatter"]
-        alpha, per_byte = _relative_least_squares(points)
-        error = sum(((alpha * p + per_byte * q) / t - 1) ** 2 for p, q, t in points)
-        fits[counting] = (error, alpha, per_byte, latency, points)
+        latency = dataclasses.replace(UNIT_LATENCY, collective_steps=counting,
+                                      reduce_scatter_all_reduces=all_reduces)
+        per_byte = dataclasses.replace(UNIT_BYTES, reduce_scatter_all_reduces=all_reduces)
+        points = [(MODEL[op](latency, n, g, g), MODEL[op](per_byte, n, g, g), t)
+                  for op, g, n, t in rows]
+        alpha, beta = _relative_least_squares(points)
+        error = sum(((alpha * p + beta * q) / t - 1) ** 2 for p, q, t in points)
+        fits[counting] = (error, alpha, beta, points)
     counting = min(fits, key=lambda c: fits[c][0])
-    _, alpha, per_byte, latency, points = fits[counting]
-    if per_byte <= 0:
+    _, alpha, beta, points = fits[counting]
+    if beta <= 0:
         raise ValueError("calibration: the collectives' times did not grow with their bytes, so"
                          " no bandwidth can be fitted (the host was too busy to time them);"
                          " calibrate again when it is quieter")
-    scattered = [(t - alpha * MODEL[op](latency, n, g, g),
-                  per_byte * MODEL[op](UNIT_BYTES, n, g, g))
-                 for op, g, n, t in rows if op == "reduce_scatter"]
-    scatter = max(1.0, sum(t for t, _ in scattered) / sum(b for _, b in scattered))
     for op in COLLECTIVES:
         say(f"{op}: " + ", ".join(f"g{g} {n >> 10} KiB {t * 1e3:.3f} ms" for o, g, n, t in rows
                                   if o == op))
     say(f"collective fit: collective_steps {counting} (squared error "
         + ", ".join(f"{c} {fits[c][0]:.3g}" for c in fits) + f"), collective_latency_s"
-        f" {alpha:.3g}, bandwidth {1e-9 / per_byte:.3g} GB/s, worst time error"
-        f" {_worst_error(points, alpha, per_byte):.0%}; reduce_scatter_factor {scatter:.3g}")
-    return alpha, 1 / per_byte, scatter, counting
+        f" {alpha:.3g}, bandwidth {1e-9 / beta:.3g} GB/s, worst time error"
+        f" {_worst_error(points, alpha, beta):.0%}; reduce-scatter priced as"
+        f" {'an all-reduce' if all_reduces else 'an all-gather'}")
+    return alpha, 1 / beta, counting
 
 
 def _relative_least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float]:

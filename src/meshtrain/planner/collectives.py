@@ -3,14 +3,16 @@
 For a group of g ranks and a message of n bytes (the full tensor: the all-reduced one, or the
 all-gather's output / reduce-scatter's input): all-reduce 2(g-1) steps moving 2(g-1)/g n bytes
 per rank; all-gather and reduce-scatter (g-1) steps moving (g-1)/g n; all-to-all (g-1) steps
-moving (g-1)/g n; a send 1 step moving n. Each step costs `collective_latency_s`; bytes move at
-the link's bandwidth times `network_efficiency`. A profile whose `collective_steps` is "log"
-counts log2(g) steps per phase instead of g - 1 (gloo's halving-doubling and bcube algorithms
-for latency-bound messages: measured on this host, its small all-reduce at g 4 takes about twice
-g 2's time, not three times); the bytes stay the bandwidth-optimal ones. The link is
-intra-node when the group's ranks lie in one node: mesh axes are ordered pp, dp, cp, tp (outer
-to inner), so a group whose ranks span `span` consecutive ranks stays inside a node when
-span <= gpus_per_node.
+moving (g-1)/g n; a send 1 step moving n. gloo has no reduce-scatter of its own (torch's gloo
+backend all-reduces the whole tensor and keeps a chunk), so a profile measured on gloo prices
+it as that all-reduce (`reduce_scatter_all_reduces`). Each step costs `collective_latency_s`;
+bytes move at the link's bandwidth times `network_efficiency`. A profile whose
+`collective_steps` is "log" counts log2(g) steps per phase instead of g - 1 (gloo's
+halving-doubling and bcube algorithms for latency-bound messages: measured on this host, its
+small all-reduce at g 4 takes about twice g 2's time, not three times); the bytes stay the
+bandwidth-optimal ones. The link is intra-node when the group's ranks lie in one node: mesh
+axes are ordered pp, dp, cp, tp (outer to inner), so a group whose ranks span `span`
+consecutive ranks stays inside a node when span <= gpus_per_node.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def all_reduce(hardware: Hardware, nbytes: float, group: int, span: int) -> floa
 
 
 def all_gather(hardware: Hardware, nbytes: float, group: int, span: int) -> float:
-    """Also a reduce-scatter's or an all-to-all's time (same steps and bytes)."""
+    """Also an all-to-all's time (same steps and bytes)."""
     if group == 1:
         return 0.0
     return _ring(hardware, steps=steps(hardware, group), moved=(group - 1) / group * nbytes,
@@ -52,10 +54,11 @@ def all_gather(hardware: Hardware, nbytes: float, group: int, span: int) -> floa
 
 
 def reduce_scatter(hardware: Hardware, nbytes: float, group: int, span: int) -> float:
-    if group == 1:
-        return 0.0
-    return _ring(hardware, steps=steps(hardware, group), span=span,
-                 moved=hardware.reduce_scatter_factor * (group - 1) / group * nbytes)
+    """An all-gather's steps and bytes, or where the backend has no native reduce-scatter
+    (`reduce_scatter_all_reduces`: gloo) the all-reduce it runs instead."""
+    if hardware.reduce_scatter_all_reduces:
+        return all_reduce(hardware, nbytes, group, span)
+    return all_gather(hardware, nbytes, group, span)
 
 all_to_all = all_gather
 

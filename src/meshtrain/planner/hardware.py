@@ -75,8 +75,9 @@ class Hardware:
     attention_backward_ratio: float = 2.0
     """Fused attention core backward / forward time (CPU SDPA: ~2.6 measured; FlashAttention-2:
     2.5, its backward's five matmuls to the forward's two); eager attention's is 2."""
-    reduce_scatter_factor: float = 1.0
-    """Reduce-scatter's bytes term relative to all-gather's (gloo: ~2, no native ring)."""
+    reduce_scatter_all_reduces: bool = False
+    """gloo's reduce-scatter all-reduces the whole tensor and keeps its own chunk (torch's
+    ProcessGroupGloo has no native one): priced as that all-reduce. NCCL's is a native ring."""
     host_link_gbytes_per_s: float = 25.0
     """Device <-> host copies (PCIe 4 x16): offloaded ZeRO's gradient shard out, parameters
     back."""
@@ -126,8 +127,9 @@ class Hardware:
         lines = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            lines.append(f"{f.name} = {value!r}" if not isinstance(value, str)
-                         else f'{f.name} = "{value}"')
+            text = (str(value).lower() if isinstance(value, bool)
+                    else f'"{value}"' if isinstance(value, str) else repr(value))
+            lines.append(f"{f.name} = {text}")
         return "\n".join(lines) + "\n"
 
 
@@ -199,9 +201,9 @@ BUILT_IN: dict[str, Hardware] = {
         fp32_peak_tflops=0.04905, fp16_peak_tflops=0.002244, hbm_gbytes_per_s=8.449,
         matmul_efficiency=0.6922, matmul_half_gflop=0.0002749, memory_efficiency=0.7526,
         network_efficiency=1.0, collective_latency_s=0.001725, overlap_efficiency=0.0,
-        layer_overhead_s=0.0005276, attention_backward_ratio=2.914, reduce_scatter_factor=4.31,
-        default_precision="fp32", collective_steps="log", calibrated_ranks=4,
-        oversubscription=2.0),
+        layer_overhead_s=0.0005276, attention_backward_ratio=2.914,
+        reduce_scatter_all_reduces=True, default_precision="fp32", collective_steps="log",
+        calibrated_ranks=4, oversubscription=2.0),
 }
 """GPU peaks, memory and links from the vendors' data sheets (and `published_rows.json`'s
 hardware table); fp32 peaks are TF32 tensor-core rates (V100: plain fp32)."""
@@ -246,6 +248,9 @@ def load_hardware(name_or_file: str) -> Hardware:
         values = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"`hardware` file {path} cannot be read: {e}") from None
+    factor = values.pop("reduce_scatter_factor", None)  # a retired field: see _retired_factor
+    if factor is not None:
+        values.setdefault("reduce_scatter_all_reduces", _retired_factor(factor))
     known = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -265,6 +270,9 @@ def load_hardware(name_or_file: str) -> Hardware:
             bound = f"{'[' if low_included else '('}{low:g}, {high:g}{closing}"
             raise ValueError(f"`hardware` file {path}: {name} must be a number in {bound}, got"
                              f" {value!r}; fix the file or calibrate again")
+    if not isinstance(hardware.reduce_scatter_all_reduces, bool):
+        raise ValueError(f"`hardware` file {path}: reduce_scatter_all_reduces must be true or"
+                         f" false, got {hardware.reduce_scatter_all_reduces!r}")
     if hardware.collective_steps not in COLLECTIVE_STEPS:
         raise ValueError(f"`hardware` file {path}: collective_steps must be ring or log, got"
                          f" {hardware.collective_steps!r}")
@@ -274,11 +282,18 @@ def load_hardware(name_or_file: str) -> Hardware:
     return hardware
 
 
+def _retired_factor(factor: object) -> bool:
+    """Profiles calibrated before `reduce_scatter_all_reduces` priced reduce-scatter's bytes at
+    `reduce_scatter_factor` x all-gather's: 1 on NCCL, 2 or more measured on gloo (whose
+    reduce-scatter is an all-reduce). Such a file still loads, as the machine it describes."""
+    return isinstance(factor, int | float) and not isinstance(factor, bool) and factor >= 1.5
+
+
 _POSITIVE = (0.0, math.inf, False)
 _RANGES = {  # field: (low, high, low included); a NaN is in no range
     **dict.fromkeys(("peak_tflops", "hbm_gib", "gpus_per_node", "intra_node_gbytes_per_s",
                      "inter_node_gbytes_per_s", "hbm_gbytes_per_s",
-                     "attention_backward_ratio", "reduce_scatter_factor", "matmul_efficiency",
+                     "attention_backward_ratio", "matmul_efficiency",
                      "memory_efficiency", "network_efficiency"), _POSITIVE),
     **dict.fromkeys(("fp32_peak_tflops", "fp16_peak_tflops", "collective_latency_s",
                      "layer_overhead_s", "calibrated_ranks",
