@@ -146,8 +146,8 @@ def test_profiles_round_trip_through_toml(calibrated, tmp_path):
 
 def test_gloo_reduce_scatter_is_priced_as_the_all_reduce_it_runs():
     """torch's gloo backend all-reduces the whole tensor and keeps its chunk; NCCL's native
-    reduce-scatter moves an all-gather's bytes: a calibration on either fits one latency and
-    bandwidth to all four collectives."""
+    reduce-scatter moves an all-gather's bytes: a calibration on either prices it so, from
+    the latency and bandwidth the other three collectives fit."""
     n = 1 << 20
     assert coll.reduce_scatter(TRUE, n, 4, 4) == coll.all_reduce(TRUE, n, 4, 4)
     nccl = dataclasses.replace(TRUE, reduce_scatter_all_reduces=False)

@@ -402,18 +402,21 @@ MODEL = {"all_reduce": coll.all_reduce, "all_gather": coll.all_gather,
 def _fit_collectives(rows: list[tuple], all_reduces: bool,
                      say: Callable[[str], None]) -> tuple[float, float, str]:
     """alpha and the bandwidth (bytes/s) of t = steps x alpha + moved / bandwidth, fitted on
-    every collective under each way of counting steps (`collective_steps`: the one with the
-    smaller squared relative error is kept); reduce-scatters counted as the all-reduces they
-    are where the backend has none of its own (`all_reduces`: gloo)."""
+    every collective but reduce-scatter under each way of counting steps (`collective_steps`:
+    the one with the smaller squared relative error is kept). Reduce-scatter is priced by the
+    fit (as the all-reduce it runs where the backend has none of its own, `all_reduces`: gloo)
+    and its error reported: on gloo its timings also hold a copy of the whole tensor, and
+    they are the noisiest of the four."""
     fits = {}
     for counting in COLLECTIVE_STEPS:
         latency = dataclasses.replace(UNIT_LATENCY, collective_steps=counting,
                                       reduce_scatter_all_reduces=all_reduces)
         per_byte = dataclasses.replace(UNIT_BYTES, reduce_scatter_all_reduces=all_reduces)
-        points = [(MODEL[op](latency, n, g, g), MODEL[op](per_byte, n, g, g), t)
-                  for op, g, n, t in rows]
-        alpha, beta = _relative_least_squares(points)
-        error = sum(((alpha * p + beta * q) / t - 1) ** 2 for p, q, t in points)
+        points = {scatter: [(MODEL[op](latency, n, g, g), MODEL[op](per_byte, n, g, g), t)
+                            for op, g, n, t in rows if (op == "reduce_scatter") == scatter]
+                  for scatter in (False, True)}
+        alpha, beta = _relative_least_squares(points[False])
+        error = sum(((alpha * p + beta * q) / t - 1) ** 2 for p, q, t in points[False])
         fits[counting] = (error, alpha, beta, points)
     counting = min(fits, key=lambda c: fits[c][0])
     _, alpha, beta, points = fits[counting]
@@ -427,8 +430,9 @@ def _fit_collectives(rows: list[tuple], all_reduces: bool,
     say(f"collective fit: collective_steps {counting} (squared error "
         + ", ".join(f"{c} {fits[c][0]:.3g}" for c in fits) + f"), collective_latency_s"
         f" {alpha:.3g}, bandwidth {1e-9 / beta:.3g} GB/s, worst time error"
-        f" {_worst_error(points, alpha, beta):.0%}; reduce-scatter priced as"
-        f" {'an all-reduce' if all_reduces else 'an all-gather'}")
+        f" {_worst_error(points[False], alpha, beta):.0%}; reduce-scatter priced as"
+        f" {'an all-reduce' if all_reduces else 'an all-gather'}: worst time error"
+        f" {_worst_error(points[True], alpha, beta):.0%}")
     return alpha, 1 / beta, counting
 
 
@@ -449,7 +453,7 @@ def _relative_least_squares(points: list[tuple[float, float, float]]) -> tuple[f
 
 
 def _worst_error(points: list[tuple[float, float, float]], x: float, y: float) -> float:
-    return max(abs((x * p + y * q) / t - 1) for p, q, t in points)
+    return max((abs((x * p + y * q) / t - 1) for p, q, t in points), default=0.0)
 
 
 def _layer_compute(hardware: Hardware, cfg: GPTConfig, batch: int) -> float:
