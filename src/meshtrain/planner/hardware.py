@@ -190,18 +190,20 @@ BUILT_IN: dict[str, Hardware] = {
         name="mi300x", peak_tflops=1307.4, hbm_gib=192, gpus_per_node=8,
         intra_node_gbytes_per_s=448.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=653.7,
         hbm_gbytes_per_s=5300.0, **_H100_FIT),
-    # This 2-core CI host with 4 gloo ranks sharing it (one thread each), per rank, as
-    # `calibrate_machine(ranks=4)` measured it on a quiet host (2026-11-27, `python
-    # benchmarks/plan_vs_measured.py` prints the fit: collectives timed behind a matmul burst,
-    # gloo's log2(g) latency steps, a real layer's compute and host overhead); another host, or
-    # this one under other load, calibrates its own (`meshtrain plan calibrate`).
+    # This 2-core CI host with 4 gloo ranks sharing it (one thread each), per rank:
+    # `calibrate_machine(ranks=4)` on a quiet host (2026-11-27: collectives timed behind a
+    # matmul burst, gloo's log2(g) latency steps, a real layer's compute and host overhead),
+    # then refined by five 14-step `meshtrain train --nproc 4` runs of plan_vs_measured.py's
+    # model (dp 4; tp 2 x dp 2; pp 2 x dp 2; cp 2 x dp 2; ZeRO-3), `meshtrain plan calibrate
+    # --from-run`: compute x1.09, network x1.19 (docs/benchmarks.md, "Issue 32 item 3, third
+    # pass"). Another host, or this one under other load, calibrates its own.
     "cpu-gloo": Hardware(
         name="cpu-gloo", peak_tflops=0.1079, hbm_gib=5.885, gpus_per_node=4,
         intra_node_gbytes_per_s=0.947, inter_node_gbytes_per_s=0.947,
         fp32_peak_tflops=0.04905, fp16_peak_tflops=0.002244, hbm_gbytes_per_s=8.449,
-        matmul_efficiency=0.6922, matmul_half_gflop=0.0002749, memory_efficiency=0.7526,
-        network_efficiency=1.0, collective_latency_s=0.001725, overlap_efficiency=0.0,
-        layer_overhead_s=0.0005276, attention_backward_ratio=2.914,
+        matmul_efficiency=0.754, matmul_half_gflop=0.0002749, memory_efficiency=0.8198,
+        network_efficiency=1.19, collective_latency_s=0.001449, overlap_efficiency=0.0,
+        layer_overhead_s=0.0004844, attention_backward_ratio=2.914,
         reduce_scatter_all_reduces=True, default_precision="fp32", collective_steps="log",
         calibrated_ranks=4, oversubscription=2.0),
 }
