@@ -438,3 +438,22 @@ def test_zero_impl_deepspeed_is_planned_as_zero3_and_never_trained(capsys, tmp_p
         dataclasses.replace(plan, zero=1).validate(preset("gpt2"), world_size=8,
                                                    global_batch=8, seq_len=64)
     assert refused.value.code is Code.ZERO_IMPL_STAGE
+
+
+def test_a_cpu_profile_measured_at_four_ranks_is_scaled_to_the_ranks_planned():
+    """cpu-gloo is one of 4 one-thread ranks sharing 2 cores: 2 ranks compute on a core each
+    and share nothing, 8 on a quarter each; GPU profiles and the measured count stay as they
+    are. Unscaled, 2 ranks were priced at half a core with the pipeline bubble absorbed by
+    sharing they do not have, and the search put the tiny model on pp 2 (measured 0.077 s a
+    step against dp 2's 0.043)."""
+    cpu, gpu = BUILT_IN["cpu-gloo"], BUILT_IN["h100-80g"]
+    assert cpu.for_ranks(4) is cpu and gpu.for_ranks(2) is gpu
+    two, eight = cpu.for_ranks(2), cpu.for_ranks(8)
+    assert two.fp32_peak_tflops == pytest.approx(2 * cpu.fp32_peak_tflops)
+    assert two.hbm_gbytes_per_s == pytest.approx(2 * cpu.hbm_gbytes_per_s)
+    assert two.layer_overhead_s == pytest.approx(cpu.layer_overhead_s / 2)
+    assert (two.oversubscription, eight.oversubscription) == (1.0, 4.0)
+    assert eight.fp32_peak_tflops == pytest.approx(cpu.fp32_peak_tflops / 2)
+    best = search(preset("tiny"), cpu, gpus=2, seq_len=256, global_batch=16,
+                  precision="fp32").best()
+    assert (best.layout.pp, best.layout.dp) == (1, 2)

@@ -118,6 +118,22 @@ class Hardware:
                                    fp32_peak_tflops=self.fp32_peak_tflops * scale,
                                    fp16_peak_tflops=self.fp16_peak_tflops * scale)
 
+    def for_ranks(self, ranks: int) -> Hardware:
+        """A CPU profile measured with more one-thread ranks than cores (`oversubscription` >
+        1), for `ranks` such ranks on that machine: each rank computes on its share of the cores
+        (at most one) and the ranks share them by their count; the collectives keep their
+        measured price. Any other profile, or the measured rank count, is returned as it is
+        (`plan calibrate --ranks N` measures N ranks instead)."""
+        if self.oversubscription <= 1 or ranks == self.calibrated_ranks:
+            return self
+        cores = self.calibrated_ranks / self.oversubscription
+        scale = min(1.0, cores / ranks) * self.oversubscription
+        return dataclasses.replace(
+            self.for_cpu_rank(min(1.0, cores / ranks)),
+            hbm_gbytes_per_s=self.hbm_gbytes_per_s * scale,
+            layer_overhead_s=self.layer_overhead_s / scale,
+            oversubscription=max(1.0, ranks / cores))
+
     def mfu(self, tflops: float, precision: str) -> float | None:
         """Model FLOPs utilization: `tflops` (per device, `model_tflops`) over the peak in
         `precision`; None in a precision without a peak here (fp64)."""

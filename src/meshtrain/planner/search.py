@@ -119,9 +119,10 @@ def search(model: TransformerConfig, hardware: Hardware, *, gpus: int, seq_len: 
     other (`precision` overrides `precision`). A spec that leaves one candidate is evaluated
     even over budget. `schedules`: the pipeline schedules an unfixed search chooses among
     (`published.py` leaves out the zero-bubble ones, which the runs it compares with did not
-    have)."""
-    run = _Search(model, hardware, gpus, seq_len, global_batch, precision, dict(fixed or {}),
-                  cost, schedules)
+    have). A CPU profile measured at another rank count is scaled to `gpus` ranks
+    (`Hardware.for_ranks`)."""
+    run = _Search(model, hardware.for_ranks(gpus), gpus, seq_len, global_batch, precision,
+                  dict(fixed or {}), cost, schedules)
     run.check_fixed_degrees()
     only = run.only_candidate()
     if only is not None:
