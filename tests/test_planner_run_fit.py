@@ -53,6 +53,17 @@ def test_one_run_fits_the_compute_factor_that_made_it(tmp_path):
     assert fitted.peak_tflops == BASE.peak_tflops and fitted.name == BASE.name
 
 
+def test_runs_at_another_rank_count_fit_the_profile_they_were_scaled_from(tmp_path):
+    """A 4-rank CPU profile fitted to 2-rank runs: each run is predicted with the profile scaled
+    to its ranks, as `plan` scales it (`Hardware.for_ranks`), so the factors describe the
+    profile itself and `plan --gpus 2` with the fitted one does not scale twice."""
+    machine = scaled(BASE, 0.5, 1.0)
+    run = read_run(write_run(tmp_path / "a", {"dp": 2}, machine.for_ranks(2)))
+    fitted = fit_runs(BASE, [run])
+    assert fitted.matmul_efficiency == pytest.approx(machine.matmul_efficiency, rel=2e-3)
+    assert fitted.calibrated_ranks == BASE.calibrated_ranks
+
+
 def test_runs_that_communicate_differently_fit_compute_and_network_apart(tmp_path):
     machine = scaled(BASE, 0.6, 2.5)
     runs = [read_run(write_run(tmp_path / str(i), layout, machine))

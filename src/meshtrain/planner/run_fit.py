@@ -68,9 +68,10 @@ def read_run(path: str | Path) -> MeasuredRun:
     model = cfg.model_config(cfg.model.vocab_size)
     t = cfg.train
 
-    def predicted(hardware: Hardware) -> float:
-        return predict(model, cfg.plan, hardware, seq_len=t.seq_len,
-                       global_batch=t.global_batch, precision=cfg.plan.precision).step_time_s
+    def predicted(hardware: Hardware) -> float:  # scaled to the run's ranks, as `plan` scales it
+        return predict(model, cfg.plan, hardware.for_ranks(cfg.plan.world_size),
+                       seq_len=t.seq_len, global_batch=t.global_batch,
+                       precision=cfg.plan.precision).step_time_s
     return MeasuredRun(path, cfg.plan.world_size, predicted,
                        statistics.median(times[WARMUP_STEPS:]))
 
