@@ -127,9 +127,10 @@ class Hardware:
         if self.oversubscription <= 1 or ranks == self.calibrated_ranks:
             return self
         cores = self.calibrated_ranks / self.oversubscription
-        scale = min(1.0, cores / ranks) * self.oversubscription
+        share = min(1.0, cores / ranks)  # of a core, per rank
+        scale = share * self.oversubscription
         return dataclasses.replace(
-            self.for_cpu_rank(min(1.0, cores / ranks)),
+            self.for_cpu_rank(share),
             hbm_gbytes_per_s=self.hbm_gbytes_per_s * scale,
             layer_overhead_s=self.layer_overhead_s / scale,
             oversubscription=max(1.0, ranks / cores))
