@@ -298,10 +298,10 @@ def _ends_group(p: int):
     return dist.new_group([0, p - 1])
 
 
-# torch's schedule -> the meshtrain schedule whose per-rank compute order it should have
-TORCH_COUNTERPART = {"ScheduleInterleaved1F1B": "interleaved",
-                     "ScheduleInterleavedZeroBubble": "zb-h1",
-                     "ScheduleZBVZeroBubble": "zb-v"}
+# torch's schedule -> the meshtrain schedule it is measured against (and, where torch keeps a
+# per-rank order, whose compute order it should have)
+TWIN = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b", "ScheduleInterleaved1F1B": "interleaved",
+        "ScheduleInterleavedZeroBubble": "zb-h1", "ScheduleZBVZeroBubble": "zb-v"}
 
 
 class TorchPipelining(PipelineContender):
@@ -358,10 +358,14 @@ class TorchPipelining(PipelineContender):
             return _last_stage_loss([loss.detach() / per_loss for loss in losses])
 
         step = training_step(params, forward_backward)
-        order = getattr(schedule, "pipeline_order", None)  # every rank's compute actions
+        # every rank's compute actions, where they drive the run: a single-stage schedule
+        # (GPipe, 1F1B) runs a loop of its own, and its `pipeline_order` only describes it (in
+        # torch 2.13 1F1B's last rank is listed starting at micro-batch 1)
+        order = schedule.pipeline_order if multi else None
         step.trace = {"timelines": timelines, "order": None if order is None else {
             r: [(a.computation_type.value, a.microbatch_index, a.stage_index)
-                for a in acts if a is not None] for r, acts in order.items()}}
+                for a in acts if a is not None and a.computation_type.value in COMPUTE]
+            for r, acts in order.items()}}
         return step
 
 
@@ -400,12 +404,13 @@ def _time_loss(schedule, timelines: list[list]) -> None:
     schedule._maybe_compute_loss = run
 
 
+# each meshtrain schedule next to its torch twin, so the two run back to back in every round
 CONTENDERS: list[Contender] = [
-    MeshtrainPipeline("gpipe"), MeshtrainPipeline("1f1b"), MeshtrainPipeline("interleaved"),
-    MeshtrainPipeline("zb-h1"), MeshtrainPipeline("zb-v"),
-    TorchPipelining("ScheduleGPipe"), TorchPipelining("Schedule1F1B"),
-    TorchPipelining("ScheduleInterleaved1F1B", 2),
-    TorchPipelining("ScheduleInterleavedZeroBubble", key="torch-zb-h1"),
+    MeshtrainPipeline("gpipe"), TorchPipelining("ScheduleGPipe"),
+    MeshtrainPipeline("1f1b"), TorchPipelining("Schedule1F1B"),
+    MeshtrainPipeline("interleaved"), TorchPipelining("ScheduleInterleaved1F1B", 2),
+    MeshtrainPipeline("zb-h1"), TorchPipelining("ScheduleInterleavedZeroBubble", key="torch-zb-h1"),
+    MeshtrainPipeline("zb-v"),
     TorchPipelining("ScheduleZBVZeroBubble", 2, v_shape_chunk, key="torch-zb-v"),
     SingleProcess(2), SingleProcess(1)]
 
@@ -440,7 +445,8 @@ def report(args, shape: Shape, results: list[Result], load: tuple[float, float])
           f" {load[0]:.2f} before and {load[1]:.2f} after the run (other work on the host);"
           f" ranked contenders: {p} gloo processes x 1 thread")
     print(f"schedule: {args.warmup} warmup steps, then {args.rounds} rounds x {args.steps} steps"
-          " per contender, contenders alternating; time = median step (ranked: slowest rank)")
+          " per contender, contenders alternating (every other round reversed);"
+          " time = median step (ranked: slowest rank)")
     print(f"bubble on equal stages (simulated, F = I = W = 1, B = 2; communication free):"
           f" {equal_cost_bubbles(p, m)}")
     reference = next((r for r in results if r.contender.reference), None)
@@ -462,9 +468,31 @@ def report(args, shape: Shape, results: list[Result], load: tuple[float, float])
         sorted({f"{name}: {split}" for name, split in
                 ((_placement_name(r.contender), r.contender.describe_split(shape))
                  for r in pipelines)})))
+    report_pairs(results)
     report_idle(args, results)
     report_orders(results, p)
     report_loss_agreement(results, reference)
+
+
+def report_pairs(results: list[Result]) -> None:
+    """Per round, each meshtrain schedule's median step over its torch twin's, which ran right
+    before or after it: the median of these ratios and their range. Load from other work that
+    comes and goes over a round weighs on both sides of a pair alike, so this ratio moves less
+    from run to run than the ratio of the whole run's medians."""
+    by_key = {r.contender.key: r for r in results}
+    pairs = [(by_key[f"meshtrain-{TWIN[r.contender.schedule]}"], r) for r in results
+             if isinstance(r.contender, TorchPipelining)
+             and f"meshtrain-{TWIN[r.contender.schedule]}" in by_key]
+    if not pairs:
+        return
+    print("\nmeshtrain / torch, round by round (each pair ran back to back): median of the"
+          " rounds' ratios of median steps, their range, rounds with meshtrain at or ahead")
+    for ours, theirs in pairs:
+        ratios = [statistics.median(a) / statistics.median(b)
+                  for a, b in zip(ours.rounds, theirs.rounds, strict=True)]
+        print(f"{ours.contender.schedule:12} {statistics.median(ratios):.3f}"
+              f"  ({min(ratios):.3f}-{max(ratios):.3f}; at or ahead in"
+              f" {sum(x <= 1 for x in ratios)} of {len(ratios)})")
 
 
 def equal_cost_bubbles(p: int, m: int) -> str:
@@ -550,7 +578,7 @@ def report_orders(results: list[Result], p: int) -> None:
     counterpart (then the two differ only in how they run them)."""
     for r in results:
         order = r.trace[0].get("order") if r.trace else None
-        twin = TORCH_COUNTERPART.get(getattr(r.contender, "schedule", ""))
+        twin = TWIN.get(getattr(r.contender, "schedule", ""))
         if order is None or twin is None:
             continue
         generator, v, place = MESHTRAIN_SCHEDULES[twin]

@@ -2,11 +2,11 @@
 megatron-core) and data parallel (meshtrain's GradientReducer vs PyTorch DDP), against one process.
 
 Every contender trains the same GPT-2 style model (same weights, same global batch, AdamW) for
-the same number of steps; repetitions alternate between contenders (A B C D A B C D ...) so that
-load from other work on the host hits all of them alike. Ranked contenders run in one long-lived
-two-process gloo group (one thread per rank: tests/harness.py's RankPool), so process start-up
-is never timed; the single-process reference (two threads) runs in this process while the ranks
-wait for their next call.
+the same number of steps; repetitions alternate between contenders, every other round reversed
+(A B C D D C B A A B C D ...), so that load from other work on the host hits all of them alike.
+Ranked contenders run in one long-lived two-process gloo group (one thread per rank:
+tests/harness.py's RankPool), so process start-up is never timed; the single-process reference
+(two threads) runs in this process while the ranks wait for their next call.
 The data-parallel contenders give each rank half of the batch and average the gradients.
 
     python benchmarks/bench_tp.py                  # hidden 512, 4 layers, s=256, V=8192, b=8
@@ -599,9 +599,12 @@ def measure(args, shape: Shape, contenders: list[Contender],
 
         results = [Result(c, [], []) for c in contenders
                    if c.ranks == 1 or ranked.index(c) not in unavailable]
-        # One warmup round (when asked for), then the measured rounds; contenders alternate.
-        for measured in [False] * bool(args.warmup) + [True] * args.rounds:
-            for r in results:
+        # One warmup round (when asked for), then the measured rounds; contenders alternate,
+        # every other round in reverse order, so a load that rises or falls through a round
+        # weighs on a contender and its neighbours alike over two rounds.
+        rounds = [False] * bool(args.warmup) + [True] * args.rounds
+        for n, measured in enumerate(rounds):
+            for r in results if n % 2 == 0 else results[::-1]:
                 times, losses = run(r.contender, args.steps if measured else args.warmup)
                 r.losses += losses
                 if measured:
@@ -641,7 +644,8 @@ def report(args, shape: Shape, peak_n: int, peak1: float, peak2: float, results:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; ranked contenders: {WORLD} gloo"
           f" processes x 1 thread (dp: b/{WORLD} per rank); single process: 2 threads")
     print(f"schedule: {args.warmup} warmup steps, then {args.rounds} rounds x {args.steps} steps"
-          f" per contender, contenders alternating; time = median step (ranked: slowest rank)")
+          " per contender, contenders alternating (every other round reversed);"
+          " time = median step (ranked: slowest rank)")
     print(shape.flop_formula)
     print(f"  = {flops / 1e9:.2f} GFLOP per step")
     print(f"fp32 matmul peak ({peak_n}^3, best of 5): 1 thread {peak1 / 1e9:.1f} GFLOP/s,"
