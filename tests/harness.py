@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from meshtrain.operations.stopping import rank_processes
 from meshtrain.parallelize import build_model
@@ -231,6 +232,20 @@ def start_cli(*args: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> sub
     """`python -m meshtrain ARGS` started, not waited for (to signal or kill it meanwhile)."""
     return subprocess.Popen([sys.executable, "-m", "meshtrain", *args], env=_one_thread(),
                             text=True, stdout=stdout, stderr=stderr)
+
+
+def pipe_holders(pipe) -> list[str]:
+    """'pid: command line' of every other process holding an end of `pipe` (a file object from
+    `Popen`): who keeps a child's stdout or stderr open after the child has exited."""
+    name = f"pipe:[{os.fstat(pipe.fileno()).st_ino}]"
+    holders = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        pid = int(fd_dir.parent.name)
+        with contextlib.suppress(OSError):
+            if pid != os.getpid() and any(os.readlink(fd) == name for fd in fd_dir.iterdir()):
+                command = (fd_dir.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+                holders.append(f"{pid}: {command.decode(errors='replace').strip()}")
+    return holders
 
 
 def run_torchrun(script: str, *args: str, nproc: int = 2,

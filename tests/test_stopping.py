@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import rank_pids, run_cli, start_cli
+from harness import pipe_holders, rank_pids, run_cli, start_cli
 from safetensors.torch import load_file
 
 from meshtrain.checkpointing.checkpoint import latest_checkpoint
@@ -60,7 +60,7 @@ def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float 
     deadline = time.monotonic() + timeout
     while not any(r.get("step", 0) >= step for r in _rows(out)):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the run did not reach step {step}"
+        assert time.monotonic() < deadline, f"the run did not reach step {step}"
         time.sleep(0.02)
 
 
@@ -68,8 +68,11 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # the launcher may have exited while something it started still holds its stderr
+        holders = pipe_holders(proc.stderr)
         proc.kill()
-        raise
+        raise AssertionError(f"no end of output in {timeout} s; launcher exit code"
+                             f" {proc.poll()}; stderr held by {holders or 'nobody'}") from None
     return proc.returncode, err
 
 
