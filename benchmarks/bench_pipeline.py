@@ -492,7 +492,8 @@ def report_pairs(results: list[Result]) -> None:
                   for a, b in zip(ours.rounds, theirs.rounds, strict=True)]
         print(f"{ours.contender.schedule:12} {statistics.median(ratios):.3f}"
               f"  ({min(ratios):.3f}-{max(ratios):.3f}; at or ahead in"
-              f" {sum(x <= 1 for x in ratios)} of {len(ratios)})")
+              f" {sum(x <= 1 for x in ratios)} of {len(ratios)}; rounds:"
+              f" {' '.join(f'{x:.3f}' for x in ratios)})")
 
 
 def equal_cost_bubbles(p: int, m: int) -> str:
