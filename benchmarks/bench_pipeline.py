@@ -9,8 +9,10 @@ Every contender trains the same GPT-2 style model (same weights, same batch cut 
 m micro-batches, plain AdamW) for the same steps, so their losses must agree; the tied word
 embedding's two copies (first and last rank) get their gradients summed, as in meshtrain (under
 ZB-V rank 0 holds both ends: one copy, used by two chunks). Repetitions alternate between
-contenders and ranked contenders run in one long-lived p-process gloo group (one thread per
-rank), as in bench_tp.py; the single process (two threads) runs in this process. Every
+contenders (every other round in reverse), each meshtrain schedule next to its torch twin, and
+the report gives each pair's ratio round by round; ranked contenders run in one long-lived
+p-process gloo group (one thread per rank), as in bench_tp.py; the single process (two
+threads) runs in this process. Every
 pipeline contender also records each compute action's start and end (meshtrain's executor:
 `run_schedule(timeline=...)`; torch's: its stages' forward/backward/weight calls, the loss in
 the last forward): the report gives every rank's measured idle fraction next to the
