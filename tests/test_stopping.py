@@ -68,11 +68,13 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # the launcher may have exited while something it started still holds its stderr
-        holders = pipe_holders(proc.stderr)
+        # the launcher may have exited while something it started still holds its output
+        code = proc.poll()
+        holders = list(dict.fromkeys(h for pipe in (proc.stdout, proc.stderr) if pipe
+                                     for h in pipe_holders(pipe)))
         proc.kill()
-        raise AssertionError(f"no end of output in {timeout} s; launcher exit code"
-                             f" {proc.poll()}; stderr held by {holders or 'nobody'}") from None
+        raise AssertionError(f"no end of output in {timeout} s; launcher exit code {code};"
+                             f" output held by {holders or 'nobody'}") from None
     return proc.returncode, err
 
 
