@@ -424,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--vocab", type=int, default=VOCAB,
                             help=f"vocabulary (default {VOCAB}; 8192: the runs before 2026-11-27"
                                  " afternoon)")
+        parser.add_argument("--chunks", action="store_true",
+                            help="also print each chunk's mean F/B/I/W ms per rank")
 
     args, contenders = parse_args(argv, CONTENDERS, __doc__, pp_flags)
     for c in contenders:
@@ -472,6 +474,8 @@ def report(args, shape: Shape, results: list[Result], load: tuple[float, float])
                  for r in pipelines)})))
     report_pairs(results)
     report_idle(args, results)
+    if args.chunks:
+        report_chunk_costs(args, results)
     report_orders(results, p)
     report_loss_agreement(results, reference)
 
@@ -566,6 +570,23 @@ def report_idle(args, results: list[Result]) -> None:
                   f" {mean_idle[zero_bubble] / mean_idle[one]:.2f} x {one}'s"
                   f" {mean_idle[one]:.1%}" + (" (goal: at most 1/3)" if zero_bubble == "zb-v"
                                                else ""))
+
+
+def report_chunk_costs(args, results: list[Result]) -> None:
+    """Each traced contender's mean ms per rank, local chunk and kind of compute action over the
+    measured steps: where two runtimes' per-rank means agree, whether their chunks do."""
+    print("\nmean ms per rank, local chunk and action (F0: forward of local chunk 0)")
+    for r in (r for r in results if r.trace and r.trace[0].get("timelines")):
+        ranks = []
+        for rank in r.trace:
+            spans: dict[tuple[str, int], list[float]] = {}
+            for step in rank["timelines"][args.warmup:]:
+                for kind, _, chunk, start, end in step:
+                    if kind in COMPUTE:
+                        spans.setdefault((kind, chunk), []).append((end - start) * 1e3)
+            ranks.append(" ".join(f"{kind}{chunk} {_ms(statistics.fmean(ms))}"
+                                  for (kind, chunk), ms in sorted(spans.items())))
+        print(f"{r.contender.name:50} " + "; ".join(ranks))
 
 
 def _ms(x: float) -> str:
