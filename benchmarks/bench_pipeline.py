@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                             help=f"vocabulary (default {VOCAB}; 8192: the runs before 2026-11-27"
                                  " afternoon)")
         parser.add_argument("--chunks", action="store_true",
-                            help="also print each chunk's mean F/B/I/W ms per rank")
+                            help="also print each chunk's mean F/B/I/W ms")
 
     args, contenders = parse_args(argv, CONTENDERS, __doc__, pp_flags)
     for c in contenders:
@@ -519,14 +519,17 @@ def _placement_name(c: PipelineContender) -> str:
 def idle_summary(r: Result, warmup: int) -> dict:
     """`pipeline_trace.idle_report` of each measured step of a traced contender, every figure
     the median over those steps: per rank the measured and simulated idle fraction and the mean
-    ms of each kind of compute action; the measured and simulated makespan."""
+    ms of each kind of compute action; each global chunk's mean ms of each kind; the measured
+    and simulated makespan."""
     c = r.contender
     steps = list(zip(*(rank["timelines"] for rank in r.trace), strict=True))[warmup:]
     reports = [idle_report([list(events) for events in step], c.placement) for step in steps]
     stages = [[rep["stages"][s] for rep in reports] for s in range(c.p)]
     per_rank = [{key: statistics.median(row[key] for row in rows) for key in rows[0]}
                 for rows in stages]
-    return {"ranks": per_rank, "steps": len(reports),
+    chunks = {kind: [statistics.median(rep["chunk_ms"][kind][g] for rep in reports)
+                     for g in range(c.p * c.v)] for kind in reports[0]["chunk_ms"]}
+    return {"ranks": per_rank, "steps": len(reports), "chunks": chunks,
             **{f"makespan_{k}": statistics.median(rep["makespan_ms"][k] for rep in reports)
                for k in ("measured", "simulated")}}
 
@@ -573,20 +576,16 @@ def report_idle(args, results: list[Result]) -> None:
 
 
 def report_chunk_costs(args, results: list[Result]) -> None:
-    """Each traced contender's mean ms per rank, local chunk and kind of compute action over the
-    measured steps: where two runtimes' per-rank means agree, whether their chunks do."""
-    print("\nmean ms per rank, local chunk and action (F0: forward of local chunk 0)")
+    """Each traced contender's mean ms of each kind of compute action per global chunk (median
+    over the measured steps): where two runtimes' per-rank means agree, whether their chunks
+    do."""
+    print("\nmean ms per global chunk (F0: forward of chunk 0)")
+    letters = {"forward": "F", "backward": "B", "input_grad": "I", "weight_grad": "W"}
     for r in (r for r in results if r.trace and r.trace[0].get("timelines")):
-        ranks = []
-        for rank in r.trace:
-            spans: dict[tuple[str, int], list[float]] = {}
-            for step in rank["timelines"][args.warmup:]:
-                for kind, _, chunk, start, end in step:
-                    if kind in COMPUTE:
-                        spans.setdefault((kind, chunk), []).append((end - start) * 1e3)
-            ranks.append(" ".join(f"{kind}{chunk} {_ms(statistics.fmean(ms))}"
-                                  for (kind, chunk), ms in sorted(spans.items())))
-        print(f"{r.contender.name:50} " + "; ".join(ranks))
+        chunks = idle_summary(r, args.warmup)["chunks"]
+        print(f"{r.contender.name:50} " + " ".join(
+            f"{letters[kind]}{g} {_ms(ms)}" for kind, per_chunk in chunks.items()
+            for g, ms in enumerate(per_chunk) if ms))
 
 
 def _ms(x: float) -> str:

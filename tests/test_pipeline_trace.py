@@ -107,6 +107,8 @@ def test_idle_of_a_zb_v_timeline_is_the_simulators():
     stages = [[(a.kind, a.micro, a.chunk, start, end) for a, start, end in stage]
               for stage in sim.timeline]
     report = idle_report(stages, v_shape_chunk)
+    # each global chunk's forward: the stage's 2 ms over its two chunks
+    assert report["chunk_ms"]["forward"] == pytest.approx([1.0] * 8)
     assert report["makespan_ms"]["simulated"] == pytest.approx(1e3 * sim.makespan)
     for s, row in enumerate(report["stages"]):
         assert row["idle_measured"] == pytest.approx(sim.idle_fraction(s))

@@ -60,8 +60,8 @@ def idle_report(stages: list[list[Event]], placement: Placement = model_chunk) -
     forwards and backwards, or input- and weight-gradient actions, and the makespan runs from
     the step's first forward to its last backward on any stage), next to `simulate` on the
     same action lists with each model chunk's mean time of each kind (so unequal stages
-    idle as measured; communication is free); `placement` is the schedule's
-    (`schedules.schedule_placement`)."""
+    idle as measured; communication is free, and `chunk_ms` gives those means per global
+    chunk); `placement` is the schedule's (`schedules.schedule_placement`)."""
     compute = [[e for e in stage if e[0] in COMPUTE] for stage in stages]
     begin = min(e[3] for stage in compute for e in stage)
     makespan = max(e[4] for stage in compute for e in stage) - begin
@@ -97,6 +97,7 @@ def idle_report(stages: list[list[Event]], placement: Placement = model_chunk) -
             "num_micro_batches": sum(e[0] == FORWARD for e in compute[0]) // v,
             **{f"{name}_ms": 1e3 * mean(kind, everywhere) for kind, name in _KINDS},
             "makespan_ms": {"measured": 1e3 * makespan, "simulated": 1e3 * sim.makespan},
+            "chunk_ms": {name: [1e3 * x for x in costs(kind)] for kind, name in _KINDS},
             "stages": rows}
 
 
