@@ -66,21 +66,20 @@ from meshtrain.contracts import StageSpec
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.weight_grads import defer_weight_gradients
 from meshtrain.parallel.runtime.pipeline import run_schedule, stage_layers
-from meshtrain.parallel.runtime.schedules import (
+from meshtrain.parallel.schedules.actions import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
-    SPLIT_BACKWARD,
     WEIGHT_GRAD,
     Placement,
-    gpipe,
-    interleaved,
     model_chunk,
-    one_f_one_b,
-    simulate,
     v_shape_chunk,
 )
-from meshtrain.parallel.runtime.zero_bubble import estimated_costs, zb_h1, zb_v
+from meshtrain.parallel.schedules.catalog import SPLIT_BACKWARD
+from meshtrain.parallel.schedules.flush import gpipe, one_f_one_b
+from meshtrain.parallel.schedules.interleaved import interleaved
+from meshtrain.parallel.schedules.simulator import simulate
+from meshtrain.parallel.schedules.zero_bubble import estimated_costs, zb_h1, zb_v
 from meshtrain.training.pipeline_trace import idle_report
 
 MICRO_BATCHES = 8

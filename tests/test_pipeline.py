@@ -15,13 +15,10 @@ from meshtrain.parallel import named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather_objects
 from meshtrain.parallel.runtime.optim import global_grad_norm
 from meshtrain.parallel.runtime.pipeline import stage_layers
-from meshtrain.parallel.runtime.schedules import (
-    gpipe,
-    interleaved,
-    one_f_one_b,
-    pipedream_2bw,
-    simulate,
-)
+from meshtrain.parallel.schedules.flush import gpipe, one_f_one_b
+from meshtrain.parallel.schedules.interleaved import interleaved
+from meshtrain.parallel.schedules.pipedream import pipedream_2bw
+from meshtrain.parallel.schedules.simulator import simulate
 from meshtrain.training.trainer import Trainer, run_training
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -8,15 +8,10 @@ import pytest
 from harness import run_on_ranks, worker_mesh
 from test_pipeline import _cfg
 
-from meshtrain.parallel.runtime.schedules import (
-    BACKWARD,
-    FORWARD,
-    gpipe,
-    one_f_one_b,
-    simulate,
-    v_shape_chunk,
-)
-from meshtrain.parallel.runtime.zero_bubble import zb_h1, zb_v
+from meshtrain.parallel.schedules.actions import BACKWARD, FORWARD, v_shape_chunk
+from meshtrain.parallel.schedules.flush import gpipe, one_f_one_b
+from meshtrain.parallel.schedules.simulator import simulate
+from meshtrain.parallel.schedules.zero_bubble import zb_h1, zb_v
 from meshtrain.training.pipeline_trace import idle_report, write_trace
 from meshtrain.training.trainer import Trainer
 

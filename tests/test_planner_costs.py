@@ -7,8 +7,10 @@ import pytest
 
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.models import preset
-from meshtrain.parallel.runtime import schedules
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.schedules.catalog import pipeline_schedule
+from meshtrain.parallel.schedules.interleaved import interleaved
+from meshtrain.parallel.schedules.simulator import simulate
 from meshtrain.planner.costs import chunk_costs, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
@@ -63,19 +65,18 @@ def test_capped_simulation_equals_the_full_one_on_uneven_stages(schedule, v, ove
     chunks = [ChunkCost(1.0 + 0.3 * g, 0.1, 2.0 + 0.5 * g, 0.0, 1.0) for g in range(p * v)]
     run = run_pipeline(chunks, ParallelPlan(dp=1, pp=p, virtual_stages=v, pp_schedule=schedule), m,
                        oversubscription)
-    lists = {"gpipe": lambda: schedules.gpipe(p, m), "1f1b": lambda: schedules.one_f_one_b(p, m),
-             "interleaved": lambda: schedules.interleaved(p, m, v)}[schedule]()
-    full = schedules.simulate(lists, forward_cost=[c.forward + c.forward_comm for c in chunks],
-                              backward_cost=[c.backward for c in chunks], v=v,
-                              oversubscription=oversubscription)
+    lists = pipeline_schedule(schedule).action_lists(p, m, v=v)
+    full = simulate(lists, forward_cost=[c.forward + c.forward_comm for c in chunks],
+                    backward_cost=[c.backward for c in chunks], v=v,
+                    oversubscription=oversubscription)
     assert run.makespan == pytest.approx(full.makespan)
     assert run.busy == pytest.approx(full.busy)
 
 
 def test_per_chunk_costs_equal_the_scalar_form_when_even():
-    lists = schedules.interleaved(2, 4, 2)
-    scalar = schedules.simulate(lists, forward_cost=1.0, backward_cost=2.0, v=2)
-    listed = schedules.simulate(lists, forward_cost=[0.5] * 4, backward_cost=[1.0] * 4, v=2)
+    lists = interleaved(2, 4, 2)
+    scalar = simulate(lists, forward_cost=1.0, backward_cost=2.0, v=2)
+    listed = simulate(lists, forward_cost=[0.5] * 4, backward_cost=[1.0] * 4, v=2)
     assert listed.makespan == scalar.makespan and listed.busy == scalar.busy
 
 

@@ -10,8 +10,10 @@ from test_planner_costs import GPT, IDEAL
 
 from meshtrain.cli.main import main
 from meshtrain.errors import Code
-from meshtrain.parallel.runtime import schedules, zero_bubble
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.schedules import zero_bubble
+from meshtrain.parallel.schedules.catalog import pipeline_schedule
+from meshtrain.parallel.schedules.simulator import simulate
 from meshtrain.planner.costs import chunk_costs, predict
 from meshtrain.planner.hardware import BUILT_IN
 from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline, split_backward
@@ -50,11 +52,11 @@ def test_capped_simulation_equals_the_full_one_on_uneven_stages(schedule, oversu
     run = run_pipeline(chunks, lay, m, oversubscription)
     generator = {"zb-h1": zero_bubble.zb_h1, "zb-v": zero_bubble.zb_v}[schedule]
     input_grad, weight_grad = split_backward(chunks)
-    full = schedules.simulate(
+    full = simulate(
         generator(p, m), forward_cost=[c.forward + c.forward_comm for c in chunks],
         backward_cost=[c.backward + c.backward_comm for c in chunks],
         input_grad_cost=input_grad, weight_grad_cost=weight_grad, v=lay.chunks_per_rank,
-        placement=schedules.schedule_placement(schedule), oversubscription=oversubscription)
+        placement=pipeline_schedule(schedule).placement, oversubscription=oversubscription)
     assert run.makespan == pytest.approx(full.makespan)
     assert run.busy == pytest.approx(full.busy)
 

@@ -3,18 +3,20 @@
 import pytest
 from harness import raises_as_flags
 
-from meshtrain.parallel.runtime.schedules import (
+from meshtrain.parallel.schedules.actions import (
     BACKWARD,
     FORWARD,
+    INPUT_GRAD,
     RECV_ACTIVATION,
     SEND_GRAD,
+    WEIGHT_GRAD,
     Action,
-    gpipe,
-    interleaved,
-    one_f_one_b,
-    pipedream_2bw,
-    simulate,
 )
+from meshtrain.parallel.schedules.catalog import SCHEDULES
+from meshtrain.parallel.schedules.flush import gpipe, one_f_one_b
+from meshtrain.parallel.schedules.interleaved import interleaved
+from meshtrain.parallel.schedules.pipedream import pipedream_2bw
+from meshtrain.parallel.schedules.simulator import simulate
 
 LAYOUTS = [(2, 4), (4, 8), (4, 4), (3, 5), (4, 16)]
 
@@ -66,6 +68,22 @@ def test_every_forward_and_backward_once_with_matching_communication():
         assert len(receives) == m * v - (m if s == 0 else 0)
         assert len([a for a in actions if a.kind == SEND_GRAD]) == m * v - (m if s == 0 else 0)
     assert schedule[0][0] == Action(FORWARD, 0, 0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_computes_each_micro_batch_on_every_chunk_once(name, p, m):
+    """Whatever the schedule: every (micro-batch, global chunk) forwarded and backwarded once
+    (`B`, or `I` and `W`), in its own placement, and the simulator finishes it (no deadlock)."""
+    schedule = SCHEDULES[name]
+    v = schedule.chunks_per_rank(p, 2 if schedule.takes_virtual_stages else 1)
+    lists = schedule.action_lists(p, m, v=v)
+    simulate(lists, v=v, placement=schedule.placement)
+    backward = (INPUT_GRAD, WEIGHT_GRAD) if schedule.split_backward else (BACKWARD,)
+    for kind in (FORWARD, *backward):
+        done = sorted((a.micro, schedule.placement(s, a.chunk, p))
+                      for s, actions in enumerate(lists) for a in actions if a.kind == kind)
+        assert done == [(i, g) for i in range(m) for g in range(p * v)], kind
 
 
 def test_bad_schedule_settings():

@@ -1,13 +1,14 @@
 """The package's shape, read from its source: no import cycles (imports inside functions and
 under TYPE_CHECKING count), no module importing the package root, nothing under parallel/
 importing models/, no two modules of one name, and no code outside a tensor-parallel scheme's
-own files comparing scheme names."""
+own files comparing scheme names, nor outside the schedules package schedule names."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
+from meshtrain.parallel.schedules.catalog import SCHEDULES
 from meshtrain.parallel.schemes.registry import SCHEMES
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -84,24 +85,42 @@ def test_module_names_are_unique():
     assert not {short: names for short, names in seen.items() if len(names) > 1}
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES
-                                        if not n.startswith("meshtrain.parallel.schemes")))
-def test_no_scheme_name_is_compared_outside_the_schemes(name):
-    """`x == "2d"`, `x in ("1d", "3d")` and the like: a scheme's behaviour comes from the
-    registry, so a new scheme is its own files plus one line."""
-    names = set(SCHEMES)
+def _compared_names(name: str, names: set[str]) -> list[int]:
+    """The lines of module `name` that compare a value with one of `names`: `x == "2d"`,
+    `x in ("1d", "3d")` and the like."""
+    lines = []
     for node in ast.walk(ast.parse(MODULES[name].read_text())):
         if isinstance(node, ast.Compare):
             for operand in [node.left, *node.comparators]:
                 values = operand.elts if isinstance(operand, ast.Tuple | ast.List | ast.Set) \
                     else [operand]
-                assert not any(isinstance(v, ast.Constant) and v.value in names
-                               for v in values), f"{name}:{node.lineno} compares a scheme name"
+                lines += [node.lineno for v in values
+                          if isinstance(v, ast.Constant) and v.value in names]
+    return lines
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES
+                                        if not n.startswith("meshtrain.parallel.schemes")))
+def test_no_scheme_name_is_compared_outside_the_schemes(name):
+    """A scheme's behaviour comes from the registry, so a new scheme is its own files plus one
+    line."""
+    lines = _compared_names(name, set(SCHEMES))
+    assert not lines, f"{name}:{lines} compares a scheme name"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES
+                                        if not n.startswith("meshtrain.parallel.schedules")))
+def test_no_schedule_name_is_compared_outside_the_schedules(name):
+    """A pipeline schedule's behaviour comes from its object in `catalog.SCHEDULES`, so a new
+    schedule is its file plus one line."""
+    lines = _compared_names(name, set(SCHEDULES))
+    assert not lines, f"{name}:{lines} compares a schedule name"
 
 
 def test_parallel_building_blocks_sit_below_the_runtime():
-    """Inside parallel/: communication < layers < schemes < runtime; nothing imports upwards."""
-    order = ["communication", "layers", "schemes", "runtime"]
+    """Inside parallel/: communication < layers < schemes < schedules < runtime; nothing
+    imports upwards."""
+    order = ["communication", "layers", "schemes", "schedules", "runtime"]
     upward = []
     for name, targets in GRAPH.items():
         parts = name.split(".")

@@ -11,7 +11,7 @@ its first), a sixth of 1F1B's and half of ZB-H1's; below that, at most ZB-H1's.
 
 import pytest
 
-from meshtrain.parallel.runtime.schedules import (
+from meshtrain.parallel.schedules.actions import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
@@ -22,11 +22,11 @@ from meshtrain.parallel.runtime.schedules import (
     WEIGHT_GRAD,
     Action,
     model_chunk,
-    one_f_one_b,
-    simulate,
     v_shape_chunk,
 )
-from meshtrain.parallel.runtime.zero_bubble import estimated_costs, zb_h1, zb_v
+from meshtrain.parallel.schedules.flush import one_f_one_b
+from meshtrain.parallel.schedules.simulator import simulate
+from meshtrain.parallel.schedules.zero_bubble import estimated_costs, zb_h1, zb_v
 
 LAYOUTS = [(p, m) for p in range(2, 9) for m in range(p, 3 * p + 1)]
 COMPUTE = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)

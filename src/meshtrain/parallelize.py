@@ -29,7 +29,6 @@ from meshtrain.parallel.runtime.executor import (
 )
 from meshtrain.parallel.runtime.optim import BETAS, EPS
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.runtime.schedules import schedule_placement
 from meshtrain.parallel.runtime.sync import GradientSync, ReplicatedSync, ZeroSync
 from meshtrain.parallel.schemes.factory import LayerFactory
 from meshtrain.parallel.schemes.registry import layer_factory
@@ -89,7 +88,7 @@ def pipeline_stage(num_layers: int, plan: ParallelPlan, mesh: ParallelMesh) -> S
     pp = mesh.pp
     if pp.size == 1:  # a one-rank reference ignores the plan's split
         return StageSpec((range(num_layers),))
-    chunks, place = plan.stage_layers(num_layers), schedule_placement(plan.pp_schedule)
+    chunks, place = plan.stage_layers(num_layers), plan.schedule.placement
     mine = [place(pp.rank, c, pp.size) for c in range(plan.chunks_per_rank)]
     return StageSpec(tuple(chunks[g] for g in mine), has_embedding=mine[0] == 0,
                      has_head=mine[-1] == len(chunks) - 1)
@@ -106,9 +105,9 @@ def gradient_sync(model: nn.Module, roles: ParameterRoles, factory: LayerFactory
         return ZeroSync(model, roles, mesh, stage=plan.zero,
                         offload=plan.offload_optimizer != "none", offload_dir=offload_dir,
                         **common)
-    two_weights = plan.pp_schedule == "2bw" and mesh.pp.size > 1
-    # 16-bit parameters: the optimizer steps fp32 copies; 2BW: the model holds the versions
-    # in-flight micro-batches need, the optimizer steps separate copies
+    two_weights = plan.schedule.weight_versions > 1 and mesh.pp.size > 1
+    # 16-bit parameters: the optimizer steps fp32 copies; two weight versions (2BW): the model
+    # holds the versions in-flight micro-batches need, the optimizer steps separate copies
     return ReplicatedSync(model, roles, mesh, masters=plan.master_weights or two_weights,
                           write_back=not two_weights, **common)
 
@@ -120,9 +119,10 @@ def step_executor(model: CausalLM, factory: LayerFactory, sync: GradientSync,
         return LocalExecutor(model, mesh, seq_len=seq_len, packing=packing)
     shape = factory.hidden_shape(plan.micro_batch, seq_len // mesh.cp.size,
                                  model.cfg.hidden_size)
-    if plan.pp_schedule == "2bw":
-        return PipeDreamExecutor(model, mesh, seq_len=seq_len, activation_shape=shape,
-                                 current=sync.masters.params, steps=steps, packing=packing)
-    return PipelineExecutor(model, mesh, seq_len=seq_len, schedule=plan.pp_schedule,
+    if not plan.schedule.flushes:  # steps overlap: segments of the whole run
+        return PipeDreamExecutor(model, mesh, seq_len=seq_len, schedule=plan.schedule,
+                                 activation_shape=shape, current=sync.masters.params,
+                                 steps=steps, packing=packing)
+    return PipelineExecutor(model, mesh, seq_len=seq_len, schedule=plan.schedule,
                             activation_shape=shape, packing=packing, chunk_layers=tuple(
                                 len(layers) for layers in plan.stage_layers(model.cfg.num_layers)))

@@ -341,9 +341,9 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                                              f" {model.max_seq_len}: raise `max_seq_len` or"
                                              " shorten `seq_len`")
     _validate_packing(cfg, plan)
-    if p.trace and plan.pp_schedule == "2bw":
-        raise ValueError("`trace` draws one flush step; a 2bw step overlaps its neighbours (no"
-                         " flush): trace `pp_schedule` 1f1b instead")
+    if p.trace and not plan.schedule.flushes:
+        raise ValueError(f"`trace` draws one flush step; a {plan.pp_schedule} step overlaps its"
+                         " neighbours (no flush): trace `pp_schedule` 1f1b instead")
     plan = plan.validate(model, world_size=world_size, global_batch=t.global_batch,
                          seq_len=t.seq_len)
     if plan.fp8 != "none":  # the one plan setting that depends on the device

@@ -15,7 +15,7 @@ prefetch, `_deepspeed_zero3`). A scheme that splits the hidden states (2d/2.5d/3
 layer and output-layer traffic (`TPScheme.layer_traffic`, `output_traffic`) charged whole, none
 of it hidden, on links as wide as the TP block; 2.5d's depth all-reduce of weight gradients once
 a step, exposed. The pipeline runs meshtrain's own schedule through the simulator
-(`schedules.simulate`) on those per-chunk costs; the zero-bubble schedules split each backward
+(`simulator.simulate`) on those per-chunk costs; the zero-bubble schedules split each backward
 into `I` and `W`, `W` the weight-gradient matmuls (`pipeline_model.split_backward`), and lose the
 overlap the fused backward gave the input-gradient all-reduces. Memory is `memory_model.py`'s.
 """
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.runtime.schedules import SPLIT_BACKWARD
 from meshtrain.parallel.schemes.scheme import Traffic
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware, model_tflops
@@ -134,7 +133,7 @@ def chunk_costs(work: Workload, hardware: Hardware) -> list[ChunkCost]:
     `weight_grad`."""
     lay = work.layout
     ranges = lay.stage_layers(work.model.num_layers)
-    split = lay.pp_schedule in SPLIT_BACKWARD
+    split = lay.schedule.split_backward
     owner = {g: r for r in range(lay.pp)
              for g in rank_chunks(lay.pp_schedule, lay.pp, lay.chunks_per_rank, r)}
     send = coll.send(hardware, work.boundary_bytes, 2 * lay.tp * lay.cp * lay.dp)

@@ -96,7 +96,7 @@ class Hardware:
     oversubscription: float = 1.0
     """Ranks per processor when all compute (CPU threads wanted over cores; 1 on GPUs): the
     measured rates are each rank's share, and a rank waiting in a pipeline bubble gives its
-    share to the busy ones (`schedules.simulate`), so bubbles cost less than their length."""
+    share to the busy ones (`simulator.simulate`), so bubbles cost less than their length."""
 
     def peak_for(self, precision: str) -> float:
         """Matmul peak TFLOP/s in a precision (fp32, bf16, fp16)."""

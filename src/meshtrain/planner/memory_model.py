@@ -73,10 +73,8 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
     e, n = work.element_bytes, lay.dp * lay.cp
     # offloaded (cpu, nvme): master and moments leave the device
     k = 0 if lay.offload_optimizer != "none" else 8 + (4 if e < 4 else 0)
-    if lay.pp > 1 and lay.pp_schedule == "2bw":
-        # `PipeDream2BW` keeps the fp32 weights the optimizer steps apart from the model's
-        # (16-bit runs: the masters above) and their previous version
-        k += 4 + (4 if e == 4 else 0)
+    if lay.pp > 1:  # what the schedule keeps beyond the optimizer (2BW: weight versions)
+        k += lay.schedule.state_bytes(e)
     # ZeRO 2/3 make the gradient shard at the step's first reduction: with one micro-batch
     # that is after the backward, where the peak is
     g = 0 if lay.zero >= 2 and work.micro_batches == 1 else GRAD_BYTES

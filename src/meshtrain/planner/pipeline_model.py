@@ -6,9 +6,10 @@ rate: each further micro-batch adds the busiest rank's work, or, where ranks sha
 from a second simulation p micro-batches shorter). Both are checked against the uncapped
 simulation in the tests.
 
-The zero-bubble schedules (zb-h1, zb-v) run each chunk's backward as `I` and `W`
-(`split_backward`), zb-v on two chunks per rank placed in a V (`schedules.v_shape_chunk`): rank 0
-then holds the first global chunk and the last.
+A schedule with a split backward (zb-h1, zb-v) runs each chunk's backward as `I` and `W`
+(`split_backward`), and a schedule places the chunks (zb-v in a V, `actions.v_shape_chunk`:
+rank 0 then holds the first global chunk and the last). A schedule whose steps overlap (no flush:
+2BW) is priced by its steady state, the difference of two steps' simulation and one's.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from meshtrain.parallel.runtime import schedules
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.runtime.schedule_lists import action_lists
+from meshtrain.parallel.schedules.actions import Action
+from meshtrain.parallel.schedules.catalog import pipeline_schedule
+from meshtrain.parallel.schedules.simulator import Simulation, simulate
 
 
 class ChunkCost(NamedTuple):
@@ -58,7 +60,7 @@ class PipelineRun:
 def rank_chunks(schedule: str, p: int, v: int, rank: int) -> list[int]:
     """Global chunk indices a pipeline rank holds, in the schedule's placement (looped: s,
     s + p, ...; zb-v: s and 2p - 1 - s)."""
-    place = schedules.schedule_placement(schedule)
+    place = pipeline_schedule(schedule).placement
     return [place(rank, c, p) for c in range(v)]
 
 
@@ -80,19 +82,19 @@ def run_pipeline(chunks: list[ChunkCost], layout: ParallelPlan, micro_batches: i
     """Simulate the layout's schedule on the chunk costs; `oversubscription` as the hardware's
     (`Hardware.oversubscription`: ranks sharing processors speed up while others wait)."""
     p, v, m, o = layout.pp, layout.chunks_per_rank, micro_batches, oversubscription
-    schedule = layout.pp_schedule
+    schedule, kind = layout.pp_schedule, layout.schedule
     forward = tuple(c.forward + c.forward_comm for c in chunks)
     backward = tuple(c.backward + c.backward_comm for c in chunks)
     if p == 1:
         busy = m * (forward[0] + backward[0])
         return PipelineRun(busy, [busy], [1], 1, 1, m, schedule)
-    if schedule == "2bw":
-        one = _simulate("2bw", p, v, m, forward, backward, steps=1, oversubscription=o)
-        two = _simulate("2bw", p, v, m, forward, backward, steps=2, oversubscription=o)
+    if not kind.flushes:  # one step of the steady state
+        one = _simulate(schedule, p, v, m, forward, backward, steps=1, oversubscription=o)
+        two = _simulate(schedule, p, v, m, forward, backward, steps=2, oversubscription=o)
         busy = [b2 - b1 for b1, b2 in zip(one.busy, two.busy, strict=True)]
         return PipelineRun(two.makespan - one.makespan, busy, two.peak_in_flight, p, v, m,
                            schedule)
-    halves = split_backward(chunks) if schedule in schedules.SPLIT_BACKWARD else (None, None)
+    halves = split_backward(chunks) if kind.split_backward else (None, None)
     cap = p * max(8, 2 * v + 2)
     simulated = _simulate(schedule, p, v, min(m, cap), forward, backward, *halves,
                           oversubscription=o)
@@ -119,17 +121,17 @@ def run_pipeline(chunks: list[ChunkCost], layout: ParallelPlan, micro_batches: i
 def _simulate(schedule: str, p: int, v: int, m: int, forward: tuple[float, ...],
               backward: tuple[float, ...], input_grad: tuple[float, ...] | None = None,
               weight_grad: tuple[float, ...] | None = None, steps: int = 1,
-              oversubscription: float = 1.0) -> schedules.Simulation:
-    return schedules.simulate(
+              oversubscription: float = 1.0) -> Simulation:
+    return simulate(
         _schedule(schedule, p, v, m, steps), forward_cost=list(forward),
-        backward_cost=list(backward), v=v, placement=schedules.schedule_placement(schedule),
+        backward_cost=list(backward), v=v, placement=pipeline_schedule(schedule).placement,
         input_grad_cost=None if input_grad is None else list(input_grad),
         weight_grad_cost=None if weight_grad is None else list(weight_grad),
         oversubscription=oversubscription)
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(schedule: str, p: int, v: int, m: int, steps: int) -> list[list[schedules.Action]]:
+def _schedule(schedule: str, p: int, v: int, m: int, steps: int) -> list[list[Action]]:
     """The action lists (costs aside): a search simulates the same shape with many costs, and
     building the lists is a third of a simulation. `simulate` only reads them."""
-    return action_lists(schedule, p, m, v=v, steps=steps)
+    return pipeline_schedule(schedule).action_lists(p, m, v=v, steps=steps)

@@ -23,6 +23,7 @@ from importlib import resources
 from meshtrain.models import preset
 from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallel.schedules.catalog import MEGATRON_SCHEDULES
 from meshtrain.planner.costs import Prediction, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.search import OVER_BUDGET, SearchResult, search
@@ -43,9 +44,6 @@ data-parallel (--overlap-grad-reduce --overlap-param-gather), tensor-parallel
 (--tp-comm-overlap) and pipeline-parallel communication"), priced as meshtrain's `tp_overlap`:
 sequence parallelism's collectives as ring steps behind the chunked matmuls."""
 
-MEGATRON_SCHEDULES = ("1f1b", "interleaved")
-"""What the search may choose for a row that leaves its schedule out: the runs are Megatron's,
-which has no zero-bubble schedule."""
 
 ZERO_IMPL_OF_SYSTEM = {"deepspeed": "deepspeed", "megatron": "meshtrain"}
 """A row's `system` -> the `zero_impl` its ZeRO-3 is priced as: DeepSpeed's rows as DeepSpeed's;
@@ -205,7 +203,7 @@ def _layout_text(row: dict, lay: ParallelPlan) -> str:
     parts = [f"tp{lay.tp} pp{lay.pp} dp{lay.dp}", mark("micro_batch", f"mb{lay.micro_batch}")]
     if lay.pp > 1:
         parts.append(mark("schedule", lay.pp_schedule))
-        if lay.pp_schedule == "interleaved":
+        if lay.schedule.takes_virtual_stages:
             parts.append(mark("virtual_stages", f"vp{lay.virtual_stages}"))
     parts += [mark("zero", f"zero{lay.zero}"), "sp" if lay.sequence_parallel else "",
               lay.recompute]

@@ -42,8 +42,13 @@ from meshtrain.errors import SettingError
 from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.layers.recompute import RECOMPUTE
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan
-from meshtrain.parallel.runtime.schedules import SPLIT_BACKWARD
 from meshtrain.parallel.runtime.zero import ZERO_STAGES
+from meshtrain.parallel.schedules.catalog import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    SEARCHED_SCHEDULES,
+    pipeline_schedule,
+)
 from meshtrain.parallel.schemes.registry import tp_scheme
 from meshtrain.planner import costs
 from meshtrain.planner.costs import Prediction
@@ -56,8 +61,6 @@ MAX_MICRO_BATCH = 8
 MAX_VIRTUAL_STAGES = 8
 REFINE_MARGIN = 0.1
 REFINE_AT_MOST = 3
-SEARCHED_SCHEDULES = ("1f1b", "interleaved", *SPLIT_BACKWARD)
-"""What an unfixed search chooses among (gpipe and 2bw only when fixed: the docstring above)."""
 OVER_BUDGET = "memory over budget"
 DEGREES = ("tp", "pp", "dp", "cp")
 
@@ -222,12 +225,7 @@ class _Search:
         per_dp = self.global_batch // dp if self.global_batch % dp == 0 else 1
         interleaved = self.model.num_layers // pp if pp > 1 else 0
         vps = [v for v in _divisors(interleaved) if 2 <= v <= MAX_VIRTUAL_STAGES]
-        fixed_vp = self.fixed.get("virtual_stages", 1)
-        schedules = ["1f1b"] if pp == 1 or fixed_vp == 1 and not vps else \
-            ["interleaved"] if fixed_vp > 1 else ["1f1b", "interleaved"]
-        if pp > 1 and fixed_vp == 1:  # first: `screen` times a combination with it
-            schedules = self.zero_bubble(pp, scheme) + schedules
-        schedules = [s for s in schedules if s in self.schedules] or schedules[:1]
+        schedules = self.schedule_choices(pp, scheme, vps)
         experts = self.model.moe_experts
         return {
             "micro_batch": self.choices("micro_batch", micro_batches(
@@ -243,18 +241,26 @@ class _Search:
                                if experts else [1]),
         }
 
-    def zero_bubble(self, pp: int, scheme: str) -> list[str]:
-        """zb-h1 and zb-v where `ParallelPlan.validate` lets them run (pp > 1 given): the
-        scheme's layers defer their weight gradients (1d), and zb-v's 2 x pp chunks have a
-        layer each. zb-h1 first, the schedule `screen` times: 1F1B's shape (as cheap to
-        simulate) with a third of its bubble, so a deep pipeline is not screened out for a
-        bubble the zero-bubble schedules fill."""
-        if not tp_scheme(scheme).allows("split_backward"):
-            return []
-        return [s for s in SPLIT_BACKWARD if s != "zb-v" or self.model.num_layers >= 2 * pp]
+    def schedule_choices(self, pp: int, scheme: str, vps: list[int]) -> list[str]:
+        """The searched schedules that run here, of `self.schedules`: at pp 1 the default;
+        those that loop virtual stages where some divide the layers (or `vp` is fixed above
+        1); the others while `vp` is not, where their own refusals let them run (a split
+        backward: the scheme's layers defer their weight gradients, zb-v's 2 x pp chunks
+        have a layer each). Split-backward schedules first: `screen` times a combination with
+        the first (zb-h1: 1F1B's shape, as cheap to simulate, with a third of its bubble, so a
+        deep pipeline is not screened out for a bubble they fill)."""
+        fixed_vp = self.fixed.get("virtual_stages", 1)
+        if pp == 1:
+            return [DEFAULT_SCHEDULE]
+        probe = ParallelPlan(pp=pp, tp_scheme=scheme)
+        runs = [s for s in SCHEDULES.values() if s.searched and (
+            vps or fixed_vp > 1 if s.takes_virtual_stages
+            else fixed_vp == 1 and s.admits(probe, self.model))]
+        names = [s.name for s in sorted(runs, key=lambda s: not s.split_backward)]
+        return [s for s in names if s in self.schedules] or names[:1]
 
     def vp_for(self, schedule: str, choices: dict[str, list]) -> list[int]:
-        return choices["virtual_stages"] if schedule == "interleaved" \
+        return choices["virtual_stages"] if pipeline_schedule(schedule).takes_virtual_stages \
             else [self.fixed.get("virtual_stages", 1)]
 
     def only_candidate(self) -> ParallelPlan | None:

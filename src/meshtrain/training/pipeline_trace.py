@@ -23,7 +23,7 @@ from pathlib import Path
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm
-from meshtrain.parallel.runtime.schedules import (
+from meshtrain.parallel.schedules.actions import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
@@ -32,9 +32,9 @@ from meshtrain.parallel.runtime.schedules import (
     Action,
     Placement,
     model_chunk,
-    schedule_placement,
-    simulate,
 )
+from meshtrain.parallel.schedules.catalog import DEFAULT_SCHEDULE, pipeline_schedule
+from meshtrain.parallel.schedules.simulator import simulate
 from meshtrain.training.plots import plot_pipeline_timeline
 
 Event = tuple[str, int, int, float, float]  # kind, micro-batch, local chunk, start s, end s
@@ -61,7 +61,7 @@ def idle_report(stages: list[list[Event]], placement: Placement = model_chunk) -
     the step's first forward to its last backward on any stage), next to `simulate` on the
     same action lists with each model chunk's mean time of each kind (so unequal stages
     idle as measured; communication is free, and `chunk_ms` gives those means per global
-    chunk); `placement` is the schedule's (`schedules.schedule_placement`)."""
+    chunk); `placement` is the schedule's (`PipelineSchedule.placement`)."""
     compute = [[e for e in stage if e[0] in COMPUTE] for stage in stages]
     begin = min(e[3] for stage in compute for e in stage)
     makespan = max(e[4] for stage in compute for e in stage) - begin
@@ -130,7 +130,8 @@ def write_trace(out_dir: Path, stages: list[list[Event]], meta: dict) -> dict:
     """Write pipeline.json, pipeline_idle.json and (with matplotlib) pipeline.png into
     `out_dir`; returns the idle report with `png` telling whether the picture was drawn."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = meta | idle_report(stages, schedule_placement(meta.get("schedule", "1f1b")))
+    schedule = pipeline_schedule(meta.get("schedule", DEFAULT_SCHEDULE))
+    report = meta | idle_report(stages, schedule.placement)
     (out_dir / "pipeline.json").write_text(json.dumps(chrome_trace(stages, meta)))
     idle = ", ".join(f"{r['idle_measured']:.0%}" for r in report["stages"])
     title = " ".join(f"{k}={v}" for k, v in meta.items()) + f"; idle per stage {idle}"

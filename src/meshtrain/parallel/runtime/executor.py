@@ -1,11 +1,11 @@
 """Running one optimizer step's micro-batches on this rank, and evaluation.
 
 `LocalExecutor` runs forward and backward of each micro-batch in turn (no pipeline);
-`PipelineExecutor` runs this rank's action list of a flush schedule (GPipe, 1F1B, interleaved,
-and the zero-bubble ZB-H1 and ZB-V, whose split backward it sets up);
-`PipeDreamExecutor` runs PipeDream-2BW's segments, which carry micro-batches across steps and
-keep two weight versions. Under context parallelism every executor feeds the model this rank's
-load-balanced slice of each sequence, with the true positions of its tokens. Packed documents
+`PipelineExecutor` runs this rank's action list of a schedule that flushes (setting up the
+split backward of one that has it); `PipeDreamExecutor` runs the segments of one that does not
+(PipeDream-2BW), which carry micro-batches across steps and keep two weight versions. Under
+context parallelism every executor feeds the model this rank's load-balanced slice of each
+sequence, with the true positions of its tokens. Packed documents
 (`Packing`) add each token's document for the attention mask, positions restarting at each
 document, or targets without the end-of-document token.
 """
@@ -28,16 +28,14 @@ from meshtrain.parallel.layers.loss import IGNORE_INDEX
 from meshtrain.parallel.layers.masks import document_ids, document_positions
 from meshtrain.parallel.layers.weight_grads import defer_weight_gradients
 from meshtrain.parallel.runtime.pipeline import PipeDream2BW, ScheduleRun, run_schedule
-from meshtrain.parallel.runtime.schedule_lists import action_lists
-from meshtrain.parallel.runtime.schedules import (
+from meshtrain.parallel.schedules.actions import (
     FORWARD,
     RECV_ACTIVATION,
     SEND_ACTIVATION,
-    SPLIT_BACKWARD,
     Action,
-    schedule_placement,
 )
-from meshtrain.parallel.runtime.zero_bubble import estimated_costs
+from meshtrain.parallel.schedules.schedule import PipelineSchedule
+from meshtrain.parallel.schedules.zero_bubble import estimated_costs
 from meshtrain.precision import wide_dtype
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -154,29 +152,27 @@ class PipelineExecutor(LocalExecutor):
     """This rank's stage of a flush schedule; `count_saved_bytes` measures autograd's saved
     bytes per in-flight chunk, and `last_run` keeps the latest step's peaks."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int, schedule: str,
-                 activation_shape: tuple[int, ...], packing: Packing = ONE_STREAM,
-                 chunk_layers: tuple[int, ...] = ()):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int,
+                 schedule: PipelineSchedule, activation_shape: tuple[int, ...],
+                 packing: Packing = ONE_STREAM, chunk_layers: tuple[int, ...] = ()):
         super().__init__(model, mesh, seq_len=seq_len, packing=packing)
         self.schedule, self.activation_shape = schedule, activation_shape
         self.chunk_costs = estimated_costs(chunk_layers, *model.cfg.pipeline_work_shares(
-            seq_len)) if schedule == "zb-v" else None  # every chunk's layers: zb-v's order
+            seq_len)) if schedule.orders_on_costs else None  # every chunk's layers
         self.built: dict[int, list[Action]] = {}  # action lists by micro-batch count
         self.count_saved_bytes = False
         self.last_run: ScheduleRun | None = None
-        self.placement = schedule_placement(schedule)
-        self.weight_grads = defer_weight_gradients(model) if schedule in SPLIT_BACKWARD \
-            else None
+        self.placement = schedule.placement
+        self.weight_grads = defer_weight_gradients(model) if schedule.split_backward else None
 
     def actions(self, num_micro_batches: int) -> list[Action]:
-        """This rank's actions for one flush step (2BW evaluates with 1F1B's forwards), built
-        once per micro-batch count."""
+        """This rank's actions for one flush step (`PipelineSchedule.step_lists`), built once
+        per micro-batch count."""
         m = num_micro_batches
         if m not in self.built:
-            schedule = "1f1b" if self.schedule == "2bw" else self.schedule
-            self.built[m] = action_lists(schedule, self.mesh.pp.size, m,
-                                         v=len(self.model.stage.chunks),
-                                         chunk_costs=self.chunk_costs)[self.mesh.pp.rank]
+            self.built[m] = self.schedule.step_lists(
+                self.mesh.pp.size, m, v=len(self.model.stage.chunks),
+                chunk_costs=self.chunk_costs)[self.mesh.pp.rank]
         return self.built[m]
 
     def stage(self, routing: RoutingStats | None):
@@ -238,9 +234,9 @@ class PipeDreamExecutor(PipelineExecutor):
     with the checkpoint's previous version."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, seq_len: int,
-                 activation_shape: tuple[int, ...], current: list[torch.Tensor], steps: int,
-                 packing: Packing = ONE_STREAM):
-        super().__init__(model, mesh, seq_len=seq_len, schedule="1f1b",
+                 schedule: PipelineSchedule, activation_shape: tuple[int, ...],
+                 current: list[torch.Tensor], steps: int, packing: Packing = ONE_STREAM):
+        super().__init__(model, mesh, seq_len=seq_len, schedule=schedule,
                          activation_shape=activation_shape, packing=packing)
         self.current, self.steps = current, steps
         self.pipedream: PipeDream2BW | None = None

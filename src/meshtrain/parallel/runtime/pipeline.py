@@ -1,6 +1,6 @@
 """Pipeline parallelism: which layers a stage holds, and the executor that runs a schedule.
 
-The executor runs one rank's action list (see `schedules.py`) on its model chunks (one, or v
+The executor runs one rank's action list (`parallel/schedules/`) on its model chunks (one, or v
 under the interleaved schedule: rank s holds global chunks s, s + p, ...): forwards take token
 ids (first global chunk) or the activation received from the previous global chunk; backwards
 take the loss (last global chunk) or the gradient received from the next one. The previous
@@ -8,7 +8,7 @@ chunk lives on rank s - 1, or on rank p - 1 for rank 0's later chunks (the wrap-
 next on rank s + 1, or rank 0. Sends are asynchronous and waited at the end of the step (under
 2BW, one step later); receives block just before the compute that needs them, so any schedule
 the simulator accepts runs without deadlock. Shapes are known ahead (`[micro, s, h]`), so no
-handshake precedes a transfer. Under zb-v (`schedules.v_shape_chunk`) the previous and next
+handshake precedes a transfer. Under zb-v (`actions.v_shape_chunk`) the previous and next
 chunk's rank follow the V, and the boundary in the V's turn, inside rank p - 1, is handed over
 in memory.
 
@@ -44,7 +44,7 @@ from meshtrain.memory import saved_activation_bytes
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.weight_grads import WeightGradients, accumulate_deferred
-from meshtrain.parallel.runtime.schedules import (
+from meshtrain.parallel.schedules.actions import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
@@ -57,8 +57,8 @@ from meshtrain.parallel.runtime.schedules import (
     Action,
     Placement,
     model_chunk,
-    pipedream_2bw,
 )
+from meshtrain.parallel.schedules.pipedream import pipedream_2bw
 
 
 def stage_layers(num_layers: int, num_stages: int, split: list[int] | None = None) -> list[range]:
@@ -139,7 +139,7 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     post them only after the optimizer step), and `carry.wait_sends()` drains the last ones.
     `timeline`, when given, gets one (kind, micro, chunk, start, end) per action, in
     `time.perf_counter()` seconds (see `pipeline_trace.py`).
-    `placement` maps local chunks to global ones (`schedules.v_shape_chunk` for zb-v); a list
+    `placement` maps local chunks to global ones (`actions.v_shape_chunk` for zb-v); a list
     with `I` and `W` actions needs the layers' `weight_grads` and the stage's `params`.
     """
     state = carry or InFlight()
@@ -335,7 +335,7 @@ class _Runner:
 class PipeDream2BW:
     """One rank's PipeDream-2BW state across optimizer steps.
 
-    The action list of the whole run (`schedules.pipedream_2bw`) is cut after each optimizer
+    The action list of the whole run (`pipedream.pipedream_2bw`) is cut after each optimizer
     step into one segment per step; the executor's in-flight micro-batches carry over, so a
     step's segment already forwards some of the next step's micro-batches (no flush). Weights:
     micro-batch k of step t uses W(t - 1) for its forward and its backward, W(-1) = W(0), so the

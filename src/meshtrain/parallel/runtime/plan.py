@@ -27,8 +27,14 @@ from meshtrain.parallel.layers.attention import CP_MODES
 from meshtrain.parallel.layers.fp8 import ALIGNMENT, FP8_RECIPES
 from meshtrain.parallel.layers.recompute import RECOMPUTE
 from meshtrain.parallel.runtime.pipeline import stage_layers
-from meshtrain.parallel.runtime.schedules import PP_SCHEDULES, SPLIT_BACKWARD
 from meshtrain.parallel.runtime.zero import OFFLOAD_TARGETS, ZERO_STAGES
+from meshtrain.parallel.schedules.catalog import (
+    DEFAULT_SCHEDULE,
+    PP_SCHEDULES,
+    pipeline_schedule,
+    schedules_help,
+)
+from meshtrain.parallel.schedules.schedule import PipelineSchedule
 from meshtrain.parallel.schemes.registry import SCHEMES, tp_grid, tp_scheme
 from meshtrain.parallel.schemes.scheme import TPScheme
 from meshtrain.precision import DTYPES
@@ -86,13 +92,8 @@ class ParallelPlan:
     recompute: str = _layout("none", "activation recomputation: none, selective (attention"
                                      " core) or full (whole layers)", spec="recompute",
                              searched=True, choices=RECOMPUTE)
-    pp_schedule: str = _layout("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved (1F1B over"
-                                       " virtual stages model chunks per rank), 2bw"
-                                       " (PipeDream-2BW: no flush, weights updated one step"
-                                       " late), zb-h1 or zb-v (zero bubble: weight gradients"
-                                       " fill the bubbles; zb-v runs two chunks per rank in a"
-                                       " V)", spec="schedule", searched=True,
-                               choices=PP_SCHEDULES)
+    pp_schedule: str = _layout(DEFAULT_SCHEDULE, schedules_help(), spec="schedule",
+                               searched=True, choices=PP_SCHEDULES)
     tp_scheme: str = _layout("1d", "tensor-parallel scheme: 1d (Megatron), 2d (SUMMA on a q x q"
                                    " grid, tp = q^2), 2.5d (q x q x depth) or 3d (q x q x q)",
                              spec="scheme", searched=True, choices=tuple(SCHEMES))
@@ -182,6 +183,11 @@ class ParallelPlan:
         return tp_scheme(self.tp_scheme)
 
     @property
+    def schedule(self) -> PipelineSchedule:
+        """The pipeline schedule (`parallel/schedules/catalog.py`)."""
+        return pipeline_schedule(self.pp_schedule)
+
+    @property
     def tp_grid(self) -> dict[str, int]:
         """The TP block's grid axes and sizes (`TPScheme.grid`)."""
         return tp_grid(self.tp_scheme, self.tp, self.tp_depth)
@@ -219,8 +225,8 @@ class ParallelPlan:
 
     @property
     def chunks_per_rank(self) -> int:
-        """Model chunks each pipeline rank holds: `virtual_stages`, two under zb-v."""
-        return 2 if self.pp_schedule == "zb-v" and self.pp > 1 else self.virtual_stages
+        """Model chunks each pipeline rank holds (`PipelineSchedule.chunks_per_rank`)."""
+        return self.schedule.chunks_per_rank(self.pp, self.virtual_stages)
 
     def stage_layers(self, num_layers: int) -> list[range]:
         """Every pipeline stage's (model chunk's, under interleaving or zb-v) layers, in
@@ -378,30 +384,25 @@ class ParallelPlan:
                 " pipeline interleaves the backwards of many micro-batches, so"
                 " sharded gradients would be reduce-scattered once per micro-batch"
                 " per stage; use `zero` 1 with pipelines"))
-        if self.zero and self.pp > 1 and self.pp_schedule == "2bw":
-            raise SettingError(Code.ZERO_2BW, (
-                "`zero` with `pp_schedule` 2bw is not supported (2BW keeps two full"
-                " weight versions): use `zero` 1 with 1f1b or interleaved"))
         if self.zero == 3 and model.moe_experts:
             raise SettingError(Code.ZERO3_MOE, (
                 "`zero` 3 does not shard MoE experts yet: use `zero` 1 or 2 with"
                 " `moe_experts`"))
 
     def _validate_pipeline(self, model, global_batch: int) -> None:
-        v, m = self.virtual_stages, self.micro_batches_per_step(global_batch)
+        """Chunks of at least one layer each, virtual stages only where the schedule loops
+        them, and the schedule's own refusals (`PipelineSchedule.check`)."""
+        v = self.virtual_stages
         if self.pp > model.num_layers:
             raise SettingError(Code.PP_LAYERS, (
                 f"`pp` {self.pp} exceeds the model's {model.num_layers} layers:"
                 " every stage needs at least one"))
-        if self.pp_schedule == "2bw":
-            self._validate_2bw(model, m)
-        if self.pp_schedule in SPLIT_BACKWARD:
-            self._validate_zero_bubble(model)
         if v < 1:
             raise SettingError(Code.RANGE, f"`virtual_stages` must be >= 1, got {v}")
-        if v > 1 and self.pp_schedule != "interleaved":
+        if v > 1 and not self.schedule.takes_virtual_stages:
+            takers = [s for s in PP_SCHEDULES if pipeline_schedule(s).takes_virtual_stages]
             raise SettingError(Code.VIRTUAL_STAGES_SCHEDULE, (
-                f"`virtual_stages` {v} needs `pp_schedule` interleaved (got"
+                f"`virtual_stages` {v} needs `pp_schedule` {alternatives(takers)} (got"
                 f" {self.pp_schedule})"))
         if v > 1 and self.pp == 1:
             raise SettingError(Code.VIRTUAL_STAGES_PP, f"`virtual_stages` {v} needs `pp` > 1")
@@ -409,51 +410,9 @@ class ParallelPlan:
             raise SettingError(Code.CHUNK_LAYERS, (
                 f"`pp` x `virtual_stages` = {self.pp} x {v} exceeds the model's"
                 f" {model.num_layers} layers: every model chunk needs at least one"))
-        if self.pp_schedule == "interleaved" and self.pp > 1:
-            if m % self.pp:
-                raise SettingError(Code.INTERLEAVED_MICRO_BATCHES, (
-                    f"`pp_schedule` interleaved needs the micro-batches per step"
-                    f" (global batch / (micro-batch x dp) = {m}) divisible by `pp`"
-                    f" {self.pp}: change `global_batch` or `micro_batch`"))
-            if self.pp_layers is None and model.num_layers % (self.pp * v):
-                raise SettingError(Code.INTERLEAVED_LAYERS, (
-                    f"`pp_schedule` interleaved needs the {model.num_layers}"
-                    f" layers divisible by `pp` x `virtual_stages` = {self.pp} x"
-                    f" {v}, or explicit `pp_layers`"))
+        self.schedule.check(self, model, self.micro_batches_per_step(global_batch))
         if self.pp_layers is not None:
             self.stage_layers(model.num_layers)
-
-    def _validate_zero_bubble(self, model) -> None:
-        schedule = self.pp_schedule
-        if self.pp == 1:
-            raise SettingError(Code.ZERO_BUBBLE_PP, f"`pp_schedule` {schedule} needs `pp` > 1")
-        if not self.scheme.allows("split_backward"):  # its layers cannot defer W
-            raise SettingError(Code.ZERO_BUBBLE_SCHEME, (
-                f"`pp_schedule` {schedule} splits the backward of 1d tensor-parallel layers"
-                f" only, not of `tp_scheme` {self.tp_scheme}'s grid layers: use `tp_scheme` 1d or"
-                " `pp_schedule` 1f1b"))
-        if schedule == "zb-v" and 2 * self.pp > model.num_layers:
-            raise SettingError(Code.ZB_V_LAYERS, (
-                f"`pp_schedule` zb-v gives each of the `pp` {self.pp} ranks two model chunks:"
-                f" the model's {model.num_layers} layers are fewer than {2 * self.pp}; lower"
-                " `pp` or use zb-h1"))
-
-    def _validate_2bw(self, model, m: int) -> None:
-        if self.pp == 1:
-            raise SettingError(Code.TWO_BW_PP, "`pp_schedule` 2bw needs `pp` > 1")
-        if m < self.pp:
-            raise SettingError(Code.TWO_BW_MICRO_BATCHES, (
-                f"`pp_schedule` 2bw needs at least `pp` ({self.pp}) micro-batches per"
-                f" step, got global batch / (micro-batch x dp) = {m}: raise"
-                " `global_batch` or lower `micro_batch`"))
-        if self.precision != "fp32":
-            raise SettingError(Code.TWO_BW_PRECISION, (
-                f"`pp_schedule` 2bw supports `precision` fp32 only, got"
-                f" {self.precision}"))
-        if model.moe_experts:
-            raise SettingError(Code.TWO_BW_MOE, (
-                "`pp_schedule` 2bw does not support MoE layers yet: use"
-                " `pp_schedule` 1f1b with `moe_experts`"))
 
 
 def spec_key(f: dataclasses.Field) -> str:

@@ -1,10 +1,10 @@
 """Zero-bubble pipeline schedules (Qi et al., "Zero Bubble Pipeline Parallelism", arXiv
-2401.10241) as `schedules.Action` lists: the backward split into `I` (input gradient, which the
+2401.10241) as `actions.Action` lists: the backward split into `I` (input gradient, which the
 previous chunk waits for) and `W` (weight gradient, which nobody waits for), so Ws can fill the
 time a rank would otherwise wait.
 
 `zb_h1(p, m)`: 1F1B's order and memory with W deferred into the drain (a third of 1F1B's bubble at
-equal costs). `zb_v(p, m)`: two chunks per rank in a V (`schedules.v_shape_chunk`), the paper's
+equal costs). `zb_v(p, m)`: two chunks per rank in a V (`actions.v_shape_chunk`), the paper's
 handcrafted order, at 1F1B's peak activation memory with the least bubble a V can have for
 m >= 2p - 1 when every chunk's F, I and W cost alike. Real chunks do not: the first chunk has no
 input gradient to pass on (its I is empty, its W the whole backward) and the last holds the
@@ -12,7 +12,7 @@ output layer, so `zb_v(p, m, costs)` also builds greedy orders under the same me
 keeps whichever the simulator finishes first. Simulate ZB-V with `simulate(..., v=2,
 placement=v_shape_chunk)`.
 
-`pipeline.run_schedule` runs these lists with the split backward (`layers/weight_grads.py`).
+`runtime/pipeline.run_schedule` runs these lists with the split backward (`layers/weight_grads.py`).
 """
 
 from __future__ import annotations
@@ -21,24 +21,25 @@ import heapq
 from collections import deque
 from typing import NamedTuple
 
-from meshtrain.parallel.runtime.schedules import (
+from meshtrain.errors import Code, SettingError
+from meshtrain.parallel.schedules.actions import (
     FORWARD,
     INPUT_GRAD,
     OPTIMIZER_STEP,
     WEIGHT_GRAD,
     Action,
-    _check,
-    _input_ready,
-    _with_communication,
-    simulate,
+    check_counts,
     v_shape_chunk,
+    with_communication,
 )
+from meshtrain.parallel.schedules.schedule import PipelineSchedule
+from meshtrain.parallel.schedules.simulator import input_ready, simulate
 
 
 def zb_h1(p: int, m: int) -> list[list[Action]]:
     """ZB-H1: one chunk per rank, 1F1B's warm-up and in-flight count, with the backward split."""
-    _check(p, m)
-    return [_with_communication(_zb_h1_order(p, m, s) + [Action(OPTIMIZER_STEP)], s, p, 1)
+    check_counts(p, m)
+    return [with_communication(_zb_h1_order(p, m, s) + [Action(OPTIMIZER_STEP)], s, p, 1)
             for s in range(p)]
 
 
@@ -93,11 +94,11 @@ def zb_v(p: int, m: int, costs: ChunkCosts | None = None) -> list[list[Action]]:
     1. Pass `v=2, placement=v_shape_chunk` to `simulate`. With `costs`, the handcrafted order
     or a greedy one (`_greedy_v_orders`, up to GREEDY_LIMIT), whichever `simulate` finishes
     first on them."""
-    _check(p, m)
+    check_counts(p, m)
     orders = [[_zb_v_order(p, m, r) for r in range(p)]]
     if costs is not None and p * m <= GREEDY_LIMIT:  # first: a tie goes to the greedy order,
         orders[:0] = _greedy_v_orders(p, m, costs)  # which adapts to what estimates leave out
-    lists = [[_with_communication(order + [Action(OPTIMIZER_STEP)], r, p, 2, v_shape_chunk)
+    lists = [[with_communication(order + [Action(OPTIMIZER_STEP)], r, p, 2, v_shape_chunk)
               for r, order in enumerate(rank_orders)] for rank_orders in orders]
     if len(lists) == 1:
         return lists[0]
@@ -178,7 +179,7 @@ def _ready(r: int, kind: str, c: int, t: float, p: int, m: int, nxt: dict, done:
         return False
     if kind != "F" and nxt[(r, "F" if kind == "I" else "I", c)] <= i:  # not yet on this rank
         return False
-    end = _input_ready(Action(KINDS[kind], i, c), g, 2 * p - 1, done)
+    end = input_ready(Action(KINDS[kind], i, c), g, 2 * p - 1, done)
     return end is not None and end <= t
 
 
@@ -234,3 +235,50 @@ def _zb_v_order(p: int, m: int, r: int) -> list[Action]:
     for chunk in (1, 0):
         run.emit(*[(WEIGHT_GRAD, chunk)] * (run[(INPUT_GRAD, chunk)] - run[(WEIGHT_GRAD, chunk)]))
     return [a for a in run.order if a.micro < m]
+
+
+class ZeroBubble(PipelineSchedule):
+    """What both zero-bubble schedules refuse: one rank has no bubble to fill, and only the
+    1d scheme's layers defer their weight gradients."""
+
+    split_backward = searched = True
+
+    def check(self, plan, model, micro_batches: int) -> None:
+        if plan.pp == 1:
+            raise SettingError(Code.ZERO_BUBBLE_PP, f"`pp_schedule` {self.name} needs `pp` > 1")
+        if not plan.scheme.allows("split_backward"):  # its layers cannot defer W
+            raise SettingError(Code.ZERO_BUBBLE_SCHEME, (
+                f"`pp_schedule` {self.name} splits the backward of 1d tensor-parallel layers"
+                f" only, not of `tp_scheme` {plan.tp_scheme}'s grid layers: use `tp_scheme` 1d or"
+                " `pp_schedule` 1f1b"))
+
+
+class ZeroBubbleH1(ZeroBubble):
+    name = "zb-h1"
+    summary = "zero bubble: weight gradients fill the bubbles"
+
+    def action_lists(self, p, m, *, v=1, steps=1, chunk_costs=None):
+        return zb_h1(p, m)
+
+
+class ZeroBubbleV(ZeroBubble):
+    name, summary = "zb-v", "zero bubble on two chunks per rank in a V"
+    placement = staticmethod(v_shape_chunk)
+    orders_on_costs = True
+
+    def chunks_per_rank(self, pp: int, virtual_stages: int) -> int:
+        return 2 if pp > 1 else virtual_stages
+
+    def action_lists(self, p, m, *, v=1, steps=1, chunk_costs=None):
+        return zb_v(p, m, chunk_costs)
+
+    def check(self, plan, model, micro_batches: int) -> None:
+        super().check(plan, model, micro_batches)
+        if 2 * plan.pp > model.num_layers:
+            raise SettingError(Code.ZB_V_LAYERS, (
+                f"`pp_schedule` zb-v gives each of the `pp` {plan.pp} ranks two model chunks:"
+                f" the model's {model.num_layers} layers are fewer than {2 * plan.pp}; lower"
+                " `pp` or use zb-h1"))
+
+
+ZB_H1, ZB_V = ZeroBubbleH1(), ZeroBubbleV()
