@@ -124,7 +124,8 @@ def _error(capsys, argv) -> str:
      "--pp-layers must be comma-separated layer counts"),
 
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "zigzag"],
-     "--pp-schedule must be gpipe, 1f1b, interleaved, 2bw, zb-h1 or zb-v, got 'zigzag'"),
+     "--pp-schedule must be gpipe, 1f1b, interleaved, 2bw, zb-h1, zb-v or eager-1f1b, got"
+     " 'zigzag'"),
     (["--tp", "1", "--pp-schedule", "2bw"], "--pp-schedule 2bw needs --pp > 1"),
     (["--nproc", "4", "--tp", "1", "--pp", "4", "--pp-schedule", "2bw", "--global-batch", "6",
       "--micro-batch", "2"], "2bw needs at least --pp (4) micro-batches per step, got global"

@@ -83,7 +83,7 @@ def _check(corpus, tp, pp, schedule, cp=1, parallel=None, model=None):
 
 @pytest.mark.parametrize("tp,pp,world,schedule", [
     (1, 2, 2, "1f1b"), (1, 2, 2, "gpipe"), (2, 2, 4, "1f1b"), (1, 2, 4, "1f1b"),
-    (1, 4, 4, "1f1b"), (1, 4, 4, "gpipe"), (2, 2, 8, "1f1b"),
+    (1, 4, 4, "1f1b"), (1, 4, 4, "gpipe"), (2, 2, 8, "1f1b"), (1, 2, 2, "eager-1f1b"),
 ], ids=lambda v: str(v))
 def test_pipeline_matches_single_process(corpus, tp, pp, world, schedule):
     run_on_ranks(world, _check, corpus, tp, pp, schedule)

@@ -6,6 +6,7 @@ Adding a schedule is its file (a `PipelineSchedule` and its generator) and one l
 from __future__ import annotations
 
 from meshtrain.errors import Code, SettingError
+from meshtrain.parallel.schedules.eager_1f1b import EAGER_1F1B
 from meshtrain.parallel.schedules.flush import GPIPE, ONE_F_ONE_B
 from meshtrain.parallel.schedules.interleaved import INTERLEAVED
 from meshtrain.parallel.schedules.pipedream import PIPEDREAM_2BW
@@ -14,7 +15,7 @@ from meshtrain.parallel.schedules.zero_bubble import ZB_H1, ZB_V
 
 SCHEDULES: dict[str, PipelineSchedule] = {
     schedule.name: schedule for schedule in (GPIPE, ONE_F_ONE_B, INTERLEAVED, PIPEDREAM_2BW,
-                                             ZB_H1, ZB_V)}
+                                             ZB_H1, ZB_V, EAGER_1F1B)}
 
 DEFAULT_SCHEDULE = ONE_F_ONE_B.name
 PP_SCHEDULES = tuple(SCHEDULES)
