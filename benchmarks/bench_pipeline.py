@@ -75,11 +75,10 @@ from meshtrain.parallel.schedules.actions import (
     model_chunk,
     v_shape_chunk,
 )
-from meshtrain.parallel.schedules.catalog import SPLIT_BACKWARD
-from meshtrain.parallel.schedules.flush import gpipe, one_f_one_b
-from meshtrain.parallel.schedules.interleaved import interleaved
+from meshtrain.parallel.schedules.catalog import SCHEDULES
+from meshtrain.parallel.schedules.schedule import PipelineSchedule
 from meshtrain.parallel.schedules.simulator import simulate
-from meshtrain.parallel.schedules.zero_bubble import estimated_costs, zb_h1, zb_v
+from meshtrain.parallel.schedules.zero_bubble import estimated_costs
 from meshtrain.training.pipeline_trace import idle_report
 
 MICRO_BATCHES = 8
@@ -187,26 +186,25 @@ class PipelineContender(Contender):
         return split_text(self.chunks(shape), self.p, self.v, self.placement)
 
 
-# schedule: (generator (p, m) -> per-rank actions, chunks per rank, placement)
-MESHTRAIN_SCHEDULES = {
-    "gpipe": (gpipe, 1, model_chunk),
-    "1f1b": (one_f_one_b, 1, model_chunk),
-    "interleaved": (lambda p, m: interleaved(p, m, 2), 2, model_chunk),
-    "zb-h1": (zb_h1, 1, model_chunk),
-    "zb-v": (zb_v, 2, v_shape_chunk),
-}
+MESHTRAIN_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+"""The meshtrain schedules with a torch twin (interleaved at two chunks per rank, as torch's)."""
+
+
+def chunks_per_rank(schedule: PipelineSchedule) -> int:
+    """At any pp > 1 (the benchmark's 2 or 4): interleaved's two, as torch's, and zb-v's V."""
+    return schedule.chunks_per_rank(2, 2 if schedule.takes_virtual_stages else 1)
 
 
 class MeshtrainPipeline(PipelineContender):
     def __init__(self, schedule: str):
-        self.schedule = schedule
-        _, self.v, self.placement = MESHTRAIN_SCHEDULES[schedule]
+        self.schedule, self.kind = schedule, SCHEDULES[schedule]
+        self.v, self.placement = chunks_per_rank(self.kind), self.kind.placement
         self.key = f"meshtrain-{schedule}"
 
     @property
     def name(self) -> str:
         return f"meshtrain pp={self.p} {self.schedule}" + (
-            " v=2" if self.schedule == "interleaved" else "")
+            f" v={self.v}" if self.kind.takes_virtual_stages else "")
 
     def build(self, shape: Shape) -> Step:
         p, v, place = self.p, self.v, self.placement
@@ -217,15 +215,12 @@ class MeshtrainPipeline(PipelineContender):
         stage = StageSpec(tuple(chunks[g] for g in mine), has_embedding=mine[0] == 0,
                           has_head=mine[-1] == last)
         model = meshtrain.build_model(shape.config(), mesh, seed=0, stage=stage)
-        if self.schedule == "zb-v":  # as PipelineExecutor: the order chosen on estimated costs
-            costs = estimated_costs(tuple(len(layers) for layers in chunks),
-                                    *shape.config().pipeline_work_shares(shape.seq))
-            actions = zb_v(p, MICRO_BATCHES, costs)[s]
-        else:
-            actions = MESHTRAIN_SCHEDULES[self.schedule][0](p, MICRO_BATCHES)[s]
-        # as PipelineExecutor: the split backward only under the zero-bubble schedules
-        weight_grads = defer_weight_gradients(model) if self.schedule in SPLIT_BACKWARD \
-            else None
+        # as PipelineExecutor: zb-v's order chosen on estimated costs, the split backward only
+        # under the zero-bubble schedules
+        costs = estimated_costs(tuple(len(layers) for layers in chunks), *shape.config(
+        ).pipeline_work_shares(shape.seq)) if self.kind.orders_on_costs else None
+        actions = self.kind.action_lists(p, MICRO_BATCHES, v=v, chunk_costs=costs)[s]
+        weight_grads = defer_weight_gradients(model) if self.kind.split_backward else None
         params = list(model.parameters())
         batches = micro_batches(shape)
         activation = (shape.batch // MICRO_BATCHES, shape.seq, shape.hidden)
@@ -504,9 +499,10 @@ def report_pairs(results: list[Result]) -> None:
 def equal_cost_bubbles(p: int, m: int) -> str:
     """Each meshtrain schedule's mean idle fraction over ranks, simulated at equal costs."""
     parts = []
-    for name, (generator, v, place) in MESHTRAIN_SCHEDULES.items():
-        sim = simulate(generator(p, m), forward_cost=1.0, backward_cost=2.0, v=v,
-                       placement=place)
+    for name in MESHTRAIN_SCHEDULES:
+        schedule, v = SCHEDULES[name], chunks_per_rank(SCHEDULES[name])
+        sim = simulate(schedule.action_lists(p, m, v=v), forward_cost=1.0, backward_cost=2.0,
+                       v=v, placement=schedule.placement)
         parts.append(f"{name} {statistics.fmean(map(sim.idle_fraction, range(p))):.1%}")
     return ", ".join(parts)
 
@@ -603,9 +599,10 @@ def report_orders(results: list[Result], p: int) -> None:
         twin = TWIN.get(getattr(r.contender, "schedule", ""))
         if order is None or twin is None:
             continue
-        generator, v, place = MESHTRAIN_SCHEDULES[twin]
-        ours = {s: [(a.kind, a.micro, place(s, a.chunk, p)) for a in actions
-                    if a.kind in COMPUTE] for s, actions in enumerate(generator(p, MICRO_BATCHES))}
+        schedule = SCHEDULES[twin]  # zb-v: the handcrafted order (no costs)
+        lists = schedule.action_lists(p, MICRO_BATCHES, v=chunks_per_rank(schedule))
+        ours = {s: [(a.kind, a.micro, schedule.placement(s, a.chunk, p)) for a in actions
+                    if a.kind in COMPUTE] for s, actions in enumerate(lists)}
         differ = [s for s in range(p) if [tuple(a) for a in order[s]] != ours[s]]
         verdict = "the same" if not differ else f"different on ranks {differ}"
         print(f"{r.contender.name}: per-rank compute order (F/I/W or F/B, micro-batch, global"
