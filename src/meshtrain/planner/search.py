@@ -8,11 +8,12 @@ divisors of the per-dp batch up to MAX_MICRO_BATCH; schedules 1f1b and interleav
 stages the divisors of layers / pp from 2 to MAX_VIRTUAL_STAGES, and zb-h1 and zb-v where they
 run (1d tensor parallelism; zb-v: 2 x pp layers at least); gpipe only when fixed (it does
 1F1B's work holding every micro-batch's activations, and the simulator never finds it faster),
-2bw only when fixed (its delayed update changes what is trained); sp with tp > 1; ZeRO 0-3;
-recompute none, selective, full; the tensor-parallel schemes tp forms a grid for
-(`scheme_space.py`: 1d, 2d, 2.5d at each depth, 3d; a grid's micro-batches split evenly over
-its batch split, up to MAX_MICRO_BATCH sequences per rank), each scheme its own degree
-combination. `ParallelPlan.validate` rejects what meshtrain cannot run, with its reason.
+2bw only when fixed (its delayed update changes what is trained), eager-1f1b only when fixed
+(it holds more activations to hide transfer latency, which the cost model does not credit);
+sp with tp > 1; ZeRO 0-3; recompute none, selective, full; the tensor-parallel schemes tp forms
+a grid for (`scheme_space.py`: 1d, 2d, 2.5d at each depth, 3d; a grid's micro-batches split
+evenly over its batch split, up to MAX_MICRO_BATCH sequences per rank), each scheme its own
+degree combination. `ParallelPlan.validate` rejects what meshtrain cannot run, with its reason.
 
 Pruned so thousands of devices take seconds (a prediction takes milliseconds, a deep pipeline's
 more). Exactly, since saving memory never makes the cost model faster: recompute, ZeRO 2 and 3
