@@ -90,7 +90,8 @@ def test_the_kernel_is_chosen_by_device_and_dtype():
     assert optim.adamw_kernel(floats) == optim.ADAMW_KERNELS["cpu"] == "fused"
     assert optim.adamw_kernel([torch.zeros(2, device="meta")]) == "foreach"  # no fused kernel
     assert optim.adamw_kernel([torch.zeros(2, dtype=torch.int64)]) == "foreach"
-    adamw = optim.build_adamw([torch.nn.Parameter(torch.zeros(2, 2))], lr=1e-3, weight_decay=0)
+    adamw = optim.build_adamw([torch.nn.Parameter(torch.zeros(2, 2))],
+                              optim.OptimizerSettings(lr=1e-3, weight_decay=0))
     assert adamw.defaults["fused"] and not adamw.defaults["foreach"]
     step = optim.restored_step(adamw, adamw.param_groups[0]["params"][0],
                                torch.tensor([3.0], dtype=torch.float64))
