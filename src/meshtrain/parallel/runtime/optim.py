@@ -121,6 +121,11 @@ class OptimizerSettings:
         return lr - (lr - self.min_lr) * progress
 
 
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The per-parameter states AdamW keeps besides its step count: what ZeRO shards, offloads and
+exports, and what a checkpoint holds under `optim/`."""
+
+
 ADAMW_KERNELS = {"cuda": "fused", "cpu": "fused"}
 """The AdamW implementation each device type steps with: torch's fused kernel (on the CPU since
 torch 2.4; every floating dtype) reads and writes each element once, where `foreach` makes about
