@@ -34,6 +34,7 @@ LR_SCHEDULE_SETTINGS = ("lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay
 """The fields `OptimizerSettings.lr_at` reads: what shapes the learning-rate schedule."""
 
 FP32_MAX = 3.4028234663852886e38
+"""The largest finite fp32: AdamW steps fp32 values, where a larger setting is inf."""
 
 
 def _setting(default: Any, help: str, *, choices: tuple | None = None) -> Any:
