@@ -22,13 +22,14 @@ import textwrap
 API_SCRIPT = textwrap.dedent("""
     import meshtrain
     import torch
-    from meshtrain import ParallelPlan, parallelize, preset
+    from meshtrain import OptimizerSettings, ParallelPlan, parallelize, preset
 
     cfg = preset("llama-tiny")
     plan = ParallelPlan(tp=4, sequence_parallel=True, micro_batch=2)
     plan = plan.validate(cfg, world_size=4, global_batch=4, seq_len=32)
     mesh = meshtrain.init_parallel(**plan.degrees, device="cpu")
-    run = parallelize(cfg, plan, mesh, seed=0, seq_len=32, lr=1e-3, weight_decay=0.0, steps=3)
+    run = parallelize(cfg, plan, mesh, seed=0, seq_len=32, steps=3,
+                      optimizer=OptimizerSettings(lr=1e-3, weight_decay=0.0))
     tokens = torch.randint(0, cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
     batches = lambda step: [(t[:, :-1], t[:, 1:]) for t in tokens.split(plan.micro_batch)]
     run.sync.zero_grad()

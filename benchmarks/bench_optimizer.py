@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from meshtrain.models import preset
-from meshtrain.parallel.runtime.optim import build_adamw
+from meshtrain.parallel.runtime.optim import OptimizerSettings, build_adamw
 
 SIZES = {"tiny": ("tiny", {}), "gpt2-4-layers": ("gpt2", {"num_layers": 4}),
          "gpt2": ("gpt2", {})}
@@ -54,7 +54,8 @@ def _parameters(shapes: list[tuple[int, ...]], layout: str,
 
 def _optimizer(shapes, layout: str, kernel: str) -> torch.optim.AdamW:
     params, no_decay = _parameters(shapes, layout, seed=0)
-    optimizer = build_adamw(params, lr=3e-4, weight_decay=0.1, no_decay=no_decay)
+    optimizer = build_adamw(params, OptimizerSettings(lr=3e-4, weight_decay=0.1),
+                            no_decay=no_decay)
     for group in optimizer.param_groups:  # the kernel under test, whatever build_adamw picks
         group["fused"], group["foreach"] = kernel == "fused", kernel == "foreach"
     optimizer.defaults["fused"] = kernel == "fused"

@@ -7,14 +7,14 @@ few steps through its gradient sync and step executor, against the same Llama on
 import torch
 
 import meshtrain
-from meshtrain import ParallelPlan, parallelize, preset
+from meshtrain import OptimizerSettings, ParallelPlan, parallelize, preset
 
 SEQ, BATCH, LR = 32, 4, 1e-3
 cfg = preset("llama-tiny")  # 8 heads sharing 4 key/value heads: 2 of them on each rank
 plan = ParallelPlan(tp=2, sequence_parallel=True, micro_batch=2)
 plan = plan.validate(cfg, world_size=2, global_batch=BATCH, seq_len=SEQ)  # dp=1 filled in
 mesh = meshtrain.init_parallel(**plan.degrees, device="cpu")  # reads torchrun's environment
-options = dict(seed=0, seq_len=SEQ, lr=LR, weight_decay=0.0, steps=3)
+options = dict(seed=0, seq_len=SEQ, steps=3, optimizer=OptimizerSettings(lr=LR, weight_decay=0.0))
 runs = {"tp=2 + sp": parallelize(cfg, plan, mesh, **options),
         "one process": parallelize(cfg, ParallelPlan(micro_batch=2).resolved(1),
                                    meshtrain.ParallelMesh.local(), **options)}

@@ -28,7 +28,7 @@ def test_help_explains_every_flag(capsys):
 def test_config_file_then_flags(tmp_path):
     cfg = build_config({"train": {"steps": 7, "lr": 0.5}, "parallel": {"tp": 1}},
                        {"train": {"lr": 0.25}})
-    assert (cfg.train.steps, cfg.train.lr, cfg.plan.tp) == (7, 0.25, 1)
+    assert (cfg.train.steps, cfg.optimizer.lr, cfg.plan.tp) == (7, 0.25, 1)
     again = build_config(tomllib.loads(cfg.to_toml()), {})
     assert again.to_dict() == cfg.to_dict()  # the resolved config round-trips through TOML
 

@@ -16,7 +16,7 @@ from meshtrain.cli.parsers import build_parser
 from meshtrain.config.run_config import build_config, validate
 from meshtrain.data.corpus import BatchSampler
 from meshtrain.parallel import CommRecorder, named_full_tensors
-from meshtrain.parallel.runtime.optim import global_grad_norm, lr_at
+from meshtrain.parallel.runtime.optim import OptimizerSettings, global_grad_norm
 from meshtrain.parallelize import build_model
 from meshtrain.training.metrics import MetricsLog, read_metrics
 from meshtrain.training.trainer import Trainer, run_training
@@ -147,25 +147,30 @@ def test_resume_at_another_layout(corpus, tmp_path):
         assert abs(a[step] - b[step]) / b[step] < 1e-5, step
 
 
+def _lr_at(schedule: str = "cosine"):
+    settings = OptimizerSettings(lr=1.0, min_lr=0.1, warmup_steps=10, lr_schedule=schedule)
+    return lambda step: settings.lr_at(step, total_steps=110)
+
+
 def test_lr_schedule_warmup_then_cosine():
-    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110)
-    assert lr_at(0, **kw) == pytest.approx(0.1)
-    assert lr_at(9, **kw) == pytest.approx(1.0)
-    assert lr_at(60, **kw) == pytest.approx(0.55)
-    assert lr_at(110, **kw) == pytest.approx(0.1)
-    assert lr_at(500, **kw) == pytest.approx(0.1)
+    lr_at = _lr_at()
+    assert lr_at(0) == pytest.approx(0.1)
+    assert lr_at(9) == pytest.approx(1.0)
+    assert lr_at(60) == pytest.approx(0.55)
+    assert lr_at(110) == pytest.approx(0.1)
+    assert lr_at(500) == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("schedule,at_60,at_100", [
     ("linear", 0.55, 0.19), ("constant", 1.0, 1.0), ("wsd", 1.0, 0.28)])
 def test_other_lr_schedules_after_the_same_warmup(schedule, at_60, at_100):
     """wsd with decay fraction 0.2: constant to step 90, then linear to min_lr at 110."""
-    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, total_steps=110, schedule=schedule)
-    assert lr_at(0, **kw) == pytest.approx(0.1) and lr_at(9, **kw) == pytest.approx(1.0)
-    assert lr_at(60, **kw) == pytest.approx(at_60)
-    assert lr_at(90, **kw) == pytest.approx(1.0 if schedule != "linear" else 0.28)
-    assert lr_at(100, **kw) == pytest.approx(at_100 if schedule != "wsd" else 0.55)
-    assert lr_at(110, **kw) == pytest.approx(0.1 if schedule != "constant" else 1.0)
+    lr_at = _lr_at(schedule)
+    assert lr_at(0) == pytest.approx(0.1) and lr_at(9) == pytest.approx(1.0)
+    assert lr_at(60) == pytest.approx(at_60)
+    assert lr_at(90) == pytest.approx(1.0 if schedule != "linear" else 0.28)
+    assert lr_at(100) == pytest.approx(at_100 if schedule != "wsd" else 0.55)
+    assert lr_at(110) == pytest.approx(0.1 if schedule != "constant" else 1.0)
 
 
 def _optimizer_hyperparameters(corpus, zero):
@@ -189,7 +194,7 @@ def test_the_lr_schedule_is_a_setting_the_run_logs(corpus, tmp_path, capsys):
     flags = ["train", "--lr-schedule", "wsd", "--lr-decay-fraction", "0.5", "--data", corpus,
              "--out", str(tmp_path / "run")]
     cfg = _train_config(build_parser().parse_args(flags))
-    assert (cfg.train.lr_schedule, cfg.train.lr_decay_fraction) == ("wsd", 0.5)
+    assert (cfg.optimizer.lr_schedule, cfg.optimizer.lr_decay_fraction) == ("wsd", 0.5)
     assert main(["train", "--lr-schedule", "step", "--data", corpus, "--out",
                  str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err

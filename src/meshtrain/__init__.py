@@ -11,6 +11,7 @@ from meshtrain.models import FAMILIES, PRESETS, CausalLM, get_family, preset
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.models.llama import Llama, LlamaConfig
 from meshtrain.parallel.layers.rng import RNGTracker
+from meshtrain.parallel.runtime.optim import OptimizerSettings
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import destroy_parallel, init_parallel
 from meshtrain.parallelize import build_model, parallelize
@@ -25,6 +26,7 @@ __all__ = [
     "CausalLM",
     "DenseModel",
     "MeshAxis",
+    "OptimizerSettings",
     "ParallelMesh",
     "ParallelPlan",
     "RNGTracker",

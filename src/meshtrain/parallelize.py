@@ -27,7 +27,7 @@ from meshtrain.parallel.runtime.executor import (
     PipeDreamExecutor,
     PipelineExecutor,
 )
-from meshtrain.parallel.runtime.optim import BETAS, EPS
+from meshtrain.parallel.runtime.optim import OptimizerSettings
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.sync import GradientSync, ReplicatedSync, ZeroSync
 from meshtrain.parallel.schemes.factory import LayerFactory
@@ -46,15 +46,15 @@ class ParallelModel:
 
 
 def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: ParallelMesh, *,
-                seed: int, seq_len: int, lr: float, weight_decay: float,
-                steps: int, packing: Packing = ONE_STREAM, betas: tuple[float, float] = BETAS,
-                eps: float = EPS, offload_dir: Path | None = None) -> ParallelModel:
+                seed: int, seq_len: int, steps: int, optimizer: OptimizerSettings | None = None,
+                packing: Packing = ONE_STREAM, offload_dir: Path | None = None) -> ParallelModel:
     """Build this rank's part of `model_cfg` laid out as `plan` (already validated, degrees
-    those of `mesh`). `seq_len` sizes the pipeline's transfers; `lr` and `weight_decay` the
-    AdamW (with `betas` and `eps`); `steps` is the run's last step (PipeDream-2BW lays out
-    the whole run); `packing` how the executor feeds packed documents; `offload_dir` this
-    rank's folder for ZeRO's states under `offload_optimizer` nvme."""
+    those of `mesh`). `seq_len` sizes the pipeline's transfers; `steps` is the run's last step
+    (PipeDream-2BW lays out the whole run); `optimizer` the AdamW (default: a run's settings);
+    `packing` how the executor feeds packed documents; `offload_dir` this rank's folder for
+    ZeRO's states under `offload_optimizer` nvme."""
     plan.check_trainable()
+    optimizer = (optimizer or OptimizerSettings()).validate()
     stage = pipeline_stage(model_cfg.num_layers, plan, mesh)
     model = build_model(model_cfg, mesh, plan, seed=seed, stage=stage)
     factory = model.factory
@@ -63,8 +63,8 @@ def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: Parallel
         convert_to_float8(model, plan.fp8)
     model.to(plan.dtype)
     roles = model.roles()
-    sync = gradient_sync(model, roles, factory, plan, mesh, lr=lr, weight_decay=weight_decay,
-                         betas=betas, eps=eps, offload_dir=offload_dir)
+    sync = gradient_sync(model, roles, factory, plan, mesh, optimizer=optimizer,
+                         offload_dir=offload_dir)
     if plan.compile:
         compile_blocks(model)
     executor = step_executor(model, factory, sync, plan, mesh, seq_len=seq_len, steps=steps,
@@ -95,12 +95,11 @@ def pipeline_stage(num_layers: int, plan: ParallelPlan, mesh: ParallelMesh) -> S
 
 
 def gradient_sync(model: nn.Module, roles: ParameterRoles, factory: LayerFactory,
-                  plan: ParallelPlan, mesh: ParallelMesh, *, lr: float,
-                  weight_decay: float, betas: tuple[float, float] = BETAS,
-                  eps: float = EPS, offload_dir: Path | None = None) -> GradientSync:
+                  plan: ParallelPlan, mesh: ParallelMesh, *, optimizer: OptimizerSettings,
+                  offload_dir: Path | None = None) -> GradientSync:
     common = dict(partial=factory.partial_gradients(model, exclude=roles.experts),
                   bucket_bytes=int(plan.bucket_mb * 2**20), grad_dtype=plan.gradient_dtype,
-                  lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+                  optimizer=optimizer)
     if plan.zero:
         return ZeroSync(model, roles, mesh, stage=plan.zero,
                         offload=plan.offload_optimizer != "none", offload_dir=offload_dir,

@@ -55,8 +55,7 @@ from meshtrain.parallel.layers.sharding import (
     shard_tensor,
     splits,
 )
-
-OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
+from meshtrain.parallel.runtime.optim import ADAMW_MOMENTS
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -163,7 +162,7 @@ def prepare_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: P
     sources += [("previous/" + n, previous[n].detach(), n) for n in names if previous]
     for n in names:
         state = (states or {}).get(n, {})
-        sources += [(f"optim/{s}/{n}", state[s], n) for s in OPTIMIZER_STATES if s in state]
+        sources += [(f"optim/{s}/{n}", state[s], n) for s in ADAMW_MOMENTS if s in state]
     tensors, entries = _rank_pieces(sources, model, mesh, file_name)
     if mesh.rank == 0 and optimizer_step is not None:
         tensors["optim/step"] = optimizer_step.detach().reshape(1).float().cpu()
@@ -366,7 +365,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
         if "optim/step" in manifest["tensors"]:  # else: saved before any step
             step = reader.full("optim/step")
             states = {name: {s: local(f"optim/{s}/{name}", shards[name])
-                             for s in OPTIMIZER_STATES} for name in names}
+                             for s in ADAMW_MOMENTS} for name in names}
         previous = {name: local("previous/" + name, shards[name]) for name in names} \
             if "previous/" + names[0] in manifest["tensors"] else None
         load_states(values, states, step, previous=previous)

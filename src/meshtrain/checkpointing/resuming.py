@@ -33,8 +33,9 @@ from meshtrain.checkpointing.checkpoint import (
 from meshtrain.checkpointing.retention import checkpoint_age
 from meshtrain.checkpointing.verify import STEP_NAME
 from meshtrain.config.run_config import RunConfig
+from meshtrain.parallel.runtime.optim import LR_SCHEDULE_SETTINGS
 
-SCHEDULE_SETTINGS = ("steps", "lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay_fraction")
+SCHEDULE_SETTINGS = ("steps", *LR_SCHEDULE_SETTINGS)
 DATA_SETTINGS = ("data", "data_path")
 NOT_CARRIED = {("checkpoint", "out"), ("checkpoint", "resume"), ("checkpoint", "auto_resume"),
                ("checkpoint", "init_from"), ("train", "stop_at"), ("parallel", "nproc"),
@@ -179,25 +180,27 @@ def changes(cfg: RunConfig, path: Path, step: int) -> list[str]:
         saved = tomllib.loads((path / "config.toml").read_text())
     except (OSError, tomllib.TOMLDecodeError):
         return []
-    train, lines = saved.get("train", {}), []
+    train, lines, tables = saved.get("train", {}), [], cfg.to_dict()
     # a schedule setting an older config lacks is not compared; data settings left out were unset
-    schedule = _changed(train, cfg.train, [name for name in SCHEDULE_SETTINGS if name in train])
+    schedule = _changed(train, tables["train"],
+                        [name for name in SCHEDULE_SETTINGS if name in train])
     if schedule:
         values = "value" if len(schedule) == 1 else "values"
         lines.append(f"{', '.join(schedule)} on resume: the learning-rate schedule follows the"
                      f" new {values} from step {step} on")
-    if data := _changed(saved.get("data", {}), cfg.data, DATA_SETTINGS):
+    if data := _changed(saved.get("data", {}), tables["data"], DATA_SETTINGS):
         lines.append(f"{', '.join(data)} on resume: the batches from step {step} on are drawn"
                      " from the new data")
     return lines
 
 
-def _changed(saved: dict, settings, names) -> list[str]:
-    """"`name` changed from OLD to NEW" for each of `names` whose value differs from the saved
-    one (a list as its items joined by spaces, as flags take it)."""
+def _changed(saved: dict, current: dict, names) -> list[str]:
+    """"`name` changed from OLD to NEW" for each of `names` whose value in `current` (a table of
+    `RunConfig.to_dict`) differs from the saved one (a list as its items joined by spaces, as
+    flags take it)."""
     def shown(value) -> str:
         return "unset" if value is None else " ".join(value) if isinstance(value, list) \
             else str(value)
 
-    return [f"`{name}` changed from {shown(saved.get(name))} to {shown(getattr(settings, name))}"
-            for name in names if saved.get(name) != getattr(settings, name)]
+    return [f"`{name}` changed from {shown(saved.get(name))} to {shown(current[name])}"
+            for name in names if saved.get(name) != current[name]]

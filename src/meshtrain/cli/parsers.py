@@ -10,6 +10,7 @@ import dataclasses
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.documents import ON_ERROR
+from meshtrain.parallel.runtime.optim import OptimizerSettings
 from meshtrain.parallel.runtime.process_groups import DEVICE_KINDS
 from meshtrain.planner.hardware import BUILT_IN
 
@@ -47,8 +48,7 @@ def command(sub, name: str, **kw) -> argparse.ArgumentParser:
 _TABLE_GROUPS = {"model": "model", "data": "data", "parallel": "parallel layout",
                  "train": "training", "checkpoint": "checkpoints", "logging": "logging"}
 _MOVED = {"precision": ("precision", "grad_dtype", "fp8", "loss_scale_window"),
-          "optimizer": ("lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay_fraction",
-                        "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "clip_grad"),
+          "optimizer": tuple(f.name for f in dataclasses.fields(OptimizerSettings)),
           "logging": ("log_every", "trace"),
           "operations": ("nproc", "threads", "max_restarts", "device", "collective_timeout",
                          "max_nonfinite_steps")}

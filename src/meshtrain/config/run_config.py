@@ -2,7 +2,8 @@
 
 Sections (TOML tables of the same names, defined in `settings.py`): model, parallel, train,
 data, checkpoint. The layout's settings are the fields of the run's `ParallelPlan` (`plan`),
-each in the table its field names (tp in [parallel], micro_batch in [train]). Every setting is a
+and AdamW's, its schedule's and clipping's those of its `OptimizerSettings` (`optimizer`), each
+in the table its field names (tp in [parallel], micro_batch and lr in [train]). Every setting is a
 CLI flag of `meshtrain train` (underscores become dashes) whose help text is the field's `help`.
 Precedence: defaults < --config FILE.toml < flags. A run's settings become a model config
 (`model_config`, of the preset's family) and its plan; `validate` checks them all before any
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.util
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -32,20 +32,22 @@ from meshtrain.config.settings import (
 )
 from meshtrain.data.blend import parse_data_path
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE, check_seed
-from meshtrain.errors import Code, SettingError, alternatives
+from meshtrain.errors import Code, SettingError
 from meshtrain.interop.titan_dcp import dcp_model_config, is_dcp_directory
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.layers.fp8 import check_fp8_device
-from meshtrain.parallel.runtime.optim import LR_SCHEDULES
+from meshtrain.parallel.runtime.optim import OptimizerSettings
 from meshtrain.parallel.runtime.plan import ParallelPlan, parse_setting
 from meshtrain.parallel.runtime.process_groups import check_local_devices, resolve_device
 
 DEFAULT_PRESET = "tiny"
-FP32_MAX = 3.4028234663852886e38
 MIN_COLLECTIVE_TIMEOUT_S = 1.0
 RUN_PLAN = ParallelPlan(**{f.name: f.metadata["run_default"]
                            for f in dataclasses.fields(ParallelPlan)})
 """A run's layout before any setting: the plan's defaults, and the run's where they differ."""
+SPREAD = {"plan": ParallelPlan, "optimizer": OptimizerSettings}
+"""`RunConfig`'s settings objects whose fields each name their TOML table (`section`)."""
+_OWNERS = {f: owner for owner, cls in SPREAD.items() for f in dataclasses.fields(cls)}
 
 
 @dataclass
@@ -58,6 +60,8 @@ class RunConfig:
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     plan: ParallelPlan = field(default_factory=lambda: RUN_PLAN)
     """The layout: its fields are settings of the tables their `section` names."""
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    """AdamW, its learning-rate schedule and clipping: its fields are settings of [train]."""
 
     @property
     def run_name(self) -> str:
@@ -85,12 +89,12 @@ class RunConfig:
 
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "plan"}
+                if f.name not in SPREAD}
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         tables = {name: dataclasses.asdict(sec) for name, sec in self.sections().items()}
-        for f in dataclasses.fields(ParallelPlan):
-            value = getattr(self.plan, f.name)
+        for f, owner in _OWNERS.items():
+            value = getattr(getattr(self, owner), f.name)
             tables[f.metadata["section"]][f.name] = \
                 ",".join(map(str, value)) if isinstance(value, tuple) else value
         return tables
@@ -204,14 +208,13 @@ def _toml_value(value: Any) -> str:
 
 def flag_fields() -> list[tuple[str, dataclasses.Field]]:
     """(section, field) for every setting, in a stable order (used to build the CLI): each
-    section's own settings, then the plan's fields of that section."""
-    plan_fields = dataclasses.fields(ParallelPlan)
+    section's own settings, then the plan's and the optimizer's fields of that section."""
     return [(name, f) for name, cls in (("model", ModelSettings), ("parallel", ParallelSettings),
                                          ("train", TrainSettings), ("data", DataSettings),
                                          ("checkpoint", CheckpointSettings),
                                          ("logging", LoggingSettings))
             for f in (*dataclasses.fields(cls),
-                      *(f for f in plan_fields if f.metadata["section"] == name))]
+                      *(f for f in _OWNERS if f.metadata["section"] == name))]
 
 
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -230,7 +233,7 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
     cfg = RunConfig()
     known = {section: {f.name: f for s, f in flag_fields() if s == section}
              for section in cfg.sections()}
-    layout: dict[str, Any] = {}
+    spread: dict[str, dict[str, Any]] = {owner: {} for owner in SPREAD}
     for source, values in (("config file", file_values), ("flags", overrides)):
         for section, entries in values.items():
             if section not in known or not isinstance(entries, dict):
@@ -242,11 +245,12 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
                                      f" {', '.join(known[section])}")
                 f = known[section][key]
                 value = _coerce(f"{section}.{key}", f, value)
-                if f.name in _PLAN_FIELDS and _PLAN_FIELDS[f.name] is f:
-                    layout[key] = value
+                if f in _OWNERS:
+                    spread[_OWNERS[f]][key] = value
                 else:
                     setattr(getattr(cfg, section), key, value)
-    cfg.plan = dataclasses.replace(cfg.plan, **layout)
+    for owner, values in spread.items():
+        setattr(cfg, owner, dataclasses.replace(getattr(cfg, owner), **values))
     if cfg.checkpoint.out is not None and not cfg.checkpoint.out.strip():
         raise ValueError("`out` is empty, which would write the run into the current directory:"
                          " name a directory, or leave `out` out for runs/<date-time>")
@@ -260,9 +264,6 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
             datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.checkpoint.out = "runs/" + stamp
     return cfg
-
-
-_PLAN_FIELDS = {f.name: f for f in dataclasses.fields(ParallelPlan)}
 
 
 def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
@@ -325,6 +326,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     plan.check_trainable()
     check_local_devices(p.device, local_ranks(cfg, world_size))
     _validate_train(t)
+    cfg.optimizer.validate()
     if cfg.checkpoint.keep_last < 0:
         raise ValueError(f"`keep_last` must be >= 0 (0 keeps every checkpoint), got"
                          f" {cfg.checkpoint.keep_last}")
@@ -435,31 +437,10 @@ def _validate_train(t: TrainSettings) -> None:
                  "max_nonfinite_steps"):
         if getattr(t, name) < 1:
             raise ValueError(f"`{name}` must be positive, got {getattr(t, name)}")
-    for name in ("warmup_steps", "eval_every"):
-        if getattr(t, name) < 0:
-            raise ValueError(f"`{name}` must be >= 0, got {getattr(t, name)}")
+    if t.eval_every < 0:
+        raise ValueError(f"`eval_every` must be >= 0, got {t.eval_every}")
     if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
         raise ValueError(f"`stop_at` must be between 1 and `steps` ({t.steps}), got {t.stop_at}")
-    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):  # finite as fp32 values too
-        if not abs(getattr(t, name)) <= FP32_MAX:
-            raise ValueError(f"`{name}` must be a finite number (an fp32 one, at most"
-                             f" {FP32_MAX:.3g}), got {getattr(t, name)}")
-    if t.lr < 0 or t.min_lr < 0:
-        raise ValueError(f"`lr` and `min_lr` must be >= 0, got {t.lr} and {t.min_lr}")
-    if t.min_lr > t.lr:
-        raise ValueError(f"`min_lr` ({t.min_lr}) must not exceed `lr` ({t.lr})")
-    if t.weight_decay < 0 or t.clip_grad < 0:
-        raise ValueError("`weight_decay` and `clip_grad` must be >= 0")
-    if t.lr_schedule not in LR_SCHEDULES:
-        raise SettingError(Code.CHOICE, f"`lr_schedule` must be {alternatives(LR_SCHEDULES)},"
-                                        f" got {t.lr_schedule!r}")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(t, name) < 1.0:
-            raise ValueError(f"`{name}` must be in [0, 1), got {getattr(t, name)}")
-    if not (math.isfinite(t.adam_eps) and t.adam_eps > 0):
-        raise ValueError(f"`adam_eps` must be a positive number, got {t.adam_eps}")
-    if not 0.0 < t.lr_decay_fraction <= 1.0:
-        raise ValueError(f"`lr_decay_fraction` must be in (0, 1], got {t.lr_decay_fraction}")
     if t.loss_scale_window < 1:
         raise ValueError(f"`loss_scale_window` must be positive, got {t.loss_scale_window}")
     check_seed(t.seed)

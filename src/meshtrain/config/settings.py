@@ -1,7 +1,8 @@
 """The run's settings, section by section (TOML tables of the same names): every field is a
 CLI flag of `meshtrain train` (underscores become dashes) whose help text is its `help`. The
-layout's settings are `ParallelPlan`'s fields, which say their own table (`section`);
-`run_config.py` combines both into a `RunConfig`, reads TOML files and checks everything."""
+layout's settings are `ParallelPlan`'s fields and the optimizer's `OptimizerSettings`' fields,
+which say their own table (`section`); `run_config.py` combines them into a `RunConfig`, reads
+TOML files and checks everything."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from dataclasses import dataclass, field
 
 from meshtrain.models import PRESETS
 from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
-from meshtrain.parallel.runtime.optim import LR_SCHEDULES
 from meshtrain.parallel.runtime.process_groups import DEVICE_KINDS
 
 
@@ -86,19 +86,6 @@ class TrainSettings:
                                    " would")
     global_batch: int = _f(16, "sequences per optimizer step, over all data-parallel ranks")
     seq_len: int = _f(128, "tokens per sequence")
-    lr: float = _f(3e-3, "peak learning rate")
-    min_lr: float = _f(3e-4, "learning rate at the end of the decay")
-    warmup_steps: int = _f(20, "linear warmup steps")
-    lr_schedule: str = _f("cosine", "after warmup: cosine or linear decay to --min-lr, constant,"
-                                    " or wsd (warmup-stable-decay: constant, then a linear"
-                                    " decay over the last --lr-decay-fraction of the steps)",
-                          choices=LR_SCHEDULES)
-    lr_decay_fraction: float = _f(0.2, "wsd: the fraction of the steps after warmup that decay")
-    adam_beta1: float = _f(0.9, "AdamW's first-moment decay")
-    adam_beta2: float = _f(0.95, "AdamW's second-moment decay")
-    adam_eps: float = _f(1e-8, "AdamW's epsilon, added to the second moment's square root")
-    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases and LayerNorms)")
-    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
     max_nonfinite_steps: int = _f(1, "stop (exit code 5, nothing saved) after this many"
                                      " consecutive steps whose loss or gradient norm is inf or"
                                      " NaN; above 1, such steps skip their update (fp16 also"

@@ -48,7 +48,7 @@ from meshtrain.operations.stopping import SAVE_NOW, StopSignals, failed_rank, st
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.executor import Packing
-from meshtrain.parallel.runtime.optim import clip_grad_norm_, lr_at
+from meshtrain.parallel.runtime.optim import clip_grad_norm_
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import init_parallel
 from meshtrain.parallelize import ParallelModel, parallelize
@@ -118,9 +118,8 @@ class Trainer:
         d = cfg.data
         packing = Packing(corpus.eod_id, d.document_mask, d.reset_positions, d.eod_mask_loss)
         parallel = parallelize(cfg.model_config(corpus.vocab_size), plan, mesh, seed=t.seed,
-                               seq_len=t.seq_len, lr=t.lr, weight_decay=t.weight_decay,
-                               steps=t.stop_at or t.steps, packing=packing,
-                               betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                               seq_len=t.seq_len, steps=t.stop_at or t.steps,
+                               optimizer=cfg.optimizer, packing=packing,
                                offload_dir=cfg.offload_folder(mesh.world.rank))
         scaler = LossScaler(enabled=plan.precision == "fp16", growth_interval=t.loss_scale_window)
         train_data, eval_data = corpus.samplers(d.val_fraction, seq_len=t.seq_len,
@@ -141,10 +140,8 @@ class Trainer:
         `max_nonfinite_steps` lets a non-finite step be skipped, that read comes before the
         optimizer step; otherwise after it, so the device queue never drains mid-step (a
         non-finite step then ends the run before anything is saved)."""
-        t, mesh, sync = self.cfg.train, self.mesh, self.sync
-        lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
-                   total_steps=t.steps, schedule=t.lr_schedule,
-                   decay_fraction=t.lr_decay_fraction)
+        t, mesh, sync, optimizer = self.cfg.train, self.mesh, self.sync, self.cfg.optimizer
+        lr = optimizer.lr_at(step, total_steps=t.steps)
         self.model.train()
         sync.zero_grad()
         result = self.executor.forward_backward(step, self._micro_batches, sync,
@@ -156,7 +153,7 @@ class Trainer:
                 grad.mul_(1.0 / self.scaler.scale)
             scalars["overflow"] = self._any_overflow(grads)
         roles = self.parallel.roles
-        scalars["grad_norm"] = clip_grad_norm_(self.model, mesh, t.clip_grad, grads,
+        scalars["grad_norm"] = clip_grad_norm_(self.model, mesh, optimizer.clip_grad, grads,
                                                counted_elsewhere=roles.counted_elsewhere,
                                                experts=roles.experts, sharded=sync.sharded)
         comm.all_reduce(result.loss, mesh.dp_cp, op=torch.distributed.ReduceOp.AVG)

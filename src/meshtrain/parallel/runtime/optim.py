@@ -1,21 +1,130 @@
-"""AdamW with the usual decay groups, warmup + cosine learning rate, and global-norm clipping
-that counts every parameter exactly once across the mesh."""
+"""AdamW with the usual decay groups, its learning-rate schedule (linear warmup, then cosine,
+linear, constant or warmup-stable-decay), and global-norm clipping that counts every parameter
+exactly once across the mesh.
+
+`OptimizerSettings` is every setting of the three, defined once: each field declares its help
+text, its choices and its TOML table (`section`), from which the run config takes its flags,
+keys and `--help` (`config.run_config`), as it does from `ParallelPlan`'s fields. It validates
+itself (`validate`), travels whole from the run config through `parallelize` and the gradient
+syncs to `build_adamw`, and computes the schedule (`lr_at`): a new AdamW knob is a field here and
+its use in `build_adamw`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.sharding import primary_parameters
 from meshtrain.precision import wide_dtype
 
-BETAS, EPS = (0.9, 0.95), 1e-8
-"""AdamW's defaults here (GPT-3's and Megatron-LM's usual betas)."""
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+"""The `lr_schedule` choices after the linear warmup: cosine or linear decay to `min_lr` at the
+last step, constant `lr`, or warmup-stable-decay (constant, then linear decay to `min_lr` over
+the last `lr_decay_fraction` of the steps after warmup)."""
+
+LR_SCHEDULE_SETTINGS = ("lr", "min_lr", "warmup_steps", "lr_schedule", "lr_decay_fraction")
+"""The fields `OptimizerSettings.lr_at` reads: what shapes the learning-rate schedule."""
+
+FP32_MAX = 3.4028234663852886e38
+"""The largest finite fp32: AdamW steps fp32 values, where a larger setting is inf."""
+
+
+def _setting(default: Any, help: str, *, choices: tuple | None = None) -> Any:
+    """An optimizer field and what it declares (module docstring); all sit in [train]."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "section": "train"})
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW, its learning-rate schedule and gradient clipping; the defaults are a run's
+    (GPT-3's and Megatron-LM's usual betas). Clipping is here because it is part of the
+    update AdamW takes (Megatron-Core's `OptimizerConfig` holds it too), not of the loop."""
+
+    lr: float = _setting(3e-3, "peak learning rate")
+    min_lr: float = _setting(3e-4, "learning rate at the end of the decay")
+    warmup_steps: int = _setting(20, "linear warmup steps")
+    lr_schedule: str = _setting("cosine", "after warmup: cosine or linear decay to --min-lr,"
+                                          " constant, or wsd (warmup-stable-decay: constant,"
+                                          " then a linear decay over the last"
+                                          " --lr-decay-fraction of the steps)",
+                                choices=LR_SCHEDULES)
+    lr_decay_fraction: float = _setting(0.2, "wsd: the fraction of the steps after warmup that"
+                                             " decay")
+    adam_beta1: float = _setting(0.9, "AdamW's first-moment decay")
+    adam_beta2: float = _setting(0.95, "AdamW's second-moment decay")
+    adam_eps: float = _setting(1e-8, "AdamW's epsilon, added to the second moment's square"
+                                     " root")
+    weight_decay: float = _setting(0.1, "AdamW weight decay (not applied to biases and"
+                                        " LayerNorms)")
+    clip_grad: float = _setting(1.0, "clip the global gradient norm to this (0 disables)")
+
+    def validate(self) -> OptimizerSettings:
+        """Every value AdamW and the schedule can run, or a `SettingError`; returns self."""
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad"):  # finite as fp32 values too
+            if not abs(getattr(self, name)) <= FP32_MAX:
+                raise SettingError(Code.RANGE, f"`{name}` must be a finite number (an fp32 one,"
+                                               f" at most {FP32_MAX:.3g}), got"
+                                               f" {getattr(self, name)}")
+        if self.lr < 0 or self.min_lr < 0:
+            raise SettingError(Code.RANGE, f"`lr` and `min_lr` must be >= 0, got {self.lr} and"
+                                           f" {self.min_lr}")
+        if self.min_lr > self.lr:
+            raise SettingError(Code.MIN_LR_ABOVE_LR, f"`min_lr` ({self.min_lr}) must not exceed"
+                                                     f" `lr` ({self.lr})")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            raise SettingError(Code.RANGE, "`weight_decay` and `clip_grad` must be >= 0")
+        if self.warmup_steps < 0:
+            raise SettingError(Code.RANGE, f"`warmup_steps` must be >= 0, got"
+                                           f" {self.warmup_steps}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise SettingError(Code.CHOICE, f"`lr_schedule` must be"
+                                            f" {alternatives(LR_SCHEDULES)}, got"
+                                            f" {self.lr_schedule!r}")
+        if not 0.0 < self.lr_decay_fraction <= 1.0:
+            raise SettingError(Code.RANGE, f"`lr_decay_fraction` must be in (0, 1], got"
+                                           f" {self.lr_decay_fraction}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise SettingError(Code.RANGE, f"`{name}` must be in [0, 1), got"
+                                               f" {getattr(self, name)}")
+        if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):
+            raise SettingError(Code.RANGE, f"`adam_eps` must be a positive number, got"
+                                           f" {self.adam_eps}")
+        return self
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate for optimizer step `step` (0-based): linear warmup to `lr`, then
+        `lr_schedule` down to `min_lr` at `total_steps`."""
+        lr, warmup_steps = self.lr, self.warmup_steps
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        if self.lr_schedule == "constant":
+            return lr
+        decay_steps = max(1, total_steps - warmup_steps)
+        start = warmup_steps
+        if self.lr_schedule == "wsd":
+            decay_steps = max(1, round(self.lr_decay_fraction * decay_steps))
+            start = total_steps - decay_steps
+            if step < start:
+                return lr
+        progress = min(1.0, (step - start) / decay_steps)
+        if self.lr_schedule == "cosine":
+            return self.min_lr + 0.5 * (lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
+        return lr - (lr - self.min_lr) * progress
+
+
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
+"""The per-parameter states AdamW keeps besides its step count: what ZeRO shards, offloads and
+exports, and what a checkpoint holds under `optim/`."""
 
 
 ADAMW_KERNELS = {"cuda": "fused", "cpu": "fused"}
@@ -37,20 +146,21 @@ def adamw_kernel(params: list[torch.Tensor]) -> str:
     return ADAMW_KERNELS.get(kinds.pop(), "foreach")
 
 
-def build_adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float,
-                betas: tuple[float, float] = BETAS, eps: float = EPS,
+def build_adamw(params: Iterable[nn.Parameter], optimizer: OptimizerSettings, *,
                 no_decay: set[int] | None = None) -> torch.optim.AdamW:
-    """Decay matrices and embeddings; never biases or LayerNorm parameters (all 1-D). ZeRO's
-    flat pieces are 1-D whatever they came from: `no_decay` then names them (ids). Every AdamW
-    of a run is built here, so `adamw_kernel` picks the implementation in one place."""
+    """`optimizer`'s AdamW over `params`. Decay matrices and embeddings; never biases or
+    LayerNorm parameters (all 1-D). ZeRO's flat pieces are 1-D whatever they came from:
+    `no_decay` then names them (ids). Every AdamW of a run is built here, so `adamw_kernel`
+    picks the implementation in one place."""
     params = [p for p in params if p.requires_grad]
     skip = no_decay if no_decay is not None else {id(p) for p in params if p.dim() < 2}
     decay = [p for p in params if id(p) not in skip]
     no_decay = [p for p in params if id(p) in skip]
-    groups = [{"params": decay, "weight_decay": weight_decay},
+    groups = [{"params": decay, "weight_decay": optimizer.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
-                             **{adamw_kernel(params): True})
+    return torch.optim.AdamW(groups, lr=optimizer.lr,
+                             betas=(optimizer.adam_beta1, optimizer.adam_beta2),
+                             eps=optimizer.adam_eps, **{adamw_kernel(params): True})
 
 
 def restored_step(optimizer: torch.optim.Optimizer, param: torch.Tensor,
@@ -59,33 +169,6 @@ def restored_step(optimizer: torch.optim.Optimizer, param: torch.Tensor,
     it as fp32 on the parameter's device, `foreach` as a host scalar."""
     step = step.reshape(()).clone()
     return step.to(param.device, torch.float32) if optimizer.defaults.get("fused") else step
-
-
-LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
-"""The `lr_schedule` choices after the linear warmup: cosine or linear decay to `min_lr` at the
-last step, constant `lr`, or warmup-stable-decay (constant, then linear decay to `min_lr` over
-the last `lr_decay_fraction` of the steps after warmup)."""
-
-
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
-          schedule: str = "cosine", decay_fraction: float = 0.2) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup to `lr`, then
-    `schedule` (one of `LR_SCHEDULES`) down to `min_lr` at `total_steps`."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if schedule == "constant":
-        return lr
-    decay_steps = max(1, total_steps - warmup_steps)
-    start = warmup_steps
-    if schedule == "wsd":
-        decay_steps = max(1, round(decay_fraction * decay_steps))
-        start = total_steps - decay_steps
-        if step < start:
-            return lr
-    progress = min(1.0, (step - start) / decay_steps)
-    if schedule == "cosine":
-        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-    return lr - (lr - min_lr) * progress
 
 
 def global_grad_norm(model: nn.Module, mesh: ParallelMesh,

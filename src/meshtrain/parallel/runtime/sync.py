@@ -23,7 +23,7 @@ from meshtrain.memory import model_state_bytes
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import GradientReducer
-from meshtrain.parallel.runtime.optim import BETAS, EPS, build_adamw, restored_step
+from meshtrain.parallel.runtime.optim import OptimizerSettings, build_adamw, restored_step
 from meshtrain.parallel.runtime.zero import ZeroDataParallel
 from meshtrain.precision import MasterWeights
 
@@ -36,6 +36,7 @@ class GradientSync(ABC):
     pieces under ZeRO), to unscale and clip in place; `step(lr)`."""
 
     optimizer: torch.optim.Optimizer
+    """The AdamW `build_adamw` made from the `OptimizerSettings` the sync was given."""
     reducers: list  # GradientReducer or ZeroDataParallel: dense parameters, then experts
     sharded: bool
     """Whether data-parallel ranks hold different pieces of each gradient (clipping sums the
@@ -104,8 +105,7 @@ class ReplicatedSync(GradientSync):
 
     def __init__(self, model: nn.Module, roles: ParameterRoles, mesh: ParallelMesh, *,
                  partial: Partial, bucket_bytes: int, grad_dtype: torch.dtype, masters: bool,
-                 write_back: bool, lr: float, weight_decay: float,
-                 betas: tuple[float, float] = BETAS, eps: float = EPS):
+                 write_back: bool, optimizer: OptimizerSettings):
         super().__init__(model, mesh, partial)
         # Dense parameters are replicated over dp x cp, experts only over their edp replicas.
         # An expert's gradient already sums the losses of all ep ranks whose tokens it served;
@@ -121,8 +121,7 @@ class ReplicatedSync(GradientSync):
         self.tied = roles.tied
         self.masters = MasterWeights(params) if masters else None
         self.write_back = write_back
-        self.optimizer = build_adamw(self.masters.params if self.masters else params, lr=lr,
-                                     weight_decay=weight_decay, betas=betas, eps=eps)
+        self.optimizer = build_adamw(self.masters.params if self.masters else params, optimizer)
 
     def grads(self) -> dict[int, torch.Tensor]:
         return {id(p): reducer.grad(p) for reducer in self.reducers for p in reducer.params}
@@ -187,8 +186,7 @@ class ZeroSync(GradientSync):
 
     def __init__(self, model: nn.Module, roles: ParameterRoles, mesh: ParallelMesh, *,
                  partial: Partial, stage: int, bucket_bytes: int, grad_dtype: torch.dtype,
-                 offload: bool, lr: float, weight_decay: float, offload_dir: Path | None = None,
-                 betas: tuple[float, float] = BETAS, eps: float = EPS):
+                 offload: bool, optimizer: OptimizerSettings, offload_dir: Path | None = None):
         super().__init__(model, mesh, partial)
         experts = roles.experts
         common = dict(stage=stage, bucket_bytes=bucket_bytes, grad_dtype=grad_dtype,
@@ -210,8 +208,7 @@ class ZeroSync(GradientSync):
                 mesh.axis("edp"), **common, scale=1.0 / mesh.ep.size,
                 offload_dir=folder("experts")))
         pieces = [pair for reducer in self.reducers for pair in reducer.step_pieces()]
-        self.optimizer = build_adamw([piece for _, piece in pieces], lr=lr,
-                                     weight_decay=weight_decay, betas=betas, eps=eps,
+        self.optimizer = build_adamw([piece for _, piece in pieces], optimizer,
                                      no_decay={id(piece) for p, piece in pieces if p.dim() < 2})
 
     def wait(self) -> dict[int, torch.Tensor]:

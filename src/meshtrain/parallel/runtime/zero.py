@@ -42,7 +42,7 @@ from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import check_grad_views, reverse_buckets
 from meshtrain.parallel.runtime.nvme_offload import NvmeStore
-from meshtrain.parallel.runtime.optim import restored_step
+from meshtrain.parallel.runtime.optim import ADAMW_MOMENTS, restored_step
 from meshtrain.parallel.runtime.zero_bucket import BACKWARD, FORWARD, FREE, Bucket, shard_numel
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -50,7 +50,6 @@ ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 """The `offload_optimizer` choices."""
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 _EVICTED = torch.empty(0)  # what an offloaded master piece or moment points at between uses
 _IN_FLIGHT_REDUCTIONS = 2  # stage 2/3: buckets whose reduce-scatter may still be running
 
@@ -292,7 +291,7 @@ class ZeroDataParallel:
         for piece, (_, a, m) in zip(self._pieces[id(b)], b.pieces, strict=True):
             piece.data = states[a:a + m]
             state = optimizer.state.get(piece)
-            for i, name in enumerate(_MOMENTS if state else ()):
+            for i, name in enumerate(ADAMW_MOMENTS if state else ()):
                 view = states[(i + 1) * n + a:(i + 1) * n + a + m]
                 if state[name].numel() and state[name].data_ptr() != view.data_ptr():
                     view.copy_(state[name])
@@ -303,7 +302,7 @@ class ZeroDataParallel:
         for piece in self._pieces[id(b)]:
             piece.data = _EVICTED
             state = optimizer.state.get(piece) if optimizer is not None else None
-            for name in _MOMENTS if state else ():
+            for name in ADAMW_MOMENTS if state else ():
                 state[name] = _EVICTED
 
     # ------------------------------------------------------------------ stage 3 gathering
@@ -425,7 +424,7 @@ class ZeroDataParallel:
         full = self._gather_full(b, b.master)
         for p in b.params:
             values[id(p)] = b.param_view(full, p)
-        for name in _MOMENTS if stepped else ():
+        for name in ADAMW_MOMENTS if stepped else ():
             shard = torch.zeros(b.shard_size, dtype=torch.float32, device=b.master.device)
             for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
                 shard[a:a + n].copy_(optimizer.state[piece][name])
@@ -459,7 +458,7 @@ class ZeroDataParallel:
         if states is None or step is None:
             return
         moments = {name: self._flat_of(b, {i: s[name] for i, s in states.items()})
-                   for name in _MOMENTS}
+                   for name in ADAMW_MOMENTS}
         for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
             optimizer.state[piece] = {
                 "step": restored_step(optimizer, piece, step),
