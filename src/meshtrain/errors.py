@@ -21,6 +21,7 @@ class Code(Enum):
     # values and choices of one setting
     CHOICE = "not one of the setting's choices"
     RANGE = "a setting out of its range"
+    GIVEN_TWICE = "a setting given twice"
     # degrees, batches, sequences
     DEGREES_WORLD = "degrees do not make the world size"
     BATCH_SPLIT = "global batch not divisible by micro-batch x dp"
