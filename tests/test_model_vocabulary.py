@@ -114,3 +114,13 @@ def test_init_from_keeps_the_checkpoints_settings_unless_given(monkeypatch, moe_
     cfg.model.moe_experts = 2
     with pytest.raises(ValueError, match="`moe_experts` 2 would change the moe_experts"):
         cfg.model_config(256)
+
+
+@pytest.mark.parametrize("given", [["--vocab-size", "100"], ["--model-arg", "vocab_size=100"]])
+def test_a_vocabulary_smaller_than_the_datas_is_refused_as_the_setting(given, corpus, tmp_path,
+                                                                      capsys):
+    from meshtrain.cli.main import main
+
+    assert main(["train", *given, "--data", corpus, "--out", str(tmp_path / "run")]) == 2
+    assert "error: --vocab-size 100 is smaller than the data's vocabulary" \
+        in capsys.readouterr().err

@@ -99,8 +99,8 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     config_mod.check_packing(cfg, corpus.eod_id)
     vocab = corpus.vocab_size
     model = cfg.model_config(vocab)
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
-        raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's"
+    if model.vocab_size < vocab and not cfg.checkpoint.init_from:  # a flag or `model_arg`
+        raise ValueError(f"`vocab_size` {model.vocab_size} is smaller than the data's"
                          f" vocabulary {vocab}: raise it or omit it")
     if model.vocab_size < vocab:
         raise ValueError(f"--init-from: the model's vocabulary {model.vocab_size} is smaller"
