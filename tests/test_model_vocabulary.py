@@ -124,3 +124,21 @@ def test_a_vocabulary_smaller_than_the_datas_is_refused_as_the_setting(given, co
     assert main(["train", *given, "--data", corpus, "--out", str(tmp_path / "run")]) == 2
     assert "error: --vocab-size 100 is smaller than the data's vocabulary" \
         in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("saved, flags, expected", [
+    ({"dropout": 0.0, "attention": "sdpa"}, ["--model-arg", "dropout=0.1"],
+     {"dropout": 0.1}),  # a config.toml of before: every setting written
+    ({"model_arg": ["dropout=0.1", "rope_theta=1e6"]}, ["--dropout", "0.2"],
+     {"dropout": 0.2, "rope_theta": 1e6}),
+    ({"model_arg": ["dropout=0.1"]}, ["--model-arg", "dropout=0.1"], {"dropout": 0.1})],
+    ids=["old-key-then-model-arg", "model-arg-then-flag", "same-command"])
+def test_a_resume_sets_each_model_setting_once(monkeypatch, saved, flags, expected):
+    """What the command gives replaces the saved value of the same setting, whether either
+    came as its key or in `model_arg`."""
+    from meshtrain.checkpointing import resuming
+
+    tables = {"model": {"model": "llama-tiny", "vocab_size": 256} | saved}
+    monkeypatch.setattr(resuming, "saved_settings", lambda out: tables)
+    config = _model("--out", "/nonexistent/run", "--resume", *flags)
+    assert {name: getattr(config, name) for name in expected} == expected

@@ -30,6 +30,7 @@ from meshtrain.config.settings import (
     ModelSettings,
     ParallelSettings,
     TrainSettings,
+    model_arg_key,
 )
 from meshtrain.data.blend import parse_data_path
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE, check_seed
@@ -78,7 +79,7 @@ class RunConfig:
         so config.toml names them."""
         m = self.model
         name = m.model if self.checkpoint.init_from else m.model or DEFAULT_PRESET
-        by_arg = {item.partition("=")[0].strip() for item in m.model_arg or []}
+        by_arg = {model_arg_key(item) for item in m.model_arg or []}
         values = {key: getattr(model, key) for key in CONFIG_SETTINGS if key not in by_arg}
         return dataclasses.replace(self, model=dataclasses.replace(m, model=name, **values),
                                    plan=plan)

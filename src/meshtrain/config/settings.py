@@ -51,6 +51,11 @@ def _model_settings() -> type:
 ModelSettings = _model_settings()
 
 
+def model_arg_key(item: str) -> str:
+    """The field a `model_arg` item (KEY=VALUE) sets."""
+    return item.partition("=")[0].strip()
+
+
 @dataclass(slots=True)
 class ParallelSettings:
     nproc: int | None = _f(None, "local ranks to spawn (default tp x pp x cp x dp, degrees not"
