@@ -22,6 +22,7 @@ class Code(Enum):
     CHOICE = "not one of the setting's choices"
     RANGE = "a setting out of its range"
     MIN_LR_ABOVE_LR = "min_lr exceeds lr"
+    GIVEN_TWICE = "a setting given twice"
     # degrees, batches, sequences
     DEGREES_WORLD = "degrees do not make the world size"
     BATCH_SPLIT = "global batch not divisible by micro-batch x dp"

@@ -33,6 +33,7 @@ from meshtrain.checkpointing.checkpoint import (
 from meshtrain.checkpointing.retention import checkpoint_age
 from meshtrain.checkpointing.verify import STEP_NAME
 from meshtrain.config.run_config import RunConfig
+from meshtrain.config.settings import model_arg_key
 from meshtrain.parallel.runtime.optim import LR_SCHEDULE_SETTINGS
 
 SCHEDULE_SETTINGS = ("steps", *LR_SCHEDULE_SETTINGS)
@@ -102,9 +103,10 @@ def saved_settings(out: Path) -> dict[str, dict] | None:
 def carried_settings(saved: dict[str, dict], given: set[tuple[str, str]],
                      settings: set[tuple[str, str]], layout: set[str]) -> dict[str, dict]:
     """The saved tables a resumed run starts from, below its `config` file and flags: every
-    known setting (`settings`, as (table, name)) that was not `given`, except `NOT_CARRIED`,
-    the `layout` settings of [parallel] when a degree or `nproc` is given, and [model] when
-    `model` is (its shape settings are the saved preset's)."""
+    known setting (`settings`, as (table, name)) that was not `given` (a model setting given
+    through `model_arg` counts), except `NOT_CARRIED`, the `layout` settings of [parallel] when
+    a degree or `nproc` is given, and [model] when `model` is (its shape settings are the saved
+    preset's); saved `model_arg` items keep only the keys not given."""
     keep_layout = not any(name in DEGREES for _, name in given)
     tables: dict[str, dict] = {}
     for section, values in saved.items():
@@ -116,6 +118,10 @@ def carried_settings(saved: dict[str, dict], given: set[tuple[str, str]],
                 continue
             if section == "parallel" and name in layout and not keep_layout:
                 continue
+            if key == ("model", "model_arg"):
+                value = [item for item in value if ("model", model_arg_key(item)) not in given]
+                if not value:
+                    continue
             tables.setdefault(section, {})[name] = value
     return tables
 

@@ -25,6 +25,7 @@ from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest, r
 from meshtrain.cli.flags import as_flags
 from meshtrain.cli.parsers import parse_command_line
 from meshtrain.config import run_config as config_mod
+from meshtrain.config.settings import model_arg_key
 from meshtrain.machine_fit import check_states_fit
 from meshtrain.mesh import resolve_degrees
 from meshtrain.operations import endings, run_lock, stopping
@@ -72,7 +73,9 @@ def _train_config(args: argparse.Namespace) -> config_mod.RunConfig:
         return cfg
     settings = {(section, f.name) for section, f in config_mod.flag_fields()}
     layout = {f.name for f in dataclasses.fields(ParallelPlan)}
-    carried = resuming.carried_settings(saved, _given_settings(args), settings, layout)
+    given = _given_settings(args) | {("model", model_arg_key(item))
+                                     for item in cfg.model.model_arg or []}
+    carried = resuming.carried_settings(saved, given, settings, layout)
     for section, values in file_values.items():  # the config file over the saved settings
         carried.setdefault(section, {}).update(values)
     return config_mod.build_config(carried, overrides)
@@ -99,8 +102,8 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     config_mod.check_packing(cfg, corpus.eod_id)
     vocab = corpus.vocab_size
     model = cfg.model_config(vocab)
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
-        raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the data's"
+    if model.vocab_size < vocab and not cfg.checkpoint.init_from:  # a flag or `model_arg`
+        raise ValueError(f"`vocab_size` {model.vocab_size} is smaller than the data's"
                          f" vocabulary {vocab}: raise it or omit it")
     if model.vocab_size < vocab:
         raise ValueError(f"--init-from: the model's vocabulary {model.vocab_size} is smaller"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.util
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -23,12 +24,14 @@ from typing import Any
 
 from meshtrain.checkpointing.checkpoint import CheckpointError, checkpoint_config
 from meshtrain.config.settings import (
+    CONFIG_SETTINGS,
     CheckpointSettings,
     DataSettings,
     LoggingSettings,
     ModelSettings,
     ParallelSettings,
     TrainSettings,
+    model_arg_key,
 )
 from meshtrain.data.blend import parse_data_path
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE, check_seed
@@ -76,16 +79,15 @@ class RunConfig:
 
     def resolved(self, model: TransformerConfig, plan: ParallelPlan) -> RunConfig:
         """This config with what the run decided where the settings left it open: the model
-        preset (unless `init_from` names the model), its vocabulary and positions, and the
-        degrees (dp filled in), so config.toml names them."""
+        preset (unless `init_from` names the model), every model setting at the model's value
+        (those `model_arg` sets stay there, not given twice), and the degrees (dp filled in),
+        so config.toml names them."""
         m = self.model
         name = m.model if self.checkpoint.init_from else m.model or DEFAULT_PRESET
-        shape = {f.name: getattr(model, f.name) for f in dataclasses.fields(m)
-                 if f.name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                               "tie_word_embeddings") and hasattr(model, f.name)}
-        model_settings = dataclasses.replace(m, model=name, vocab_size=model.vocab_size,
-                                             max_seq_len=model.max_seq_len, **shape)
-        return dataclasses.replace(self, model=model_settings, plan=plan)
+        by_arg = {model_arg_key(item) for item in m.model_arg or []}
+        values = {key: getattr(model, key) for key in CONFIG_SETTINGS if key not in by_arg}
+        return dataclasses.replace(self, model=dataclasses.replace(m, model=name, **values),
+                                   plan=plan)
 
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -111,42 +113,42 @@ class RunConfig:
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
         """The `init_from` checkpoint's model (`_init_from_model`), or the preset's with the
-        model settings given (vocabulary: the setting, else the data's; positions: at least
-        --seq-len)."""
+        model settings given; one not given keeps the preset's value, except the vocabulary
+        (the data's: `vocab_size`) and the positions (at least `seq_len`)."""
         if self.checkpoint.init_from:
             return self._init_from_model()
         m = self.model
         base = preset(m.model or DEFAULT_PRESET)
         given = self._given_model_settings(base, f"`model` {m.model or DEFAULT_PRESET!r}")
-        given |= {"vocab_size": m.vocab_size or vocab_size,
-                  "max_seq_len": m.max_seq_len or max(self.train.seq_len, base.max_seq_len)}
+        given.setdefault("vocab_size", vocab_size)
+        given.setdefault("max_seq_len", max(self.train.seq_len, base.max_seq_len))
         return dataclasses.replace(base, **given)
 
     def _given_model_settings(self, base: TransformerConfig, label: str) -> dict[str, Any]:
-        """The model settings that are set (flags, and `model_arg`'s KEY=VALUE items), each a
-        field of `base`'s family."""
+        """The model settings that are set (flags or TOML keys, and `model_arg`'s KEY=VALUE
+        items for any field of `base`'s family); each key at most once."""
         m = self.model
-        given = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
-                 if f.name not in ("model", "model_arg") and getattr(m, f.name) is not None}
+        given = {key: getattr(m, key) for key in CONFIG_SETTINGS if getattr(m, key) is not None}
         fields = {f.name: f for f in dataclasses.fields(base)}
-        foreign = sorted(name for name in given if name not in fields)
-        if foreign:
-            raise ValueError(f"`{foreign[0]}` is not a setting of the {label}")
+        by_arg: set[str] = set()
         for item in m.model_arg or []:
             key, sep, text = (part.strip() for part in item.partition("="))
             if not sep or key not in fields:
                 raise ValueError(f"`model_arg` {item!r} is not KEY=VALUE with KEY a setting of"
                                  f" the {label}: one of {', '.join(fields)}")
             if key in given:
-                raise ValueError(f"`model_arg` {key} is given twice: give it once")
+                also = "twice" if key in by_arg else f"twice: as `{key}` too"
+                raise SettingError(Code.GIVEN_TWICE, f"`model_arg` {key} is given {also}; give"
+                                                     " it once")
             given[key] = _typed_value(fields[key], text, f"`model_arg` {key}")
+            by_arg.add(key)
         return given
 
     def _init_from_model(self) -> TransformerConfig:
         """The `init_from` checkpoint's model: its family and tensor shapes, which a `model`
-        preset or shape setting must not change (one left at its default yields); the others
-        (dropout, attention kernel, MoE routing) are this run's. Positions without a table
-        (rotary) grow to --seq-len."""
+        preset or shape setting must not change; the others (dropout, attention kernel, MoE
+        routing) are the checkpoint's unless set. Positions without a table (rotary) grow to
+        `seq_len`."""
         path = self.checkpoint.init_from
         try:
             saved = dcp_model_config(path, self.model.num_heads) if is_dcp_directory(path) \
@@ -160,14 +162,12 @@ class RunConfig:
                 if key not in ("vocab_size", "max_seq_len")):
             raise ValueError(f"`model` {self.model.model} is not the shape of the {label}: omit"
                              " `model`")
-        given, defaults = self._given_model_settings(saved, label), ModelSettings()
-        for name, value in list(given.items()):
+        given = self._given_model_settings(saved, label)
+        for name, value in given.items():
             trial = dataclasses.replace(saved, **{name: value})
             changed = [key for key in saved.SHAPE_FIELDS
                        if getattr(trial, key) != getattr(saved, key)]
-            if changed and value == getattr(defaults, name):
-                del given[name]  # a default, not a choice
-            elif changed:
+            if changed:
                 raise ValueError(f"`{name}` {value} would change the {changed[0]}"
                                  f" ({getattr(saved, changed[0])}) of the {label}: omit"
                                  f" `{name}`")
@@ -184,9 +184,12 @@ def _typed_value(f: dataclasses.Field, text: str, where: str) -> Any:
     for kind, convert in (("bool", _boolean), ("int", int), ("float", float), ("str", str)):
         if kind in kinds:
             try:
-                return convert(text)
+                value = convert(text)
             except ValueError:
                 raise ValueError(f"{where} must be of type {f.type}, got {text!r}") from None
+            if kind == "float" and not math.isfinite(value):
+                raise SettingError(Code.RANGE, f"{where} must be a finite number, got {text!r}")
+            return value
     raise ValueError(f"{where}: {f.type} settings are not set from text")
 
 

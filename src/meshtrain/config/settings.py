@@ -1,15 +1,16 @@
 """The run's settings, section by section (TOML tables of the same names): every field is a
 CLI flag of `meshtrain train` (underscores become dashes) whose help text is its `help`. The
 layout's settings are `ParallelPlan`'s fields and the optimizer's `OptimizerSettings`' fields,
-which say their own table (`section`); `run_config.py` combines them into a `RunConfig`, reads
-TOML files and checks everything."""
+which say their own table (`section`); the model's are `TransformerConfig`'s fields that
+declare their help (`ModelSettings`, made from them). `run_config.py` combines them into a
+`RunConfig`, reads TOML files and checks everything."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from meshtrain.models import PRESETS
-from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
+from meshtrain.models import PRESETS, TransformerConfig
 from meshtrain.parallel.runtime.process_groups import DEVICE_KINDS
 
 
@@ -17,36 +18,41 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-@dataclass(slots=True)
-class ModelSettings:
-    model: str | None = _f(None, f"model preset: {', '.join(PRESETS)} (default: tiny)",
-                           flag="--model")
-    num_layers: int | None = _f(None, "override the preset's number of transformer layers")
-    hidden_size: int | None = _f(None, "override the preset's hidden size")
-    num_heads: int | None = _f(None, "override the preset's number of attention heads")
-    num_kv_heads: int | None = _f(None, "override the preset's key/value heads (grouped-query"
-                                        " attention: Llama and Qwen2 presets)")
-    tie_word_embeddings: bool | None = _f(None, "tie the output layer to the embedding (Llama"
-                                                " presets; the Llama 3.2 ones are tied, GPT"
-                                                " always is)")
-    vocab_size: int | None = _f(None, "override the vocabulary (default: the data's, 256 for"
-                                      " text)")
-    max_seq_len: int | None = _f(None, "positions the model can embed (default: the larger of"
-                                       " the preset's and --seq-len)")
-    dropout: float = _f(0.0, "dropout on embeddings, attention and residuals (0 keeps runs"
-                             " comparable across layouts)")
-    attention: str = _f("sdpa", "attention kernel: sdpa (fused) or eager (explicit softmax)",
-                        choices=ATTENTION_KERNELS)
-    moe_experts: int = _f(0, "experts per MoE layer (0: dense MLPs only)")
-    moe_top_k: int = _f(1, "experts per token: 1 (Switch) or 2 (GShard)")
-    moe_every: int = _f(1, "every n-th MLP is an MoE layer")
-    moe_capacity_factor: float = _f(1.25, "expert capacity = ceil(factor x tokens x k / experts)"
-                                          " per micro-batch and rank; excess choices are dropped")
-    moe_aux_loss_coef: float = _f(0.01, "weight of the Switch load-balancing loss")
-    moe_z_loss_coef: float = _f(0.0, "weight of the router z-loss")
-    model_arg: list[str] | None = _f(None, "set any field of the model family's config,"
-                                           " KEY=VALUE (repeatable; e.g. rope_theta=1e6): a"
-                                           " family's own settings need no flag of their own")
+RUN_DEFAULTS = {"vocab_size": "the data's, 256 for text",
+                "max_seq_len": "the larger of the preset's and the sequence length"}
+"""What a [model] setting left unset means where it is not the preset's value
+(`RunConfig.model_config`)."""
+
+CONFIG_SETTINGS = tuple(f.name for f in dataclasses.fields(TransformerConfig)
+                        if "help" in f.metadata)
+"""The [model] settings that are model config fields: those declaring their help."""
+
+
+def _model_settings() -> type:
+    """[model]: the preset, each of `CONFIG_SETTINGS` with the field's help and choices (unset
+    by default, so that the preset's value stands), and `model_arg` for any other field."""
+    config, fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}, []
+    for name in CONFIG_SETTINGS:
+        f, default = config[name], RUN_DEFAULTS.get(name, "the preset's")
+        fields.append((name, f.type.removesuffix(" | None") + " | None",
+                       _f(None, f"{f.metadata['help']} (default: {default})",
+                          choices=f.metadata["choices"])))
+    model = _f(None, f"model preset: {', '.join(PRESETS)} (default: tiny)", flag="--model")
+    model_arg = _f(None, "set any field of the model family's config, KEY=VALUE (repeatable;"
+                         " e.g. rope_theta=1e6): a family's own settings need no flag of their"
+                         " own")
+    return dataclasses.make_dataclass(
+        "ModelSettings", [("model", "str | None", model), *fields,
+                          ("model_arg", "list[str] | None", model_arg)],
+        namespace={"__module__": __name__, "__doc__": _model_settings.__doc__}, slots=True)
+
+
+ModelSettings = _model_settings()
+
+
+def model_arg_key(item: str) -> str:
+    """The field a `model_arg` item (KEY=VALUE) sets."""
+    return item.partition("=")[0].strip()
 
 
 @dataclass(slots=True)

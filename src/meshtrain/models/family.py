@@ -12,13 +12,22 @@ from __future__ import annotations
 import importlib
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import MISSING, dataclass, field
+from typing import Any, ClassVar
 
 from torch import nn
 
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
+
+MOE_TOP_K = (1, 2)
+"""The `moe_top_k` choices: Switch routing (1 expert a token) or GShard's (2)."""
+
+
+def _setting(help: str, default: Any = MISSING, *, choices: tuple | None = None) -> Any:
+    """A field a run sets by name, declared once: its help and choices make the flag and the
+    [model] key of `meshtrain train` (`config.settings.ModelSettings`)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -26,43 +35,44 @@ class TransformerConfig(ABC):
     """Architecture fields every decoder-only family has (parallel layout lives elsewhere).
 
     Error messages name settings in backticks (`num_heads`); the CLI shows them as flags.
+    Fields declared with `_setting` are the run's [model] settings; `model_arg` sets the others.
     """
 
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    vocab_size: int = 50257
-    max_seq_len: int = 1024
+    num_layers: int = _setting("transformer layers")
+    hidden_size: int = _setting("hidden size")
+    num_heads: int = _setting("attention heads")
+    vocab_size: int = _setting("token ids the embedding and output layer cover", 50257)
+    max_seq_len: int = _setting("positions the model can embed", 1024)
     ffn_hidden_size: int | None = None
     """Width of the MLP; None means the family's default."""
-    num_kv_heads: int | None = None
-    """Key/value heads of grouped-query attention; None: as many as query heads."""
+    num_kv_heads: int | None = _setting("key/value heads of grouped-query attention (unset: as"
+                                        " many as query heads)", None)
     qkv_bias: bool = False
     """Whether the query, key and value projections add a bias."""
-    tie_word_embeddings: bool = True
-    """Whether the output layer is the input embedding."""
+    tie_word_embeddings: bool = _setting("tie the output layer to the embedding (Llama"
+                                         " presets; the Llama 3.2 ones are tied, GPT always"
+                                         " is)", True)
     sliding_window: int | None = None
     """Each token attends the last `sliding_window` positions (itself included); None: all."""
     window_start_layer: int = 0
     """The first layer the window applies to (Qwen2's `max_window_layers`): the layers before
     it attend every earlier position."""
-    dropout: float = 0.0
-    """Dropout on embeddings, attention probabilities and residual branches."""
+    dropout: float = _setting("dropout on embeddings, attention probabilities and residual"
+                              " branches (0 keeps runs comparable across layouts)", 0.0)
     init_std: float = 0.02
-    attention: str = "sdpa"
-    """sdpa: torch's fused kernel; eager: explicit softmax(QK^T)V (saves the s x s scores)."""
-    moe_experts: int = 0
-    """Experts per MoE layer; 0 keeps every MLP dense."""
-    moe_top_k: int = 1
-    """Experts per token: 1 (Switch) or 2 (GShard, weights renormalised)."""
-    moe_every: int = 1
-    """Every n-th MLP is an MoE layer (layers n-1, 2n-1, ...)."""
-    moe_capacity_factor: float = 1.25
-    """Capacity per expert: ceil(factor * tokens * k / experts) per micro-batch and rank."""
-    moe_aux_loss_coef: float = 0.01
-    """Weight of the Switch load-balancing loss."""
-    moe_z_loss_coef: float = 0.0
-    """Weight of the router z-loss (mean squared log-sum-exp of router logits)."""
+    attention: str = _setting("attention kernel: sdpa (torch's fused kernel) or eager"
+                              " (explicit softmax(QK^T)V, saving the s x s scores)", "sdpa",
+                              choices=ATTENTION_KERNELS)
+    moe_experts: int = _setting("experts per MoE layer (0: dense MLPs only)", 0)
+    moe_top_k: int = _setting("experts per token: 1 (Switch) or 2 (GShard, weights"
+                              " renormalised)", 1, choices=MOE_TOP_K)
+    moe_every: int = _setting("every n-th MLP is an MoE layer (layers n-1, 2n-1, ...)", 1)
+    moe_capacity_factor: float = _setting("expert capacity = ceil(factor x tokens x k /"
+                                          " experts) per micro-batch and rank; excess choices"
+                                          " are dropped", 1.25)
+    moe_aux_loss_coef: float = _setting("weight of the Switch load-balancing loss", 0.01)
+    moe_z_loss_coef: float = _setting("weight of the router z-loss (mean squared"
+                                      " log-sum-exp of the router logits)", 0.0)
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
@@ -138,8 +148,9 @@ class TransformerConfig(ABC):
             self._validate_moe()
 
     def _validate_moe(self) -> None:
-        if self.moe_top_k not in (1, 2):
-            raise SettingError(Code.CHOICE, f"`moe_top_k` must be 1 or 2, got {self.moe_top_k}")
+        if self.moe_top_k not in MOE_TOP_K:
+            raise SettingError(Code.CHOICE, f"`moe_top_k` must be {alternatives(MOE_TOP_K)},"
+                                            f" got {self.moe_top_k}")
         if self.moe_top_k > self.moe_experts:
             raise SettingError(Code.MOE_TOP_K, (
                 f"`moe_top_k` {self.moe_top_k} exceeds `moe_experts`"
