@@ -43,9 +43,10 @@ def model_tensors(path: str | Path, manifest: dict) -> Iterator[tuple[str, torch
         yield name, reader.full("model/" + name)
 
 
-def unwritable(out: Path, error: OSError) -> ValueError:
+def unwritable(out: Path, error: OSError) -> SettingError:
     """The one-line error of an export whose output cannot be written."""
-    return ValueError(f"`out` {out}: cannot write there ({error}); choose a writable location")
+    return SettingError(Code.OUT_PATH,
+                        f"`out` {out}: cannot write there ({error}); choose a writable location")
 
 
 def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> int:
