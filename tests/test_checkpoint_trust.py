@@ -161,6 +161,11 @@ DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named)
     "model-settings-edit": (lambda ck: _edit_manifest(ck, lambda m: m["model"].update(
         hidden_size=4096)), "manifest.json", "its model settings make .* parameters, its model"
                                             " tensors hold 232832"),
+    "model-settings-type": (lambda ck: _edit_manifest(ck, lambda m: m["model"].update(
+        hidden_size="64")), "manifest.json", "its model settings do not load \\(hidden_size is"
+                                             " '64', not int\\); the checkpoint is damaged"),
+    "model-settings-layers": (lambda ck: _edit_manifest(ck, lambda m: m["model"].update(
+        num_layers=3)), "manifest.json", r"do not load \(num_layers 3, but tensors of \d+\);"),
 }
 
 

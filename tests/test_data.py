@@ -19,6 +19,7 @@ from meshtrain.data.corpus import (
     stdlib_corpus,
     synthetic_corpus,
 )
+from meshtrain.errors import Code
 
 # Changing the synthetic corpus changes every golden loss: update both together, deliberately.
 SYNTHETIC_10K_SHA256 = "567bce7bc6980ab087c3f17d12cdb28e98c7a1e4007a440603795228d643b6d1"
@@ -121,8 +122,9 @@ def test_split_and_dataset():
     assert len(data) == 6
     inputs, targets = data[5]
     assert inputs.tolist() == [95, 96, 97, 98] and targets.tolist() == [96, 97, 98, 99]
-    with raises_as_flags("^--data is too short for --seq-len 10: a split of 10 "):
+    with raises_as_flags("^--data is too short for --seq-len 10: a split of 10 ") as error:
         TokenDataset(val, seq_len=10)
+    assert error.value.code is Code.DATA_SEQ_LEN
 
 
 def _sampler(**kw):

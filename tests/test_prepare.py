@@ -20,6 +20,7 @@ from meshtrain.data import tables
 from meshtrain.data.corpus import encode, load_corpus, synthetic_corpus
 from meshtrain.data.prepare import prepare
 from meshtrain.data.tokenization import EOD_TOKEN, HFTokenizer, train_bpe
+from meshtrain.errors import Code
 from meshtrain.training.trainer import Trainer
 
 BYTE_EOD = 256
@@ -240,12 +241,14 @@ def test_held_out_documents(tmp_path):
         assert _sidecar(out)["validation"] == report.held_out.path.name
         train, validation = corpus.splits(0.05)  # the prepared split wins over the tail
         assert validation is corpus.held_out and train is corpus.tokens
-    for kwargs, match in [(dict(val_fraction=0.1, val_docs=1), "pass --val-fraction or"
-                                                               " --val-docs, not both"),
-                          (dict(val_docs=8), "--val-docs must be between 0 and the 8"),
-                          (dict(val_fraction=1.0), r"--val-fraction must be in \[0, 1\)")]:
-        with raises_as_flags(match):
+    for kwargs, match, code in [
+            (dict(val_fraction=0.1, val_docs=1), "pass --val-fraction or --val-docs, not both",
+             Code.SETTINGS_EXCLUSIVE),
+            (dict(val_docs=8), "--val-docs must be between 0 and the 8", Code.RANGE),
+            (dict(val_fraction=1.0), r"--val-fraction must be in \[0, 1\)", Code.RANGE)]:
+        with raises_as_flags(match) as error:
             prepare([tmp_path / "docs"], out=tmp_path / "x.bin", progress=False, **kwargs)
+        assert error.value.code is code
 
 
 def test_train_evaluates_on_the_held_out_split(tmp_path):

@@ -25,7 +25,7 @@ from meshtrain.checkpointing.checkpoint import latest_checkpoint
 from meshtrain.cli.main import _train_config, check_train, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.operations import stopping
-from meshtrain.operations.run_lock import LOCK_FILE, RunLock, check_free
+from meshtrain.operations.run_lock import LOCK_FILE, RunLock, RunLockError, check_free
 from meshtrain.training.trainer import Trainer, _Run
 
 STEPS = 30
@@ -394,7 +394,7 @@ def test_a_live_run_holds_its_out(capsys, corpus, reference, monkeypatch):
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "first")
         check_train(_train_config(build_parser().parse_args(
             _flags(corpus, reference, "--resume", "--steps", "150"))), 1)
-        with pytest.raises(ValueError, match="in use by another run"):
+        with pytest.raises(RunLockError, match="in use by another run"):
             RunLock(reference, "second").acquire()
     finally:
         (reference / LOCK_FILE).unlink()

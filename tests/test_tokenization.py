@@ -14,6 +14,7 @@ from meshtrain.data.tokenization import (
     EOD_TOKEN,
     ByteTokenizer,
     HFTokenizer,
+    TokenizerError,
     checkpoint_tokenizer,
     load_tokenizer,
     train_bpe,
@@ -118,8 +119,8 @@ def test_checkpoint_tokenizer_and_prompt(tmp_path):
     checkpoint.mkdir(parents=True)
     assert checkpoint_tokenizer(checkpoint, 256).eod_id is None
     assert checkpoint_tokenizer(checkpoint, 257).eod_id == 256
-    with pytest.raises(ValueError, match=r"vocabulary is 300, not bytes, and its run has no"
-                                         r" tokenizer.json: copy the tokenizer"):
+    with pytest.raises(TokenizerError, match=r"vocabulary is 300, not bytes, and its run has no"
+                                             r" tokenizer.json: copy the tokenizer"):
         checkpoint_tokenizer(checkpoint, 300)
     word_level_tokenizer(tmp_path / "run", 10, "</s>")  # as train and import-hf write it
     tok = checkpoint_tokenizer(checkpoint, 300)
@@ -127,7 +128,7 @@ def test_checkpoint_tokenizer_and_prompt(tmp_path):
     assert prompt_ids(tok, "w1 w2", 300) == [1, 2]
     assert prompt_ids(tok, "", 300) == [11]  # an empty prompt starts a document
     assert prompt_ids(ByteTokenizer(eod=False), "", 256) == [10]  # "\n" without one
-    with pytest.raises(ValueError, match="token id 11, past the model's vocabulary of 8"):
+    with pytest.raises(TokenizerError, match="token id 11, past the model's vocabulary of 8"):
         prompt_ids(tok, "", 8)
 
 

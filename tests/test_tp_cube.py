@@ -18,6 +18,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from meshtrain import ParallelMesh
+from meshtrain.errors import Code
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.parallel import CommRecorder
@@ -196,12 +197,14 @@ def _check_output_layer(mesh, factory, c, tied: bool):
 def _check_refusals(factory):
     with pytest.raises(ValueError, match="splits attention heads q = 2 ways: 3 heads"):
         factory.column(nn.Linear(H, 24), heads=3)
-    with pytest.raises(ValueError, match="splits the input features 4 ways: 6 is not"):
+    with pytest.raises(ValueError, match="splits the input features 4 ways: 6 is not") as e:
         factory.column(nn.Linear(6, 8))
+    assert e.value.code is Code.GRID_SHAPE
     with pytest.raises(ValueError, match="splits LayerNorm and RMSNorm, not GroupNorm"):
         factory.norm(nn.GroupNorm(2, H))
-    with pytest.raises(ValueError, match="output layers have no bias"):
+    with pytest.raises(ValueError, match="output layers have no bias") as e:
         factory.vocab_head(nn.Linear(H, 37))
+    assert e.value.code is Code.MODEL_UNSUPPORTED
 
 
 def _check_layers():

@@ -23,6 +23,9 @@ class Code(Enum):
     RANGE = "a setting out of its range"
     MIN_LR_ABOVE_LR = "min_lr exceeds lr"
     GIVEN_TWICE = "a setting given twice"
+    SETTING_MISSING = "a required setting not given"
+    SETTINGS_EXCLUSIVE = "settings that exclude one another"
+    OUT_PATH = "out is a file, not empty, holds a run, unwritable or misnamed"
     # degrees, batches, sequences
     DEGREES_WORLD = "degrees do not make the world size"
     BATCH_SPLIT = "global batch not divisible by micro-batch x dp"
@@ -94,11 +97,29 @@ class Code(Enum):
     MODEL_UNSUPPORTED = "model feature not implemented"
     MODEL_MEMORY = "model states exceed the machine's memory"
     MOE_TOP_K = "MoE top-k exceeds the experts"
+    MODEL_FIELDS = "model fields not the family's settings"
+    TP_WIDTH = "a layer width not divisible by tp"
+    KV_CACHE = "no key/value cache for this model, layout or length"
     # the data
     DATA_BLEND = "data_path is not a blend of compatible files"
+    DATA_SEQ_LEN = "a data split shorter than seq_len + 1 tokens"
+    VOCAB_SIZE = "vocab_size smaller than the data's vocabulary"
+    EOD_TOKEN = "eod_token not a token of the tokenizer, or none found"
+    TOKENIZERS_PACKAGE = "a tokenizer.json without the tokenizers package"
+    PYARROW_PACKAGE = "parquet or arrow inputs without the pyarrow package"
+    # resuming a run
+    RESUME_NO_CHECKPOINT = "resume without a checkpoint in out"
+    RESUME_STEPS = "steps or stop_at at or below the checkpoint's step"
+    # the planner and the machine it plans for
+    HARDWARE_PROFILE = "hardware neither a built-in profile nor a valid profile file"
+    CALIBRATE_DEVICES = "calibration ranks exceed the CUDA devices"
+    FROM_RUN = "from_run not a run directory with enough timed steps"
+    LAYOUT_AUTO = "a setting layout auto cannot take or that contradicts layout"
+    NO_LAYOUT_FITS = "no layout fits"
     # model files from elsewhere
     HF_CONFIG = "config.json describes no model meshtrain can import"
     HF_WEIGHTS = "safetensors weights missing, damaged or not config.json's model"
+    HF_EXPORT = "model a Hugging Face architecture cannot hold"
 
 
 class SettingError(ValueError):

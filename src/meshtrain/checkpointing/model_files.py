@@ -24,6 +24,7 @@ from meshtrain.checkpointing.checkpoint import (
 )
 from meshtrain.checkpointing.retention import remove_leftovers
 from meshtrain.checkpointing.safetensors_stream import Planned, write_safetensors
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import TransformerConfig
 
@@ -42,9 +43,10 @@ def model_tensors(path: str | Path, manifest: dict) -> Iterator[tuple[str, torch
         yield name, reader.full("model/" + name)
 
 
-def unwritable(out: Path, error: OSError) -> ValueError:
+def unwritable(out: Path, error: OSError) -> SettingError:
     """The one-line error of an export whose output cannot be written."""
-    return ValueError(f"`out` {out}: cannot write there ({error}); choose a writable location")
+    return SettingError(Code.OUT_PATH,
+                        f"`out` {out}: cannot write there ({error}); choose a writable location")
 
 
 def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> int:
@@ -55,7 +57,8 @@ def export_safetensors(checkpoint: str | Path, out_file: str | Path) -> int:
     """
     checkpoint, out_file = Path(checkpoint), Path(out_file)
     if out_file.is_dir():
-        raise ValueError(f"`out` {out_file} is a directory: name the .safetensors file to write")
+        raise SettingError(Code.OUT_PATH,
+                           f"`out` {out_file} is a directory: name the .safetensors file to write")
     manifest = read_manifest(checkpoint)
     planned = model_entries(manifest)
     metadata = {"format": "meshtrain-model", "step": str(manifest["step"]),

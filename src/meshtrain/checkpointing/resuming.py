@@ -34,6 +34,7 @@ from meshtrain.checkpointing.retention import checkpoint_age
 from meshtrain.checkpointing.verify import STEP_NAME
 from meshtrain.config.run_config import RunConfig
 from meshtrain.config.settings import model_arg_key
+from meshtrain.errors import Code, SettingError
 from meshtrain.parallel.runtime.optim import LR_SCHEDULE_SETTINGS
 
 SCHEDULE_SETTINGS = ("steps", *LR_SCHEDULE_SETTINGS)
@@ -162,8 +163,9 @@ def checkpoint_to_resume(cfg: RunConfig) -> tuple[Path, int] | None:
     path = latest_checkpoint(out / "checkpoints") if (out / "checkpoints").is_dir() else None
     if path is None:
         if c.resume:
-            raise ValueError(f"`resume`: no checkpoint in {out}; start without `resume`, or use"
-                             " `auto_resume` to start fresh when there is none")
+            raise SettingError(Code.RESUME_NO_CHECKPOINT, f"`resume`: no checkpoint in {out}; start"
+                               " without `resume`, or use `auto_resume` to start fresh when"
+                               " there is none")
         return None
     step = checkpoint_step(path)
     t = cfg.train
@@ -174,9 +176,9 @@ def checkpoint_to_resume(cfg: RunConfig) -> tuple[Path, int] | None:
         raise RunComplete(f"{out} is complete: its checkpoint {path.name} is at step {step}, the"
                           " run's end; nothing to do")
     name = "steps" if t.steps <= step else "stop_at"
-    raise ValueError(f"`{name}` {getattr(t, name)} is at or below the step of the checkpoint"
-                     f" to resume ({path.name}, step {step}): raise `{name}` past {step} to"
-                     " train on")
+    raise SettingError(Code.RESUME_STEPS, f"`{name}` {getattr(t, name)} is at or below the step of"
+                       f" the checkpoint to resume ({path.name}, step {step}): raise `{name}` past"
+                       f" {step} to train on")
 
 
 def changes(cfg: RunConfig, path: Path, step: int) -> list[str]:

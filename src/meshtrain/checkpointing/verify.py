@@ -166,20 +166,25 @@ def _model_config(path: Path, manifest: dict) -> TransformerConfig:
     """The manifest's model settings as a config: known fields, each of its declared type, a
     shape that can be built, and as many parameters as its model tensors hold (so nothing
     builds a model larger than the checkpoint's files)."""
+    def unloadable(problem: object) -> CheckpointError:
+        return _damaged(path, "manifest.json", f"its model settings do not load ({problem})")
+
     try:
         fields = manifest["model"]
         for f in dataclasses.fields(get_family(manifest["family"]).config):
             value, kinds = fields.get(f.name, f.default), str(f.type).split(" | ")
             if not (value is None and "None" in kinds) and \
                     not any(type(value) in _SETTING_TYPES.get(kind, ()) for kind in kinds):
-                raise ValueError(f"{f.name} is {value!r}, not {f.type}")
+                raise unloadable(f"{f.name} is {value!r}, not {f.type}")
         layers = {name.split(".")[1] for name in manifest["tensors"]
                   if name.startswith("model/layers.")}
         if fields["num_layers"] != len(layers):  # (before anything counts over the layers)
-            raise ValueError(f"num_layers {fields['num_layers']}, but tensors of {len(layers)}")
+            raise unloadable(f"num_layers {fields['num_layers']}, but tensors of {len(layers)}")
         cfg = config_from_dict(manifest["family"], fields)  # (its shape checked as it is built)
+    except CheckpointError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
-        raise _damaged(path, "manifest.json", f"its model settings do not load ({e})") from None
+        raise unloadable(e) from None
     held = sum(math.prod(entry["shape"]) for name, entry in manifest["tensors"].items()
                if name.startswith("model/"))
     if held != cfg.num_parameters():

@@ -13,6 +13,7 @@ import dataclasses
 from meshtrain.config.run_config import RunConfig
 from meshtrain.data.blend import load_data
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
+from meshtrain.errors import Code, SettingError
 from meshtrain.parallel.runtime.plan import ParallelPlan, parse_spec, spec_key
 from meshtrain.planner.costs import Prediction
 from meshtrain.planner.hardware import Hardware, calibrated_path, device_profile, load_hardware
@@ -35,8 +36,9 @@ def default_hardware(device: str, ranks: int | None = None) -> Hardware:
     name = torch.cuda.get_device_name(0) if cuda else None
     hardware = device_profile(name)
     if hardware is None:
-        raise ValueError(f"no built-in hardware profile matches the CUDA device {name!r}: pass"
-                         " `hardware` FILE.toml (meshtrain plan calibrate writes one)")
+        raise SettingError(Code.HARDWARE_PROFILE,
+                           f"no built-in hardware profile matches the CUDA device {name!r}: pass"
+                           " `hardware` FILE.toml (meshtrain plan calibrate writes one)")
     return hardware
 
 
@@ -58,8 +60,9 @@ def fixed_fields(cfg: RunConfig, given: set[tuple[str, str]]) -> dict[str, objec
         if (f.metadata["section"], f.name) not in given or value is None:
             continue
         if f.name in fixed and fixed[f.name] != value:
-            raise ValueError(f"`{f.name}` {value} contradicts `layout`"
-                             f" {spec_key(f)}={fixed[f.name]}: give it once")
+            raise SettingError(Code.LAYOUT_AUTO,
+                               f"`{f.name}` {value} contradicts `layout`"
+                               f" {spec_key(f)}={fixed[f.name]}: give it once")
         fixed[f.name] = value
     return fixed
 
@@ -69,12 +72,14 @@ def choose_layout(cfg: RunConfig, world_size: int, given: set[tuple[str, str]]) 
     fits, and say what was chosen and why."""
     p, t = cfg.parallel, cfg.train
     if cfg.plan.precision not in ELEMENT_BYTES:
-        raise ValueError(f"`layout` auto plans {', '.join(ELEMENT_BYTES)} runs, not `precision`"
-                         f" {cfg.plan.precision}: give the layout settings yourself")
+        raise SettingError(Code.LAYOUT_AUTO,
+                           f"`layout` auto plans {', '.join(ELEMENT_BYTES)} runs, not `precision`"
+                           f" {cfg.plan.precision}: give the layout settings yourself")
     for name in ("pp_layers", "recompute_layers"):
         if getattr(cfg.plan, name) is not None:
-            raise ValueError(f"`{name}` belongs to one layout: drop it with `layout` (the"
-                             " planner splits layers evenly and recomputes all or none)")
+            raise SettingError(Code.LAYOUT_AUTO,
+                               f"`{name}` belongs to one layout: drop it with `layout` (the"
+                               " planner splits layers evenly and recomputes all or none)")
     hardware = load_hardware(p.hardware) if p.hardware else default_hardware(p.device,
                                                                              world_size)
     d = cfg.data

@@ -26,6 +26,7 @@ from meshtrain.cli.flags import as_flags
 from meshtrain.cli.parsers import parse_command_line
 from meshtrain.config import run_config as config_mod
 from meshtrain.config.settings import model_arg_key
+from meshtrain.errors import Code, SettingError
 from meshtrain.machine_fit import check_states_fit
 from meshtrain.mesh import resolve_degrees
 from meshtrain.operations import endings, run_lock, stopping
@@ -103,11 +104,13 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     vocab = corpus.vocab_size
     model = cfg.model_config(vocab)
     if model.vocab_size < vocab and not cfg.checkpoint.init_from:  # a flag or `model_arg`
-        raise ValueError(f"`vocab_size` {model.vocab_size} is smaller than the data's"
-                         f" vocabulary {vocab}: raise it or omit it")
+        raise SettingError(Code.VOCAB_SIZE, f"`vocab_size` {model.vocab_size} is smaller than the"
+                           f" data's vocabulary {vocab}: raise it or omit it")
     if model.vocab_size < vocab:
-        raise ValueError(f"--init-from: the model's vocabulary {model.vocab_size} is smaller"
-                         f" than the data's {vocab}: use data of its tokenizer")
+        raise SettingError(Code.VOCAB_SIZE,
+                           f"--init-from: the model's vocabulary {model.vocab_size} is smaller"
+                           f" than the data's {vocab}: use data of its tokenizer",
+                           settings=("init_from",))
     check_states_fit(model.num_parameters(), plan.precision, world=world_size,
                      ranks_here=config_mod.local_ranks(cfg, world_size),
                      device_type=resolve_device(cfg.parallel.device).type)
@@ -137,8 +140,9 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
         for note in resuming.changes(cfg, path, step):
             _notice(note)
     elif has_run and not cfg.checkpoint.auto_resume:
-        raise ValueError(f"--out {out} holds an earlier run: pass --resume to continue it or"
-                         " choose another --out")
+        raise SettingError(Code.OUT_PATH,
+                           f"--out {out} holds an earlier run: pass --resume to continue it or"
+                           " choose another --out", settings=("out", "resume"))
     elif cfg.checkpoint.init_from and not is_dcp_directory(cfg.checkpoint.init_from):
         read_manifest(resolve_checkpoint(cfg.checkpoint.init_from), model, verify_files=hashed)
     return plan
@@ -149,14 +153,17 @@ def _writable_out(out: Path) -> Path:
     file or cannot be created or written; nothing is created here, so a refusal leaves no
     trace."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"`out` {out} is a file, not a directory: choose another `out`")
+        raise SettingError(Code.OUT_PATH,
+                           f"`out` {out} is a file, not a directory: choose another `out`")
     existing = next(p for p in (out, *out.absolute().parents) if p.exists())
     if not existing.is_dir():
-        raise ValueError(f"`out` {out} cannot be created ({existing} is a file): choose another"
-                         " `out`")
+        raise SettingError(Code.OUT_PATH,
+                           f"`out` {out} cannot be created ({existing} is a file): choose another"
+                           " `out`")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"`out` {out} is not writable by this user ({existing}): choose"
-                         " another `out`")
+        raise SettingError(Code.OUT_PATH,
+                           f"`out` {out} is not writable by this user ({existing}): choose"
+                           " another `out`")
     return out
 
 
@@ -299,10 +306,13 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 def cmd_sample(args: argparse.Namespace, argv: list[str]) -> int:
     if args.max_new_tokens < 1 or args.top_k < 0 or not 0 < args.temperature < math.inf:
-        raise ValueError("--max-new-tokens must be positive, --top-k >= 0 and --temperature a"
-                         " finite number > 0")
+        raise SettingError(Code.RANGE,
+                           "--max-new-tokens must be positive, --top-k >= 0 and --temperature a"
+                           " finite number > 0",
+                           settings=("max_new_tokens", "top_k", "temperature"))
     if args.tp < 1 or args.nproc < 1:
-        raise ValueError("--tp and --nproc must be positive")
+        raise SettingError(Code.RANGE, "--tp and --nproc must be positive",
+                           settings=("tp", "nproc"))
     resolve_degrees(int(os.environ.get("WORLD_SIZE", args.nproc)), tp=args.tp)
     path = resolve_checkpoint(args.run)
     manifest = read_manifest(path)

@@ -20,7 +20,7 @@ from meshtrain.cli.flags import as_flags
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.corpus import write_atomic
-from meshtrain.errors import SettingError
+from meshtrain.errors import Code, SettingError
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
 from meshtrain.planner.costs import Prediction
@@ -89,18 +89,21 @@ def _none_fits(result: SearchResult, request: Request) -> None:
         result.best()
     except ValueError as why:
         mine = "" if request.hardware_given else ", this machine's profile"
-        raise ValueError(f"{why}; planned for {request.gpus} x {hw.name} ({hw.hbm_gib:g} GiB"
-                         f" each{mine}): choose the devices you will train on with `hardware`"
-                         f" ({', '.join(BUILT_IN)} or a calibrated FILE.toml) or plan more"
-                         " `gpus`") from None
+        code = why.code if isinstance(why, SettingError) else Code.NO_LAYOUT_FITS
+        raise SettingError(code, f"{why}; planned for {request.gpus} x {hw.name} ({hw.hbm_gib:g}"
+                           f" GiB each{mine}): choose the devices you will train on with"
+                           f" `hardware` ({', '.join(BUILT_IN)} or a calibrated FILE.toml) or plan"
+                           " more `gpus`") from None
 
 
 def _request(args: argparse.Namespace) -> Request:
     if args.gpus is None:
-        raise ValueError("`gpus` is required: the number of devices to plan for")
+        raise SettingError(Code.SETTING_MISSING,
+                           "`gpus` is required: the number of devices to plan for")
     for name in ("top", "seq_len", "global_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"`{name}` must be positive, got {getattr(args, name)}")
+            raise SettingError(Code.RANGE,
+                               f"`{name}` must be positive, got {getattr(args, name)}")
     given = {key.split(".", 1)[1]: value for key, value in vars(args).items()
              if key.startswith("model.")}
     cfg = config_mod.RunConfig(model=settings.ModelSettings(**given))
@@ -110,14 +113,16 @@ def _request(args: argparse.Namespace) -> Request:
     cfg.train.seq_len, cfg.train.global_batch = seq_len, args.global_batch
     model = cfg.model_config(cfg.model.vocab_size or base.vocab_size)
     if seq_len > model.max_seq_len:
-        raise ValueError(f"`seq_len` {seq_len} exceeds `max_seq_len` {model.max_seq_len}:"
-                         " raise `max_seq_len` or shorten `seq_len`")
+        raise SettingError(Code.SEQ_LEN_MAX,
+                           f"`seq_len` {seq_len} exceeds `max_seq_len` {model.max_seq_len}:"
+                           " raise `max_seq_len` or shorten `seq_len`")
     hardware = load_hardware(args.hardware) if args.hardware else \
         default_hardware("auto", args.gpus)
     precision = args.precision or hardware.default_precision
     if precision not in ELEMENT_BYTES:
-        raise ValueError(f"`precision` must be one of {', '.join(ELEMENT_BYTES)}, got"
-                         f" {precision!r}")
+        raise SettingError(Code.CHOICE,
+                           f"`precision` must be one of {', '.join(ELEMENT_BYTES)}, got"
+                           f" {precision!r}")
     return Request(model, _model_flags(given, model), hardware, bool(args.hardware), args.gpus,
                    seq_len, args.global_batch, precision)
 
@@ -254,11 +259,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     from meshtrain.planner.run_fit import fit_runs, read_run
 
     if args.ranks < 2 and not args.from_run:
-        raise ValueError(f"`ranks` must be at least 2 (collectives need a group), got"
-                         f" {args.ranks}")
+        raise SettingError(Code.RANGE,
+                           f"`ranks` must be at least 2 (collectives need a group), got"
+                           f" {args.ranks}")
     out = Path(args.out) if args.out else None
     if out is not None and out.suffix != ".toml":
-        raise ValueError(f"`out` {out} must be a .toml file (`hardware` reads it)")
+        raise SettingError(Code.OUT_PATH,
+                           f"`out` {out} must be a .toml file (`hardware` reads it)")
     ranks = args.ranks
     if args.from_run:
         runs = [read_run(run) for run in args.from_run]  # every run read before the fit

@@ -262,7 +262,7 @@ def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.nda
     """(train, validation) as views: the last `val_fraction` of the stream is held out whole, so
     no validation sequence shares text with a training sequence."""
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction}")
+        raise SettingError(Code.RANGE, f"`val_fraction` must be in (0, 1), got {val_fraction}")
     num_val = int(len(tokens) * val_fraction)
     return tokens[:len(tokens) - num_val], tokens[len(tokens) - num_val:]
 
@@ -277,9 +277,10 @@ class TokenDataset:
         if seq_len < 1:
             raise SettingError(Code.RANGE, f"`seq_len` must be positive, got {seq_len}")
         if len(tokens) < seq_len + 1:
-            raise ValueError(f"{name} is too short for `seq_len` {seq_len}: a split of"
-                             f" {len(tokens)} tokens cannot hold {seq_len + 1}; use more data,"
-                             f" a smaller `seq_len` or another `val_fraction`")
+            raise SettingError(Code.DATA_SEQ_LEN,
+                               f"{name} is too short for `seq_len` {seq_len}: a split of"
+                               f" {len(tokens)} tokens cannot hold {seq_len + 1}; use more"
+                               f" data, a smaller `seq_len` or another `val_fraction`")
         self.tokens, self.seq_len = tokens, seq_len
 
     def __len__(self) -> int:

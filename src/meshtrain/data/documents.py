@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from meshtrain.data import tables
 from meshtrain.data.tables import TABLE_SUFFIXES
+from meshtrain.errors import Code, SettingError
 
 JSONL_SUFFIX = ".jsonl"
 # What `datasets.save_to_disk` writes beside its data: metadata, not documents (see _folder_files).
@@ -32,6 +33,13 @@ _NAME_THE_FIELD = "name the documents' field with `text_field`"
 # 100 bytes per input byte at 1 MiB, and ran 3x slower than at 64 KiB): pieces stay small.
 PIECE_BYTES = 1 << 16
 ON_ERROR = ("fail", "skip")
+
+
+class DocumentError(ValueError):
+    """An input document that cannot be read (a missing file or folder, bad bytes, JSON, field,
+    column or row under `on_error` fail), or inputs that hold nothing to train on. A
+    `ValueError`, as these were before they had their own type: the command line ends them with
+    exit code 2 and their one line."""
 
 
 @dataclass(frozen=True)
@@ -51,14 +59,14 @@ class Problems:
 
     def __init__(self, on_error: str):
         if on_error not in ON_ERROR:
-            raise ValueError(f"`on_error` must be fail or skip, got {on_error!r}")
+            raise SettingError(Code.CHOICE, f"`on_error` must be fail or skip, got {on_error!r}")
         self.on_error = on_error
         self.counts: Counter[str] = Counter()
         self.first: str | None = None
 
     def report(self, kind: str, message: str, fix: str = "fix the input") -> None:
         if self.on_error == "fail":
-            raise ValueError(f"{message}; {fix} or pass `on_error` skip")
+            raise DocumentError(f"{message}; {fix} or pass `on_error` skip")
         self.counts[kind] += 1
         self.first = self.first or message
 
@@ -80,8 +88,8 @@ def input_files(inputs: Iterable[str | Path], problems: Problems) -> list[Path]:
         elif given.exists():
             files.append(given)
         else:
-            raise ValueError(f"{given}: no such file or folder; pass text files, folders,"
-                             f" {JSONL_SUFFIX}, .parquet or .arrow files")
+            raise DocumentError(f"{given}: no such file or folder; pass text files, folders,"
+                                f" {JSONL_SUFFIX}, .parquet or .arrow files")
     tables.require_pyarrow(files)
     return files
 
@@ -153,7 +161,8 @@ def read_documents(files: Iterable[Path], problems: Problems, *, text_field: str
     """Every document of `files` in order, as pieces of at most about 2 x `piece_bytes`; empty
     documents are left out."""
     if not text_field:
-        raise ValueError("`text_field` must name a JSON field or table column, got an empty name")
+        raise SettingError(Code.RANGE,
+                           "`text_field` must name a JSON field or table column, got an empty name")
     record = 0
     for path in files:
         kind = _kind(path)

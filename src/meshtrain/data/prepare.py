@@ -27,6 +27,7 @@ import numpy as np
 from meshtrain.data.corpus import sidecar_of, token_dtype, write_atomic
 from meshtrain.data.documents import (
     PIECE_BYTES,
+    DocumentError,
     Piece,
     Problems,
     count_records,
@@ -35,6 +36,7 @@ from meshtrain.data.documents import (
     read_documents,
 )
 from meshtrain.data.tokenization import Tokenizer, load_tokenizer
+from meshtrain.errors import Code, SettingError
 
 BATCH_BYTES = 1 << 20  # pieces handed to a worker at once
 _IN_FLIGHT_PER_WORKER = 2
@@ -69,8 +71,8 @@ def prepare(inputs: Iterable[str | Path], *, out: str | Path, tokenizer: str | P
     out, workers = _checked_out(out), _checked_workers(workers)
     tok = load_tokenizer(tokenizer, eod_token=eod_token)
     if tok.eod_id is None:
-        raise ValueError(f"`tokenizer` {tok.path} has no end-of-document token that meshtrain"
-                         " recognises: name it with `eod_token`")
+        raise SettingError(Code.EOD_TOKEN, f"`tokenizer` {tok.path} has no end-of-document token"
+                           " that meshtrain recognises: name it with `eod_token`")
     problems = Problems(on_error)
     earlier = _output_paths(out)  # an earlier run's output inside an input folder is no input
     files = [path for path in input_files(inputs, problems) if path.resolve() not in earlier]
@@ -97,8 +99,8 @@ def prepare(inputs: Iterable[str | Path], *, out: str | Path, tokenizer: str | P
 def _checked_out(out: str | Path) -> Path:
     out = Path(out)
     if out.suffix != ".bin":
-        raise ValueError(f"`out` {out} must end in .bin: it is a token file (with a .bin.json"
-                         " sidecar)")
+        raise SettingError(Code.OUT_PATH, f"`out` {out} must end in .bin: it is a token file (with"
+                           " a .bin.json sidecar)")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -122,7 +124,7 @@ def _checked_workers(workers: int | None) -> int:
     if workers is None:
         return max(1, min(os.cpu_count() or 1, 16))
     if workers < 1:
-        raise ValueError(f"`workers` must be positive, got {workers}")
+        raise SettingError(Code.RANGE, f"`workers` must be positive, got {workers}")
     return workers
 
 
@@ -130,14 +132,15 @@ def _held_out_rule(val_fraction: float, val_docs: int | None, files: list[Path])
     """record -> 1 if it goes to the held-out split, else 0: p of every q records, evenly spaced
     (record i iff floor((i+1)p/q) > floor(ip/q)); exactly `val_docs` of all records."""
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"`val_fraction` must be in [0, 1), got {val_fraction}")
+        raise SettingError(Code.RANGE, f"`val_fraction` must be in [0, 1), got {val_fraction}")
     if val_docs is not None:
         if val_fraction:
-            raise ValueError("pass `val_fraction` or `val_docs`, not both")
+            raise SettingError(Code.SETTINGS_EXCLUSIVE,
+                               "pass `val_fraction` or `val_docs`, not both")
         records = count_records(files)
         if not 0 <= val_docs < records:
-            raise ValueError(f"`val_docs` must be between 0 and the {records} documents less"
-                             f" one, got {val_docs}")
+            raise SettingError(Code.RANGE, f"`val_docs` must be between 0 and the {records}"
+                               f" documents less one, got {val_docs}")
         share = Fraction(val_docs, records)
     else:
         share = Fraction(val_fraction).limit_denominator(10**6)
@@ -263,8 +266,8 @@ def _commit(train: _TokenFile, held_out: _TokenFile, tokenizer: Tokenizer,
             skipped: str | None) -> PrepareReport:
     """The tokenizer copy, the held-out file, then the training file and its sidecar last."""
     if train.tokens == 0:
-        raise ValueError("no documents to train on: the inputs are empty, skipped or all held"
-                         " out; pass text, or a smaller `val_fraction` or `val_docs`")
+        raise DocumentError("no documents to train on: the inputs are empty, skipped or all held"
+                            " out; pass text, or a smaller `val_fraction` or `val_docs`")
     meta = {"dtype": train.dtype.name, "vocab_size": tokenizer.vocab_size,
             "eod_id": tokenizer.eod_id, "tokenizer": "bytes"}
     if tokenizer.path is not None:

@@ -14,6 +14,8 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from meshtrain.errors import Code, SettingError
+
 TABLE_SUFFIXES = (".parquet", ".arrow")
 ROWS_PER_CHUNK = 128  # rows made Python objects at once: long documents keep this small
 _ARROW_FILE_MAGIC = b"ARROW1"  # the IPC file format; the stream format has no magic
@@ -30,9 +32,10 @@ def require_pyarrow(files: Iterable[Path]) -> None:
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise ValueError(f"{table}: .parquet and .arrow files need the pyarrow library:"
-                             " pip install 'meshtrain[datasets]' (from a clone: pip install -e"
-                             " '.[datasets]')") from None
+            raise SettingError(Code.PYARROW_PACKAGE,
+                               f"{table}: .parquet and .arrow files need the pyarrow library:"
+                               " pip install 'meshtrain[datasets]' (from a clone: pip install -e"
+                               " '.[datasets]')") from None
 
 
 class Table:

@@ -16,6 +16,7 @@ import numpy as np
 
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE, decode, encode, write_atomic
 from meshtrain.data.documents import Problems, input_files, input_progress, read_documents
+from meshtrain.errors import Code, SettingError
 
 TOKENIZER_FILE = "tokenizer.json"  # a run directory's tokenizer; absent means bytes
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of trained tokenizers; bytes render 256 so
@@ -23,6 +24,12 @@ EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of trained tokenizers; 
 # (GPT-2 and Qwen, Llama 3, Llama 2 and Mistral, Gemma), tried in this order when none is named.
 _EOD_SPELLINGS = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>")
 _BOS_SPELLINGS = ("<|begin_of_text|>", "<s>", "<bos>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used: missing, not a tokenizer.json the library reads, absent
+    from a run whose model needs it, or not the model's. A `ValueError`, as these were before
+    they had their own type: the command line ends them with exit code 2 and their one line."""
 
 
 class Tokenizer(ABC):
@@ -79,18 +86,19 @@ class HFTokenizer(Tokenizer):
         tokenizers = _import_tokenizers()
         self.path = Path(path)
         if not self.path.is_file():
-            raise ValueError(f"`tokenizer` {path}: no such file; pass a tokenizer.json or bytes")
+            raise TokenizerError(f"`tokenizer` {path}: no such file; pass a tokenizer.json or"
+                                 " bytes")
         try:
             self._tokenizer = tokenizers.Tokenizer.from_file(str(self.path))
         except Exception as err:  # the library raises a bare Exception for a malformed file
             problem = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ValueError(f"`tokenizer` {path} is not a tokenizer.json the tokenizers library"
-                             f" reads ({problem}); pass another") from None
+            raise TokenizerError(f"`tokenizer` {path} is not a tokenizer.json the tokenizers"
+                                 f" library reads ({problem}); pass another") from None
         self._tokenizer.encode_special_tokens = True
         self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         if eod_token is not None and self._tokenizer.token_to_id(eod_token) is None:
-            raise ValueError(f"`eod_token` {eod_token!r} is not a token of {self.path}: name"
-                             " one of its tokens")
+            raise SettingError(Code.EOD_TOKEN, f"`eod_token` {eod_token!r} is not a token of"
+                               f" {self.path}: name one of its tokens")
         self.eod_id = self._special_id(eod_token, "eos_token", _EOD_SPELLINGS)
         self.bos_id = self._special_id(None, "bos_token", _BOS_SPELLINGS)
 
@@ -133,8 +141,8 @@ def _import_tokenizers():
     try:
         import tokenizers
     except ImportError:
-        raise ValueError("a tokenizer.json needs the `tokenizers` library: pip install -e"
-                         " '.[hf]'") from None
+        raise SettingError(Code.TOKENIZERS_PACKAGE, "a tokenizer.json needs the `tokenizers`"
+                           " library: pip install -e '.[hf]'", settings=("tokenizer",)) from None
     return tokenizers
 
 
@@ -142,8 +150,8 @@ def load_tokenizer(spec: str | Path, *, eod_token: str | None = None) -> Tokeniz
     """`bytes` (with the end-of-document id 256) or the tokenizer.json at `spec`."""
     if str(spec) == "bytes":
         if eod_token is not None:
-            raise ValueError("`eod_token` names a token of a tokenizer.json; bytes end documents"
-                             f" with id {BYTE_VOCAB_SIZE}: leave it out")
+            raise SettingError(Code.EOD_TOKEN, "`eod_token` names a token of a tokenizer.json;"
+                               f" bytes end documents with id {BYTE_VOCAB_SIZE}: leave it out")
         return ByteTokenizer()
     return HFTokenizer(spec, eod_token=eod_token)
 
@@ -163,9 +171,9 @@ def checkpoint_tokenizer(checkpoint: Path, vocab_size: int, *,
         return ByteTokenizer(eod=vocab_size > BYTE_VOCAB_SIZE)
     if not required:
         return None
-    raise ValueError(f"{checkpoint}: the model's vocabulary is {vocab_size}, not bytes, and its run"
-                     f" has no {TOKENIZER_FILE}: copy the tokenizer its data was prepared with"
-                     f" to RUN/{TOKENIZER_FILE}")
+    raise TokenizerError(f"{checkpoint}: the model's vocabulary is {vocab_size}, not bytes, and its"
+                         f" run has no {TOKENIZER_FILE}: copy the tokenizer its data was prepared"
+                         f" with to RUN/{TOKENIZER_FILE}")
 
 
 def train_bpe(texts: Iterable[str], *, vocab_size: int) -> str:
@@ -188,8 +196,8 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int) -> str:
 
 def _check_vocab_size(vocab_size: int) -> None:
     if vocab_size < BYTE_VOCAB_SIZE + 1:
-        raise ValueError(f"`vocab_size` must be at least {BYTE_VOCAB_SIZE + 1} (the 256 bytes"
-                         f" and the end-of-document token), got {vocab_size}")
+        raise SettingError(Code.RANGE, f"`vocab_size` must be at least {BYTE_VOCAB_SIZE + 1} (the"
+                           f" 256 bytes and the end-of-document token), got {vocab_size}")
 
 
 def train_tokenizer_file(inputs: Iterable[str | Path], *, vocab_size: int, out: str | Path,

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from meshtrain.checkpointing.checkpoint import resolve_checkpoint
+from meshtrain.errors import Code, SettingError
 from meshtrain.inference.generate import checkpoint_model, generate
 from meshtrain.interop.hf_io import HFModelDirectory, is_hf_directory
 from meshtrain.mesh import ParallelMesh
@@ -43,7 +44,9 @@ class DenseModel(nn.Module):
         """`ids` [b, s] extended by `max_new_tokens` tokens: greedy at temperature 0, else drawn
         from softmax(logits / temperature) over the `top_k` most likely tokens (None: all)."""
         if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-            raise ValueError("max_new_tokens and temperature must be >= 0, top_k positive")
+            raise SettingError(Code.RANGE,
+                               "max_new_tokens and temperature must be >= 0, top_k positive",
+                               settings=("max_new_tokens", "temperature", "top_k"))
         if temperature == 0:
             return generate(self.lm, ids, max_new_tokens=max_new_tokens)
         return generate(self.lm, ids, max_new_tokens=max_new_tokens, temperature=temperature,

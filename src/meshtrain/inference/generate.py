@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.checkpointing.checkpoint import checkpoint_config, load_checkpoint
-from meshtrain.data.tokenization import Tokenizer
+from meshtrain.data.tokenization import Tokenizer, TokenizerError
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import CausalLM
 from meshtrain.parallel.runtime.process_groups import init_parallel
@@ -59,8 +59,8 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str, vocab_size: int) -> list[int]:
         ids = [tokenizer.eod_id] if tokenizer.eod_id is not None else \
             tokenizer.encode("\n").tolist()
     if max(ids) >= vocab_size:
-        raise ValueError(f"the prompt holds token id {max(ids)}, past the model's vocabulary of"
-                         f" {vocab_size}: the run's tokenizer does not match its model")
+        raise TokenizerError(f"the prompt holds token id {max(ids)}, past the model's vocabulary of"
+                             f" {vocab_size}: the run's tokenizer does not match its model")
     return ids
 
 

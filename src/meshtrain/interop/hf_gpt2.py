@@ -13,6 +13,7 @@ cross-attention, an untied output layer. Dropout probabilities are not carried o
 
 from __future__ import annotations
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_mapping import (
     HFMapping,
     TensorMap,
@@ -64,8 +65,9 @@ class GPT2Mapping(HFMapping):
 
     def config_to_hf(self, cfg: GPTConfig) -> dict:
         if cfg.moe_experts:
-            raise ValueError(f"`moe_experts` {cfg.moe_experts}: {self.architecture} has no"
-                             " experts; export it with format meshtrain")
+            raise SettingError(Code.HF_EXPORT, f"`moe_experts` {cfg.moe_experts}:"
+                               f" {self.architecture} has no experts; export it with format"
+                               " meshtrain")
         return {"architectures": [self.architecture], "model_type": self.model_type,
                 "vocab_size": cfg.vocab_size, "n_positions": cfg.max_seq_len,
                 "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,

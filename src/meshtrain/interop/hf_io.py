@@ -99,8 +99,8 @@ class HFModelDirectory:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not is_hf_directory(self.path):
-            raise ValueError(f"{path}: no {CONFIG} there; pass a Hugging Face model directory"
-                             " (config.json and safetensors weights)")
+            raise _refused(Code.HF_CONFIG, f"{path}: no {CONFIG} there; pass a Hugging Face model"
+                           " directory (config.json and safetensors weights)")
         self.hf_config = _read_json(self.path / CONFIG)
         self.mapping, self.cfg = self._model()
         self._open: dict[str, object] = {}
@@ -146,8 +146,8 @@ class HFModelDirectory:
             return weight_map
         if (self.path / WEIGHTS).is_file():
             return dict.fromkeys(self._file(WEIGHTS).keys(), WEIGHTS)
-        raise ValueError(f"{self.path}: no {WEIGHTS} or {INDEX}; save the model with"
-                         " safetensors (meshtrain reads no pickled pytorch_model.bin)")
+        raise self._refuse(f"no {WEIGHTS} or {INDEX}; save the model with safetensors (meshtrain"
+                           " reads no pickled pytorch_model.bin)")
 
     def _file(self, name: str):
         """The open safetensors file `name`, refused in one line when its header is damaged."""
@@ -251,8 +251,8 @@ class HFModelDirectory:
         params = dict(model.named_parameters())
         for name, _, shape in self.planned():
             if tuple(params[name].shape) != shape:
-                raise ValueError(f"{self.path}: {name} has shape {shape} there and"
-                                 f" {tuple(params[name].shape)} in its config's model")
+                raise self._refuse(f"{name} has shape {shape} there and"
+                                   f" {tuple(params[name].shape)} in its config's model")
         for name, tensor in self.tensors():
             params[name].copy_(tensor)
 
@@ -271,7 +271,8 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Path:
     its weights (loadable at any layout) and its tokenizer.json; returns the checkpoint."""
     source, run_dir = HFModelDirectory(hf_dir), Path(run_dir)
     if (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
-        raise ValueError(f"`out` {run_dir} holds a run: import into a new directory")
+        raise SettingError(Code.OUT_PATH,
+                           f"`out` {run_dir} holds a run: import into a new directory")
     planned = source.planned()
     check_import_fits(planned, source.path)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -292,9 +293,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
     ended documents), None where it has no such token or the run no tokenizer."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"`out` {out_dir} is a file: export into a new directory")
+        raise SettingError(Code.OUT_PATH, f"`out` {out_dir} is a file: export into a new directory")
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise ValueError(f"`out` {out_dir} exists and is not empty: export into a new directory")
+        raise SettingError(Code.OUT_PATH,
+                           f"`out` {out_dir} exists and is not empty: export into a new directory")
     manifest = read_manifest(checkpoint)
     mapping = get_family(manifest["family"]).hf_mapping()
     cfg = config_from_dict(manifest["family"], manifest["model"])

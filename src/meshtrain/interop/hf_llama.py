@@ -17,6 +17,7 @@ takes its token ids from the run's tokenizer: see `hf_io.export_hf`).
 
 from __future__ import annotations
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_mapping import (
     HFMapping,
     TensorMap,
@@ -117,11 +118,13 @@ class LlamaMapping(HFMapping):
 
     def config_to_hf(self, cfg: LlamaConfig) -> dict:
         if cfg.moe_experts:
-            raise ValueError(f"`moe_experts` {cfg.moe_experts}: {self.architecture} has no"
-                             " experts; export it with format meshtrain")
+            raise SettingError(Code.HF_EXPORT, f"`moe_experts` {cfg.moe_experts}:"
+                               f" {self.architecture} has no experts; export it with format"
+                               " meshtrain")
         if cfg.qkv_bias and not self.qkv_biases:
-            raise ValueError(f"`qkv_bias`: {self.architecture}'s attention_bias also biases the"
-                             " output projection; export it with format meshtrain")
+            raise SettingError(Code.HF_EXPORT, f"`qkv_bias`: {self.architecture}'s attention_bias"
+                               " also biases the output projection; export it with format"
+                               " meshtrain")
         rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
         if cfg.rope_scaling:
             rope |= {theirs: getattr(cfg, ours) for ours, theirs in _LLAMA3.items()}

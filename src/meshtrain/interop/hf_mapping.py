@@ -75,8 +75,9 @@ class HFMapping(ABC):
         """config.json's sliding-window fields for `cfg`; an architecture without windows
         refuses a windowed config (exported as is, it would attend the whole sequence)."""
         if cfg.sliding_window is not None:
-            raise ValueError(f"`sliding_window` {cfg.sliding_window}: {self.architecture} has no"
-                             " sliding window; export it with format meshtrain")
+            raise SettingError(Code.HF_EXPORT, f"`sliding_window` {cfg.sliding_window}:"
+                               f" {self.architecture} has no sliding window; export it with"
+                               " format meshtrain")
         return {}
 
     @abstractmethod

@@ -6,6 +6,7 @@ export leaves Llama's out.
 
 from __future__ import annotations
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_llama import LlamaMapping
 from meshtrain.interop.hf_mapping import hf_size
 from meshtrain.models.mistral import MistralConfig
@@ -29,8 +30,9 @@ class MistralMapping(LlamaMapping):
 
     def window_to_hf(self, cfg: MistralConfig) -> dict:
         if cfg.window_start_layer:
-            raise ValueError(f"`window_start_layer` {cfg.window_start_layer}: {self.architecture}"
-                             " windows every layer; export it with format meshtrain")
+            raise SettingError(Code.HF_EXPORT, f"`window_start_layer` {cfg.window_start_layer}:"
+                               f" {self.architecture} windows every layer; export it with"
+                               " format meshtrain")
         return {"sliding_window": cfg.sliding_window}
 
 

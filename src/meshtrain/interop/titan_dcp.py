@@ -25,6 +25,7 @@ import torch
 
 from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest
 from meshtrain.checkpointing.model_files import model_tensors, unwritable
+from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_llama import MAPPING
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models.llama import LlamaConfig
@@ -110,7 +111,8 @@ def export_dcp(checkpoint: str | Path, out_dir: str | Path) -> int:
                         config_from_dict(manifest["family"], manifest["model"]),
                         f"checkpoint {checkpoint}", "export it with format hf or meshtrain")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"`out` {out} exists and is not an empty directory: choose a new one")
+        raise SettingError(Code.OUT_PATH,
+                           f"`out` {out} exists and is not an empty directory: choose a new one")
     maps, state = _maps(cfg), {}
     for name, tensor in model_tensors(checkpoint, manifest):
         titans = maps[name]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.models import gpt, llama, mistral, qwen2
 from meshtrain.models.causal_lm import CausalLM
 from meshtrain.models.family import ModelFamily, TransformerConfig
@@ -22,7 +23,8 @@ PRESETS: dict[str, TransformerConfig] = {
 
 def get_family(name: str) -> ModelFamily:
     if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}: meshtrain has {', '.join(FAMILIES)}")
+        raise SettingError(Code.CHOICE,
+                           f"unknown model family {name!r}: meshtrain has {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
 
@@ -37,7 +39,8 @@ def family_of(cfg: TransformerConfig) -> ModelFamily:
 def preset(name: str, **overrides) -> TransformerConfig:
     """A preset of any family by name, with fields replaced."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+        raise SettingError(Code.CHOICE,
+                           f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
@@ -54,8 +57,9 @@ def config_from_dict(family: str, fields: dict) -> TransformerConfig:
     known = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(fields) - known)
     if unknown:
-        raise ValueError(f"model fields {', '.join(unknown)} are not {family} settings: the"
-                         " checkpoint is from another meshtrain version or family")
+        raise SettingError(Code.MODEL_FIELDS,
+                           f"model fields {', '.join(unknown)} are not {family} settings: the"
+                           " checkpoint is from another meshtrain version or family")
     return config(**fields)
 
 

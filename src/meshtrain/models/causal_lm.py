@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from meshtrain.contracts import AuxiliaryOutputs, ParameterRoles, StageSpec
+from meshtrain.errors import Code, SettingError
 from meshtrain.models.blocks import generator, init_linear
 from meshtrain.models.family import TransformerConfig
 from meshtrain.models.kv_cache import KVCache
@@ -153,8 +154,9 @@ class CausalLM(nn.Module, ABC):
             problem = f"its capacity must be 1 .. `max_seq_len` ({cfg.max_seq_len}), got {capacity}"
         else:
             return KVCache(stage.layers, capacity, window_of=cfg.layer_window)
-        raise ValueError(f"no key/value cache here: {problem} (generation caches whole models"
-                         " at any 1D tp)")
+        raise SettingError(Code.KV_CACHE,
+                           f"no key/value cache here: {problem} (generation caches whole models"
+                           " at any 1D tp)")
 
     @property
     def output_layer(self) -> nn.Module:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from meshtrain.errors import Code, SettingError
+
 
 class LayerCache:
     """One layer's keys and values `[b, kv heads/tp, t, d]`, in buffers of `capacity` tokens
@@ -36,8 +38,9 @@ class LayerCache:
         the new queries attend over and the sequence index of the first of them."""
         end = self.length + k.shape[-2]
         if end > self.capacity:
-            raise ValueError(f"the key/value cache holds {self.capacity} tokens, {end} were"
-                             " asked: make a larger one (at most `max_seq_len`)")
+            raise SettingError(Code.KV_CACHE,
+                               f"the key/value cache holds {self.capacity} tokens, {end} were"
+                               " asked: make a larger one (at most `max_seq_len`)")
         if self.window is not None:
             return self._extend_window(k, v, end)
         if self.keys is None:

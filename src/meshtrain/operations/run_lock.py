@@ -26,6 +26,12 @@ from meshtrain.operations.failures import EXIT_BAD_INPUT, RunFailure, writing
 LOCK_FILE = ".lock"
 
 
+class RunLockError(ValueError):
+    """`out` cannot be locked for this run: another live run holds it, or its lock file cannot be
+    written. A `ValueError`, as these were before they had their own type: the command line
+    ends them with exit code 2 and their one line."""
+
+
 def own_run_id() -> str | None:
     return os.environ.get("TORCHELASTIC_RUN_ID") or None
 
@@ -101,7 +107,7 @@ def check_free(out: str | Path, run_id: str | None = None) -> None:
     if owner is None or (run_id is not None and owner.get("run_id") == run_id):
         return
     if _alive(owner):
-        raise ValueError(_refusal(out, owner))
+        raise RunLockError(_refusal(out, owner))
 
 
 class RunLock:
@@ -117,7 +123,7 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock (creating `out`), over a stale one or one of the same run; raises
-        ValueError naming the owner when another live run holds it."""
+        RunLockError naming the owner when another live run holds it."""
         check_free(self.out, self.run_id)
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id}
         try:
@@ -131,10 +137,10 @@ class RunLock:
             else:
                 tmp.unlink()
         except OSError as e:
-            raise ValueError(f"`out` {self.out}: cannot write its lock file ({e}); choose a"
-                             " writable `out`") from None
+            raise RunLockError(f"`out` {self.out}: cannot write its lock file ({e}); choose a"
+                               " writable `out`") from None
         if _read(self.path) != mine:  # another run took it over at the same moment
-            raise ValueError(_refusal(self.out, _read(self.path) or {}))
+            raise RunLockError(_refusal(self.out, _read(self.path) or {}))
         self.held = True
 
     def release(self) -> None:
@@ -156,7 +162,7 @@ class RunLock:
         if mesh.rank == 0:
             try:
                 self.acquire()
-            except ValueError as e:
+            except RunLockError as e:
                 reason = str(e)
         refused = torch.tensor(1.0 if reason else 0.0, device=mesh.device)
         comm.all_reduce(refused, mesh.world, op=torch.distributed.ReduceOp.MAX)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshtrain.contracts import AuxiliaryOutputs
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.parallel.runtime.plan import ParallelPlan
@@ -67,17 +68,25 @@ MAX_CALLS = 2000
 TIMEOUT = datetime.timedelta(seconds=120)
 
 
+class CalibrationError(ValueError):
+    """Measurements no profile can be fitted to (a host too busy to time its collectives). A
+    `ValueError`, as it was before it had its own type: the command line ends it with exit code 2
+    and its one line."""
+
+
 def calibrate_machine(*, ranks: int = 4, quick: bool = False,
                       report: Callable[[str], None] | None = None) -> Hardware:
     """Measure this machine with `ranks` ranks at once and fit a profile (~40 s; quick ~10 s
     with fewer sizes and shorter timings). `report` receives one line per fitted quantity."""
     if not isinstance(ranks, int) or ranks < 2:
-        raise ValueError(f"`ranks` must be an integer of at least 2 (collectives need a"
-                         f" group), got {ranks!r}")
+        raise SettingError(Code.RANGE,
+                           f"`ranks` must be an integer of at least 2 (collectives need a"
+                           f" group), got {ranks!r}")
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < ranks:
-        raise ValueError(f"`ranks` {ranks} exceeds the {torch.cuda.device_count()} CUDA devices"
-                         " (one rank per device)")
+        raise SettingError(Code.CALIBRATE_DEVICES,
+                           f"`ranks` {ranks} exceeds the {torch.cuda.device_count()} CUDA devices"
+                           " (one rank per device)")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -421,9 +430,9 @@ def _fit_collectives(rows: list[tuple], all_reduces: bool,
     counting = min(fits, key=lambda c: fits[c][0])
     _, alpha, beta, points = fits[counting]
     if beta <= 0:
-        raise ValueError("calibration: the collectives' times did not grow with their bytes, so"
-                         " no bandwidth can be fitted (the host was too busy to time them);"
-                         " calibrate again when it is quieter")
+        raise CalibrationError("calibration: the collectives' times did not grow with their"
+                               " bytes, so no bandwidth can be fitted (the host was too busy to"
+                               " time them); calibrate again when it is quieter")
     for op in COLLECTIVES:
         say(f"{op}: " + ", ".join(f"g{g} {n >> 10} KiB {t * 1e3:.3f} ms" for o, g, n, t in rows
                                   if o == op))

@@ -16,6 +16,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtrain.errors import Code, SettingError
+
 PEAK_PRECISIONS = ("fp32", "bf16", "fp16")
 """The precisions a profile gives a matmul peak for."""
 COLLECTIVE_STEPS = ("ring", "log")
@@ -261,25 +263,29 @@ def load_hardware(name_or_file: str) -> Hardware:
         return BUILT_IN[name_or_file]
     path = Path(name_or_file)
     if not path.suffix == ".toml":
-        raise ValueError(f"`hardware` {name_or_file!r} is neither a built-in profile"
-                         f" ({', '.join(BUILT_IN)}) nor a .toml file")
+        raise SettingError(Code.HARDWARE_PROFILE,
+                           f"`hardware` {name_or_file!r} is neither a built-in profile"
+                           f" ({', '.join(BUILT_IN)}) nor a .toml file")
     try:
         values = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"`hardware` file {path} cannot be read: {e}") from None
+        raise SettingError(Code.HARDWARE_PROFILE,
+                           f"`hardware` file {path} cannot be read: {e}") from None
     factor = values.pop("reduce_scatter_factor", None)  # a retired field: see _retired_factor
     if factor is not None:
         values.setdefault("reduce_scatter_all_reduces", _retired_factor(factor))
     known = {f.name for f in dataclasses.fields(Hardware)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"`hardware` file {path} has an unknown field {unknown[0]!r}: the"
-                         f" fields are {', '.join(sorted(known))}")
+        raise SettingError(Code.HARDWARE_PROFILE,
+                           f"`hardware` file {path} has an unknown field {unknown[0]!r}: the"
+                           f" fields are {', '.join(sorted(known))}")
     values.setdefault("name", path.stem)
     try:
         hardware = Hardware(**values)
     except TypeError as e:
-        raise ValueError(f"`hardware` file {path} lacks a field: {e}") from None
+        raise SettingError(Code.HARDWARE_PROFILE,
+                           f"`hardware` file {path} lacks a field: {e}") from None
     for name, (low, high, low_included) in _RANGES.items():
         value = getattr(hardware, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or not (
@@ -287,17 +293,21 @@ def load_hardware(name_or_file: str) -> Hardware:
                 and math.isfinite(value)):
             closing = "]" if high < math.inf else ")"
             bound = f"{'[' if low_included else '('}{low:g}, {high:g}{closing}"
-            raise ValueError(f"`hardware` file {path}: {name} must be a number in {bound}, got"
-                             f" {value!r}; fix the file or calibrate again")
+            raise SettingError(Code.HARDWARE_PROFILE,
+                               f"`hardware` file {path}: {name} must be a number in {bound}, got"
+                               f" {value!r}; fix the file or calibrate again")
     if not isinstance(hardware.reduce_scatter_all_reduces, bool):
-        raise ValueError(f"`hardware` file {path}: reduce_scatter_all_reduces must be true or"
-                         f" false, got {hardware.reduce_scatter_all_reduces!r}")
+        raise SettingError(Code.HARDWARE_PROFILE,
+                           f"`hardware` file {path}: reduce_scatter_all_reduces must be true or"
+                           f" false, got {hardware.reduce_scatter_all_reduces!r}")
     if hardware.collective_steps not in COLLECTIVE_STEPS:
-        raise ValueError(f"`hardware` file {path}: collective_steps must be ring or log, got"
-                         f" {hardware.collective_steps!r}")
+        raise SettingError(Code.HARDWARE_PROFILE,
+                           f"`hardware` file {path}: collective_steps must be ring or log, got"
+                           f" {hardware.collective_steps!r}")
     if hardware.default_precision not in PEAK_PRECISIONS:
-        raise ValueError(f"`hardware` file {path}: default_precision must be fp32, bf16 or"
-                         f" fp16, got {hardware.default_precision!r}")
+        raise SettingError(Code.HARDWARE_PROFILE,
+                           f"`hardware` file {path}: default_precision must be fp32, bf16 or"
+                           f" fp16, got {hardware.default_precision!r}")
     return hardware
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshtrain.config import run_config as config_mod
+from meshtrain.errors import Code, SettingError
 from meshtrain.planner.costs import predict
 from meshtrain.planner.hardware import Hardware
 
@@ -51,8 +52,9 @@ def read_run(path: str | Path) -> MeasuredRun:
     path = Path(path)
     config, metrics = path / "config.toml", path / "metrics.jsonl"
     if not config.is_file() or not metrics.is_file():
-        raise ValueError(f"`from_run` {path} is not a run directory (no config.toml and"
-                         " metrics.jsonl): give the `out` of a finished `meshtrain train`")
+        raise SettingError(Code.FROM_RUN,
+                           f"`from_run` {path} is not a run directory (no config.toml and"
+                           " metrics.jsonl): give the `out` of a finished `meshtrain train`")
     cfg = config_mod.build_config(config_mod.load_toml(config), {})
     times = []
     for line in metrics.read_text().splitlines():
@@ -63,8 +65,9 @@ def read_run(path: str | Path) -> MeasuredRun:
         if isinstance(row, dict) and isinstance(row.get("step_time_s"), int | float):
             times.append(float(row["step_time_s"]))
     if len(times) <= WARMUP_STEPS:
-        raise ValueError(f"`from_run` {path} has {len(times)} timed step(s): train at least"
-                         f" {WARMUP_STEPS + 1} steps (the first {WARMUP_STEPS} are warm-up)")
+        raise SettingError(Code.FROM_RUN,
+                           f"`from_run` {path} has {len(times)} timed step(s): train at least"
+                           f" {WARMUP_STEPS + 1} steps (the first {WARMUP_STEPS} are warm-up)")
     model = cfg.model_config(cfg.model.vocab_size)
     t = cfg.train
 

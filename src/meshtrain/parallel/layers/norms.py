@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.sharding import Shard, shard_tensor
@@ -115,8 +116,10 @@ class _SplitNorm(nn.Module):
         self.size = dense.weight.shape[0]
         spec = Shard(0, self.size, self.size, axes=(hidden_axis,))
         if self.size % self.axis.size:
-            raise ValueError(f"the hidden size ({self.size}) must be divisible by the"
-                             f" {hidden_axis} degree ({self.axis.size}): change the model or `tp`")
+            raise SettingError(Code.GRID_SHAPE,
+                               f"the hidden size ({self.size}) must be divisible by the"
+                               f" {hidden_axis} degree ({self.axis.size}): change the model or"
+                               " `tp`")
         self.shards, self.partial_axes = {}, {}
         for name in ("weight", "bias"):
             full = getattr(dense, name, None)
@@ -133,8 +136,9 @@ class SplitLayerNorm(_SplitNorm):
     def __init__(self, dense: nn.LayerNorm, mesh: ParallelMesh, *, hidden_axis: str,
                  partial: tuple[str, ...]):
         if dense.weight is None or len(dense.normalized_shape) != 1:
-            raise ValueError("a split LayerNorm needs a learned scale (`elementwise_affine`)"
-                             " over the last dimension")
+            raise SettingError(Code.MODEL_UNSUPPORTED,
+                               "a split LayerNorm needs a learned scale (`elementwise_affine`)"
+                               " over the last dimension")
         super().__init__(dense, mesh, hidden_axis=hidden_axis, partial=partial)
         self.eps = dense.eps
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm, regions
 from meshtrain.parallel.layers.collective_matmul import (
@@ -36,8 +37,9 @@ from meshtrain.parallel.layers.weight_grads import WeightGradients, now_or_later
 def _check_divisible(what: str, size: int, tp: int, blocks: int = 1) -> None:
     if size % (tp * blocks):
         by = f"tp ({tp})" if blocks == 1 else f"{blocks} blocks x tp ({tp})"
-        raise ValueError(f"{what} ({size}) must be divisible by {by}: choose a tp that"
-                         f" divides it or change the model size")
+        raise SettingError(Code.TP_WIDTH,
+                           f"{what} ({size}) must be divisible by {by}: choose a tp that"
+                           f" divides it or change the model size")
 
 
 def _tp_axis(mesh: ParallelMesh | MeshAxis) -> MeshAxis:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import ParallelMesh
 
 
@@ -40,8 +41,9 @@ class TiedAsHead:
 
     def __init__(self, dense: nn.Linear, mesh: ParallelMesh):
         if dense.bias is not None:
-            raise ValueError(f"`tp_scheme` {mesh.tp_scheme} output layers have no bias: build"
-                             " the head with bias=False")
+            raise SettingError(Code.MODEL_UNSUPPORTED,
+                               f"`tp_scheme` {mesh.tp_scheme} output layers have no bias: build"
+                               " the head with bias=False")
         super().__init__(dense, mesh)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.layers.sharding import Shard, shard_tensor
 
@@ -17,8 +18,9 @@ from meshtrain.parallel.layers.sharding import Shard, shard_tensor
 def check_split(mesh: ParallelMesh, what: str, size: int, parts: int) -> None:
     """Refuse a dimension the scheme cannot split `parts` ways."""
     if size % parts:
-        raise ValueError(f"`tp_scheme` {mesh.tp_scheme} splits the {what} {parts} ways: {size}"
-                         " is not divisible; change the model size or `tp`")
+        raise SettingError(Code.GRID_SHAPE,
+                           f"`tp_scheme` {mesh.tp_scheme} splits the {what} {parts} ways: {size}"
+                           " is not divisible; change the model size or `tp`")
 
 
 def adopt_slices(module: nn.Module, dense: nn.Module) -> None:
