@@ -101,12 +101,20 @@ def _predict(layout: ParallelPlan, *, batch: int = 8):
     return predict(GPT, layout, LINK, seq_len=SEQ, global_batch=batch)
 
 
+def _step_bytes(work: Workload) -> float:
+    """The layers' and the output layer's traffic of one micro-batch (the scheme's formulas)."""
+    lay, tokens = work.layout, work.local_tokens
+    layer = lay.scheme.layer_traffic(GPT, lay.tp_grid, tokens, 2)
+    head = lay.scheme.output_traffic(lay.tp_grid, tokens, GPT.hidden_size, GPT.vocab_size, 2)
+    return GPT.num_layers * layer.total_bytes + head.total_bytes
+
+
 @pytest.mark.parametrize("layout", [ParallelPlan(dp=1, tp=4, micro_batch=4, tp_scheme="2d"),
                                     ParallelPlan(dp=1, tp=8, micro_batch=4, tp_scheme="3d")])
 def test_a_grid_is_charged_its_formula_bytes_and_the_same_compute_as_1d(layout):
     grid, one_d = _predict(layout), _predict(dataclasses.replace(layout, tp_scheme="1d"))
     work = Workload(GPT, layout, SEQ, 8, "bf16")
-    moved = GPT.num_layers * work.layer_traffic().total_bytes + work.head_traffic().total_bytes
+    moved = _step_bytes(work)
     # (plus the step's 4-byte scalar all-reduces)
     assert grid.exposed_comm_s == pytest.approx(work.micro_batches * moved / 1e9, rel=1e-6)
     assert grid.compute_s == pytest.approx(one_d.compute_s, rel=1e-6)
@@ -117,7 +125,7 @@ def test_2p5d_pays_its_depth_all_reduce_once_a_step():
     layout = ParallelPlan(dp=1, tp=8, micro_batch=4, tp_scheme="2.5d", tp_depth=2)
     p = _predict(layout, batch=16)  # four micro-batches, one depth all-reduce
     work = Workload(GPT, layout, SEQ, 16, "bf16")
-    in_path = GPT.num_layers * work.layer_traffic().total_bytes + work.head_traffic().total_bytes
+    in_path = _step_bytes(work)
     held = GPT.num_layers * work.layer(0).parameters + work.embedding_parameters()
     depth = depth_gradient_bytes(held, 2, GRAD_BYTES)
     assert p.exposed_comm_s == pytest.approx((4 * in_path + depth) / 1e9, rel=1e-6)
