@@ -35,7 +35,6 @@ class GridScheme(TPScheme):
     of the hidden size on a rank), and so is `tp_overlap`, which overlaps sequence-parallel
     communication."""
 
-    splits_hidden = True
     refuses = ("sequence_parallel", "cp", "ep", "moe_experts", "split_backward", "compile",
                "fp8", "tp_overlap")
 

@@ -99,10 +99,6 @@ class TPScheme(ABC):
     """The `tp_scheme` setting's value."""
     axes: tuple[str, ...]
     """The grid axes of the tensor-parallel block, outer -> inner (tp rank = mixed radix)."""
-    splits_hidden: bool = False
-    """Whether the hidden states between layers are split over the whole block (batch and
-    hidden size) by the scheme itself, so nothing outside its layers is replicated; False: they
-    are replicated over tp unless sequence parallelism splits them (Megatron's line)."""
     refuses: tuple[str, ...] = ()
     """Settings the scheme does not combine with (when on): sequence_parallel, cp, ep,
     moe_experts, split_backward (zero-bubble schedules: its layers cannot defer their
