@@ -350,6 +350,7 @@ class ModelFamily:
     def hf_mapping(self):
         """The family's `HFMapping`, imported on first use."""
         if self.hf_module is None:
-            raise ValueError(f"the {self.name} family has no Hugging Face counterpart: export"
-                             " it with format meshtrain")
+            raise SettingError(Code.HF_EXPORT,
+                               f"the {self.name} family has no Hugging Face counterpart: export"
+                               " it with format meshtrain")
         return importlib.import_module(self.hf_module).MAPPING
