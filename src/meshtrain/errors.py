@@ -83,6 +83,7 @@ class Code(Enum):
     ZERO_BUBBLE_PP = "zero-bubble schedule without pp > 1"
     ZERO_BUBBLE_SCHEME = "zero-bubble schedule with a grid tp scheme"
     ZB_V_LAYERS = "zb-v: fewer layers than 2 x pp"
+    SCHEDULE_COMBINATION = "a feature the pipeline schedule does not list"
     # compiled blocks
     COMPILE_MOE = "compile with MoE"
     COMPILE_SCHEME = "compile with a grid tp scheme"
