@@ -155,8 +155,8 @@ def _one_step(corpus: str, out: str, settings: dict) -> None:
         section = PLAN_FIELDS[key].metadata["section"] if key in PLAN_FIELDS else "model"
         sections[section][key] = value
     plan, _, _, batch = _layout(settings)
-    sections["train"] |= dict(steps=1, global_batch=batch, seq_len=SEQ_LEN, eval_every=0,
-                              seed=5, warmup_steps=0)
+    sections["train"] |= dict(steps=1, global_batch=batch, micro_batch=plan.micro_batch,
+                              seq_len=SEQ_LEN, eval_every=0, seed=5, warmup_steps=0)
     if "fp8" in settings:
         sections["parallel"]["device"] = "cuda"
     cfg = build_config({}, sections | {"data": {"data": corpus}, "checkpoint": {"out": out}})
