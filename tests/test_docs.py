@@ -55,6 +55,7 @@ import pytest
 from meshtrain.cli.main import _train_config
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config import run_config as config
+from meshtrain.parallel.runtime.capabilities import table
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -99,6 +100,11 @@ def test_documented_command_is_valid(doc, argv, world, tmp_path):
         return  # (the TOML example writes its file, --init-from reads a run made before it)
     cfg = _train_config(args)
     config.validate(cfg, config.world_size_of(cfg, world))
+
+
+def test_the_compatibility_table_is_the_declarations():
+    """The guide's table of what combines with what is generated from the capabilities."""
+    assert "\n".join(table()) in GUIDE.read_text()
 
 
 def test_links_stay_inside_the_repository():

@@ -86,6 +86,7 @@ class Code(Enum):
     ZERO_BUBBLE_SCHEME = "zero-bubble schedule with a grid tp scheme"
     ZB_V_LAYERS = "zb-v: fewer layers than 2 x pp"
     TRACE_SCHEDULE = "trace with a schedule that does not flush"
+    SCHEDULE_COMBINATION = "a feature the pipeline schedule does not list"
     # compiled blocks
     COMPILE_MOE = "compile with MoE"
     COMPILE_SCHEME = "compile with a grid tp scheme"

@@ -26,7 +26,7 @@ def grid_choices(tp: int, fixed: dict[str, object], *, cp: int, moe: bool) -> li
     depth, given = fixed.get("tp_depth"), "tp_scheme" in fixed
     schemes = [tp_scheme(fixed["tp_scheme"])] if given else [
         s for s in SCHEMES.values()
-        if (cp == 1 or s.allows("cp")) and (not moe or s.allows("moe_experts"))]
+        if (cp == 1 or "cp" in s.supports) and (not moe or "moe" in s.supports)]
     pairs: list[Grid] = []
     for scheme in schemes:
         depths = [depth] if depth is not None else scheme.depth_choices(tp, fixed=given)
@@ -41,7 +41,7 @@ def _fits_fixed(tp: int, scheme: str, depth: int | None, fixed: dict[str, object
     divides."""
     plan = ParallelPlan(tp=tp, tp_scheme=scheme, tp_depth=depth)
     parts = plan.batch_parts
-    return (not fixed.get("sequence_parallel") or plan.scheme.allows("sequence_parallel")) \
+    return (not fixed.get("sequence_parallel") or "sequence_parallel" in plan.scheme.supports) \
         and fixed.get("micro_batch", parts) % parts == 0
 
 

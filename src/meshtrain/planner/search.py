@@ -42,6 +42,7 @@ from meshtrain.data.corpus import MAX_GLOBAL_BATCH
 from meshtrain.errors import Code, SettingError
 from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.layers.recompute import RECOMPUTE
+from meshtrain.parallel.runtime.capabilities import admits
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan
 from meshtrain.parallel.runtime.zero import ZERO_STAGES
 from meshtrain.parallel.schedules.catalog import (
@@ -239,7 +240,7 @@ class _Search:
             "pp_schedule": self.choices("pp_schedule", schedules),
             "virtual_stages": self.choices("virtual_stages", vps or [1]),
             "sequence_parallel": self.choices("sequence_parallel", [True, False] if tp > 1 and
-                                              tp_scheme(scheme).allows("sequence_parallel")
+                                              "sequence_parallel" in tp_scheme(scheme).supports
                                               else [False]),
             "zero": self.choices("zero", list(ZERO_STAGES) if dp * cp > 1 else [0]),
             "recompute": self.choices("recompute", RECOMPUTE),
@@ -261,7 +262,7 @@ class _Search:
         probe = ParallelPlan(pp=pp, tp_scheme=scheme)
         runs = [s for s in SCHEDULES.values() if s.searched and (
             vps or fixed_vp > 1 if s.takes_virtual_stages
-            else fixed_vp == 1 and s.admits(probe, self.model))]
+            else fixed_vp == 1 and admits(replace(probe, pp_schedule=s.name), self.model))]
         names = [s.name for s in sorted(runs, key=lambda s: not s.split_backward)]
         return [s for s in names if s in self.schedules] or names[:1]
 

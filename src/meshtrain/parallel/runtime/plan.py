@@ -26,6 +26,7 @@ from meshtrain.mesh import resolve_degrees
 from meshtrain.parallel.layers.attention import CP_MODES
 from meshtrain.parallel.layers.fp8 import ALIGNMENT, FP8_RECIPES
 from meshtrain.parallel.layers.recompute import RECOMPUTE
+from meshtrain.parallel.runtime.capabilities import check_capabilities
 from meshtrain.parallel.runtime.pipeline import stage_layers
 from meshtrain.parallel.runtime.zero import OFFLOAD_TARGETS, ZERO_STAGES
 from meshtrain.parallel.schedules.catalog import (
@@ -241,14 +242,13 @@ class ParallelPlan:
         self.validate_choices()
         plan = self.resolved(world_size)
         plan._validate_numbers(global_batch)
-        plan._validate_tp_overlap()
+        check_capabilities(plan, model)
         plan.scheme.check(plan, model)
         model.validate_for_tp(plan.head_parts)
         model.validate_for_ep(plan.ep)
         plan._validate_execution(model, seq_len)
-        plan._validate_compile(model)
         plan._validate_fp8(seq_len)
-        plan._validate_zero(model)
+        plan._validate_zero()
         plan._validate_pipeline(model, global_batch)
         return plan
 
@@ -270,23 +270,9 @@ class ParallelPlan:
         if not math.isfinite(self.bucket_mb) or int(self.bucket_mb * 2**20) < 1:
             raise SettingError(Code.RANGE, f"`bucket_mb` must be positive, got {self.bucket_mb}")
 
-    def _validate_tp_overlap(self) -> None:
-        """Overlap chunks the all-gather and reduce-scatter of 1d sequence parallelism."""
-        if not self.tp_overlap:
-            return
-        if not self.scheme.allows("tp_overlap"):
-            raise SettingError(Code.TP_OVERLAP_SCHEME, (
-                f"`tp_overlap` overlaps the sequence-parallel communication of 1d"
-                f" tensor-parallel layers, which `tp_scheme` {self.tp_scheme}'s grid layers do"
-                " not have: use `tp_scheme` 1d or drop `tp_overlap`"))
-        if not self.sequence_parallel:
-            raise SettingError(Code.TP_OVERLAP_WITHOUT_SP, (
-                "`tp_overlap` overlaps the all-gather and reduce-scatter of"
-                " `sequence_parallel`: add `sequence_parallel` (with `tp` > 1) or drop"
-                " `tp_overlap`"))
-
     def _validate_execution(self, model, seq_len: int) -> None:
-        """Sequence and context parallelism, recomputation."""
+        """The values of sequence and context parallelism and recomputation (what they
+        combine with: `capabilities`)."""
         tp, cp = self.tp, self.cp
         if self.recompute_layers is not None and self.recompute_layers < 0:
             raise SettingError(Code.RANGE, (
@@ -295,10 +281,6 @@ class ParallelPlan:
             raise SettingError(Code.RECOMPUTE_LAYERS, (
                 "`recompute_layers` applies to `recompute` full only: add it or drop"
                 " `recompute_layers`"))
-        if self.sequence_parallel and tp == 1:
-            raise SettingError(Code.SP_WITHOUT_TP, (
-                "`sequence_parallel` needs `tp` > 1 (it splits the sequence over the"
-                " tensor-parallel ranks)"))
         if cp > 1 and seq_len % (2 * cp):
             raise SettingError(Code.CP_SEQ_LEN, (
                 f"`seq_len` {seq_len} must be divisible by 2 x cp = {2 * cp} (each"
@@ -308,46 +290,16 @@ class ParallelPlan:
             raise SettingError(Code.SP_SEQ_LEN, (
                 f"`seq_len` {seq_len} / cp ({cp}) = {local} tokens per rank must be"
                 f" divisible by tp ({tp}) for `sequence_parallel`: choose a multiple"))
-        if cp > 1 and model.dropout > 0:
-            raise SettingError(Code.CP_DROPOUT, (
-                "attention dropout with `cp` > 1 is not supported: use `dropout` 0"))
         if cp > 1 and self.cp_mode == "all2all" and (model.num_heads // tp) % cp:
             raise SettingError(Code.ALL2ALL_HEADS, (
                 f"`cp_mode` all2all needs heads per TP rank ({model.num_heads // tp})"
                 f" divisible by `cp` {cp}: use `cp_mode` ring or another `cp`"))
-        if model.moe_experts and (self.sequence_parallel or cp > 1):
-            raise SettingError(Code.MOE_SEQUENCE_SPLIT, (
-                "`moe_experts` with `sequence_parallel` or `cp` > 1 is not"
-                " supported: routing assumes every TP/CP rank holds the whole"
-                " micro-batch"))
-
-    def _validate_compile(self, model) -> None:
-        if not self.compile:
-            return
-        if model.moe_experts:
-            raise SettingError(Code.COMPILE_MOE, (
-                "`compile` with `moe_experts` is not supported: routing sizes each expert's"
-                " batch by counts read on the host, so every step would compile again; train"
-                " MoE models without `compile`"))
-        if not self.scheme.allows("compile"):
-            raise SettingError(Code.COMPILE_SCHEME, (
-                f"`compile` compiles 1d tensor-parallel blocks, not `tp_scheme`"
-                f" {self.tp_scheme}'s grid layers (they compile again on every call): use"
-                " `tp_scheme` 1d or drop `compile`"))
 
     def _validate_fp8(self, seq_len: int) -> None:
-        """What float8 matmuls cannot run with (the device is checked where it is known:
+        """The tokens float8 matmuls run over (the device is checked where it is known:
         `fp8.check_fp8_device`)."""
         if self.fp8 == "none":
             return
-        if not self.scheme.allows("fp8"):
-            raise SettingError(Code.FP8_SCHEME, (
-                f"`fp8` converts the 1d tensor-parallel layers only, not `tp_scheme`"
-                f" {self.tp_scheme}'s grid layers: use `tp_scheme` 1d or drop `fp8`"))
-        if self.precision == "fp64":
-            raise SettingError(Code.FP8_PRECISION, (
-                "`fp8` rounds matmul operands to 8 bits, which defeats `precision` fp64's"
-                " checks: use bf16 (or fp32) with `fp8`"))
         tokens = self.micro_batch * seq_len // self.cp
         if tokens % ALIGNMENT:
             raise SettingError(Code.FP8_TOKENS, (
@@ -362,36 +314,18 @@ class ParallelPlan:
                 f"`zero_impl` {self.zero_impl} prices another system's ZeRO-3 in the planner;"
                 " meshtrain trains with its own: drop `zero_impl`"))
 
-    def _validate_zero(self, model) -> None:
+    def _validate_zero(self) -> None:
         if self.zero_impl != "meshtrain" and self.zero != 3:
             raise SettingError(Code.ZERO_IMPL_STAGE, (
                 f"`zero_impl` {self.zero_impl} prices ZeRO-3: set `zero` 3 (got {self.zero})"))
-        if self.zero and self.precision == "fp64":
-            raise SettingError(Code.ZERO_FP64, (
-                f"`zero` {self.zero} keeps fp32 master shards, which would round"
-                " `precision` fp64's parameters: use `zero` 0 with fp64"))
-        if self.offload_optimizer != "none" and self.zero == 0:
-            raise SettingError(Code.OFFLOAD_WITHOUT_ZERO, (
-                f"`offload_optimizer` {self.offload_optimizer} offloads ZeRO's optimizer"
-                " shard: add `zero` 1 (or 2, 3)"))
         if (self.offload_optimizer == "nvme") != (self.offload_dir is not None):
             raise SettingError(Code.OFFLOAD_DIR, (
                 "`offload_optimizer` nvme keeps its files in `offload_dir`: set both, or"
                 " neither"))
-        if self.zero >= 2 and self.pp > 1:
-            raise SettingError(Code.ZERO_PIPELINE, (
-                f"`zero` {self.zero} does not combine with `pp` {self.pp}: a"
-                " pipeline interleaves the backwards of many micro-batches, so"
-                " sharded gradients would be reduce-scattered once per micro-batch"
-                " per stage; use `zero` 1 with pipelines"))
-        if self.zero == 3 and model.moe_experts:
-            raise SettingError(Code.ZERO3_MOE, (
-                "`zero` 3 does not shard MoE experts yet: use `zero` 1 or 2 with"
-                " `moe_experts`"))
 
     def _validate_pipeline(self, model, global_batch: int) -> None:
-        """Chunks of at least one layer each, virtual stages only where the schedule loops
-        them, and the schedule's own refusals (`PipelineSchedule.check`)."""
+        """Chunks of at least one layer each and the schedule's own refusals
+        (`PipelineSchedule.check`)."""
         v = self.virtual_stages
         if self.pp > model.num_layers:
             raise SettingError(Code.PP_LAYERS, (
@@ -399,13 +333,6 @@ class ParallelPlan:
                 " every stage needs at least one"))
         if v < 1:
             raise SettingError(Code.RANGE, f"`virtual_stages` must be >= 1, got {v}")
-        if v > 1 and not self.schedule.takes_virtual_stages:
-            takers = [s for s in PP_SCHEDULES if pipeline_schedule(s).takes_virtual_stages]
-            raise SettingError(Code.VIRTUAL_STAGES_SCHEDULE, (
-                f"`virtual_stages` {v} needs `pp_schedule` {alternatives(takers)} (got"
-                f" {self.pp_schedule})"))
-        if v > 1 and self.pp == 1:
-            raise SettingError(Code.VIRTUAL_STAGES_PP, f"`virtual_stages` {v} needs `pp` > 1")
         if self.pp * v > model.num_layers:
             raise SettingError(Code.CHUNK_LAYERS, (
                 f"`pp` x `virtual_stages` = {self.pp} x {v} exceeds the model's"

@@ -46,6 +46,7 @@ class Interleaved(PipelineSchedule):
     name = "interleaved"
     summary = "1F1B over virtual stages model chunks per rank"
     takes_virtual_stages = searched = megatron = True
+    supports = PipelineSchedule.supports | {"virtual_stages"}
 
     def action_lists(self, p, m, *, v=1, steps=1, chunk_costs=None):
         return interleaved(p, m, v)

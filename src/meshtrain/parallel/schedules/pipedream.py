@@ -46,6 +46,7 @@ class PipeDream2BW(PipelineSchedule):
     name = "2bw"
     summary = "PipeDream-2BW: no flush, weights updated one step late"
     weight_versions, flushes = 2, False
+    supports = PipelineSchedule.supports | {"two_weight_versions"}
 
     def action_lists(self, p, m, *, v=1, steps=1, chunk_costs=None):
         return pipedream_2bw(p, m, steps)
@@ -60,25 +61,13 @@ class PipeDream2BW(PipelineSchedule):
         return 4 + (4 if element_bytes == 4 else 0)
 
     def check(self, plan, model, micro_batches: int) -> None:
-        if plan.zero and plan.pp > 1:
-            raise SettingError(Code.ZERO_2BW, (
-                "`zero` with `pp_schedule` 2bw is not supported (2BW keeps two full"
-                " weight versions): use `zero` 1 with 1f1b or interleaved"))
-        if plan.pp == 1:
-            raise SettingError(Code.TWO_BW_PP, "`pp_schedule` 2bw needs `pp` > 1")
+        """Every rank has a micro-batch in flight in the steady state (what two weight versions
+        refuse is declared in `runtime/capabilities.RULES`)."""
         if micro_batches < plan.pp:
             raise SettingError(Code.TWO_BW_MICRO_BATCHES, (
                 f"`pp_schedule` 2bw needs at least `pp` ({plan.pp}) micro-batches per"
                 f" step, got global batch / (micro-batch x dp) = {micro_batches}: raise"
                 " `global_batch` or lower `micro_batch`"))
-        if plan.precision != "fp32":
-            raise SettingError(Code.TWO_BW_PRECISION, (
-                f"`pp_schedule` 2bw supports `precision` fp32 only, got"
-                f" {plan.precision}"))
-        if model.moe_experts:
-            raise SettingError(Code.TWO_BW_MOE, (
-                "`pp_schedule` 2bw does not support MoE layers yet: use"
-                " `pp_schedule` 1f1b with `moe_experts`"))
 
 
 PIPEDREAM_2BW = PipeDream2BW()

@@ -5,7 +5,8 @@ many each rank holds (`chunks_per_rank`), whether its backward is split into `I`
 (`split_backward`: the layers must defer their weight gradients), how many weight versions it
 keeps (`weight_versions`) and whether a step ends in a flush (`flushes`: without one, steps
 overlap, so the runtime runs it as segments of the whole run and the planner prices a step as
-the steady state's), its action lists (`action_lists`, `step_lists`), which settings it refuses
+the steady state's), its action lists (`action_lists`, `step_lists`), which layout features it runs
+(`supports`, the allow-list the plan's `capabilities` checker reads), the values it refuses
 (`check`, with coded errors) and what it adds to each parameter's optimizer state
 (`state_bytes`). The plan, the executor, the trace and the planner all ask the schedule
 (`catalog.pipeline_schedule(name)`); no code outside this package compares schedule names.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from meshtrain.errors import SettingError
 from meshtrain.parallel.schedules.actions import Action, Placement, model_chunk
 
 
@@ -43,6 +43,13 @@ class PipelineSchedule(ABC):
     """Whether the planner chooses it when the schedule is not fixed."""
     megatron = False
     """Whether Megatron-LM has it (what a published Megatron run may have used)."""
+    supports: frozenset[str] = frozenset({
+        "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "ep", "moe",
+        "dropout", "compile", "fp8", "half", "fp64", "zero", "zero_gradients",
+        "zero_parameters", "offload"})
+    """The layout features (`runtime/capabilities.FEATURES`) it runs: every one that is not a
+    schedule's own; a schedule adds its own (virtual stages, a split backward, two weight
+    versions), and a feature no schedule lists is refused."""
 
     def chunks_per_rank(self, pp: int, virtual_stages: int) -> int:
         """Model chunks each of the `pp` ranks holds."""
@@ -61,17 +68,8 @@ class PipelineSchedule(ABC):
         return self.action_lists(p, m, v=v, chunk_costs=chunk_costs)
 
     def check(self, plan, model, micro_batches: int) -> None:  # noqa: B027
-        """Refuse what this schedule cannot run (`plan` a resolved `ParallelPlan`, `model` a
-        `TransformerConfig`, `micro_batches` per step); nothing by default."""
-
-    def admits(self, plan, model) -> bool:
-        """Whether `check` lets `plan` run with pp micro-batches, which every schedule takes (the
-        planner's search asks before it prices)."""
-        try:
-            self.check(plan, model, micro_batches=plan.pp)
-        except SettingError:
-            return False
-        return True
+        """Refuse the values this schedule cannot run (`plan` a resolved `ParallelPlan`,
+        `model` a `TransformerConfig`, `micro_batches` per step); nothing by default."""
 
     def state_bytes(self, element_bytes: int) -> int:
         """Bytes per parameter this schedule keeps beyond the optimizer's own state."""

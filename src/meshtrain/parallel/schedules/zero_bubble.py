@@ -238,19 +238,11 @@ def _zb_v_order(p: int, m: int, r: int) -> list[Action]:
 
 
 class ZeroBubble(PipelineSchedule):
-    """What both zero-bubble schedules refuse: one rank has no bubble to fill, and only the
-    1d scheme's layers defer their weight gradients."""
+    """What both zero-bubble schedules share: a split backward (it needs `pp` > 1 and a
+    scheme whose layers defer their weight gradients: `runtime/capabilities`)."""
 
     split_backward = searched = True
-
-    def check(self, plan, model, micro_batches: int) -> None:
-        if plan.pp == 1:
-            raise SettingError(Code.ZERO_BUBBLE_PP, f"`pp_schedule` {self.name} needs `pp` > 1")
-        if not plan.scheme.allows("split_backward"):  # its layers cannot defer W
-            raise SettingError(Code.ZERO_BUBBLE_SCHEME, (
-                f"`pp_schedule` {self.name} splits the backward of 1d tensor-parallel layers"
-                f" only, not of `tp_scheme` {plan.tp_scheme}'s grid layers: use `tp_scheme` 1d or"
-                " `pp_schedule` 1f1b"))
+    supports = PipelineSchedule.supports | {"split_backward"}
 
 
 class ZeroBubbleH1(ZeroBubble):
@@ -273,7 +265,6 @@ class ZeroBubbleV(ZeroBubble):
         return zb_v(p, m, chunk_costs)
 
     def check(self, plan, model, micro_batches: int) -> None:
-        super().check(plan, model, micro_batches)
         if 2 * plan.pp > model.num_layers:
             raise SettingError(Code.ZB_V_LAYERS, (
                 f"`pp_schedule` zb-v gives each of the `pp` {plan.pp} ranks two model chunks:"

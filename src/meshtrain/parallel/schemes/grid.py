@@ -31,12 +31,13 @@ from meshtrain.parallel.schemes.scheme import Clock, TPScheme, Waits
 class GridScheme(TPScheme):
     """A scheme whose TP block is a grid of side q: heads split q ways, hidden states split
     over batch and hidden size, nothing replicated outside the layers; sequence and context
-    parallelism and experts are refused (routing and the sequence splits assume whole tokens
-    of the hidden size on a rank), and so is `tp_overlap`, which overlaps sequence-parallel
-    communication."""
+    parallelism and experts are not supported (routing and the sequence splits assume whole
+    tokens of the hidden size on a rank), nor `tp_overlap` (it overlaps sequence-parallel
+    communication), a split backward, `compile` or `fp8` (1d layers only)."""
 
-    refuses = ("sequence_parallel", "cp", "ep", "moe_experts", "split_backward", "compile",
-               "fp8", "tp_overlap")
+    supports = frozenset({"tp", "pp", "dropout", "half", "fp64", "zero", "zero_gradients",
+                          "zero_parameters", "offload", "virtual_stages",
+                          "two_weight_versions"})
 
     def input_width_parts(self, grid: dict[str, int]) -> int:
         """How many ways a weight's input features are split."""

@@ -122,6 +122,11 @@ def megatron_layer(tokens: int, hidden: int, t: int, e: int) -> Traffic:
 
 class MegatronScheme(TPScheme):
     name = "1d"
+    supports = frozenset({
+        "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "ep", "moe",
+        "dropout", "compile", "fp8", "half", "fp64", "zero", "zero_gradients",
+        "zero_parameters", "offload", "virtual_stages", "split_backward",
+        "two_weight_versions"})
     axes = ("tp",)
 
     def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:

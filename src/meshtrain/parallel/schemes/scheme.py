@@ -2,11 +2,12 @@
 
 A scheme arranges the tp ranks of a tensor-parallel block as a grid (`grid`: its named axes and
 sizes, outer first; 1D is a line), says how that grid splits attention heads, a micro-batch and
-each weight, which settings it cannot combine with (`refuses`) and which model shapes it cannot
-split (`check`), supplies the layers models are built from (`factory`), and gives the planner
-its traffic per layer, per output layer and per optimizer step. The mesh, the plan, the model
-builder, generation and the planner all ask the scheme (`registry.tp_scheme(name)`); no code
-outside a scheme's own files compares scheme names.
+each weight, which layout features it runs (`supports`, an allow-list the plan's
+`capabilities` checker reads) and which model shapes it cannot split (`check`), supplies the
+layers models are built from (`factory`), and gives the planner its traffic per layer, per
+output layer and per optimizer step. The mesh, the plan, the model builder, generation and the
+planner all ask the scheme (`registry.tp_scheme(name)`); no code outside a scheme's own files
+compares scheme names.
 """
 
 from __future__ import annotations
@@ -99,11 +100,9 @@ class TPScheme(ABC):
     """The `tp_scheme` setting's value."""
     axes: tuple[str, ...]
     """The grid axes of the tensor-parallel block, outer -> inner (tp rank = mixed radix)."""
-    refuses: tuple[str, ...] = ()
-    """Settings the scheme does not combine with (when on): sequence_parallel, cp, ep,
-    moe_experts, split_backward (zero-bubble schedules: its layers cannot defer their
-    weight gradients), compile (per-block torch.compile), fp8 (its layers have no float8
-    matmuls) and tp_overlap (its layers have no sequence-parallel communication)."""
+    supports: frozenset[str] = frozenset()
+    """The layout features (`runtime/capabilities.FEATURES`) its layers run; a feature it does
+    not list is refused, so a new feature is refused until a scheme says it runs it."""
     takes_depth = False
     """Whether the grid has a depth the `tp_depth` setting chooses (`registry.tp_grid`
     refuses one elsewhere)."""
@@ -150,22 +149,10 @@ class TPScheme(ABC):
         """How many ways each weight matrix is split (the rest of the block replicates it)."""
         return math.prod(grid.values())
 
-    def allows(self, setting: str) -> bool:
-        return setting not in self.refuses
-
     def check(self, plan, model) -> None:
-        """Refuse what this scheme cannot run: settings it does not combine with, shapes it
-        cannot split (`plan` a `ParallelPlan`, `model` a `TransformerConfig`)."""
-        grid = plan.tp_grid  # (a depth the scheme does not take is refused here)
-        for setting, on in (("sequence_parallel", plan.sequence_parallel),
-                            ("cp", plan.cp > 1), ("ep", plan.ep > 1),
-                            ("moe_experts", bool(model.moe_experts))):
-            if on and not self.allows(setting):
-                raise SettingError(Code.SCHEME_COMBINATION, (
-                    f"`tp_scheme` {self.name} does not combine with `{setting}` (its hidden"
-                    f" states are already split over batch and hidden): use `tp_scheme` 1d for"
-                    f" `{setting}`"))
-        self.check_shapes(plan, model, grid)
+        """Refuse what this scheme cannot split (`plan` a `ParallelPlan`, `model` a
+        `TransformerConfig`): its grid at the plan's tp and depth, then the model's shapes."""
+        self.check_shapes(plan, model, plan.tp_grid)
 
     def check_shapes(self, plan, model, grid: dict[str, int]) -> None:  # noqa: B027
         """Shapes beyond the heads and MLP width every scheme splits `head_parts` ways (none
