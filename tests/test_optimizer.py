@@ -65,6 +65,20 @@ def test_parallelize_refuses_bad_optimizer_settings_and_builds_adamw_from_them()
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.2, 0.0)
 
 
+def test_parallelize_still_takes_adamw_values_as_loose_arguments():
+    """Scripts written before `OptimizerSettings` passed lr, weight_decay, betas and eps."""
+    args = (preset("tiny"), ParallelPlan().resolved(1), ParallelMesh.local())
+    decay, no_decay = parallelize(*args, seed=0, seq_len=32, steps=1, lr=2e-3,
+                                  weight_decay=0.05, betas=(0.85, 0.9),
+                                  eps=1e-7).sync.optimizer.param_groups
+    assert (decay["lr"], decay["betas"], decay["eps"]) == (2e-3, (0.85, 0.9), 1e-7)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.05, 0.0)
+    with pytest.raises(SettingError, match="`adam_beta1` must be in"):
+        parallelize(*args, seed=0, seq_len=32, steps=1, betas=(1.5, 0.9))
+    with pytest.raises(TypeError):
+        parallelize(*args, seed=0, seq_len=32, steps=1, momentum=0.9)
+
+
 @contextlib.contextmanager
 def _kernel(kernel: str):
     """Every AdamW built inside steps with `kernel` on the CPU."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -47,14 +48,16 @@ class ParallelModel:
 
 def parallelize(model_cfg: TransformerConfig, plan: ParallelPlan, mesh: ParallelMesh, *,
                 seed: int, seq_len: int, steps: int, optimizer: OptimizerSettings | None = None,
-                packing: Packing = ONE_STREAM, offload_dir: Path | None = None) -> ParallelModel:
+                packing: Packing = ONE_STREAM, offload_dir: Path | None = None,
+                **adamw: Any) -> ParallelModel:
     """Build this rank's part of `model_cfg` laid out as `plan` (already validated, degrees
     those of `mesh`). `seq_len` sizes the pipeline's transfers; `steps` is the run's last step
     (PipeDream-2BW lays out the whole run); `optimizer` the AdamW (default: a run's settings);
     `packing` how the executor feeds packed documents; `offload_dir` this rank's folder for
-    ZeRO's states under `offload_optimizer` nvme."""
+    ZeRO's states under `offload_optimizer` nvme; `adamw`: AdamW's values as loose arguments
+    (`lr`, `weight_decay`, `betas`, `eps`: `OptimizerSettings.with_arguments`)."""
     plan.check_trainable()
-    optimizer = (optimizer or OptimizerSettings()).validate()
+    optimizer = (optimizer or OptimizerSettings()).with_arguments(**adamw).validate()
     stage = pipeline_stage(model_cfg.num_layers, plan, mesh)
     model = build_model(model_cfg, mesh, plan, seed=seed, stage=stage)
     factory = model.factory

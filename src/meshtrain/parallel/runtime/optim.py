@@ -11,6 +11,7 @@ its use in `build_adamw`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -100,6 +101,16 @@ class OptimizerSettings:
             raise SettingError(Code.RANGE, f"`adam_eps` must be a positive number, got"
                                            f" {self.adam_eps}")
         return self
+
+    def with_arguments(self, **loose: Any) -> OptimizerSettings:
+        """These settings with AdamW's values given as loose arguments, as `parallelize` took
+        them before this object (`lr`, `weight_decay`, `betas`, `eps`) or by field name, so
+        scripts written for that signature keep working."""
+        if "betas" in loose:
+            loose["adam_beta1"], loose["adam_beta2"] = loose.pop("betas")
+        if "eps" in loose:
+            loose["adam_eps"] = loose.pop("eps")
+        return dataclasses.replace(self, **loose)
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """Learning rate for optimizer step `step` (0-based): linear warmup to `lr`, then
