@@ -175,3 +175,22 @@ def test_config_and_checkpointing_never_import_each_other():
                 for target in targets if "." in target
                 and {_top(name), _top(target)} == pair]
     assert not crossing, crossing
+
+
+def _uses_torch_distributed(path: Path) -> list[int]:
+    """Lines of `path` importing or naming torch.distributed."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [ast.unparse(node)] if isinstance(node, ast.Attribute) else []
+        lines += [node.lineno for name in names if name.startswith("torch.distributed")]
+    return lines
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("meshtrain.planner")))
+def test_the_planner_reaches_torch_distributed_only_through_comm(name):
+    """Calibration times real collectives, through `parallel/communication/comm.py` like every
+    other sender, so what it measures is what training sends."""
+    lines = _uses_torch_distributed(MODULES[name])
+    assert not lines, f"{name}:{lines} uses torch.distributed"
