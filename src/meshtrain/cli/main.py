@@ -28,7 +28,7 @@ from meshtrain.config import resumed_settings
 from meshtrain.config import run_config as config_mod
 from meshtrain.config.settings import model_arg_key
 from meshtrain.errors import Code, SettingError
-from meshtrain.interop.checkpoint_formats import checkpoint_format
+from meshtrain.interop.checkpoint_formats import checkpoint_format, format_named
 from meshtrain.machine_fit import check_states_fit
 from meshtrain.mesh import resolve_degrees
 from meshtrain.operations import endings, run_lock, stopping
@@ -288,13 +288,8 @@ def _train_in_rank(cfg: config_mod.RunConfig, plan, lock: run_lock.RunLock | Non
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from meshtrain.checkpointing.model_files import export_safetensors
-    from meshtrain.interop.hf_io import export_hf
-    from meshtrain.interop.titan_dcp import export_dcp
-
     path = resolve_checkpoint(args.run)
-    export = {"hf": export_hf, "dcp": export_dcp}.get(args.format, export_safetensors)
-    count = export(path, args.out)
+    count = format_named(args.format).export(path, args.out)
     print(f"meshtrain: wrote {count} tensors of {path} to {args.out}")
     return 0
 

@@ -1,9 +1,10 @@
-"""Every format a model's weights can be read from, in one registry: meshtrain's own checkpoints,
-torchtitan's DCP directories and Hugging Face model directories.
+"""Every format a model's weights are read from or exported to, in one registry: meshtrain's own
+checkpoints, torchtitan's DCP directories and Hugging Face model directories.
 
 The run configuration (an `init_from` model), the command line's checks before ranks start, the
 trainer (`start_from`) and the dense API (`load_model`) ask `checkpoint_format(path)` and then the
-format, so recognising a directory happens here once. It sits in interop, above checkpointing,
+format, so recognising a directory happens here once; `meshtrain export --format` offers the
+formats by name. It sits in interop, above checkpointing,
 because two of the three formats are interop's; a new format is its functions plus one entry.
 """
 
@@ -23,8 +24,14 @@ from meshtrain.checkpointing.checkpoint import (
     read_manifest,
     resolve_checkpoint,
 )
-from meshtrain.interop.hf_io import HFModelDirectory, is_hf_directory
-from meshtrain.interop.titan_dcp import dcp_model_config, is_dcp_directory, load_dcp_weights
+from meshtrain.checkpointing.model_files import export_safetensors
+from meshtrain.interop.hf_io import HFModelDirectory, export_hf, is_hf_directory
+from meshtrain.interop.titan_dcp import (
+    dcp_model_config,
+    export_dcp,
+    is_dcp_directory,
+    load_dcp_weights,
+)
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import TransformerConfig
 
@@ -45,6 +52,8 @@ class CheckpointFormat:
     check: Callable[[Path, TransformerConfig, bool], None]
     """Refuse, before ranks start, files that cannot give this model (hashing them when the
     bool is true)."""
+    export: Callable[[Path, Path], int]
+    """Write a checkpoint's model (any layout) in this format; returns the tensors written."""
 
 
 def _native_load(path: Path, model: nn.Module, mesh: ParallelMesh, place: Place | None) -> None:
@@ -81,20 +90,28 @@ def _hf_refused(path: Path, *_) -> None:
 
 NATIVE = CheckpointFormat("meshtrain", holds=lambda path: True,
                           model=lambda path, num_heads: checkpoint_config(path),
-                          load=_native_load, check=_native_check)
-DCP = CheckpointFormat("dcp", holds=is_dcp_directory, model=dcp_model_config, load=_dcp_load,
-                       check=lambda path, model, hashed: None)  # read whole when loaded
+                          load=_native_load, check=_native_check, export=export_safetensors)
+"""Exported as one consolidated safetensors file under meshtrain's names."""
 HUGGING_FACE = CheckpointFormat("hf", holds=is_hf_directory,
                                 model=lambda path, num_heads: HFModelDirectory(path).cfg,
-                                load=_hf_load, check=_hf_refused)
-FORMATS = (DCP, HUGGING_FACE, NATIVE)
-"""Tried in order; meshtrain's own comes last and takes everything else (a run directory, a
-checkpoint, or a path whose refusal is `resolve_checkpoint`'s)."""
+                                load=_hf_load, check=_hf_refused, export=export_hf)
+DCP = CheckpointFormat("dcp", holds=is_dcp_directory, model=dcp_model_config, load=_dcp_load,
+                       check=lambda path, model, hashed: None,  # read whole when loaded
+                       export=export_dcp)
+FORMATS = (NATIVE, HUGGING_FACE, DCP)
+"""The `export --format` choices, in this order; meshtrain's own is the default."""
 
 
 def checkpoint_format(path: str | Path) -> CheckpointFormat:
-    """The format of the model directory at `path`."""
-    return next(f for f in FORMATS if f.holds(Path(path)))
+    """The format of the model directory at `path`: the other format that recognises it, else
+    meshtrain's own (a run directory, a checkpoint, or a path whose refusal is
+    `resolve_checkpoint`'s)."""
+    return next((f for f in FORMATS if f is not NATIVE and f.holds(Path(path))), NATIVE)
+
+
+def format_named(name: str) -> CheckpointFormat:
+    """The format `export --format` names."""
+    return next(f for f in FORMATS if f.name == name)
 
 
 def saved_model(path: str | Path, *, num_heads: int | None = None,
