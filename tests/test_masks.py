@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from harness import run_on_ranks, worker_mesh
 
 from meshtrain.config.run_config import build_config, check_packing, validate
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import preset
 from meshtrain.parallel.layers.attention import AttentionCore, attention_kernel
@@ -317,16 +318,19 @@ def test_the_eod_masked_loss_is_the_batch_s_per_token_mean_however_it_is_split(
 
 def test_packing_settings_are_refused_where_they_cannot_run(corpus, documents_file):
     cfg = _cfg(corpus)
-    with pytest.raises(ValueError, match="`document_mask` needs documents, and `data` .* marks"
-                                         " none"):
+    with pytest.raises(SettingError, match="`document_mask` needs documents, and `data` .*"
+                                           " marks none") as error:
         check_packing(cfg, None)
+    assert error.value.code is Code.DOCUMENTS_WITHOUT_EOD
     check_packing(_cfg(documents_file), EOD)
     cfg.data.document_mask = False
-    with pytest.raises(ValueError, match="`reset_positions` restarts positions"):
+    with pytest.raises(SettingError, match="`reset_positions` restarts positions") as error:
         validate(cfg, 1)
+    assert error.value.code is Code.RESET_POSITIONS_MASK
     cfg = _cfg(documents_file, tp=4, tp_scheme="2d", nproc=4)
-    with pytest.raises(ValueError, match="`tp_scheme` 2d splits them 2 ways"):
+    with pytest.raises(SettingError, match="`tp_scheme` 2d splits them 2 ways") as error:
         validate(cfg, 4)
+    assert error.value.code is Code.DOCUMENT_MASK_SPLIT
 
 
 def _counted(seq_len: int, cp: int, mask: AttentionMask) -> list[int]:

@@ -11,7 +11,7 @@ from meshtrain.contracts import AuxiliaryOutputs
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather_objects
 from meshtrain.parallel.layers.expert import MoE, capacity, route
-from meshtrain.parallel.runtime.optim import global_grad_norm
+from meshtrain.parallel.runtime.optim import clip_grad_norm_
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
@@ -84,7 +84,7 @@ def _reference(cfg):
         ((cross_entropy + aux.loss) / len(batches)).backward()
         total += cross_entropy.item() / len(batches)
         routing.append([_layer_routing(layer) for layer in aux.routing])
-    return total, routing, dict(named_full_tensors(model, grads=True)), global_grad_norm(
+    return total, routing, dict(named_full_tensors(model, grads=True)), clip_grad_norm_(
         model, ParallelMesh.local()).item()
 
 

@@ -13,7 +13,7 @@ from meshtrain import ParallelMesh
 from meshtrain.config.run_config import build_config
 from meshtrain.parallel import named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather_objects
-from meshtrain.parallel.runtime.optim import global_grad_norm
+from meshtrain.parallel.runtime.optim import clip_grad_norm_
 from meshtrain.parallel.runtime.pipeline import stage_layers
 from meshtrain.parallel.schedules.flush import gpipe, one_f_one_b
 from meshtrain.parallel.schedules.interleaved import interleaved
@@ -55,7 +55,7 @@ def _check(corpus, tp, pp, schedule, cp=1, parallel=None, model=None):
     for inputs, targets in batches:
         (dense.loss(dense(inputs), targets) / len(batches)).backward()
     ref_grads = dict(named_full_tensors(dense, grads=True))
-    ref_norm = global_grad_norm(dense, ParallelMesh.local()).item()
+    ref_norm = clip_grad_norm_(dense, ParallelMesh.local()).item()
 
     row = trainer.train_step(0)
     ref_row = reference.train_step(0)

@@ -22,6 +22,7 @@ from meshtrain.parallel.schemes.megatron1d import megatron_layer
 from meshtrain.parallel.schemes.registry import tp_scheme
 from meshtrain.parallel.schemes.scheme import Traffic, layer_linears
 from meshtrain.parallel.schemes.summa import depth_gradient_bytes, summa_linear
+from meshtrain.planner.collectives import TPClock
 from meshtrain.planner.costs import predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.search import search
@@ -40,6 +41,26 @@ SEQ = 1024
 def test_megatron_layer_by_hand():
     # two all-reduces each way of B h e = 8 x 4 x 2 bytes over 4 ranks: 2 x 2 x 3/4 x 64
     assert megatron_layer(tokens=8, hidden=4, t=4, e=2) == Traffic(192, 192, 12, 12)
+
+
+def test_1d_prices_the_traffic_it_counts():
+    """On a clock of a second per GB and no latency, Megatron's layer with nothing hidden (a
+    split backward) waits exactly for the bytes `megatron_layer` counts, each way."""
+    plan, model = ParallelPlan(dp=1, tp=4), GPTConfig(num_layers=1, hidden_size=64, num_heads=4)
+    waits = plan.scheme.layer_comm(plan, model, 128, 2, TPClock(LINK, 4), weights=[1.0] * 4,
+                                   split=True)
+    traffic = plan.scheme.layer_traffic(model, plan.tp_grid, 128, 2)
+    assert waits.forward == pytest.approx(traffic.forward_bytes / 1e9)
+    assert waits.backward == pytest.approx(traffic.backward_bytes / 1e9)
+    assert waits.weight == 0.0
+
+
+@pytest.mark.parametrize("plan,parts", [(ParallelPlan(dp=1, tp=4), 1),
+                                        (ParallelPlan(dp=1, tp=4, sequence_parallel=True), 4),
+                                        (ParallelPlan(dp=1, tp=4, micro_batch=2,
+                                                      tp_scheme="2d"), 4)])
+def test_the_scheme_says_how_the_plan_splits_its_hidden_states(plan, parts):
+    assert plan.scheme.hidden_parts(plan) == parts
 
 
 def test_summa_linear_by_hand():
@@ -101,12 +122,20 @@ def _predict(layout: ParallelPlan, *, batch: int = 8):
     return predict(GPT, layout, LINK, seq_len=SEQ, global_batch=batch)
 
 
+def _step_bytes(work: Workload) -> float:
+    """The layers' and the output layer's traffic of one micro-batch (the scheme's formulas)."""
+    lay, tokens = work.layout, work.local_tokens
+    layer = lay.scheme.layer_traffic(GPT, lay.tp_grid, tokens, 2)
+    head = lay.scheme.output_traffic(lay.tp_grid, tokens, GPT.hidden_size, GPT.vocab_size, 2)
+    return GPT.num_layers * layer.total_bytes + head.total_bytes
+
+
 @pytest.mark.parametrize("layout", [ParallelPlan(dp=1, tp=4, micro_batch=4, tp_scheme="2d"),
                                     ParallelPlan(dp=1, tp=8, micro_batch=4, tp_scheme="3d")])
 def test_a_grid_is_charged_its_formula_bytes_and_the_same_compute_as_1d(layout):
     grid, one_d = _predict(layout), _predict(dataclasses.replace(layout, tp_scheme="1d"))
     work = Workload(GPT, layout, SEQ, 8, "bf16")
-    moved = GPT.num_layers * work.layer_traffic().total_bytes + work.head_traffic().total_bytes
+    moved = _step_bytes(work)
     # (plus the step's 4-byte scalar all-reduces)
     assert grid.exposed_comm_s == pytest.approx(work.micro_batches * moved / 1e9, rel=1e-6)
     assert grid.compute_s == pytest.approx(one_d.compute_s, rel=1e-6)
@@ -117,7 +146,7 @@ def test_2p5d_pays_its_depth_all_reduce_once_a_step():
     layout = ParallelPlan(dp=1, tp=8, micro_batch=4, tp_scheme="2.5d", tp_depth=2)
     p = _predict(layout, batch=16)  # four micro-batches, one depth all-reduce
     work = Workload(GPT, layout, SEQ, 16, "bf16")
-    in_path = GPT.num_layers * work.layer_traffic().total_bytes + work.head_traffic().total_bytes
+    in_path = _step_bytes(work)
     held = GPT.num_layers * work.layer(0).parameters + work.embedding_parameters()
     depth = depth_gradient_bytes(held, 2, GRAD_BYTES)
     assert p.exposed_comm_s == pytest.approx((4 * in_path + depth) / 1e9, rel=1e-6)

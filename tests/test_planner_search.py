@@ -124,10 +124,13 @@ def test_a_fixed_layout_that_cannot_run_is_an_error():
 
 
 def test_fixed_degrees_must_match_the_devices():
-    with pytest.raises(ValueError, match=r"tp x pp x dp x cp = 2 x 2 x 2 x 1 = 8, not `gpus` 16"):
+    with pytest.raises(SettingError, match=r"tp x pp x dp x cp = 2 x 2 x 2 x 1 = 8, not `gpus`"
+                                           " 16") as error:
         _search(gpus=16, fixed={"tp": 2, "pp": 2, "dp": 2, "cp": 1})
-    with pytest.raises(ValueError, match="fixes tp = 3, which does not divide `gpus` 8"):
+    assert error.value.code is Code.DEGREES_WORLD
+    with pytest.raises(SettingError, match="fixes tp = 3, which does not divide `gpus` 8") as error:
         _search(fixed={"tp": 3})
+    assert error.value.code is Code.DEGREES_WORLD
 
 
 def test_2bw_only_when_asked_for():

@@ -26,7 +26,8 @@ from meshtrain.cli.main import _train_config, check_train, main
 from meshtrain.cli.parsers import build_parser
 from meshtrain.operations import stopping
 from meshtrain.operations.run_lock import LOCK_FILE, RunLock, RunLockError, check_free
-from meshtrain.training.trainer import Trainer, _Run
+from meshtrain.training.run_state import RunState
+from meshtrain.training.trainer import Trainer
 
 STEPS = 30
 TINY = ["--device", "cpu", "--num-layers", "1", "--hidden-size", "32", "--num-heads", "2",
@@ -273,7 +274,8 @@ def test_a_signal_to_a_rank_during_start_up_stops_after_the_first_step(corpus, t
 
 # A rank's phases besides the step: a signal there is held until the next step's agreement
 # (a save or an evaluation in flight completes), and one after the last step changes nothing.
-_PHASES = {"save": (Trainer, "save"), "eval": (Trainer, "evaluate"), "shutdown": (_Run, "finish")}
+_PHASES = {"save": (Trainer, "save"), "eval": (Trainer, "evaluate"),
+           "shutdown": (RunState, "finish")}
 
 
 @pytest.mark.parametrize("phase,sig", [("save", signal.SIGTERM), ("eval", signal.SIGHUP),
@@ -307,9 +309,9 @@ _SLOW_PHASE = textwrap.dedent("""
     import os, time
     from pathlib import Path
     if os.environ.get("RANK") == "0":  # in meshtrain's ranks only, not in their launcher
-        from meshtrain.training import trainer
+        from meshtrain.training import run_state, trainer
         owner, name = {"save": (trainer.Trainer, "save"),
-                       "shutdown": (trainer._Run, "finish")}[os.environ["SLOW_PHASE"]]
+                       "shutdown": (run_state.RunState, "finish")}[os.environ["SLOW_PHASE"]]
         original = getattr(owner, name)
         def slow(self, *args, **kwargs):
             Path(os.environ["SLOW_MARK"]).touch()

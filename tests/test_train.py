@@ -16,7 +16,7 @@ from meshtrain.cli.parsers import build_parser
 from meshtrain.config.run_config import build_config, validate
 from meshtrain.data.corpus import BatchSampler
 from meshtrain.parallel import CommRecorder, named_full_tensors
-from meshtrain.parallel.runtime.optim import OptimizerSettings, global_grad_norm
+from meshtrain.parallel.runtime.optim import OptimizerSettings, clip_grad_norm_
 from meshtrain.parallelize import build_model
 from meshtrain.training.metrics import MetricsLog, read_metrics
 from meshtrain.training.trainer import Trainer, run_training
@@ -43,7 +43,7 @@ def _dense_step_grads(cfg, trainer_data: BatchSampler, step: int, dtype=torch.fl
         loss = model.loss(model(inputs), targets) / len(batches)
         loss.backward()
         total += loss.item()
-    return total, dict(named_full_tensors(model, grads=True)), global_grad_norm(
+    return total, dict(named_full_tensors(model, grads=True)), clip_grad_norm_(
         model, ParallelMesh.local())
 
 
@@ -218,7 +218,7 @@ def _check_clip_counts_once():
     for m in (dense, model):
         m.loss(m(ids[:, :-1]), ids[:, 1:]).backward()
     expected = torch.cat([g.flatten() for _, g in named_full_tensors(dense, grads=True)]).norm()
-    assert_close(global_grad_norm(model, mesh), expected, **TOL)
+    assert_close(clip_grad_norm_(model, mesh), expected, **TOL)
 
 
 def test_global_grad_norm_counts_each_parameter_once():

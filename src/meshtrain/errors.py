@@ -25,6 +25,8 @@ class Code(Enum):
     GIVEN_TWICE = "a setting given twice"
     SETTING_MISSING = "a required setting not given"
     SETTINGS_EXCLUSIVE = "settings that exclude one another"
+    SETTING_TYPE = "a setting's value not of its type"
+    UNKNOWN_SETTING = "a setting or section meshtrain does not know"
     OUT_PATH = "out is a file, not empty, holds a run, unwritable or misnamed"
     # degrees, batches, sequences
     DEGREES_WORLD = "degrees do not make the world size"
@@ -83,6 +85,7 @@ class Code(Enum):
     ZERO_BUBBLE_PP = "zero-bubble schedule without pp > 1"
     ZERO_BUBBLE_SCHEME = "zero-bubble schedule with a grid tp scheme"
     ZB_V_LAYERS = "zb-v: fewer layers than 2 x pp"
+    TRACE_SCHEDULE = "trace with a schedule that does not flush"
     # compiled blocks
     COMPILE_MOE = "compile with MoE"
     COMPILE_SCHEME = "compile with a grid tp scheme"
@@ -107,9 +110,17 @@ class Code(Enum):
     EOD_TOKEN = "eod_token not a token of the tokenizer, or none found"
     TOKENIZERS_PACKAGE = "a tokenizer.json without the tokenizers package"
     PYARROW_PACKAGE = "parquet or arrow inputs without the pyarrow package"
+    RESET_POSITIONS_MASK = "reset_positions without document_mask"
+    DOCUMENT_MASK_SPLIT = "document_mask with a scheme that splits micro-batches"
+    DOCUMENTS_WITHOUT_EOD = "document settings on data without end-of-document tokens"
     # resuming a run
     RESUME_NO_CHECKPOINT = "resume without a checkpoint in out"
     RESUME_STEPS = "steps or stop_at at or below the checkpoint's step"
+    INIT_FROM_SHAPE = "a setting that changes the init_from checkpoint's model shape"
+    MAX_RESTARTS_RESUME = "max_restarts without auto_resume"
+    # the machine a run launches on, and its logging
+    CUDA_DEVICES = "device cuda without a CUDA device per local rank"
+    WANDB_PACKAGE = "wandb_project without the wandb package"
     # the planner and the machine it plans for
     HARDWARE_PROFILE = "hardware neither a built-in profile nor a valid profile file"
     CALIBRATE_DEVICES = "calibration ranks exceed the CUDA devices"

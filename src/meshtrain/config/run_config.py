@@ -133,8 +133,9 @@ class RunConfig:
         for item in m.model_arg or []:
             key, sep, text = (part.strip() for part in item.partition("="))
             if not sep or key not in fields:
-                raise ValueError(f"`model_arg` {item!r} is not KEY=VALUE with KEY a setting of"
-                                 f" the {label}: one of {', '.join(fields)}")
+                raise SettingError(Code.MODEL_FIELDS,
+                                   f"`model_arg` {item!r} is not KEY=VALUE with KEY a setting of"
+                                   f" the {label}: one of {', '.join(fields)}")
             if key in given:
                 also = "twice" if key in by_arg else f"twice: as `{key}` too"
                 raise SettingError(Code.GIVEN_TWICE, f"`model_arg` {key} is given {also}; give"
@@ -155,17 +156,19 @@ class RunConfig:
         if type(chosen) is not type(saved) or any(
                 getattr(chosen, key) != getattr(saved, key) for key in saved.SHAPE_FIELDS
                 if key not in ("vocab_size", "max_seq_len")):
-            raise ValueError(f"`model` {self.model.model} is not the shape of the {label}: omit"
-                             " `model`")
+            raise SettingError(Code.INIT_FROM_SHAPE,
+                               f"`model` {self.model.model} is not the shape of the {label}: omit"
+                               " `model`")
         given = self._given_model_settings(saved, label)
         for name, value in given.items():
             trial = dataclasses.replace(saved, **{name: value})
             changed = [key for key in saved.SHAPE_FIELDS
                        if getattr(trial, key) != getattr(saved, key)]
             if changed:
-                raise ValueError(f"`{name}` {value} would change the {changed[0]}"
-                                 f" ({getattr(saved, changed[0])}) of the {label}: omit"
-                                 f" `{name}`")
+                raise SettingError(Code.INIT_FROM_SHAPE,
+                                   f"`{name}` {value} would change the {changed[0]}"
+                                   f" ({getattr(saved, changed[0])}) of the {label}: omit"
+                                   f" `{name}`")
         if "max_seq_len" not in given and "max_seq_len" not in saved.SHAPE_FIELDS:
             given["max_seq_len"] = max(self.train.seq_len, saved.max_seq_len)
         return dataclasses.replace(saved, **given)
@@ -181,11 +184,12 @@ def _typed_value(f: dataclasses.Field, text: str, where: str) -> Any:
             try:
                 value = convert(text)
             except ValueError:
-                raise ValueError(f"{where} must be of type {f.type}, got {text!r}") from None
+                raise SettingError(Code.SETTING_TYPE,
+                                   f"{where} must be of type {f.type}, got {text!r}") from None
             if kind == "float" and not math.isfinite(value):
                 raise SettingError(Code.RANGE, f"{where} must be a finite number, got {text!r}")
             return value
-    raise ValueError(f"{where}: {f.type} settings are not set from text")
+    raise SettingError(Code.SETTING_TYPE, f"{where}: {f.type} settings are not set from text")
 
 
 def _boolean(text: str) -> bool:
@@ -215,14 +219,18 @@ def flag_fields() -> list[tuple[str, dataclasses.Field]]:
                       *(f for f in _OWNERS if f.metadata["section"] == name))]
 
 
+class ConfigFileError(ValueError):
+    """A `config` TOML file that cannot be read: missing or not TOML."""
+
+
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"`config` {path}: no such file; pass an existing TOML file")
+        raise ConfigFileError(f"`config` {path}: no such file; pass an existing TOML file")
     try:
         return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"`config` {path} is not valid TOML ({e}); fix the file") from None
+        raise ConfigFileError(f"`config` {path} is not valid TOML ({e}); fix the file") from None
 
 
 def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, dict[str, Any]]
@@ -235,12 +243,14 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
     for source, values in (("config file", file_values), ("flags", overrides)):
         for section, entries in values.items():
             if section not in known or not isinstance(entries, dict):
-                raise ValueError(f"{source}: unknown section [{section}]; known:"
-                                 f" {', '.join(cfg.sections())}")
+                raise SettingError(Code.UNKNOWN_SETTING,
+                                   f"{source}: unknown section [{section}]; known:"
+                                   f" {', '.join(cfg.sections())}")
             for key, value in entries.items():
                 if key not in known[section]:
-                    raise ValueError(f"{source}: unknown setting {section}.{key}; known:"
-                                     f" {', '.join(known[section])}")
+                    raise SettingError(Code.UNKNOWN_SETTING,
+                                       f"{source}: unknown setting {section}.{key}; known:"
+                                       f" {', '.join(known[section])}")
                 f = known[section][key]
                 value = _coerce(f"{section}.{key}", f, value)
                 if f in _OWNERS:
@@ -250,13 +260,15 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
     for owner, values in spread.items():
         setattr(cfg, owner, dataclasses.replace(getattr(cfg, owner), **values))
     if cfg.checkpoint.out is not None and not cfg.checkpoint.out.strip():
-        raise ValueError("`out` is empty, which would write the run into the current directory:"
-                         " name a directory, or leave `out` out for runs/<date-time>")
+        raise SettingError(Code.OUT_PATH,
+                           "`out` is empty, which would write the run into the current directory:"
+                           " name a directory, or leave `out` out for runs/<date-time>")
     if cfg.checkpoint.out is None:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID")
         if "RANK" in os.environ and not run_id:
-            raise ValueError("`out` is required under this launcher: ranks cannot agree on a"
-                             " default directory; pass `out` DIR")
+            raise SettingError(Code.SETTING_MISSING,
+                               "`out` is required under this launcher: ranks cannot agree on a"
+                               " default directory; pass `out` DIR")
         # Under torchrun every rank must name the same directory: use the shared run id.
         stamp = run_id if run_id and "RANK" in os.environ else \
             datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -276,22 +288,23 @@ def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
     if kind.startswith("list"):  # flag values or a TOML list; numbers (weights) as their text
         if not isinstance(value, list) or not all(isinstance(v, str | int | float)
                                                   and not isinstance(v, bool) for v in value):
-            raise ValueError(f"{name} must be a list of strings, got {value!r}")
+            raise SettingError(Code.SETTING_TYPE,
+                               f"{name} must be a list of strings, got {value!r}")
         return [v if isinstance(v, str) else repr(v) for v in value]
     if kind.startswith("bool"):
         if not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
+            raise SettingError(Code.SETTING_TYPE, f"{name} must be true or false, got {value!r}")
         return value
     if kind.startswith("int"):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise SettingError(Code.SETTING_TYPE, f"{name} must be an integer, got {value!r}")
         return value
     if kind.startswith("float"):
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{name} must be a number, got {value!r}")
+            raise SettingError(Code.SETTING_TYPE, f"{name} must be a number, got {value!r}")
         return float(value)
     if not isinstance(value, str):
-        raise ValueError(f"{name} must be a string, got {value!r}")
+        raise SettingError(Code.SETTING_TYPE, f"{name} must be a string, got {value!r}")
     return value
 
 
@@ -314,24 +327,25 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     """Check every setting before any rank starts; returns the resolved plan."""
     t, p = cfg.train, cfg.parallel
     if p.nproc is not None and p.nproc < 1:
-        raise ValueError(f"`nproc` must be positive, got {p.nproc}")
+        raise SettingError(Code.RANGE, f"`nproc` must be positive, got {p.nproc}")
     if p.threads is not None and p.threads < 1:
-        raise ValueError(f"`threads` must be positive, got {p.threads}")
+        raise SettingError(Code.RANGE, f"`threads` must be positive, got {p.threads}")
     if p.threads is not None and p.threads > (cores := os.cpu_count() or 1):
-        raise ValueError(f"`threads` {p.threads} is more than this machine's {cores} cores:"
-                         f" give at most {cores} (more threads only wait for one another)")
+        raise SettingError(Code.RANGE,
+                           f"`threads` {p.threads} is more than this machine's {cores} cores:"
+                           f" give at most {cores} (more threads only wait for one another)")
     plan = cfg.plan.resolved(world_size)
     plan.check_trainable()
     check_local_devices(p.device, local_ranks(cfg, world_size))
     _validate_train(t)
     cfg.optimizer.validate()
     if cfg.checkpoint.keep_last < 0:
-        raise ValueError(f"`keep_last` must be >= 0 (0 keeps every checkpoint), got"
-                         f" {cfg.checkpoint.keep_last}")
+        raise SettingError(Code.RANGE, f"`keep_last` must be >= 0 (0 keeps every checkpoint), got"
+                                       f" {cfg.checkpoint.keep_last}")
     if not MIN_COLLECTIVE_TIMEOUT_S <= p.collective_timeout < 1e7:
-        raise ValueError(f"`collective_timeout` must be a number of seconds from"
-                         f" {MIN_COLLECTIVE_TIMEOUT_S:g} (below, a collective of a healthy run"
-                         f" times out), got {p.collective_timeout}")
+        raise SettingError(Code.RANGE, f"`collective_timeout` must be a number of seconds from"
+                                       f" {MIN_COLLECTIVE_TIMEOUT_S:g} (below, a collective of a"
+                                       f" healthy run times out), got {p.collective_timeout}")
     _validate_restarts(cfg)
     _validate_logging(cfg.logging, t.stop_at or t.steps)
     _validate_data(cfg.data)
@@ -342,8 +356,9 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                                              " shorten `seq_len`")
     _validate_packing(cfg, plan)
     if p.trace and not plan.schedule.flushes:
-        raise ValueError(f"`trace` draws one flush step; a {plan.pp_schedule} step overlaps its"
-                         " neighbours (no flush): trace `pp_schedule` 1f1b instead")
+        raise SettingError(Code.TRACE_SCHEDULE,
+                           f"`trace` draws one flush step; a {plan.pp_schedule} step overlaps its"
+                           " neighbours (no flush): trace `pp_schedule` 1f1b instead")
     plan = plan.validate(model, world_size=world_size, global_batch=t.global_batch,
                          seq_len=t.seq_len)
     if plan.fp8 != "none":  # the one plan setting that depends on the device
@@ -356,8 +371,9 @@ def _validate_logging(log: LoggingSettings, steps: int) -> None:
     if log.profile_steps is not None:
         profile_window(log.profile_steps, steps)
     if log.wandb_project is not None and importlib.util.find_spec("wandb") is None:
-        raise ValueError("`wandb_project` needs the wandb package: pip install"
-                         " 'meshtrain[wandb]' (or drop `wandb_project`)")
+        raise SettingError(Code.WANDB_PACKAGE,
+                           "`wandb_project` needs the wandb package: pip install"
+                           " 'meshtrain[wandb]' (or drop `wandb_project`)")
 
 
 def profile_window(spec: str, steps: int) -> range:
@@ -368,8 +384,9 @@ def profile_window(spec: str, steps: int) -> range:
     except ValueError:
         window = range(0)
     if not window or window.start < 1 or window.stop - 1 > steps:
-        raise ValueError(f"`profile_steps` {spec!r} must be A:B with 1 <= A <= B <= the run's"
-                         f" {steps} steps, e.g. 5:7")
+        raise SettingError(Code.RANGE,
+                           f"`profile_steps` {spec!r} must be A:B with 1 <= A <= B <= the run's"
+                           f" {steps} steps, e.g. 5:7")
     return window
 
 
@@ -377,7 +394,7 @@ def _validate_data(d: DataSettings) -> None:
     """The data settings' own values (the files are read, and checked, before any rank starts:
     `Blend`)."""
     if not 0.0 < d.val_fraction < 1.0:
-        raise ValueError(f"`val_fraction` must be in (0, 1), got {d.val_fraction}")
+        raise SettingError(Code.RANGE, f"`val_fraction` must be in (0, 1), got {d.val_fraction}")
     if d.data is not None and d.data_path is not None:
         raise SettingError(Code.DATA_BLEND, "`data` and `data_path` exclude each other: put"
                                             " every file in `data_path` (one FILE, or W1 FILE1"
@@ -391,12 +408,14 @@ def _validate_packing(cfg: RunConfig, plan: ParallelPlan) -> None:
     checked where it is read: `check_packing`)."""
     d = cfg.data
     if d.reset_positions and not d.document_mask:
-        raise ValueError("`reset_positions` restarts positions at documents that attention still"
-                         " crosses: add `document_mask`")
+        raise SettingError(Code.RESET_POSITIONS_MASK,
+                           "`reset_positions` restarts positions at documents that attention still"
+                           " crosses: add `document_mask`")
     if d.document_mask and plan.batch_parts > 1:
-        raise ValueError(f"`document_mask` needs whole micro-batches on every rank; `tp_scheme`"
-                         f" {plan.tp_scheme} splits them {plan.batch_parts} ways: use"
-                         " `tp_scheme` 1d")
+        raise SettingError(Code.DOCUMENT_MASK_SPLIT,
+                           f"`document_mask` needs whole micro-batches on every rank; `tp_scheme`"
+                           f" {plan.tp_scheme} splits them {plan.batch_parts} ways: use"
+                           " `tp_scheme` 1d")
 
 
 def check_packing(cfg: RunConfig, eod_id: int | None) -> None:
@@ -409,36 +428,43 @@ def check_packing(cfg: RunConfig, eod_id: int | None) -> None:
             where = f"`data` {d.data}"
         elif d.data_path is not None:
             where = f"`data_path` {' '.join(d.data_path)}"
-        raise ValueError(f"`{wanted[0]}` needs documents, and {where} marks none (no eod_id):"
-                         " prepare the text with `meshtrain prepare`, which ends every document"
-                         f" with its end-of-document token, or drop `{wanted[0]}`")
+        raise SettingError(Code.DOCUMENTS_WITHOUT_EOD,
+                           f"`{wanted[0]}` needs documents, and {where} marks none (no eod_id):"
+                           " prepare the text with `meshtrain prepare`, which ends every document"
+                           f" with its end-of-document token, or drop `{wanted[0]}`")
 
 
 def _validate_restarts(cfg: RunConfig) -> None:
     c = cfg.checkpoint
     if c.save_every < 0:
-        raise ValueError(f"`save_every` must be >= 0, got {c.save_every}")
+        raise SettingError(Code.RANGE, f"`save_every` must be >= 0, got {c.save_every}")
     if not 0.0 <= c.save_every_minutes < float("inf"):
-        raise ValueError(f"`save_every_minutes` must be >= 0, got {c.save_every_minutes}")
+        raise SettingError(Code.RANGE,
+                           f"`save_every_minutes` must be >= 0, got {c.save_every_minutes}")
     if c.resume and c.auto_resume:
-        raise ValueError("`resume` and `auto_resume` exclude each other: `auto_resume` resumes"
-                         " when there is a checkpoint; pass one of them")
+        raise SettingError(Code.SETTINGS_EXCLUSIVE,
+                           "`resume` and `auto_resume` exclude each other: `auto_resume` resumes"
+                           " when there is a checkpoint; pass one of them")
     if cfg.parallel.max_restarts < 0:
-        raise ValueError(f"`max_restarts` must be >= 0, got {cfg.parallel.max_restarts}")
+        raise SettingError(Code.RANGE,
+                           f"`max_restarts` must be >= 0, got {cfg.parallel.max_restarts}")
     if cfg.parallel.max_restarts and not c.auto_resume:
-        raise ValueError("`max_restarts` restarts the ranks with the same flags: add"
-                         " `auto_resume` so they continue from the newest checkpoint")
+        raise SettingError(Code.MAX_RESTARTS_RESUME,
+                           "`max_restarts` restarts the ranks with the same flags: add"
+                           " `auto_resume` so they continue from the newest checkpoint")
 
 
 def _validate_train(t: TrainSettings) -> None:
     for name in ("steps", "global_batch", "seq_len", "eval_batches", "log_every",
                  "max_nonfinite_steps"):
         if getattr(t, name) < 1:
-            raise ValueError(f"`{name}` must be positive, got {getattr(t, name)}")
+            raise SettingError(Code.RANGE, f"`{name}` must be positive, got {getattr(t, name)}")
     if t.eval_every < 0:
-        raise ValueError(f"`eval_every` must be >= 0, got {t.eval_every}")
+        raise SettingError(Code.RANGE, f"`eval_every` must be >= 0, got {t.eval_every}")
     if t.stop_at is not None and not 1 <= t.stop_at <= t.steps:
-        raise ValueError(f"`stop_at` must be between 1 and `steps` ({t.steps}), got {t.stop_at}")
+        raise SettingError(Code.RANGE,
+                           f"`stop_at` must be between 1 and `steps` ({t.steps}), got {t.stop_at}")
     if t.loss_scale_window < 1:
-        raise ValueError(f"`loss_scale_window` must be positive, got {t.loss_scale_window}")
+        raise SettingError(Code.RANGE,
+                           f"`loss_scale_window` must be positive, got {t.loss_scale_window}")
     check_seed(t.seed)

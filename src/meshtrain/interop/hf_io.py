@@ -58,8 +58,8 @@ entry here, imported where import tools see it (models, drawn below interop, nev
 def hf_mapping(family: str) -> HFMapping:
     """The Hugging Face mapping of the family named `family`."""
     if family not in MAPPINGS:
-        raise ValueError(f"the {family} family has no Hugging Face counterpart: export it with"
-                         " format meshtrain")
+        raise SettingError(Code.HF_EXPORT, f"the {family} family has no Hugging Face"
+                           " counterpart: export it with format meshtrain")
     return MAPPINGS[family]
 
 

@@ -12,13 +12,16 @@ halving-doubling and bcube algorithms for latency-bound messages: measured on th
 small all-reduce at g 4 takes about twice g 2's time, not three times); the bytes stay the
 bandwidth-optimal ones. The link is intra-node when the group's ranks lie in one node: mesh
 axes are ordered pp, dp, cp, tp (outer to inner), so a group whose ranks span `span`
-consecutive ranks stays inside a node when span <= gpus_per_node.
+consecutive ranks stays inside a node when span <= gpus_per_node. Run behind compute, a
+collective stays exposed by what exceeds `overlap_efficiency` of that compute (`behind`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+from meshtrain.parallel.schemes.scheme import Traffic
 from meshtrain.planner.hardware import Hardware
 
 
@@ -65,9 +68,46 @@ all_to_all = all_gather
 
 def sequence(hardware: Hardware, *, steps: int, moved: float, span: int) -> float:
     """Ring collectives given by their total steps and bytes per rank (a tensor-parallel grid's
-    per-layer totals, `tp_traffic.py`)."""
+    per-layer totals, `TPScheme.layer_traffic`)."""
     return _ring(hardware, steps=steps, moved=moved, span=span)
 
 
 def send(hardware: Hardware, nbytes: float, span: int) -> float:
     return _ring(hardware, steps=1, moved=nbytes, span=span)
+
+
+def behind(hardware: Hardware, comm: float, window: float) -> float:
+    """What of `comm` seconds stays exposed when it runs behind `window` seconds of compute."""
+    return max(0.0, comm - hardware.overlap_efficiency * window)
+
+
+@dataclass(frozen=True)
+class TPClock:
+    """A tensor-parallel block's collectives on `hardware` (a group of `tp` ranks, as many
+    wide): the `scheme.Clock` a scheme prices its communication with."""
+
+    hardware: Hardware
+    tp: int
+
+    def all_reduce(self, nbytes: float) -> float:
+        return all_reduce(self.hardware, nbytes, self.tp, self.tp)
+
+    def all_gather(self, nbytes: float) -> float:
+        return all_gather(self.hardware, nbytes, self.tp, self.tp)
+
+    def reduce_scatter(self, nbytes: float) -> float:
+        return reduce_scatter(self.hardware, nbytes, self.tp, self.tp)
+
+    def traffic(self, traffic: Traffic) -> tuple[float, float]:
+        return (sequence(self.hardware, steps=traffic.forward_steps,
+                         moved=traffic.forward_bytes, span=self.tp),
+                sequence(self.hardware, steps=traffic.backward_steps,
+                         moved=traffic.backward_bytes, span=self.tp))
+
+    def behind(self, comm: float, window: float) -> float:
+        return behind(self.hardware, comm, window)
+
+    def ring_behind(self, comm: float, window: float) -> float:
+        """tp - 1 ring steps, each behind one of the tp chunks of a `window`-second matmul."""
+        t = self.tp
+        return (t - 1) * max(0.0, comm / (t - 1) - self.hardware.overlap_efficiency * window / t)

@@ -6,14 +6,15 @@ costs FLOPs / (peak x efficiency(its size)), a fused attention core FLOPs / (pea
 hardware's attention efficiency), elementwise work (the family's `pointwise_bytes`, eager or
 compiled) bytes / memory bandwidth, each layer a fixed host overhead (x2 in backward), each
 TP/CP/EP collective its alpha-beta time (`collectives.py`); backward is twice the forward (a fused
-attention core's `attention_backward_ratio` x), plus what recomputation repeats. Overlap is
-charged where meshtrain achieves it: a column-parallel layer's input-gradient all-reduce runs
-behind its weight-gradient matmul; data-parallel buckets (ZeRO 1/2: reduce-scatters) behind the
+attention core's `attention_backward_ratio` x), plus what recomputation repeats. Every
+tensor-parallel scheme prices its own communication (`TPScheme.layer_comm`, `embedding_comm`,
+`output_comm`, on a `collectives.TPClock`): Megatron's 1d runs a column-parallel layer's
+input-gradient all-reduce behind its weight-gradient matmul; 2d/2.5d/3d charge their formula
+traffic whole, none of it hidden, on links as wide as the TP block. Other overlap is charged
+where meshtrain achieves it: data-parallel buckets (ZeRO 1/2: reduce-scatters) behind the
 last micro-batch's backward (ZeRO 2: every micro-batch's); ZeRO-3's prefetched gathers behind
 the forward and backward they feed (`zero_impl` deepspeed: DeepSpeed's, none of that
-prefetch, `_deepspeed_zero3`). A scheme that splits the hidden states (2d/2.5d/3d) has its
-layer and output-layer traffic (`TPScheme.layer_traffic`, `output_traffic`) charged whole, none
-of it hidden, on links as wide as the TP block; 2.5d's depth all-reduce of weight gradients once
+prefetch, `_deepspeed_zero3`). 2.5d's depth all-reduce of weight gradients runs once
 a step, exposed. The pipeline runs meshtrain's own schedule through the simulator
 (`simulator.simulate`) on those per-chunk costs; the zero-bubble schedules split each backward
 into `I` and `W`, `W` the weight-gradient matmuls (`pipeline_model.split_backward`), and lose the
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.schemes.scheme import Traffic
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware, model_tflops
 from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
@@ -119,11 +119,6 @@ def _elementwise(hardware: Hardware, nbytes: float) -> float:
     return nbytes / (hardware.hbm_gbytes_per_s * 1e9 * hardware.memory_efficiency)
 
 
-def _hidden(hardware: Hardware, comm: float, window: float) -> float:
-    """What of `comm` stays exposed when it runs behind `window` seconds of compute."""
-    return max(0.0, comm - hardware.overlap_efficiency * window)
-
-
 def chunk_costs(work: Workload, hardware: Hardware) -> list[ChunkCost]:
     """Forward and backward cost of one micro-batch through each global model chunk, with
     the activation sent to the next chunk and the gradient to the previous one where that
@@ -158,7 +153,7 @@ def chunk_costs(work: Workload, hardware: Hardware) -> list[ChunkCost]:
 def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False) -> ChunkCost:
     """One layer; its weight half (`weight_grad`): one matmul per weight matmul of the
     forward, and one layer's host overhead of the backward's two. `split`: the layer defers
-    its weight gradients (`_tensor_parallel_comm` says what that exposes)."""
+    its weight gradients (the scheme's `layer_comm` says what that exposes)."""
     lay, p = work.layout, work.precision
     w = work.layer(index)
     weights = [_matmul(hw, f, p) for f in w.weight_matmuls]
@@ -166,8 +161,9 @@ def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False
     forward = sum(weights) + core + _elementwise(hw, w.elementwise_bytes) + hw.layer_overhead_s
     backward = 2 * (forward - hw.layer_overhead_s - core) + ratio * core \
         + 2 * hw.layer_overhead_s
-    tp_forward, tp_backward, tp_weight = (*_grid_comm(hw, work.layer_traffic(), lay.tp), 0.0) \
-        if lay.scheme.splits_hidden else _tensor_parallel_comm(work, hw, weights, split)
+    tp_forward, tp_backward, tp_weight = lay.scheme.layer_comm(
+        lay, work.model, work.local_tokens, work.element_bytes, coll.TPClock(hw, lay.tp),
+        weights=weights, split=split)
     cp_forward, cp_backward = _context_parallel_comm(work, hw, core)
     ep_forward, ep_backward = _expert_comm(work, hw, index)
     forward_comm = tp_forward + cp_forward + ep_forward
@@ -195,56 +191,6 @@ def _attention_core(work: Workload, hw: Hardware, flops: float) -> tuple[float, 
     return 2 * _matmul(hw, flops / 2, work.precision), hw.attention_backward_ratio
 
 
-def _tensor_parallel_comm(work: Workload, hw: Hardware, weights: list[float],
-                          split: bool) -> tuple[float, float, float]:
-    """Megatron 1D, forward, backward and of it what runs at `W`: two all-reduces a layer each
-    way (SP: an all-gather and a reduce-scatter each); backward's all-reduces of the QKV and
-    first MLP inputs run behind those matmuls' weight gradients, unless `split` defers them
-    (the all-reduce is then waited for at once); SP's backward gathers the QKV and first MLP
-    inputs again for their weight gradients, under `split` at the `W`."""
-    t = work.layout.tp
-    n = work.activation_bytes
-    if work.layout.sequence_parallel:
-        gather, scatter = coll.all_gather(hw, n, t, t), coll.reduce_scatter(hw, n, t, t)
-        if work.layout.tp_overlap:
-            return _overlapped_sequence_parallel(hw, t, gather, scatter, weights, split)
-        return 2 * (gather + scatter), 2 * (2 * gather + scatter), 2 * gather if split else 0.0
-    one = coll.all_reduce(hw, n, t, t)
-    if split:
-        return 2 * one, 2 * one, 0.0
-    return 2 * one, _hidden(hw, one, weights[0]) + _hidden(hw, one, weights[2]), 0.0
-
-
-def _overlapped_sequence_parallel(hw: Hardware, t: int, gather: float, scatter: float,
-                                  weights: list[float],
-                                  split: bool) -> tuple[float, float, float]:
-    """`tp_overlap` (`collective_matmul.py`): each linear's all-gather or reduce-scatter runs as
-    ring steps behind its chunked matmul, forward and backward (a column-parallel backward's
-    reduce-scatter carries the input's re-gather on the same steps, unless a split backward
-    leaves that to the `W`, unoverlapped)."""
-    qkv, proj, fc1, fc2 = weights
-    forward = sum(_ring_behind(hw, comm, matmul, t) for comm, matmul in (
-        (gather, qkv), (scatter, proj), (gather, fc1), (scatter, fc2)))
-    column = scatter if split else scatter + gather
-    weight = 2 * gather if split else 0.0
-    backward = sum(_ring_behind(hw, column, m, t) for m in (qkv, fc1)) \
-        + sum(_ring_behind(hw, gather, m, t) for m in (proj, fc2)) + weight
-    return forward, backward, weight
-
-
-def _ring_behind(hw: Hardware, comm: float, matmul: float, t: int) -> float:
-    """What stays exposed of a collective of `comm` seconds run as t - 1 ring steps, each
-    behind one of the t chunks of a matmul of `matmul` seconds in all."""
-    return (t - 1) * max(0.0, comm / (t - 1) - hw.overlap_efficiency * matmul / t)
-
-
-def _grid_comm(hw: Hardware, traffic: Traffic, tp: int) -> tuple[float, float]:
-    """2d/2.5d/3d: the traffic's forward and backward time, none of it overlapped."""
-    return (coll.sequence(hw, steps=traffic.forward_steps, moved=traffic.forward_bytes, span=tp),
-            coll.sequence(hw, steps=traffic.backward_steps, moved=traffic.backward_bytes,
-                          span=tp))
-
-
 def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[float, float]:
     """Ring attention (the layouts' context-parallel mode): cp - 1 K/V blocks pass each way
     behind the attention blocks; backward sends their gradients too, and returns them home."""
@@ -255,8 +201,8 @@ def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[f
     kv_width = max(m.kv_heads // lay.tp, 1) * m.head_dim
     block = 2 * work.local_tokens * kv_width * work.element_bytes
     step = coll.send(hw, block, span)
-    forward = (c - 1) * _hidden(hw, step, core / c)
-    return forward, (c - 1) * _hidden(hw, 2 * step, 2 * core / c) + step
+    forward = (c - 1) * coll.behind(hw, step, core / c)
+    return forward, (c - 1) * coll.behind(hw, 2 * step, 2 * core / c) + step
 
 
 def _expert_comm(work: Workload, hw: Hardware, index: int) -> tuple[float, float]:
@@ -273,39 +219,26 @@ def _expert_comm(work: Workload, hw: Hardware, index: int) -> tuple[float, float
 
 
 def _embedding_cost(work: Workload, hw: Hardware) -> ChunkCost:
-    """1d: the vocab-parallel lookup's partial sums reduced (SP: scattered); a 2d/2.5d/3d grid
-    writes its rank's block (its lookup's small communication is left out)."""
-    lay, n = work.layout, work.activation_bytes
-    t = lay.tp
-    if lay.scheme.splits_hidden:
-        moved = _elementwise(hw, n / t)
-        return ChunkCost(moved, 0.0, moved, 0.0, work.embedding_parameters(), moved)
-    comm = coll.reduce_scatter(hw, n, t, t) if lay.sequence_parallel \
-        else coll.all_reduce(hw, n, t, t)
-    moved = _elementwise(hw, n)
+    """The scheme's lookup: what it writes and sends (`TPScheme.embedding_comm`)."""
+    lay = work.layout
+    written, comm = lay.scheme.embedding_comm(lay, work.model, work.local_tokens,
+                                              work.element_bytes, coll.TPClock(hw, lay.tp))
+    moved = _elementwise(hw, written)
     return ChunkCost(moved, comm, moved, 0.0, work.embedding_parameters(), moved)
 
 
 def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
-    """Final norm, the vocab-parallel output matmul and cross-entropy (1d: three small
-    all-reduces of per-token statistics; a grid: the output layer's linear traffic, statistics
-    left out); an untied (or, in a pipeline, tied copy of the) embedding."""
+    """Final norm, the vocab-parallel output matmul and cross-entropy, with the scheme's
+    communication (`TPScheme.output_comm`); an untied (or, in a pipeline, tied copy of the)
+    embedding."""
     lay, m = work.layout, work.model
-    t = lay.tp
     matmul = _matmul(hw, work.head_matmul(), work.precision)
-    grid = lay.scheme.splits_hidden
-    hidden = work.activation_bytes / (t if grid else 1)
+    hidden, comm = lay.scheme.output_comm(lay, m, work.local_tokens, work.element_bytes,
+                                          coll.TPClock(hw, lay.tp))
     forward = matmul + _elementwise(hw, 3 * work.logits_bytes() + 2 * hidden)
     backward = 2 * matmul + _elementwise(hw, 2 * work.logits_bytes())
     held = 0.0 if m.tie_embeddings and lay.pp == 1 else work.embedding_parameters()
-    if grid:
-        forward_comm, backward_comm = _grid_comm(hw, work.head_traffic(), t)
-        return ChunkCost(forward, forward_comm, backward, backward_comm, held, matmul)
-    stats = 3 * coll.all_reduce(hw, work.local_tokens * 4, t, t)
-    gather = coll.all_gather(hw, work.activation_bytes, t, t) if lay.sequence_parallel \
-        else coll.all_reduce(hw, work.activation_bytes, t, t)  # SP: gather; else f's backward
-    return ChunkCost(forward, stats + (gather if lay.sequence_parallel else 0.0), backward,
-                     gather, held, matmul)
+    return ChunkCost(forward, comm.forward, backward, comm.backward, held, matmul)
 
 
 def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
@@ -326,12 +259,12 @@ def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) ->
     if lay.zero == 3:  # one gather per unit before forward and backward
         gather = units * coll.all_gather(hw, weights / units, g, span)
         scatter = units * coll.reduce_scatter(hw, grads / units, g, span)
-        per_micro = max(_hidden(hw, gather, forward), gather / units) \
-            + max(_hidden(hw, gather + scatter, backward), scatter / units)
+        per_micro = max(coll.behind(hw, gather, forward), gather / units) \
+            + max(coll.behind(hw, gather + scatter, backward), scatter / units)
         return work.micro_batches * per_micro
     reduce = coll.all_reduce(hw, grads, g, span) if lay.zero == 0 \
         else coll.reduce_scatter(hw, grads, g, span)
-    exposed = max(_hidden(hw, reduce, backward), reduce * last_bucket)
+    exposed = max(coll.behind(hw, reduce, backward), reduce * last_bucket)
     if lay.zero == 2:
         exposed *= work.micro_batches
     return exposed + (coll.all_gather(hw, weights, g, span) if lay.zero else 0.0)
@@ -350,7 +283,7 @@ def _deepspeed_zero3(work: Workload, hw: Hardware, params: float, units: int,
     gather = units * coll.all_gather(hw, params * work.element_bytes / units, g, span)
     buckets = max(1, math.ceil(params / DEEPSPEED_REDUCE_BUCKET))
     scatter = buckets * coll.reduce_scatter(hw, params * work.element_bytes / buckets, g, span)
-    return 2 * gather + max(_hidden(hw, scatter, backward), scatter / buckets)
+    return 2 * gather + max(coll.behind(hw, scatter, backward), scatter / buckets)
 
 
 def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:

@@ -83,6 +83,11 @@ def load_rows() -> list[dict]:
     return json.loads(text)["rows"]
 
 
+class PublishedRowError(ValueError):
+    """A row of `published_rows.json` the planner cannot read: an unknown FLOP convention, or
+    degrees that do not make its GPUs."""
+
+
 def convention_flops(row: dict) -> float:
     """FLOPs of one iteration in the row's convention: megatron96 (Narayanan et al. 2021,
     Eq. 3: counts the full recomputation's extra forward) or mfu72 (Korthikanti et al. 2022,
@@ -92,8 +97,8 @@ def convention_flops(row: dict) -> float:
         return 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
     if row["flops"] == "mfu72":
         return 72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * h * n))
-    raise ValueError(f"`flops` convention {row['flops']!r} of row {row['id']} is neither"
-                     " megatron96 nor mfu72")
+    raise PublishedRowError(f"`flops` convention {row['flops']!r} of row {row['id']} is neither"
+                            " megatron96 nor mfu72")
 
 
 def published_tflops(row: dict, hardware: Hardware) -> float:
@@ -141,7 +146,8 @@ def predict_layout(row: dict, layout: ParallelPlan, hardware: Hardware) -> Predi
 def best_prediction(row: dict, hardware: Hardware) -> Prediction:
     """The search's fastest layout for the row within the hardware's memory."""
     if row["dp"] * row["tp"] * row["pp"] != row["gpus"]:
-        raise ValueError(f"row {row['id']}: `tp` x `pp` x `dp` is not its `gpus` {row['gpus']}")
+        raise PublishedRowError(f"row {row['id']}: `tp` x `pp` x `dp` is not its `gpus`"
+                                f" {row['gpus']}")
     def fastest(hw: Hardware) -> SearchResult:
         return search(row_model(row), hw, gpus=row["gpus"], seq_len=row["seq"],
                       global_batch=row["global_batch"], precision=hardware.default_precision,

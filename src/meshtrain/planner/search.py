@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from meshtrain.data.corpus import MAX_GLOBAL_BATCH
-from meshtrain.errors import SettingError
+from meshtrain.errors import Code, SettingError
 from meshtrain.models.family import TransformerConfig
 from meshtrain.parallel.layers.recompute import RECOMPUTE
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan
@@ -106,12 +106,13 @@ class SearchResult:
         if self.ranked:
             return self.ranked[0]
         if not self.rejected:
-            raise ValueError("no layout to search: the space is empty")
+            raise SettingError(Code.NO_LAYOUT_FITS, "no layout to search: the space is empty")
         reason, items = max(self.rejected.items(), key=lambda kv: len(kv[1]))
         closest = min(items, key=lambda r: r.over_gib)
-        raise ValueError(f"no layout fits: {sum(map(len, self.rejected.values()))} rejected,"
-                         f" most for {reason} ({len(items)}; e.g. {closest.layout.spec(self.base)}:"
-                         f" {closest.detail})")
+        raise SettingError(Code.NO_LAYOUT_FITS,
+                           f"no layout fits: {sum(map(len, self.rejected.values()))} rejected,"
+                           f" most for {reason} ({len(items)}; e.g."
+                           f" {closest.layout.spec(self.base)}: {closest.detail})")
 
 
 def search(model: TransformerConfig, hardware: Hardware, *, gpus: int, seq_len: int,
@@ -152,13 +153,15 @@ class _Search:
     def __init__(self, model, hardware, gpus, seq_len, global_batch, precision, fixed, cost,
                  schedules):
         if gpus < 1:
-            raise ValueError(f"`gpus` must be positive, got {gpus}")
+            raise SettingError(Code.RANGE, f"`gpus` must be positive, got {gpus}")
         if gpus > MAX_GPUS:  # the search walks the divisors: a number past any cluster
-            raise ValueError(f"`gpus` {gpus} is more than any cluster holds: plan at most"
-                             f" {MAX_GPUS}")
+            raise SettingError(Code.RANGE,
+                               f"`gpus` {gpus} is more than any cluster holds: plan at most"
+                               f" {MAX_GPUS}")
         if global_batch is not None and global_batch > MAX_GLOBAL_BATCH:
-            raise ValueError(f"`global_batch` {global_batch} sequences per step is past any run:"
-                             f" plan at most {MAX_GLOBAL_BATCH}")
+            raise SettingError(Code.RANGE,
+                               f"`global_batch` {global_batch} sequences per step is past any run:"
+                               f" plan at most {MAX_GLOBAL_BATCH}")
         self.model, self.hardware, self.gpus = model, hardware, gpus
         self.seq_len, self.global_batch, self.cost = seq_len, global_batch, cost
         self.schedules = schedules
@@ -195,11 +198,13 @@ class _Search:
         values = " x ".join(str(v) for _, v in given) + (f" = {product}" if len(given) > 1
                                                           else "")
         if len(given) == len(DEGREES) and product != self.gpus:
-            raise ValueError(f"`layout` fixes {names} = {values}, not `gpus` {self.gpus}:"
-                             " change the degrees or `gpus`")
+            raise SettingError(Code.DEGREES_WORLD,
+                               f"`layout` fixes {names} = {values}, not `gpus` {self.gpus}:"
+                               " change the degrees or `gpus`")
         if given and self.gpus % product:
-            raise ValueError(f"`layout` fixes {names} = {values}, which does not divide `gpus`"
-                             f" {self.gpus}")
+            raise SettingError(Code.DEGREES_WORLD,
+                               f"`layout` fixes {names} = {values}, which does not divide `gpus`"
+                               f" {self.gpus}")
 
     def degree_combos(self) -> list[Combo]:
         """(tp, pp, cp, dp) with tp x pp x cp x dp = gpus, each with every grid tp forms."""

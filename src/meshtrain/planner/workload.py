@@ -1,10 +1,12 @@
 """What one rank computes and stores for one micro-batch: the work of a transformer layer, the
 embedding and the output layer, split over the layout's tensor- and context-parallel ranks.
 
-Every scheme divides a layer's FLOPs by tp. 1d replicates the norms, residuals and the hidden
-states between layers over tp unless sequence parallelism splits them; 2d, 2.5d and 3d split
-everything tp ways (hidden and batch); weights split q^2 ways under 2d and 2.5d (replicated
-over 2.5d's depth) and q^3 under 3d. Each scheme gives its traffic (`TPScheme.layer_traffic`).
+Every scheme divides a layer's FLOPs by tp. The plan's scheme says how its hidden states,
+saved activations and weights split (`TPScheme.hidden_parts`, `layer_saved_bytes`,
+`weight_parts`): 1d replicates the norms, residuals and the hidden states between layers over
+tp unless sequence parallelism splits them; 2d, 2.5d and 3d split everything tp ways (hidden
+and batch); weights split q^2 ways under 2d and 2.5d (replicated over 2.5d's depth) and q^3
+under 3d. Its communication is priced by `costs.py` through the scheme (`TPScheme.layer_comm`).
 
 Counts, not times: FLOPs of each matmul (so small ones can be charged their lower efficiency),
 bytes elementwise kernels move, bytes each collective carries, parameters each rank holds. The
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig, window_keys
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.schemes.scheme import Traffic
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GRAD_BYTES = 4
@@ -73,10 +74,10 @@ class Workload:
         return self.local_tokens * self.model.hidden_size * self.element_bytes
 
     @property
-    def splits_hidden(self) -> bool:
-        """Whether each TP rank holds 1/tp of the hidden states between layers (SP, or a
-        2d/2.5d/3d grid), rather than all of them."""
-        return self.layout.sequence_parallel or self.layout.scheme.splits_hidden
+    def hidden_parts(self) -> int:
+        """How many ways each TP rank's hidden states between layers are split (SP, or a
+        2d/2.5d/3d grid), rather than replicated (`TPScheme.hidden_parts`)."""
+        return self.layout.scheme.hidden_parts(self.layout)
 
     @property
     def weight_parts(self) -> int:
@@ -86,20 +87,7 @@ class Workload:
     @property
     def boundary_bytes(self) -> float:
         """What a pipeline stage sends its neighbour per micro-batch (split by SP or a grid)."""
-        return self.activation_bytes / (self.layout.tp if self.splits_hidden else 1)
-
-    def layer_traffic(self) -> Traffic:
-        """One layer's tensor-parallel bytes and steps (`TPScheme.layer_traffic`; the
-        replicated-hidden 1d scheme's are timed by `costs.py` with their overlap)."""
-        lay = self.layout
-        return lay.scheme.layer_traffic(self.model, lay.tp_grid, self.local_tokens,
-                                           self.element_bytes)
-
-    def head_traffic(self) -> Traffic:
-        """The output layer's traffic (`TPScheme.output_traffic`)."""
-        lay, m = self.layout, self.model
-        return lay.scheme.output_traffic(lay.tp_grid, self.local_tokens, m.hidden_size,
-                                            m.vocab_size, self.element_bytes)
+        return self.activation_bytes / self.hidden_parts
 
     def layer(self, index: int) -> LayerWork:
         m, t, tokens = self.model, self.layout.tp, self.local_tokens
@@ -118,7 +106,7 @@ class Workload:
         ring = self.layout.cp > 1  # hand-written blocks: whole, eager softmax
         core = 4 * tokens * self._keys_per_query(ring) * width / t
         moved = tokens * m.pointwise_bytes(
-            hidden=h / (t if self.splits_hidden else 1), tp=t, element_size=self.element_bytes,
+            hidden=h / self.hidden_parts, tp=t, element_size=self.element_bytes,
             fused=self.layout.compile)
         if m.attention == "eager" or ring:
             moved += 4 * m.num_heads / t * tokens * self.seq_len * self.element_bytes
@@ -158,23 +146,21 @@ class Workload:
         """This rank's share of the embedding's tables besides the word table (GPT's learned
         positions): whole under 1d, split along the hidden size (the grid side) on a grid."""
         lay = self.layout
-        parts = lay.tp // lay.batch_parts if lay.scheme.splits_hidden else 1
+        parts = lay.scheme.hidden_size_parts(lay.tp_grid)
         return sum(math.prod(shape) for shape in self.model.embedding_shapes().values()) / parts
 
     def layer_activation_bytes(self) -> float:
         """Bytes one layer saves for backward per micro-batch (the family's tested formula;
-        sdpa saves no s x s probabilities, which the eager form without them equals); a
-        2d/2.5d/3d grid: the dense layer's / tp, nothing replicated."""
+        sdpa saves no s x s probabilities, which the eager form without them equals), split
+        as the scheme splits it (`TPScheme.layer_saved_bytes`)."""
         lay, m = self.layout, self.model
         recompute = "selective" if lay.recompute == "none" and m.attention == "sdpa" \
             else lay.recompute
-        grid = lay.scheme.splits_hidden
-        saved = m.activation_bytes(seq_len=self.seq_len // lay.cp, micro_batch=lay.micro_batch,
-                                   tp=1 if grid else lay.tp,
-                                   sequence_parallel=lay.sequence_parallel,
-                                   recompute=recompute, element_size=self.element_bytes,
-                                   dropout=m.dropout > 0)
-        return (saved / lay.tp if grid else saved) + self._expert_rows_bytes(recompute)
+        saved = lay.scheme.layer_saved_bytes(lay, m, seq_len=self.seq_len // lay.cp,
+                                             micro_batch=lay.micro_batch, recompute=recompute,
+                                             element_size=self.element_bytes,
+                                             dropout=m.dropout > 0)
+        return saved + self._expert_rows_bytes(recompute)
 
     def _expert_rows_bytes(self, recompute: str) -> float:
         """What an MoE layer keeps beyond a dense MLP's, averaged over the layers: its experts'

@@ -41,10 +41,10 @@ from torch import nn
 
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.parallel.layers.expert import MoE
+from meshtrain.parallel.layers.linear_functions import DenseGemm
 from meshtrain.parallel.layers.tensor import (
     ColumnParallelGroup,
     ColumnParallelLinear,
-    DenseGemm,
     RowParallelLinear,
 )
 

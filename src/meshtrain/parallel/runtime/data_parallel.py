@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm
 
@@ -89,7 +90,8 @@ class GradientReducer:
                  bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32,
                  scale: float = 1.0, late: list[nn.Parameter] = ()):
         if bucket_bytes <= 0:
-            raise ValueError(f"`bucket_mb` must be positive, got {bucket_bytes / 2**20}")
+            raise SettingError(Code.RANGE,
+                               f"`bucket_mb` must be positive, got {bucket_bytes / 2**20}")
         self.axis = axis
         self.scale = scale
         self.sync = True

@@ -171,56 +171,65 @@ def restored_step(optimizer: torch.optim.Optimizer, param: torch.Tensor,
     return step.to(param.device, torch.float32) if optimizer.defaults.get("fused") else step
 
 
-def global_grad_norm(model: nn.Module, mesh: ParallelMesh,
-                     grads: dict[int, torch.Tensor] | None = None, *,
-                     counted_elsewhere: set[int] = frozenset(), experts: set[int] = frozenset(),
-                     sharded: bool = False) -> torch.Tensor:
-    """L2 norm of the whole model's gradient, each logical parameter counted once.
+@dataclass(frozen=True)
+class GradientLayout:
+    """Where this rank's gradients are and how the mesh shares them: what a gradient sync
+    reports after its reduction (`GradientSync.wait`), and all that clipping needs to count
+    each logical parameter once."""
+
+    grads: dict[int, torch.Tensor] | None = None
+    """id(parameter) -> its gradient where it does not live in `.grad` (fp32 buffers of 16-bit
+    parameters, ZeRO's pieces); None: every gradient is in `.grad`."""
+    sharded: bool = False
+    """ZeRO: each data-parallel rank holds a different piece of each gradient."""
+    counted_elsewhere: frozenset[int] = frozenset()
+    """Copies counted on another rank (the last pipeline stage's tied embedding)."""
+    experts: frozenset[int] = frozenset()
+    """Expert parameters: each EP rank holds different ones."""
+
+    def tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        """Every gradient this rank holds."""
+        if self.grads is not None:
+            return list(self.grads.values())
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, layout: GradientLayout = GradientLayout(),
+                    max_norm: float = 0.0) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, each logical parameter counted once; scales
+    the gradients so it is at most `max_norm` (0: only the norm). Returns the norm before
+    clipping.
 
     TP-sharded parameters: every rank's shard counts (summed over TP; a shard several TP ranks
     share counts on the first of them). Replicated parameters (norms, row-parallel biases,
     positions): counted on TP rank 0 only. Pipeline stages hold different layers and are summed
-    over PP. DP replicas hold the same averaged gradient, so nothing is summed over DP; `experts`
-    are summed over EP (each EP rank holds different experts) but not over their replicas (edp).
-    `grads` maps id(parameter) to its gradient where it does not live in `.grad` (fp32 buffers
-    of 16-bit parameters); `counted_elsewhere` are copies counted on another rank (the last
-    pipeline stage's tied embedding). `sharded`: ZeRO gradients, each DP rank holding a
-    different piece, so the squares are also summed over the data-parallel axes (dp x cp for
-    dense parameters, edp for experts).
-    """
+    over PP. DP replicas hold the same averaged gradient, so nothing is summed over DP unless
+    the layout is `sharded` (then dp x cp for dense parameters, edp for experts); `experts` are
+    summed over EP but not over their replicas (edp)."""
     counted = primary_parameters(model, mesh)
     first = next(model.parameters())
     dtype = wide_dtype(first.dtype)
     dense = torch.zeros((), dtype=dtype, device=first.device)
     expert = torch.zeros((), dtype=dtype, device=first.device)
     for p in model.parameters():
-        grad = p.grad if grads is None else grads.get(id(p))
-        if grad is None or id(p) in counted_elsewhere or id(p) not in counted:
+        grad = p.grad if layout.grads is None else layout.grads.get(id(p))
+        if grad is None or id(p) in layout.counted_elsewhere or id(p) not in counted:
             continue
         square = grad.detach().to(dtype).pow(2).sum()
-        if id(p) in experts:
+        if id(p) in layout.experts:
             expert += square
         else:
             dense += square
-    if sharded:
+    if layout.sharded:
         comm.all_reduce(dense, mesh.dp_cp)
         comm.all_reduce(expert, mesh.axis("edp"))
     comm.all_reduce(expert, mesh.ep)  # EP ranks hold different experts
     total = dense + expert
     comm.all_reduce(total, mesh.tp)
     comm.all_reduce(total, mesh.pp)
-    return total.sqrt()
-
-
-def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, max_norm: float,
-                    grads: dict[int, torch.Tensor] | None = None, **counting) -> torch.Tensor:
-    """Scale gradients so the global norm is at most `max_norm` (0 disables); returns the norm
-    before clipping. `counting`: `global_grad_norm`'s keyword arguments."""
-    norm = global_grad_norm(model, mesh, grads, **counting)
+    norm = total.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        tensors = list(grads.values()) if grads is not None else \
-            [p.grad for p in model.parameters() if p.grad is not None]
-        for grad in tensors:
+        for grad in layout.tensors(model):
             grad.mul_(coef)
     return norm

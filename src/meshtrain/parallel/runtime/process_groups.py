@@ -40,20 +40,22 @@ DEVICE_KINDS = ("auto", "cpu", "cuda")
 def resolve_device(kind: str = "auto") -> torch.device:
     """This local rank's device: "auto" is CUDA when available, else the CPU."""
     if kind not in DEVICE_KINDS:
-        raise ValueError(f"`device` must be auto, cpu or cuda, got {kind!r}")
+        raise SettingError(Code.CHOICE, f"`device` must be auto, cpu or cuda, got {kind!r}")
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("`device` cuda: no CUDA device is visible; use `device` cpu")
+        raise SettingError(Code.CUDA_DEVICES,
+                           "`device` cuda: no CUDA device is visible; use `device` cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def check_local_devices(kind: str, local_ranks: int) -> None:
     """One GPU per local rank: NCCL cannot put two ranks on one device."""
     if resolve_device(kind).type == "cuda" and local_ranks > torch.cuda.device_count():
-        raise ValueError(f"{local_ranks} local ranks need {local_ranks} GPUs but"
-                         f" {torch.cuda.device_count()} are visible: use fewer ranks (`nproc`)"
-                         " or `device` cpu")
+        raise SettingError(Code.CUDA_DEVICES,
+                           f"{local_ranks} local ranks need {local_ranks} GPUs but"
+                           f" {torch.cuda.device_count()} are visible: use fewer ranks (`nproc`)"
+                           " or `device` cpu")
 
 
 def init_parallel(

@@ -23,7 +23,12 @@ from meshtrain.memory import model_state_bytes
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import GradientReducer
-from meshtrain.parallel.runtime.optim import OptimizerSettings, build_adamw, restored_step
+from meshtrain.parallel.runtime.optim import (
+    GradientLayout,
+    OptimizerSettings,
+    build_adamw,
+    restored_step,
+)
 from meshtrain.parallel.runtime.zero import ZeroDataParallel
 from meshtrain.precision import MasterWeights
 
@@ -32,8 +37,9 @@ Partial = list[tuple[MeshAxis, list[nn.Parameter]]]
 
 class GradientSync(ABC):
     """Per optimizer step: `zero_grad()`; `before_backward(last)` before each micro-batch's
-    backward (True for the step's last); `wait()` -> this rank's gradients by parameter id (its
-    pieces under ZeRO), to unscale and clip in place; `step(lr)`."""
+    backward (True for the step's last); `wait()` -> the `GradientLayout` of this rank's
+    gradients by parameter id (its pieces under ZeRO), to unscale and clip in place;
+    `step(lr)`."""
 
     optimizer: torch.optim.Optimizer
     """The AdamW `build_adamw` made from the `OptimizerSettings` the sync was given."""
@@ -42,8 +48,9 @@ class GradientSync(ABC):
     """Whether data-parallel ranks hold different pieces of each gradient (clipping sums the
     squares over them)."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, partial: Partial):
-        self.model, self.mesh, self.partial = model, mesh, partial
+    def __init__(self, model: nn.Module, roles: ParameterRoles, mesh: ParallelMesh,
+                 partial: Partial):
+        self.model, self.roles, self.mesh, self.partial = model, roles, mesh, partial
         self.names = {id(p): name for name, p in model.named_parameters()}
 
     def zero_grad(self) -> None:
@@ -54,8 +61,15 @@ class GradientSync(ABC):
         for reducer in self.reducers:
             reducer.sync = last  # ZeRO-1 and plain reducers communicate on the last only
 
+    def wait(self) -> GradientLayout:
+        """The step's reduced and completed gradients, and how the mesh shares them."""
+        return GradientLayout(self._reduced(), sharded=self.sharded,
+                              counted_elsewhere=frozenset(self.roles.counted_elsewhere),
+                              experts=frozenset(self.roles.experts))
+
     @abstractmethod
-    def wait(self) -> dict[int, torch.Tensor]: ...
+    def _reduced(self) -> dict[int, torch.Tensor]:
+        """This rank's gradients by parameter id once reduced and completed."""
 
     @abstractmethod
     def step(self, lr: float) -> None: ...
@@ -106,7 +120,7 @@ class ReplicatedSync(GradientSync):
     def __init__(self, model: nn.Module, roles: ParameterRoles, mesh: ParallelMesh, *,
                  partial: Partial, bucket_bytes: int, grad_dtype: torch.dtype, masters: bool,
                  write_back: bool, optimizer: OptimizerSettings):
-        super().__init__(model, mesh, partial)
+        super().__init__(model, roles, mesh, partial)
         # Dense parameters are replicated over dp x cp, experts only over their edp replicas.
         # An expert's gradient already sums the losses of all ep ranks whose tokens it served;
         # averaging over edp and 1/ep gives the mean over dp x cp.
@@ -126,7 +140,7 @@ class ReplicatedSync(GradientSync):
     def grads(self) -> dict[int, torch.Tensor]:
         return {id(p): reducer.grad(p) for reducer in self.reducers for p in reducer.params}
 
-    def wait(self) -> dict[int, torch.Tensor]:
+    def _reduced(self) -> dict[int, torch.Tensor]:
         for reducer in self.reducers:
             reducer.wait()
         grads = self.grads()
@@ -187,7 +201,7 @@ class ZeroSync(GradientSync):
     def __init__(self, model: nn.Module, roles: ParameterRoles, mesh: ParallelMesh, *,
                  partial: Partial, stage: int, bucket_bytes: int, grad_dtype: torch.dtype,
                  offload: bool, optimizer: OptimizerSettings, offload_dir: Path | None = None):
-        super().__init__(model, mesh, partial)
+        super().__init__(model, roles, mesh, partial)
         experts = roles.experts
         common = dict(stage=stage, bucket_bytes=bucket_bytes, grad_dtype=grad_dtype,
                       offload=offload)
@@ -211,7 +225,7 @@ class ZeroSync(GradientSync):
         self.optimizer = build_adamw([piece for _, piece in pieces], optimizer,
                                      no_decay={id(piece) for p, piece in pieces if p.dim() < 2})
 
-    def wait(self) -> dict[int, torch.Tensor]:
+    def _reduced(self) -> dict[int, torch.Tensor]:
         for reducer in self.reducers:
             reducer.wait()
         grads = {id(p): reducer.grad(p) for reducer in self.reducers for p in reducer.params}

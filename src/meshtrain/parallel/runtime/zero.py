@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import check_grad_views, reverse_buckets
@@ -73,7 +74,7 @@ class ZeroDataParallel:
                  scale: float = 1.0, offload: bool = False, offload_dir: Path | None = None,
                  deferred: tuple[nn.Parameter, MeshAxis | None] | None = None):
         if stage not in (1, 2, 3):
-            raise ValueError(f"`zero` must be 0, 1, 2 or 3, got {stage}")
+            raise SettingError(Code.CHOICE, f"`zero` must be 0, 1, 2 or 3, got {stage}")
         self.axis, self.stage, self.scale = axis, stage, scale
         self._sync = True
         units = [[p for p in unit if p.requires_grad] for unit in units]

@@ -21,10 +21,11 @@ def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
     reverse. Needs m divisible by p."""
     check_counts(p, m)
     if v < 1:
-        raise ValueError(f"`virtual_stages` must be positive, got {v}")
+        raise SettingError(Code.RANGE, f"`virtual_stages` must be positive, got {v}")
     if m % p:
-        raise ValueError(f"the interleaved schedule needs micro-batches ({m}) divisible by"
-                         f" `pp` ({p}): change `global_batch` or `micro_batch`")
+        raise SettingError(Code.INTERLEAVED_MICRO_BATCHES,
+                           f"the interleaved schedule needs micro-batches ({m}) divisible by"
+                           f" `pp` ({p}): change `global_batch` or `micro_batch`")
     total = m * v
 
     def forward(k: int) -> Action:

@@ -25,8 +25,9 @@ def pipedream_2bw(p: int, m: int, steps: int) -> list[list[Action]]:
     in-flight generations)."""
     check_counts(p, m)
     if m < p:
-        raise ValueError(f"PipeDream-2BW needs micro-batches ({m}) >= `pp` ({p}): raise"
-                         " `global_batch` or lower `micro_batch`")
+        raise SettingError(Code.TWO_BW_MICRO_BATCHES,
+                           f"PipeDream-2BW needs micro-batches ({m}) >= `pp` ({p}): raise"
+                           " `global_batch` or lower `micro_batch`")
     total = steps * m
     ranks = []
     for s in range(p):

@@ -10,6 +10,9 @@ the gathered logits and the norms follow from them.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -22,7 +25,7 @@ from meshtrain.parallel.layers.norms import RMSNorm, SplitLayerNorm, SplitRMSNor
 from meshtrain.parallel.layers.rng import TENSOR_PARALLEL
 from meshtrain.parallel.schemes.factory import LayerFactory
 from meshtrain.parallel.schemes.grid_layers import SplitPositionEmbedding, partial_gradients_by_axis
-from meshtrain.parallel.schemes.scheme import TPScheme
+from meshtrain.parallel.schemes.scheme import Clock, TPScheme, Waits
 
 
 class GridScheme(TPScheme):
@@ -32,7 +35,6 @@ class GridScheme(TPScheme):
     of the hidden size on a rank), and so is `tp_overlap`, which overlaps sequence-parallel
     communication."""
 
-    splits_hidden = True
     refuses = ("sequence_parallel", "cp", "ep", "moe_experts", "split_backward", "compile",
                "fp8", "tp_overlap")
 
@@ -56,6 +58,34 @@ class GridScheme(TPScheme):
                 f"`micro_batch` {plan.micro_batch} must be divisible by {parts}: `tp_scheme`"
                 f" {self.name} with grid {'x'.join(map(str, grid.values()))} splits each"
                 f" micro-batch {parts} ways; raise `micro_batch`"))
+
+    def hidden_parts(self, plan) -> int:
+        return plan.tp
+
+    def hidden_size_parts(self, grid: dict[str, int]) -> int:
+        return math.prod(grid.values()) // self.batch_parts(grid)
+
+    def layer_saved_bytes(self, plan, model, **shape) -> float:
+        """The dense layer's / tp: nothing is replicated."""
+        return model.activation_bytes(tp=1, sequence_parallel=plan.sequence_parallel,
+                                      **shape) / plan.tp
+
+    def layer_comm(self, plan, model, tokens: int, e: int, clock: Clock, *,
+                   weights: Sequence[float], split: bool) -> Waits:
+        """The layer's traffic (`layer_traffic`), none of it hidden."""
+        return Waits(*clock.traffic(self.layer_traffic(model, plan.tp_grid, tokens, e)))
+
+    def embedding_comm(self, plan, model, tokens: int, e: int,
+                       clock: Clock) -> tuple[float, float]:
+        """Each rank writes its block (the lookup's small communication is left out)."""
+        return tokens * model.hidden_size * e / plan.tp, 0.0
+
+    def output_comm(self, plan, model, tokens: int, e: int,
+                    clock: Clock) -> tuple[float, Waits]:
+        """The output layer's traffic (`output_traffic`; the loss statistics left out)."""
+        traffic = self.output_traffic(plan.tp_grid, tokens, model.hidden_size,
+                                      model.vocab_size, e)
+        return tokens * model.hidden_size * e / plan.tp, Waits(*clock.traffic(traffic))
 
 
 class GridFactory(LayerFactory):

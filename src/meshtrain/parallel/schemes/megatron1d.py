@@ -6,6 +6,8 @@ layers are `layers/tensor.py`'s.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ from meshtrain.parallel.layers.tensor import (
     VocabParallelHead,
 )
 from meshtrain.parallel.schemes.factory import LayerFactory
-from meshtrain.parallel.schemes.scheme import TPScheme, Traffic
+from meshtrain.parallel.schemes.scheme import Clock, TPScheme, Traffic, Waits
 
 
 class Megatron1D(LayerFactory):
@@ -133,6 +135,67 @@ class MegatronScheme(TPScheme):
 
     def layer_traffic(self, model, grid: dict[str, int], tokens: int, e: int) -> Traffic:
         return megatron_layer(tokens, model.hidden_size, grid["tp"], e)
+
+    def hidden_parts(self, plan) -> int:
+        return plan.tp if plan.sequence_parallel else 1  # SP splits the sequence
+
+    def hidden_size_parts(self, grid: dict[str, int]) -> int:
+        return 1
+
+    def layer_saved_bytes(self, plan, model, **shape) -> float:
+        return model.activation_bytes(tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+                                      **shape)
+
+    def layer_comm(self, plan, model, tokens: int, e: int, clock: Clock, *,
+                   weights: Sequence[float], split: bool) -> Waits:
+        """Two all-reduces a layer each way (SP: an all-gather and a reduce-scatter each);
+        backward's all-reduces of the QKV and first MLP inputs run behind those matmuls' weight
+        gradients, unless `split` defers them (the all-reduce is then waited for at once); SP's
+        backward gathers the QKV and first MLP inputs again for their weight gradients, under
+        `split` at the `W`."""
+        n = tokens * model.hidden_size * e
+        if plan.sequence_parallel:
+            gather, scatter = clock.all_gather(n), clock.reduce_scatter(n)
+            if plan.tp_overlap:
+                return _overlapped(clock, gather, scatter, weights, split)
+            return Waits(2 * (gather + scatter), 2 * (2 * gather + scatter),
+                         2 * gather if split else 0.0)
+        one = clock.all_reduce(n)
+        if split:
+            return Waits(2 * one, 2 * one)
+        return Waits(2 * one, clock.behind(one, weights[0]) + clock.behind(one, weights[2]))
+
+    def embedding_comm(self, plan, model, tokens: int, e: int,
+                       clock: Clock) -> tuple[float, float]:
+        """The vocab-parallel lookup writes the whole activation; its partial sums are
+        reduced (SP: scattered)."""
+        n = tokens * model.hidden_size * e
+        return n, clock.reduce_scatter(n) if plan.sequence_parallel else clock.all_reduce(n)
+
+    def output_comm(self, plan, model, tokens: int, e: int,
+                    clock: Clock) -> tuple[float, Waits]:
+        """Three small all-reduces of per-token statistics, and f's backward all-reduce of
+        the whole input (SP: its all-gather, both ways)."""
+        n = tokens * model.hidden_size * e
+        stats = 3 * clock.all_reduce(tokens * 4)
+        gather = clock.all_gather(n) if plan.sequence_parallel else clock.all_reduce(n)
+        return n, Waits(stats + (gather if plan.sequence_parallel else 0.0), gather)
+
+
+def _overlapped(clock: Clock, gather: float, scatter: float, weights: Sequence[float],
+                split: bool) -> Waits:
+    """`tp_overlap` (`collective_matmul.py`): each linear's all-gather or reduce-scatter runs as
+    ring steps behind its chunked matmul, forward and backward (a column-parallel backward's
+    reduce-scatter carries the input's re-gather on the same steps, unless a split backward
+    leaves that to the `W`, unoverlapped)."""
+    qkv, proj, fc1, fc2 = weights
+    forward = sum(clock.ring_behind(comm, matmul) for comm, matmul in (
+        (gather, qkv), (scatter, proj), (gather, fc1), (scatter, fc2)))
+    column = scatter if split else scatter + gather
+    weight = 2 * gather if split else 0.0
+    backward = sum(clock.ring_behind(column, m) for m in (qkv, fc1)) \
+        + sum(clock.ring_behind(gather, m) for m in (proj, fc2)) + weight
+    return Waits(forward, backward, weight)
 
 
 MEGATRON_1D = MegatronScheme()

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import ParallelMesh
@@ -43,6 +45,36 @@ class Traffic:
                        self.backward_steps + other.backward_steps)
 
 
+class Clock(Protocol):
+    """Seconds of communication over a TP block on one hardware (the planner's
+    `collectives.TPClock`): a scheme names what its layers send and which compute each
+    collective runs behind, the clock prices it, so no scheme imports the planner."""
+
+    def all_reduce(self, nbytes: float) -> float: ...
+
+    def all_gather(self, nbytes: float) -> float: ...
+
+    def reduce_scatter(self, nbytes: float) -> float: ...
+
+    def traffic(self, traffic: Traffic) -> tuple[float, float]:
+        """Forward and backward seconds of `traffic`, none of it hidden."""
+
+    def behind(self, comm: float, window: float) -> float:
+        """What stays exposed of `comm` seconds run behind `window` seconds of compute."""
+
+    def ring_behind(self, comm: float, window: float) -> float:
+        """What stays exposed of a collective run as ring steps behind a chunked matmul."""
+
+
+class Waits(NamedTuple):
+    """Seconds a rank waits for a scheme's communication per micro-batch: forward, backward, and
+    of the backward what a split backward runs at its weight-gradient half (`W`)."""
+
+    forward: float
+    backward: float
+    weight: float = 0.0
+
+
 def layer_linears(model) -> tuple[tuple[int, int], ...]:
     """(h_in, h_out) of a transformer layer's four linears (`model` a `TransformerConfig`):
     QKV, output projection, the MLP's two (a gated MLP's gate and up projections as one
@@ -67,10 +99,6 @@ class TPScheme(ABC):
     """The `tp_scheme` setting's value."""
     axes: tuple[str, ...]
     """The grid axes of the tensor-parallel block, outer -> inner (tp rank = mixed radix)."""
-    splits_hidden: bool = False
-    """Whether the hidden states between layers are split over the whole block (batch and
-    hidden size) by the scheme itself, so nothing outside its layers is replicated; False: they
-    are replicated over tp unless sequence parallelism splits them (Megatron's line)."""
     refuses: tuple[str, ...] = ()
     """Settings the scheme does not combine with (when on): sequence_parallel, cp, ep,
     moe_experts, split_backward (zero-bubble schedules: its layers cannot defer their
@@ -162,3 +190,36 @@ class TPScheme(ABC):
         """Traffic once per optimizer step, after the data-parallel reduction (2.5D: weight
         gradients summed over depth); `rank_weights` the weights this rank holds."""
         return Traffic()
+
+    # --- what the planner prices (`planner/costs.py`, `planner/workload.py`) ----------------
+
+    @abstractmethod
+    def hidden_parts(self, plan) -> int:
+        """How many ways each TP rank's share of the hidden states between layers is split
+        under `plan` (what a pipeline stage sends, what the norms work on)."""
+
+    @abstractmethod
+    def hidden_size_parts(self, grid: dict[str, int]) -> int:
+        """How many ways the hidden size is split (GPT's position table with it)."""
+
+    @abstractmethod
+    def layer_saved_bytes(self, plan, model, **shape) -> float:
+        """Bytes one layer saves for backward on one rank: the family's formula
+        (`TransformerConfig.activation_bytes` of `shape`) split as this scheme splits it."""
+
+    @abstractmethod
+    def layer_comm(self, plan, model, tokens: int, e: int, clock: Clock, *,
+                   weights: Sequence[float], split: bool) -> Waits:
+        """One layer's TP communication per micro-batch of `tokens` tokens, element size `e`;
+        `weights`: its four weight matmuls' forward seconds (what collectives may run behind);
+        `split`: the backward defers its weight gradients (a zero-bubble schedule)."""
+
+    @abstractmethod
+    def embedding_comm(self, plan, model, tokens: int, e: int,
+                       clock: Clock) -> tuple[float, float]:
+        """The embedding's bytes written per micro-batch and its forward communication."""
+
+    @abstractmethod
+    def output_comm(self, plan, model, tokens: int, e: int,
+                    clock: Clock) -> tuple[float, Waits]:
+        """The output layer's input bytes (what its norm reads and writes) and communication."""
