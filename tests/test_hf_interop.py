@@ -25,8 +25,8 @@ from meshtrain.config.run_config import build_config
 from meshtrain.data.corpus import BatchSampler, load_corpus, split_tokens, synthetic_corpus
 from meshtrain.data.tokenization import train_bpe
 from meshtrain.errors import Code
-from meshtrain.interop.hf_io import HFModelDirectory, import_hf
-from meshtrain.models import get_family, preset
+from meshtrain.interop.hf_io import HFModelDirectory, hf_mapping, import_hf
+from meshtrain.models import preset
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.runtime.plan import ParallelPlan
@@ -408,10 +408,10 @@ def test_a_window_the_architecture_cannot_hold_is_not_exported():
         cfg = preset({"llama": "llama-tiny", "gpt": "tiny", "mistral": "mistral-tiny"}[family],
                      **fields)
         with pytest.raises(ValueError, match=named + ".*export it with format meshtrain") as e:
-            get_family(family).hf_mapping().window_to_hf(cfg)
+            hf_mapping(family).window_to_hf(cfg)
         assert e.value.code is Code.HF_EXPORT
     windowed = preset("qwen2-tiny", sliding_window=8, window_start_layer=3)
-    assert get_family("qwen2").hf_mapping().window_to_hf(windowed)["layer_types"] == \
+    assert hf_mapping("qwen2").window_to_hf(windowed)["layer_types"] == \
         ["full_attention"] * 3 + ["sliding_attention"]
 
 

@@ -106,7 +106,7 @@ def test_config_toml_keeps_what_model_arg_set_in_model_arg():
 
 def test_init_from_keeps_the_checkpoints_settings_unless_given(monkeypatch, moe_preset):
     saved = dataclasses.replace(moe_preset, vocab_size=256)
-    monkeypatch.setattr(run_config, "checkpoint_config", lambda path: saved)
+    monkeypatch.setattr(run_config, "saved_model", lambda path, **_: saved)
     cfg = build_config({"checkpoint": {"init_from": "/nonexistent/run"}}, {})
     assert cfg.model_config(256) == saved
     cfg.model.dropout, cfg.model.moe_top_k = 0.0, 1

@@ -1,9 +1,12 @@
 """The package's shape, read from its source: no import cycles (imports inside functions and
 under TYPE_CHECKING count), no module importing the package root, nothing under parallel/
-importing models/, no two modules of one name, and no code outside a tensor-parallel scheme's
-own files comparing scheme names, nor outside the schedules package schedule names."""
+importing models/, no package importing one drawn above it in docs/design.md's module table,
+config and checkpointing never importing each other, no two modules of one name, and no code
+outside a tensor-parallel scheme's own files comparing scheme names, nor outside the schedules
+package schedule names."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from meshtrain.parallel.schedules.catalog import SCHEDULES
 from meshtrain.parallel.schemes.registry import SCHEMES
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+DESIGN = SRC.parent / "docs" / "design.md"
 PACKAGE = SRC / "meshtrain"
 
 
@@ -132,3 +136,61 @@ def test_parallel_building_blocks_sit_below_the_runtime():
                     and order.index(other[2]) > order.index(parts[2]):
                 upward.append(f"{name} -> {target}")
     assert not upward, upward
+
+
+def _drawn_layers() -> dict[str, int]:
+    """Each module or package at the package's top, as docs/design.md's module table draws it
+    (bottom to top) -> its row; the parallel/ rows are one layer, drawn where the first is."""
+    text = DESIGN.read_text()
+    table = text[text.index("Bottom to top:"):].split("\n\n")[1].splitlines()[2:]
+    layers: dict[str, int] = {}
+    for row, line in enumerate(table):
+        for name in re.findall(r"`([^`]+)`", line.split("|")[1]):
+            layers.setdefault(name.split("/")[0].removesuffix(".py"), row)
+    return layers
+
+
+def _top(name: str) -> str:
+    return name.split(".")[1]
+
+
+def test_packages_import_only_what_is_drawn_beside_or_below_them():
+    """The table in docs/design.md is the layering: `config` before `planner` before
+    `training`, and so on; a new package is drawn before it is imported."""
+    layers = _drawn_layers()
+    tops = {_top(name) for name in MODULES if "." in name} - {"__main__"}
+    assert tops <= set(layers), f"not drawn in docs/design.md: {sorted(tops - set(layers))}"
+    upward = [f"{name} -> {target}" for name, targets in GRAPH.items()
+              if "." in name and _top(name) in layers for target in targets
+              if "." in target and layers[_top(target)] > layers[_top(name)]]
+    assert not upward, upward
+
+
+def test_config_and_checkpointing_never_import_each_other():
+    """What both need has one owner: a checkpoint's model is read through the format registry
+    (`interop.checkpoint_formats`), a resumed run's settings rules are config's
+    (`config.resumed_settings`) and which checkpoint it resumes is checkpointing's."""
+    pair = {"config", "checkpointing"}
+    crossing = [f"{name} -> {target}" for name, targets in GRAPH.items() if "." in name
+                for target in targets if "." in target
+                and {_top(name), _top(target)} == pair]
+    assert not crossing, crossing
+
+
+def _uses_torch_distributed(path: Path) -> list[int]:
+    """Lines of `path` importing or naming torch.distributed."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [ast.unparse(node)] if isinstance(node, ast.Attribute) else []
+        lines += [node.lineno for name in names if name.startswith("torch.distributed")]
+    return lines
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("meshtrain.planner")))
+def test_the_planner_reaches_torch_distributed_only_through_comm(name):
+    """Calibration times real collectives, through `parallel/communication/comm.py` like every
+    other sender, so what it measures is what training sends."""
+    lines = _uses_torch_distributed(MODULES[name])
+    assert not lines, f"{name}:{lines} uses torch.distributed"

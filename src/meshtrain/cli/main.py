@@ -24,9 +24,11 @@ from meshtrain.checkpointing import resuming
 from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
 from meshtrain.cli.flags import as_flags
 from meshtrain.cli.parsers import parse_command_line
+from meshtrain.config import resumed_settings
 from meshtrain.config import run_config as config_mod
 from meshtrain.config.settings import model_arg_key
 from meshtrain.errors import Code, SettingError
+from meshtrain.interop.checkpoint_formats import checkpoint_format, format_named
 from meshtrain.machine_fit import check_states_fit
 from meshtrain.mesh import resolve_degrees
 from meshtrain.operations import endings, run_lock, stopping
@@ -76,7 +78,7 @@ def _train_config(args: argparse.Namespace) -> config_mod.RunConfig:
     layout = {f.name for f in dataclasses.fields(ParallelPlan)}
     given = _given_settings(args) | {("model", model_arg_key(item))
                                      for item in cfg.model.model_arg or []}
-    carried = resuming.carried_settings(saved, given, settings, layout)
+    carried = resumed_settings.carried_settings(saved, given, settings, layout)
     for section, values in file_values.items():  # the config file over the saved settings
         carried.setdefault(section, {}).update(values)
     return config_mod.build_config(carried, overrides)
@@ -93,7 +95,6 @@ def _given_settings(args: argparse.Namespace) -> set[tuple[str, str]]:
 def check_train(cfg: config_mod.RunConfig, world_size: int):
     """Everything that can be checked before a rank starts: settings, data, output, resume;
     returns the validated `ParallelPlan`."""
-    from meshtrain.interop.titan_dcp import is_dcp_directory
     from meshtrain.training.trainer import corpus_of
 
     plan = config_mod.validate(cfg, world_size)
@@ -125,7 +126,9 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
     if cfg.checkpoint.resume or cfg.checkpoint.auto_resume:
         if note := resuming.repair_latest(out / "checkpoints"):
             _notice(note)
-    resumed = resuming.checkpoint_to_resume(cfg)  # raises RunComplete when nothing is left
+    c = cfg.checkpoint  # (RunComplete when nothing is left)
+    resumed = resuming.checkpoint_to_resume(Path(c.out), resume=c.resume, auto_resume=c.auto_resume,
+                                            steps=t.steps, stop_at=t.stop_at)
     # Hash the files where a damaged checkpoint is one line before spawning; ranks that
     # meshtrain's launcher spawned after doing so check metadata only (their load hashes again).
     hashed = not stopping.under_meshtrain_launcher()
@@ -134,17 +137,17 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
         read_manifest(path, model, verify_files=hashed)
         _notice(f"resuming from {path} (step {step})")
         saved = resuming.saved_settings(out)
-        if saved and (note := resuming.changed_settings(
+        if saved and (note := resumed_settings.changed_settings(
                 saved, cfg.resolved(model, plan).to_dict())):
             _notice(note)
-        for note in resuming.changes(cfg, path, step):
+        for note in resumed_settings.changes(cfg, path, step):
             _notice(note)
     elif has_run and not cfg.checkpoint.auto_resume:
         raise SettingError(Code.OUT_PATH,
                            f"--out {out} holds an earlier run: pass --resume to continue it or"
                            " choose another --out", settings=("out", "resume"))
-    elif cfg.checkpoint.init_from and not is_dcp_directory(cfg.checkpoint.init_from):
-        read_manifest(resolve_checkpoint(cfg.checkpoint.init_from), model, verify_files=hashed)
+    elif init_from := cfg.checkpoint.init_from:
+        checkpoint_format(init_from).check(Path(init_from), model, hashed)
     return plan
 
 
@@ -285,13 +288,8 @@ def _train_in_rank(cfg: config_mod.RunConfig, plan, lock: run_lock.RunLock | Non
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from meshtrain.checkpointing.model_files import export_safetensors
-    from meshtrain.interop.hf_io import export_hf
-    from meshtrain.interop.titan_dcp import export_dcp
-
     path = resolve_checkpoint(args.run)
-    export = {"hf": export_hf, "dcp": export_dcp}.get(args.format, export_safetensors)
-    count = export(path, args.out)
+    count = format_named(args.format).export(path, args.out)
     print(f"meshtrain: wrote {count} tensors of {path} to {args.out}")
     return 0
 

@@ -10,6 +10,7 @@ import dataclasses
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.documents import ON_ERROR
+from meshtrain.interop.checkpoint_formats import FORMATS, NATIVE
 from meshtrain.parallel.runtime.optim import OptimizerSettings
 from meshtrain.parallel.runtime.process_groups import DEVICE_KINDS
 from meshtrain.planner.hardware import BUILT_IN
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
     e.add_argument("--out", required=True, help="output .safetensors file (--format meshtrain)"
                                                 " or new directory (--format hf, dcp)")
-    e.add_argument("--format", choices=("meshtrain", "hf", "dcp"), default="meshtrain",
+    e.add_argument("--format", choices=tuple(f.name for f in FORMATS), default=NATIVE.name,
                    help="meshtrain: one safetensors file under meshtrain's names (default); hf:"
                         " config.json + model.safetensors (+ the run's tokenizer) for"
                         " transformers' from_pretrained; dcp: torch.distributed.checkpoint files"

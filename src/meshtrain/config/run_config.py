@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshtrain.checkpointing.checkpoint import CheckpointError, checkpoint_config
 from meshtrain.config.settings import (
     CONFIG_SETTINGS,
     CheckpointSettings,
@@ -36,7 +35,7 @@ from meshtrain.config.settings import (
 from meshtrain.data.blend import parse_data_path
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE, check_seed
 from meshtrain.errors import Code, SettingError
-from meshtrain.interop.titan_dcp import dcp_model_config, is_dcp_directory
+from meshtrain.interop.checkpoint_formats import saved_model
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.parallel.layers.fp8 import check_fp8_device
 from meshtrain.parallel.runtime.optim import OptimizerSettings
@@ -151,11 +150,7 @@ class RunConfig:
         routing) are the checkpoint's unless set. Positions without a table (rotary) grow to
         `seq_len`."""
         path = self.checkpoint.init_from
-        try:
-            saved = dcp_model_config(path, self.model.num_heads) if is_dcp_directory(path) \
-                else checkpoint_config(path)
-        except CheckpointError as e:
-            raise CheckpointError(f"`init_from` {e}") from None
+        saved = saved_model(path, num_heads=self.model.num_heads, setting="init_from")
         label = f"{type(saved).__name__.removesuffix('Config')} model in `init_from` {path}"
         chosen = preset(self.model.model) if self.model.model else saved
         if type(chosen) is not type(saved) or any(

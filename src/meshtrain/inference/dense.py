@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshtrain.checkpointing.checkpoint import resolve_checkpoint
 from meshtrain.errors import Code, SettingError
-from meshtrain.inference.generate import checkpoint_model, generate
-from meshtrain.interop.hf_io import HFModelDirectory, is_hf_directory
+from meshtrain.inference.generate import generate
+from meshtrain.interop.checkpoint_formats import checkpoint_format
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import CausalLM, TransformerConfig
 from meshtrain.parallelize import build_model
@@ -54,13 +53,11 @@ class DenseModel(nn.Module):
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> DenseModel:
-    """The model of a meshtrain run or checkpoint directory (any layout) or of a Hugging Face
-    model directory (config.json + safetensors), whole on `device`, in eval mode."""
+    """The model of a meshtrain run or checkpoint directory (any layout), of a Hugging Face
+    model directory (config.json + safetensors) or of a DCP export, whole on `device`, in eval
+    mode."""
     mesh = ParallelMesh.local(device)
-    if is_hf_directory(path):
-        source = HFModelDirectory(path)
-        lm = build_model(source.cfg, mesh)
-        source.load_into(lm)
-    else:
-        lm = checkpoint_model(resolve_checkpoint(path), mesh)
+    source = checkpoint_format(path)
+    lm = build_model(source.model(Path(path), None), mesh, seed=0)
+    source.load(Path(path), lm, mesh, None)
     return DenseModel(lm)

@@ -34,6 +34,7 @@ from meshtrain.checkpointing.safetensors_stream import DTYPES, Planned, write_sa
 from meshtrain.checkpointing.verify import is_plain_name
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.errors import Code, SettingError
+from meshtrain.interop import hf_gpt2, hf_llama, hf_mistral, hf_qwen2
 from meshtrain.interop.hf_mapping import HFMapping, refused, shown
 from meshtrain.machine_fit import check_import_fits
 from meshtrain.models import (
@@ -42,11 +43,24 @@ from meshtrain.models import (
     TransformerConfig,
     config_from_dict,
     family_of,
-    get_family,
 )
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 _FLOATS = ("F32", "BF16", "F16", "F64")
+
+
+MAPPINGS: dict[str, HFMapping] = {mapping.family: mapping for mapping in (
+    hf_gpt2.MAPPING, hf_llama.MAPPING, hf_qwen2.MAPPING, hf_mistral.MAPPING)}
+"""Each family's Hugging Face mapping by family name: a family with a Hugging Face twin is one
+entry here, imported where import tools see it (models, drawn below interop, never name it)."""
+
+
+def hf_mapping(family: str) -> HFMapping:
+    """The Hugging Face mapping of the family named `family`."""
+    if family not in MAPPINGS:
+        raise SettingError(Code.HF_EXPORT, f"the {family} family has no Hugging Face"
+                           " counterpart: export it with format meshtrain")
+    return MAPPINGS[family]
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -76,7 +90,7 @@ def _read_json(path: Path) -> dict:
 
 def mapping_for(hf_config: dict) -> HFMapping:
     """The family mapping of a config.json's architecture (or, without one, its model type)."""
-    mappings = [family.hf_mapping() for family in FAMILIES.values() if family.hf_module]
+    mappings = [MAPPINGS[name] for name in FAMILIES if name in MAPPINGS]
     names = hf_config.get("architectures") or []
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
         raise refused(f'config.json "architectures": {shown(names)} is not a list of class'
@@ -261,7 +275,7 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """A dense (one-rank) model's weights under Hugging Face's names, as its files hold them
     (a tied output layer is the embedding alone)."""
     params = {name: param.detach() for name, param in model.named_parameters()}
-    mapping = family_of(model.cfg).hf_mapping()
+    mapping = hf_mapping(family_of(model.cfg).name)
     return {name: part for tensor_map in mapping.tensor_maps(model.cfg)
             for name, part in tensor_map.to_theirs(params[tensor_map.ours])}
 
@@ -298,7 +312,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
         raise SettingError(Code.OUT_PATH,
                            f"`out` {out_dir} exists and is not empty: export into a new directory")
     manifest = read_manifest(checkpoint)
-    mapping = get_family(manifest["family"]).hf_mapping()
+    mapping = hf_mapping(manifest["family"])
     cfg = config_from_dict(manifest["family"], manifest["model"])
     maps = {tensor_map.ours: tensor_map for tensor_map in mapping.tensor_maps(cfg)}
     entries = model_entries(manifest)

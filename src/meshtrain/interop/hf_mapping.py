@@ -1,9 +1,8 @@
 """What a model family says about its Hugging Face twin: the base each family's module fills in.
 
-A family's mapping is a module of its own (`hf_gpt2.py`, `hf_llama.py`), which the family names in
-`ModelFamily.hf_module`, rather than methods on the family: the family owns its names and config
-fields, but models/ stay free of interop code, which is imported only when a Hugging Face
-directory is read or written, and a family with no Hugging Face twin names none. Reading and
+A family's mapping is a module of its own (`hf_gpt2.py`, `hf_llama.py`), entered in
+`hf_io.MAPPINGS` by a plain import, rather than methods on the family: models/ sit below interop
+and stay free of its code, and a family with no Hugging Face twin has no entry. Reading and
 writing the directories themselves is `hf_io.py`'s, once for every family.
 
 Config fields are named in double quotes as config.json spells them (they are not meshtrain

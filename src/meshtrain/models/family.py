@@ -9,7 +9,6 @@ checkpoints ask these, never a family's attribute names.
 
 from __future__ import annotations
 
-import importlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import MISSING, dataclass, field
@@ -335,22 +334,12 @@ WIDE_BYTES = 4
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """A model family: its name (recorded in checkpoints), config class, model class, presets,
-    and the module holding its Hugging Face mapping, if it has a Hugging Face twin."""
+    """A model family: its name (recorded in checkpoints), config class, model class and
+    presets. Its Hugging Face mapping, if it has a Hugging Face twin, is interop's
+    (`hf_io.MAPPINGS`): interop sits above models, so models never load interop code."""
 
     name: str
     config: type[TransformerConfig]
     model: type[nn.Module]
     """Its `CausalLM` subclass (typed loosely: `causal_lm` builds on this module)."""
     presets: dict[str, TransformerConfig]
-    hf_module: str | None = None
-    """A module of `meshtrain.interop` whose `MAPPING` (an `HFMapping`) converts names and
-    config fields; named, not imported, so models never load interop code they do not use."""
-
-    def hf_mapping(self):
-        """The family's `HFMapping`, imported on first use."""
-        if self.hf_module is None:
-            raise SettingError(Code.HF_EXPORT,
-                               f"the {self.name} family has no Hugging Face counterpart: export"
-                               " it with format meshtrain")
-        return importlib.import_module(self.hf_module).MAPPING

@@ -180,4 +180,4 @@ class GPT(CausalLM):
         return self.factory.norm(nn.LayerNorm(self.cfg.hidden_size, eps=self.cfg.layernorm_eps))
 
 
-FAMILY = ModelFamily("gpt", GPTConfig, GPT, PRESETS, hf_module="meshtrain.interop.hf_gpt2")
+FAMILY = ModelFamily("gpt", GPTConfig, GPT, PRESETS)

@@ -254,4 +254,4 @@ class Llama(CausalLM):
             generator(seed, 1 + cfg.num_layers), bias=False))
 
 
-FAMILY = ModelFamily("llama", LlamaConfig, Llama, PRESETS, hf_module="meshtrain.interop.hf_llama")
+FAMILY = ModelFamily("llama", LlamaConfig, Llama, PRESETS)

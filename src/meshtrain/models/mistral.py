@@ -46,5 +46,4 @@ class Mistral(Llama):
     cfg: MistralConfig
 
 
-FAMILY = ModelFamily("mistral", MistralConfig, Mistral, PRESETS,
-                     hf_module="meshtrain.interop.hf_mistral")
+FAMILY = ModelFamily("mistral", MistralConfig, Mistral, PRESETS)

@@ -58,4 +58,4 @@ class Qwen2(Llama):
     cfg: Qwen2Config
 
 
-FAMILY = ModelFamily("qwen2", Qwen2Config, Qwen2, PRESETS, hf_module="meshtrain.interop.hf_qwen2")
+FAMILY = ModelFamily("qwen2", Qwen2Config, Qwen2, PRESETS)

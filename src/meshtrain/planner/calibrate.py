@@ -33,15 +33,15 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from meshtrain.contracts import AuxiliaryOutputs
 from meshtrain.errors import Code, SettingError
-from meshtrain.mesh import ParallelMesh
-from meshtrain.models.gpt import GPTConfig
+from meshtrain.mesh import MeshAxis, ParallelMesh
+from meshtrain.models import TransformerConfig, get_family
+from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallel.runtime.process_groups import free_port
+from meshtrain.parallel.runtime.process_groups import destroy_parallel, free_port, init_parallel
 from meshtrain.parallelize import build_model
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.costs import chunk_costs
@@ -57,11 +57,12 @@ QUICK_MATMUL_SHAPES = ((128, 128, 128), (512, 512, 512), (512, 128, 384), (2048,
 COLLECTIVE_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 QUICK_COLLECTIVE_BYTES = (4 << 10, 8 << 20)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
-LAYER = {"cpu": GPTConfig(num_layers=1, hidden_size=128, num_heads=4, vocab_size=64,
-                         max_seq_len=128),
-         "cuda": GPTConfig(num_layers=1, hidden_size=1024, num_heads=16, vocab_size=64,
-                          max_seq_len=1024)}
-"""The transformer layer timed as training runs it, per device: a small model's on a CPU."""
+_GPT = get_family("gpt").config
+LAYER = {"cpu": _GPT(num_layers=1, hidden_size=128, num_heads=4, vocab_size=64, max_seq_len=128),
+         "cuda": _GPT(num_layers=1, hidden_size=1024, num_heads=16, vocab_size=64,
+                      max_seq_len=1024)}
+"""The transformer layer timed as training runs it, per device: a small model's on a CPU (made
+and built through the family registry and `build_model`, as a run's model is)."""
 LAYER_BATCHES = (1, 4)
 """Micro-batches the layer is timed at: the host overhead is what does not grow with them."""
 MAX_CALLS = 2000
@@ -100,6 +101,8 @@ class _Rank:
     """What every measurement needs: the device, how to wait for it, and how long to time."""
 
     device: torch.device
+    world: MeshAxis
+    """Every rank: where the timings are agreed."""
     budget_s: float
     """Seconds one round spends timing one thing."""
     rounds: int
@@ -126,7 +129,7 @@ class _Rank:
         self.sync()
         first = self.world_max(time.perf_counter() - start)
         calls = max(2, min(MAX_CALLS, int(self.budget_s / max(first, 1e-7))))
-        dist.barrier()
+        comm.barrier(self.world)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -135,33 +138,32 @@ class _Rank:
 
     def world_max(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        return comm.all_gather(t, self.world).max().item()
 
     def world_mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.item() / dist.get_world_size()
+        comm.all_reduce(t, self.world)
+        return t.item() / self.world.size
 
 
 def _rank_main(rank: int, ranks: int, port: int, quick: bool, results) -> None:
     torch.set_num_threads(1)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=ranks, timeout=TIMEOUT)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks))
+    # tp pairs neighbouring ranks: the groups of 2 timed side by side (odd ranks: none)
+    mesh = init_parallel(tp=2 if ranks % 2 == 0 else 1, timeout=TIMEOUT)
+    device = mesh.device
     try:
-        r = _Rank(device, budget_s=0.03 if quick else 0.08, rounds=2 if quick else 3)
+        r = _Rank(device, mesh.axis("world"), budget_s=0.03 if quick else 0.08,
+                  rounds=2 if quick else 3)
         shapes = QUICK_MATMUL_SHAPES if quick else MATMUL_SHAPES
         sizes = QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES
         measured = {
-            "backend": dist.get_backend(), "device": device.type,
+            "backend": comm.backend(r.world), "device": device.type,
             "memory_bytes": _device_memory(device), "cores": os.cpu_count() or 1,
             "matmul": _time_matmuls(r, shapes),
             "elementwise": _time_elementwise(r, 1 << (22 if quick else 23)),
-            "collectives": _time_collectives(r, ranks, sizes),
+            "collectives": _time_collectives(r, mesh.axis("tp"), sizes),
             "overlap": _time_overlap(r, (1 if quick else 4) << 20),
             "layer": _time_layer(r),
             "attention": _time_attention(r),
@@ -169,7 +171,7 @@ def _rank_main(rank: int, ranks: int, port: int, quick: bool, results) -> None:
         if rank == 0:
             results.put(measured)
     finally:
-        dist.destroy_process_group()
+        destroy_parallel()
 
 
 def _device_memory(device: torch.device) -> int:
@@ -205,19 +207,17 @@ def _time_elementwise(r: _Rank, numel: int) -> list[tuple[float, float]]:
     return [(passes * numel * 4, seconds) for passes, seconds in t.items()]
 
 
-def _time_collectives(r: _Rank, ranks: int, sizes: tuple[int, ...]) -> list[tuple]:
-    """(op, group size, bytes, seconds) for groups of 2 (every pair at once: tensor-parallel
-    groups run side by side) and of all ranks; sends go around the group's ring. Each is timed
-    after a burst of matmuls, as a step's collectives follow its compute, less the burst alone:
-    on a CPU shared by more ranks than cores a collective's partner may not be running when it
-    arrives, which a tight loop of collectives alone, its ranks in lock-step, never shows."""
-    rank = dist.get_rank()
-    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(ranks // 2)]
-    groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, ranks: dist.group.WORLD}
+def _time_collectives(r: _Rank, pairs: MeshAxis, sizes: tuple[int, ...]) -> list[tuple]:
+    """(op, group size, bytes, seconds) for groups of 2 (`pairs`: every pair at once, as
+    tensor-parallel groups run side by side; none when it has one rank) and of all ranks; sends
+    go around the group's ring. Each is timed after a burst of matmuls, as a step's collectives
+    follow its compute, less the burst alone: on a CPU shared by more ranks than cores a
+    collective's partner may not be running when it arrives, which a tight loop of collectives
+    alone, its ranks in lock-step, never shows."""
+    axes = {axis.size: axis for axis in (pairs, r.world) if axis.size > 1}  # 2 ranks: one
     burst = _burst(r, BURST_S)
-    fns = {(op, size, nbytes): _collective(op, nbytes, group, r.device) if group is not None
-           else (lambda: None)
-           for size, group in groups.items() for op in COLLECTIVES for nbytes in sizes}
+    fns = {(op, axis.size, nbytes): _collective(op, nbytes, axis, r.device)
+           for axis in axes.values() for op in COLLECTIVES for nbytes in sizes}
     t = r.timed_each({"burst": burst} | {key: lambda fn=fn: (burst(), fn())
                                           for key, fn in fns.items()})
     return [(*key, max(t[key] - t["burst"], 1e-7)) for key in fns]
@@ -238,27 +238,21 @@ def _burst(r: _Rank, seconds: float) -> Callable[[], None]:
     return burst
 
 
-def _collective(op: str, nbytes: int, group, device: torch.device) -> Callable[[], None]:
-    """One call of `op` on `nbytes` (the full tensor, as `collectives.py` counts it)."""
-    g, rank = dist.get_world_size(group), dist.get_rank(group)
+def _collective(op: str, nbytes: int, axis: MeshAxis,
+                device: torch.device) -> Callable[[], None]:
+    """One call of `op` on `nbytes` (the full tensor, as `collectives.py` counts it) over
+    `axis`, into buffers made once (a send is one step of the axis's ring)."""
+    g = axis.size
     full = torch.ones(nbytes // 4, device=device)
     part = torch.ones(nbytes // 4 // g, device=device)
     if op == "all_reduce":
-        return lambda: dist.all_reduce(full, group=group)
+        return lambda: comm.all_reduce(full, axis)
     if op == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full[:part.numel() * g], part, group=group)
+        return lambda: comm.all_gather_into(full[:part.numel() * g], part, axis)
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(part, full[:part.numel() * g], group=group)
-    nxt = dist.get_global_rank(group, (rank + 1) % g)
-    prev = dist.get_global_rank(group, (rank - 1) % g)
+        return lambda: comm.reduce_scatter_into(part, full[:part.numel() * g], axis)
     received = torch.empty_like(full)
-
-    def send() -> None:
-        ops = [dist.P2POp(dist.isend, full, nxt, group), dist.P2POp(dist.irecv, received, prev,
-                                                                    group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return send
+    return lambda: comm.ring_exchange([full], [received], axis).wait()
 
 
 def _time_overlap(r: _Rank, nbytes: int) -> dict[str, float]:
@@ -267,9 +261,9 @@ def _time_overlap(r: _Rank, nbytes: int) -> dict[str, float]:
     grads = torch.ones(nbytes // 4, device=r.device)
     a = torch.randn(256, 256, device=r.device)
 
-    def comm() -> None:
-        dist.all_reduce(grads, group=dist.group.WORLD)
-    first = r.timed_each({"comm": comm, "one": lambda: a @ a})
+    def reduce() -> None:
+        comm.all_reduce(grads, r.world)
+    first = r.timed_each({"comm": reduce, "one": lambda: a @ a})
     count = max(1, round(first["comm"] / 2 / first["one"]))
 
     def compute() -> None:
@@ -277,10 +271,10 @@ def _time_overlap(r: _Rank, nbytes: int) -> dict[str, float]:
             a @ a
 
     def both() -> None:
-        work = dist.all_reduce(grads, group=dist.group.WORLD, async_op=True)
+        work = comm.all_reduce(grads, r.world, async_op=True)
         compute()
         work.wait()
-    return r.timed_each({"comm": comm, "compute": compute, "both": both})
+    return r.timed_each({"comm": reduce, "compute": compute, "both": both})
 
 
 def _time_layer(r: _Rank) -> dict[int, float]:
@@ -465,7 +459,7 @@ def _worst_error(points: list[tuple[float, float, float]], x: float, y: float) -
     return max((abs((x * p + y * q) / t - 1) for p, q, t in points), default=0.0)
 
 
-def _layer_compute(hardware: Hardware, cfg: GPTConfig, batch: int) -> float:
+def _layer_compute(hardware: Hardware, cfg: TransformerConfig, batch: int) -> float:
     """The cost model's forward + backward compute of `cfg`'s layer at micro-batch `batch`,
     host overhead left out: a one-chunk model with two layers minus with one (embedding and
     head cancel)."""

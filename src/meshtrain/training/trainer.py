@@ -25,13 +25,12 @@ from meshtrain.checkpointing.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     prepare_checkpoint,
-    resolve_checkpoint,
     save_checkpoint,
 )
 from meshtrain.config.run_config import RunConfig, check_packing
 from meshtrain.data.blend import Blend, load_data
 from meshtrain.data.corpus import BatchSampler
-from meshtrain.interop.titan_dcp import is_dcp_directory, load_dcp_weights
+from meshtrain.interop.checkpoint_formats import checkpoint_format
 from meshtrain.mesh import ParallelMesh
 from meshtrain.operations.failures import (
     EXIT_FAILED,
@@ -236,13 +235,10 @@ class Trainer:
         """Take the model weights of a checkpoint (any layout; a run's latest) as this new
         run's: the optimizer starts fresh, and the step, loss scale and RNG streams stay this
         run's own."""
-        def weights_only(values: dict, *_states, previous=None) -> None:
+        def weights_only(values: dict) -> None:
             self._load_states(values, None, None)  # no optimizer state, step or 2BW version
 
-        if is_dcp_directory(path):
-            return weights_only(load_dcp_weights(path, self.model, self.mesh))
-        load_checkpoint(resolve_checkpoint(path), model=self.model, mesh=self.mesh, rng=False,
-                        load_states=weights_only)
+        checkpoint_format(path).load(Path(path), self.model, self.mesh, weights_only)
 
 
 def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,

@@ -320,6 +320,12 @@ def count_ring(op: str, axis: MeshAxis, chunk: torch.Tensor) -> None:
         recorder.records.append(record)
 
 
+def backend(axis: MeshAxis) -> str:
+    """The backend `axis`'s collectives run on ("gloo", "nccl"): what a measurement of them
+    describes."""
+    return dist.get_backend(axis.group)
+
+
 def barrier(axis: MeshAxis) -> None:
     if axis.size > 1:
         _done(_flight("barrier", axis), dist.barrier(group=axis.group))
