@@ -20,8 +20,6 @@ SCHEDULES: dict[str, PipelineSchedule] = {
 DEFAULT_SCHEDULE = ONE_F_ONE_B.name
 PP_SCHEDULES = tuple(SCHEDULES)
 """The `pp_schedule` choices."""
-SPLIT_BACKWARD = tuple(s.name for s in SCHEDULES.values() if s.split_backward)
-"""The schedules that run `I` and `W` instead of a fused `B`."""
 SEARCHED_SCHEDULES = tuple(s.name for s in SCHEDULES.values() if s.searched)
 """What the planner's search chooses among when the schedule is not fixed."""
 MEGATRON_SCHEDULES = tuple(s.name for s in SCHEDULES.values() if s.megatron)
