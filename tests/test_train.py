@@ -221,7 +221,7 @@ def _check_clip_counts_once():
     assert_close(clip_grad_norm_(model, mesh), expected, **TOL)
 
 
-def test_global_grad_norm_counts_each_parameter_once():
+def test_clip_grad_norm_counts_each_parameter_once():
     run_on_ranks(2, _check_clip_counts_once)
 
 
