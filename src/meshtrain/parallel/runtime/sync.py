@@ -50,8 +50,11 @@ class GradientSync(ABC):
 
     def __init__(self, model: nn.Module, roles: ParameterRoles, mesh: ParallelMesh,
                  partial: Partial):
-        self.model, self.roles, self.mesh, self.partial = model, roles, mesh, partial
+        self.model, self.mesh, self.partial = model, mesh, partial
         self.names = {id(p): name for name, p in model.named_parameters()}
+        # what clipping counts where: fixed for the run, so made once, not every step
+        self._counted_elsewhere = frozenset(roles.counted_elsewhere)
+        self._experts = frozenset(roles.experts)
 
     def zero_grad(self) -> None:
         for reducer in self.reducers:
@@ -64,8 +67,7 @@ class GradientSync(ABC):
     def wait(self) -> GradientLayout:
         """The step's reduced and completed gradients, and how the mesh shares them."""
         return GradientLayout(self._reduced(), sharded=self.sharded,
-                              counted_elsewhere=frozenset(self.roles.counted_elsewhere),
-                              experts=frozenset(self.roles.experts))
+                              counted_elsewhere=self._counted_elsewhere, experts=self._experts)
 
     @abstractmethod
     def _reduced(self) -> dict[int, torch.Tensor]:
