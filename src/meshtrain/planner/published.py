@@ -44,7 +44,6 @@ data-parallel (--overlap-grad-reduce --overlap-param-gather), tensor-parallel
 (--tp-comm-overlap) and pipeline-parallel communication"), priced as meshtrain's `tp_overlap`:
 sequence parallelism's collectives as ring steps behind the chunked matmuls."""
 
-
 ZERO_IMPL_OF_SYSTEM = {"deepspeed": "deepspeed", "megatron": "meshtrain"}
 """A row's `system` -> the `zero_impl` its ZeRO-3 is priced as: DeepSpeed's rows as DeepSpeed's;
 Megatron has no ZeRO-3 of its own (the search may still choose meshtrain's for a row that leaves

@@ -151,6 +151,7 @@ class RunState:
                          " `warmup_steps` or tighten `clip_grad`, and train again (or allow"
                          " skipped steps with `max_nonfinite_steps`)",
                          EXIT_NONFINITE, agreed=True)
+
     def _request(self) -> float:
         """This rank's part of the step's request: a stop signal's, or (rank 0's clock) a
         timed save when `save_every_minutes` have passed since the last save."""

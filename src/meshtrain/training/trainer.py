@@ -32,10 +32,7 @@ from meshtrain.data.blend import Blend, load_data
 from meshtrain.data.corpus import BatchSampler
 from meshtrain.interop.checkpoint_formats import checkpoint_format
 from meshtrain.mesh import ParallelMesh
-from meshtrain.operations.failures import (
-    EXIT_FAILED,
-    RunFailure,
-)
+from meshtrain.operations.failures import EXIT_FAILED, RunFailure
 from meshtrain.operations.run_lock import RunLock, record_ranks
 from meshtrain.operations.stopping import StopSignals, failed_rank
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
@@ -46,9 +43,7 @@ from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import init_parallel
 from meshtrain.parallelize import ParallelModel, parallelize
 from meshtrain.precision import LossScaler, nonfinite
-from meshtrain.training.metrics import (
-    read_scalars,
-)
+from meshtrain.training.metrics import read_scalars
 from meshtrain.training.pipeline_trace import gather_timeline, write_trace
 from meshtrain.training.run_state import RunState
 
