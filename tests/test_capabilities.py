@@ -111,7 +111,7 @@ def test_every_name_a_scheme_or_schedule_supports_is_a_declared_feature():
     assert {r.feature for r in RULES} | {r.other for r in RULES} <= set(FEATURES)
 
 
-def test_a_feature_nobody_lists_is_refused():
+def test_a_feature_the_scheme_does_not_list_is_refused():
     """The allow-list: a scheme that does not list a feature refuses it."""
     plan = ParallelPlan(tp=4, tp_scheme="2d", micro_batch=2, compile=True, dp=1)
     assert "compile" not in plan.scheme.supports
