@@ -162,7 +162,6 @@ class PipelineExecutor(LocalExecutor):
         self.built: dict[int, list[Action]] = {}  # action lists by micro-batch count
         self.count_saved_bytes = False
         self.last_run: ScheduleRun | None = None
-        self.placement = schedule.placement
         self.weight_grads = defer_weight_gradients(model) if schedule.split_backward else None
 
     def actions(self, num_micro_batches: int) -> list[Action]:
@@ -196,7 +195,7 @@ class PipelineExecutor(LocalExecutor):
             num_chunks=len(self.model.stage.chunks), num_micro_batches=m,
             before_backward=lambda i: sync.before_backward(i % m == m - 1),
             loss_scale=loss_scale, count_saved_of=count, timeline=timeline,
-            placement=self.placement, weight_grads=self.weight_grads,
+            placement=self.schedule.placement, weight_grads=self.weight_grads,
             params=self.model.parameters(), **schedule_options)
         return StepResult(self._summed(self.last_run.losses), routing)
 
@@ -223,7 +222,8 @@ class PipelineExecutor(LocalExecutor):
                            micro_batches=self.local_slices(batches), mesh=self.mesh,
                            activation_shape=self.activation_shape,
                            dtype=next(self.model.parameters()).dtype,
-                           num_chunks=len(self.model.stage.chunks), placement=self.placement)
+                           num_chunks=len(self.model.stage.chunks),
+                           placement=self.schedule.placement)
         return self._summed(run.losses)
 
 
