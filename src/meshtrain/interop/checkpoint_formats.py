@@ -27,6 +27,7 @@ from meshtrain.checkpointing.checkpoint import (
 from meshtrain.checkpointing.model_files import export_safetensors
 from meshtrain.interop.hf_io import HFModelDirectory, export_hf, is_hf_directory
 from meshtrain.interop.titan_dcp import (
+    check_dcp_files,
     dcp_model_config,
     export_dcp,
     is_dcp_directory,
@@ -96,7 +97,7 @@ HUGGING_FACE = CheckpointFormat("hf", holds=is_hf_directory,
                                 model=lambda path, num_heads: HFModelDirectory(path).cfg,
                                 load=_hf_load, check=_hf_refused, export=export_hf)
 DCP = CheckpointFormat("dcp", holds=is_dcp_directory, model=dcp_model_config, load=_dcp_load,
-                       check=lambda path, model, hashed: None,  # read whole when loaded
+                       check=lambda path, model, hashed: check_dcp_files(path),
                        export=export_dcp)
 FORMATS = (NATIVE, HUGGING_FACE, DCP)
 """The `export --format` choices, in this order; meshtrain's own is the default."""

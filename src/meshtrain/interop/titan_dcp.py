@@ -25,6 +25,7 @@ import torch
 
 from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest
 from meshtrain.checkpointing.model_files import model_tensors, unwritable
+from meshtrain.checkpointing.verify import is_plain_name
 from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_llama import MAPPING
 from meshtrain.mesh import ParallelMesh
@@ -132,17 +133,52 @@ def export_dcp(checkpoint: str | Path, out_dir: str | Path) -> int:
     return len(state)
 
 
-def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def _read_metadata(path: Path):
+    """The directory's DCP `.metadata`, refused in one line when it cannot be read."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        return FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - DCP raises whatever its unpickling meets
         raise CheckpointError(f"{path}: its DCP .metadata cannot be read"
                               f" ({type(e).__name__}): the directory is damaged") from None
-    return {key: tuple(entry.size) for key, entry in metadata.state_dict_metadata.items()
+
+
+def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored = _read_metadata(path).state_dict_metadata
+    return {key: tuple(entry.size) for key, entry in stored.items()
             if isinstance(entry, TensorStorageMetadata)}
+
+
+def check_dcp_files(path: str | Path) -> None:
+    """Every file the `.metadata` names is a plain file of the directory, at least as long as
+    the last byte it records there (DCP would otherwise fail on the ranks, mid-load)."""
+    path = Path(path)
+    ends: dict[str, int] = {}
+    storage = getattr(_read_metadata(path), "storage_data", None)
+    for info in storage.values() if isinstance(storage, dict) else [None]:
+        name = getattr(info, "relative_path", None)
+        if not is_plain_name(name) or not all(type(getattr(info, n, None)) is int
+                                              for n in ("offset", "length")):
+            raise _damaged(path, ".metadata", f"names {str(name)[:80]!r} with no valid byte range,"
+                                              " not a plain file of the directory")
+        ends[name] = max(ends.get(name, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = path / name
+        if file.is_symlink() and file.resolve().parent != path.resolve():
+            raise _damaged(path, name, "is a link leaving the directory")
+        if not file.is_file():
+            raise _damaged(path, name, "is missing (its .metadata names it)")
+        if (size := file.stat().st_size) < end:
+            raise _damaged(path, name, f"is truncated: {size} bytes, its .metadata records data"
+                                       f" up to byte {end}")
+
+
+def _damaged(path: Path, file: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"DCP directory {path}: {file} {problem}; the directory is damaged:"
+                           " restore it or save it again")
 
 
 def dcp_model_config(path: str | Path, num_heads: int | None) -> LlamaConfig:
@@ -194,17 +230,33 @@ def load_dcp_weights(path: str | Path, model: torch.nn.Module,
     Llama: DCP reads each stored tensor whole (one of ours at a time), then our layout cuts
     this rank's piece."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     cfg, maps, shards = model.cfg, _maps(model.cfg), parameter_shards(model)
     shapes, values = cfg.parameter_shapes(), {}
     for name, _ in model.named_parameters():
         rows, *rest = shapes[name]
         parts = {titan: torch.empty(rows // len(maps[name]), *rest) for titan in maps[name]}
-        with _one_process():
-            dcp.load(parts, checkpoint_id=Path(path), no_dist=True)
+        try:
+            with _one_process():
+                dcp.load(parts, checkpoint_id=Path(path), no_dist=True)
+        except (Exception, CheckpointException) as e:  # (a BaseException) - whatever DCP meets
+            raise _damaged(Path(path), f"(its {', '.join(parts)})",
+                           f"cannot be read ({_first_failure(e)})") from None
         full = torch.cat([part if _rotary_heads(cfg, titan) is None else
                           _halves(part, _rotary_heads(cfg, titan))
                           for titan, part in parts.items()])
         values[name] = full if shards[name] is None else shard_tensor(full, shards[name], mesh)
     return values
 
+
+
+def _first_failure(e: BaseException) -> str:
+    """The first problem a failed DCP read met, in one short line: a `CheckpointException`
+    wraps each rank's (exception, traceback)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        e = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    text = " ".join(str(e).split()).split(". ")[0][:100]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
