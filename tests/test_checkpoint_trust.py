@@ -106,6 +106,22 @@ def _rng_of_another_rank(ck: Path) -> None:
     _recommit(ck, RANK)
 
 
+def _rng_of_another_size(ck: Path) -> None:
+    """A rank file whose first RNG state lost its last byte, every digest recommitted (as a
+    writer with a bug would commit it)."""
+    tensors = load_file(str(ck / RANK))
+    key = min(k for k in tensors if k.startswith("rng/"))
+    save_file({**tensors, key: tensors[key][:-1].clone()}, str(ck / RANK))
+    _edit_manifest(ck, lambda m: m["files"].update({RANK: _sha(ck / RANK)}))
+    _recommit(ck, RANK)
+
+
+def _named_another_step(ck: Path) -> None:
+    """step_00000002 renamed step_00000003, and `latest` naming it."""
+    ck.rename(ck.with_name("step_00000003"))
+    (ck.parent / "latest").write_text("step_00000003")
+
+
 RANK = "rank_00000.safetensors"
 DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named), as patterns
     "manifest-digest": (lambda ck: (ck / "manifest.json").write_text(
@@ -116,6 +132,11 @@ DAMAGE = {  # case: (damage to the latest checkpoint, file named, problem named)
                       "config.toml", "corrupt or truncated"),
     "rank-file-digest": (lambda ck: _flip(ck / RANK), RANK, "corrupt or truncated"),
     "rng-of-another-rank": (_rng_of_another_rank, RANK, "rng/1/.* is not rank 0's RNG state"),
+    "rng-of-another-size": (_rng_of_another_size, RANK, r"rng/0/.* holds 5055 bytes, not the"
+                                                        " 5056 of a generator's state on cpu"),
+    "named-another-step": (_named_another_step, "manifest.json", "records step 2, but the"
+                                                                 " directory is named"
+                                                                 " step_00000003"),
     "missing-file": (lambda ck: (ck / RANK).unlink(), RANK, "missing"),
     "truncated-file": (lambda ck: (ck / RANK).write_bytes((ck / RANK).read_bytes()[:5000]),
                        RANK, "corrupt or truncated"),

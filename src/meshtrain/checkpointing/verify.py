@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from meshtrain.checkpointing.safetensors_stream import CODES, DTYPES
 from meshtrain.models import TransformerConfig, config_from_dict, family_of, get_family
+from meshtrain.parallel.layers.rng import STATE_BYTES
 
 FORMAT = "meshtrain-checkpoint-1"
 RECORD = "digests.json"
@@ -148,6 +149,10 @@ def read_manifest(path: str | Path, cfg: TransformerConfig | None = None, *,
             raise _damaged(path, "manifest.json", f"its digest of {name} is not the one {RECORD}"
                                                   " committed")
     _check_tensors(path, manifest)
+    named = STEP_NAME.fullmatch(path.name)
+    if named and int(named.group(1)) != manifest["step"]:
+        raise _damaged(path, "manifest.json", f"records step {manifest['step']}, but the"
+                                              f" directory is named {path.name}")
     if verify_files:
         for name, digest in (record or files).items():
             if name not in METADATA:
@@ -339,7 +344,7 @@ def _check_headers(path: Path, manifest: dict) -> None:
                 for name, entry, piece in by_file.get(file, []):
                     _check_header(path, file, f, keys, name, entry, piece)
                 if RANK_FILE.fullmatch(file):
-                    streams[file] = _rng_streams(path, file, f, keys)
+                    streams[file] = _rng_streams(path, file, f, keys, manifest.get("device"))
         except SafetensorError as e:
             raise _damaged(path, file, f"not a safetensors file ({e})") from None
     first = min(streams, default=None)
@@ -349,8 +354,10 @@ def _check_headers(path: Path, manifest: dict) -> None:
                                        f" {sorted(streams[first])}")
 
 
-def _rng_streams(path: Path, file: str, f, keys: set[str]) -> set[str]:
-    """The names of the RNG states in a rank file: `rng/<its rank>/<stream>`, uint8 vectors."""
+def _rng_streams(path: Path, file: str, f, keys: set[str], device: object) -> set[str]:
+    """The names of the RNG states in a rank file: `rng/<its rank>/<stream>`, uint8 vectors of
+    the length a generator of the checkpoint's `device` type keeps (where it is known)."""
+    size = STATE_BYTES.get(device) if isinstance(device, str) else None
     rank = str(int(RANK_FILE.fullmatch(file).group(1)))
     names = set()
     for key in sorted(k for k in keys if k.startswith("rng/")):
@@ -359,6 +366,9 @@ def _rng_streams(path: Path, file: str, f, keys: set[str]) -> set[str]:
         if owner != rank or part.get_dtype() != "U8" or len(part.get_shape()) != 1:
             raise _damaged(path, file, f"{key} is not rank {rank}'s RNG state (a uint8 vector"
                                        f" under rng/{rank}/)")
+        if size is not None and part.get_shape() != [size]:
+            raise _damaged(path, file, f"{key} holds {part.get_shape()[0]} bytes, not the"
+                                       f" {size} of a generator's state on {device}")
         names.add(name)
     return names
 

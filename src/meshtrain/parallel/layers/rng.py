@@ -23,6 +23,10 @@ TENSOR_PARALLEL = "tensor-parallel"  # distinct per TP rank
 _REPLICATED_OFFSET = 1
 _TENSOR_PARALLEL_OFFSET = 2718
 _PIPELINE_STAGE_OFFSET = 100
+STATE_BYTES = {"cpu": torch.get_rng_state().numel(), "cuda": 16}
+"""The length of one generator's state (a uint8 vector) by device type: the CPU's Mersenne
+Twister; CUDA's Philox seed and offset (8 bytes each). A checkpoint's states are checked
+against it before they are restored."""
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
