@@ -222,6 +222,9 @@ def test_a_missing_torchao_is_named(monkeypatch):
     try:
         with pytest.raises(SettingError, match=r"pip install 'meshtrain\[fp8\]'") as refused:
             Float8Gemm("tensorwise")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+        with pytest.raises(SettingError, match=r"pip install 'meshtrain\[fp8\]'"):
+            check_fp8_device(torch.device("cuda", 0), "rowwise")  # before ranks start
     finally:
         fp8._torchao.cache_clear()
     assert refused.value.code is Code.FP8_PACKAGE

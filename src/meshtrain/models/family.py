@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from torch import nn
@@ -78,6 +78,8 @@ class TransformerConfig(ABC):
         "moe_every", "kv_heads", "qkv_bias", "tie_embeddings")
     """What a checkpoint's tensors depend on (fields or their resolved properties): they must
     match to load it."""
+    POSITIVE_FIELDS: ClassVar[tuple[str, ...]] = ("init_std",)
+    """Numbers that must be above 0 (a family adds its epsilons and rotary constants)."""
 
     def __post_init__(self):
         """A config that exists can be built: its shape is checked here, once, wherever it
@@ -105,6 +107,13 @@ class TransformerConfig(ABC):
     def validate(self) -> None:
         """Raise SettingError naming the setting for a shape that cannot be built (runs when
         the config is made)."""
+        for f in fields(self):  # (an int is finite; a bool is no number here)
+            if type(value := getattr(self, f.name)) is float and not math.isfinite(value):
+                raise SettingError(Code.RANGE, f"`{f.name}` must be a finite number, got {value}")
+        for name in self.POSITIVE_FIELDS:
+            if not getattr(self, name) > 0:
+                raise SettingError(Code.RANGE, f"`{name}` must be positive, got"
+                                               f" {getattr(self, name)}")
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise SettingError(Code.RANGE, (

@@ -41,6 +41,8 @@ class GPTConfig(TransformerConfig):
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = TransformerConfig.SHAPE_FIELDS + ("max_seq_len",)
     """The learned position table has max_seq_len rows."""
+    POSITIVE_FIELDS: ClassVar[tuple[str, ...]] = (*TransformerConfig.POSITIVE_FIELDS,
+                                                  "layernorm_eps")
 
     def validate(self) -> None:
         super().validate()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import nn
 
@@ -53,6 +54,9 @@ class LlamaConfig(TransformerConfig):
     rope_original_max_positions: int = 8192
     tie_word_embeddings: bool = False
     """Llama 3.2 ties the output layer to the embedding; Llama 2 and 3 do not."""
+    POSITIVE_FIELDS: ClassVar[tuple[str, ...]] = (
+        *TransformerConfig.POSITIVE_FIELDS, "rms_norm_eps", "rope_theta", "rope_factor",
+        "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_positions")
 
     @property
     def ffn_size(self) -> int:
@@ -73,8 +77,11 @@ class LlamaConfig(TransformerConfig):
             raise SettingError(Code.MODEL_SHAPE, (
                 f"rotary embeddings need an even head dimension, got hidden"
                 f" {self.hidden_size} / {self.num_heads} heads = {self.head_dim}"))
-        if self.rope_theta <= 0:
-            raise SettingError(Code.RANGE, f"`rope_theta` must be positive, got {self.rope_theta}")
+        if self.rope_scaling and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise SettingError(Code.RANGE, (
+                f"`rope_high_freq_factor` {self.rope_high_freq_factor} must exceed"
+                f" `rope_low_freq_factor` {self.rope_low_freq_factor}: llama3 scaling"
+                " blends the wavelengths between them"))
         if self.rope_scaling not in (None, "llama3"):
             raise SettingError(Code.MODEL_UNSUPPORTED, (
                 f"`rope_scaling` {self.rope_scaling!r} is not implemented: meshtrain"

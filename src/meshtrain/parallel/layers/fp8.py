@@ -71,6 +71,13 @@ def check_fp8_device(device: torch.device, recipe: str) -> None:
             f"`fp8` {recipe} needs FP8 tensor cores (CUDA capability 8.9 or newer: Ada,"
             f" Hopper, Blackwell); {torch.cuda.get_device_name(device)} has {major}.{minor}:"
             " drop `fp8`"))
+    _require_torchao()  # (before ranks start, where the device can run it)
+
+
+def _require_torchao() -> None:
+    if importlib.util.find_spec("torchao") is None:
+        raise SettingError(Code.FP8_PACKAGE, (
+            "`fp8` needs the torchao package: pip install 'meshtrain[fp8]', or drop `fp8`"))
 
 
 @functools.cache
@@ -78,9 +85,7 @@ def _torchao():
     """torchao's float8 package and its dynamic cast. Its import logs a warning for each of its
     compiled kernels that cannot load here (none of which float8 training calls) and torch one
     about its enums: they are silenced for the import only."""
-    if importlib.util.find_spec("torchao") is None:
-        raise SettingError(Code.FP8_PACKAGE, (
-            "`fp8` needs the torchao package: pip install 'meshtrain[fp8]', or drop `fp8`"))
+    _require_torchao()
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
