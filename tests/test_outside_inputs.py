@@ -72,18 +72,34 @@ def test_a_dcp_directory_missing_data_is_refused_before_ranks_start(case, damage
     assert "the directory is damaged: restore it or save it again" in err
 
 
-def test_a_dcp_file_damaged_inside_is_one_line_from_the_rank(dcp_dir, corpus, tmp_path, capsys):
-    """Bytes overwritten in place: the sizes agree, so reading shows it, on the rank."""
-    def overwrite(file: Path) -> None:
-        with open(file, "r+b") as f:
-            f.write(b"\0" * 4096)
+def _overwrite(file: Path) -> None:
+    with open(file, "r+b") as f:
+        f.write(b"\0" * 4096)
 
-    bad, out = _copy(dcp_dir, tmp_path / "zeroed", overwrite), tmp_path / "out"
-    assert main([*TRAIN, "--data", corpus, "--init-from", str(bad), "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert f"DCP directory {bad}: (its tok_embeddings.weight) cannot be read (" in err
-    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+def test_a_dcp_file_damaged_inside_is_refused_before_ranks_start(dcp_dir, corpus, tmp_path,
+                                                                 capsys):
+    """Bytes overwritten in place: the sizes agree, and reading each tensor once shows it."""
+    bad = _copy(dcp_dir, tmp_path / "zeroed", _overwrite)
+    err = _refused(capsys, [*TRAIN, "--data", corpus, "--init-from", str(bad)], tmp_path / "out")
+    assert f"DCP directory {bad}: {DISTCP} cannot be read at tok_embeddings.weight" \
+           " (UnpicklingError: " in err, err
+
+
+def test_a_dcp_read_that_fails_on_a_rank_is_one_error(dcp_dir, tmp_path):
+    """The ranks meshtrain's launcher starts check sizes alone: a read failing there is one
+    CheckpointError (the rank's one line), not DCP's exception with its tracebacks."""
+    from meshtrain.checkpointing.checkpoint import CheckpointError
+    from meshtrain.interop.checkpoint_formats import checkpoint_format
+
+    bad = _copy(dcp_dir, tmp_path / "zeroed", _overwrite)
+    checkpoint_format(bad).check(bad, preset("llama-tiny"), False)  # sizes: whole
+    model = build_model(preset("llama-tiny"), ParallelMesh.local(), seed=0)
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint_format(bad).load(bad, model, ParallelMesh.local(), None)
+    assert str(refused.value).startswith(f"DCP directory {bad}: (its tok_embeddings.weight)"
+                                         " cannot be read (UnpicklingError: ")
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("arg, problem", [

@@ -97,7 +97,7 @@ HUGGING_FACE = CheckpointFormat("hf", holds=is_hf_directory,
                                 model=lambda path, num_heads: HFModelDirectory(path).cfg,
                                 load=_hf_load, check=_hf_refused, export=export_hf)
 DCP = CheckpointFormat("dcp", holds=is_dcp_directory, model=dcp_model_config, load=_dcp_load,
-                       check=lambda path, model, hashed: check_dcp_files(path),
+                       check=lambda path, model, hashed: check_dcp_files(path, read=hashed),
                        export=export_dcp)
 FORMATS = (NATIVE, HUGGING_FACE, DCP)
 """The `export --format` choices, in this order; meshtrain's own is the default."""

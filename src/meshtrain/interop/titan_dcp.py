@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import warnings
 from pathlib import Path
@@ -152,15 +153,17 @@ def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             if isinstance(entry, TensorStorageMetadata)}
 
 
-def check_dcp_files(path: str | Path) -> None:
+def check_dcp_files(path: str | Path, read: bool = False) -> None:
     """Every file the `.metadata` names is a plain file of the directory, at least as long as
-    the last byte it records there (DCP would otherwise fail on the ranks, mid-load)."""
+    the last byte it records there (DCP would otherwise fail on the ranks, mid-load); with
+    `read`, each stored tensor is read once, one at a time, as DCP will read it."""
     path = Path(path)
-    ends: dict[str, int] = {}
-    storage = getattr(_read_metadata(path), "storage_data", None)
+    metadata, ends = _read_metadata(path), {}
+    storage = getattr(metadata, "storage_data", None)
     for info in storage.values() if isinstance(storage, dict) else [None]:
         name = getattr(info, "relative_path", None)
         if not is_plain_name(name) or not all(type(getattr(info, n, None)) is int
+                                              and getattr(info, n) >= 0
                                               for n in ("offset", "length")):
             raise _damaged(path, ".metadata", f"names {str(name)[:80]!r} with no valid byte range,"
                                               " not a plain file of the directory")
@@ -174,6 +177,27 @@ def check_dcp_files(path: str | Path) -> None:
         if (size := file.stat().st_size) < end:
             raise _damaged(path, name, f"is truncated: {size} bytes, its .metadata records data"
                                        f" up to byte {end}")
+    if read:
+        _read_tensors(path, metadata)
+
+
+def _read_tensors(path: Path, metadata) -> None:
+    """Each tensor item DCP's file reader would `torch.load` from its byte range, loaded so."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for index, info in metadata.storage_data.items():
+        entry = metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(entry, TensorStorageMetadata) or \
+                getattr(info, "transform_descriptors", None):
+            continue  # (bytes items are read raw; transformed ones by their extension)
+        with open(path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever unpickling damaged bytes meets
+            raise _damaged(path, info.relative_path, f"cannot be read at {index.fqn}"
+                                                     f" ({_first_failure(e)})") from None
 
 
 def _damaged(path: Path, file: str, problem: str) -> CheckpointError:
