@@ -22,6 +22,7 @@ from meshtrain.checkpointing.model_files import write_model_checkpoint
 from meshtrain.checkpointing.retention import keep_newest
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
+from meshtrain.operations.failures import EXIT_FAILED, RunFailure
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
@@ -377,22 +378,25 @@ def _save_on_a_full_disk(corpus: str, out: str) -> str:
 
     ckpt.save_file = full_disk if mesh.rank == 1 else real
     try:
-        with pytest.raises(CheckpointError) as failed:
+        with pytest.raises(RunFailure) as failed:
             trainer.save(Path(out), 1)
     finally:
         ckpt.save_file = real
     left = sorted(p.name for p in (Path(out) / "checkpoints").iterdir())
     trainer.save(Path(out), 1)
-    return str(failed.value), left
+    return str(failed.value), failed.value.exit_code, failed.value.agreed, left
 
 
 def test_full_disk_during_a_save_is_one_agreed_line(corpus, tmp_path):
-    """Simulated: no small filesystem can be filled on this machine."""
+    """Simulated (safetensors' own error type); test_full_disk.py fills a real filesystem.
+    A failed write is exit 1 on every rank, agreed (rank 0 alone prints it), and with no
+    checkpoint saved before it the line names none."""
     results = run_on_ranks(2, _save_on_a_full_disk, corpus, str(tmp_path), timeout=90)
-    (line, left), (peer_line, _) = results
-    assert line == peer_line and len(line.splitlines()) == 1
+    (line, code, agreed, left), (_, peer_code, peer_agreed, _) = results
+    assert (code, agreed) == (peer_code, peer_agreed) == (EXIT_FAILED, True)
+    assert len(line.splitlines()) == 1
     assert "failed on rank 1 (writing rank_00001.safetensors: Error while serializing" in line
-    assert "No space left on device" in line and "previous checkpoint is intact" in line
+    assert "No space left on device" in line and "no checkpoint of this run was saved" in line
     assert left == [".tmp_step_00000001"]
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
