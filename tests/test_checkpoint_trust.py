@@ -403,8 +403,8 @@ def test_full_disk_during_a_save_is_one_agreed_line(corpus, tmp_path):
     read_manifest(root / "step_00000001")
 
 
-def _export(capsys, *argv: str) -> str:
-    assert main(["export", *argv]) == 2
+def _export(capsys, *argv: str, code: int = 2) -> str:
+    assert main(["export", *argv]) == code
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     return err
@@ -436,9 +436,9 @@ def test_export_out_is_checked(made_run, tmp_path, capsys, monkeypatch):
     real = model_files.model_tensors
     monkeypatch.setattr(model_files, "model_tensors", disk_full_midway)
     monkeypatch.setattr(hf_io, "model_tensors", disk_full_midway)
-    for fmt, name in (("meshtrain", "m.safetensors"), ("hf", "hf")):
+    for fmt, name in (("meshtrain", "m.safetensors"), ("hf", "hf")):  # a failed write: 1
         assert "No space left on device" in \
-            _export(capsys, run, "--format", fmt, "--out", str(tmp_path / name))
+            _export(capsys, run, "--format", fmt, "--out", str(tmp_path / name), code=EXIT_FAILED)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "full"]
     assert list((tmp_path / "dir").iterdir()) == [] and \
         [p.name for p in (tmp_path / "full").iterdir()] == ["x"]
