@@ -442,3 +442,50 @@ def test_export_out_is_checked(made_run, tmp_path, capsys, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "full"]
     assert list((tmp_path / "dir").iterdir()) == [] and \
         [p.name for p in (tmp_path / "full").iterdir()] == ["x"]
+
+
+def _leaves(node, path=()):
+    """Every (path, value) of a JSON document's scalars and empty containers."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) \
+        if isinstance(node, list) else None
+    if not items:
+        yield path, node
+        return
+    for key, child in items:
+        yield from _leaves(child, (*path, key))
+
+
+def test_random_manifest_edits_with_the_record_rewritten_are_never_a_traceback(run, capsys):
+    """A seeded fuzz (it was 900 ad-hoc trials): one leaf of manifest.json set to another kind
+    of value, digests.json rewritten to match; `export` verifies it: exit 0 when the edit
+    changes nothing it reads, else exit 2 and one line naming the problem, never an unexpected
+    error (`rerun with --debug`)."""
+    import random
+
+    rng = random.Random(56)
+    ck = _latest(run)
+    original = (ck / "manifest.json").read_text()
+    leaves = list(_leaves(json.loads(original)))
+    odd = [None, -1, 0, 2**70, 1.5, float("nan"), "", "x", "../x", [], {}, True, [1, "a"]]
+    refused = 0
+    for trial in range(40):
+        where, _ = rng.choice(leaves)
+        value = rng.choice(odd)
+
+        def edit(manifest, where=where, value=value):
+            node = manifest
+            for key in where[:-1]:
+                node = node[key]
+            if where:
+                node[where[-1]] = value
+
+        (ck / "manifest.json").write_text(original)
+        _edit_manifest(ck, edit)
+        capsys.readouterr()
+        out = run.parent / f"m{trial}.safetensors"
+        code = main(["export", str(run), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code in (0, 2) and "--debug" not in err, (where, value, err)
+        assert code == 0 or len(err.strip().splitlines()) == 1, (where, value, err)
+        refused += code == 2
+    assert refused >= 20  # most edits are damage the verification names
