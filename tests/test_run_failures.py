@@ -3,11 +3,13 @@ gradient norm (caught on every rank together, nothing non-finite saved), input t
 text or tokens, an `out` that cannot be written, a damaged metrics file on resume."""
 
 import math
+import signal
+import time
 
 import numpy as np
 import pytest
 import torch
-from harness import run_cli, run_on_ranks, worker_mesh
+from harness import run_cli, run_on_ranks, start_cli, worker_mesh
 from safetensors.torch import load_file
 
 from meshtrain.checkpointing.checkpoint import latest_checkpoint
@@ -57,6 +59,32 @@ def test_a_nonfinite_step_stops_the_run_unsaved_and_names_the_last_good_checkpoi
     assert _all_finite(latest_checkpoint(out / "checkpoints"))
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["nonfinite"] == 1
+
+
+def test_a_stop_inside_a_nonfinite_streak_saves_nothing(corpus, tmp_path):
+    """SIGTERM (a real signal, to a real process) while every step is non-finite and skipped:
+    exit 3, one line naming the checkpoint saved before the streak; nothing saved inside it
+    although `--save-every 1` and a stop would each save."""
+    out = tmp_path / "run"
+    proc = start_cli("train", *TINY, *DIVERGING, "--steps", "100000", "--max-nonfinite-steps",
+                     "100000", "--data", corpus, "--out", str(out))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+        if sum(r.get("nonfinite", 0) for r in rows) >= 3:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 3 and "Traceback" not in err, err
+    assert "inside" in lines[-1] and "non-finite step(s) in a row, without saving" in lines[-1]
+    rows = read_metrics(out / "metrics.jsonl")
+    good = max(r["step"] for r in rows if not r.get("nonfinite"))  # the step before the streak
+    assert all(r.get("nonfinite") for r in rows if r["step"] > good) and rows[-1]["step"] > good
+    last = out / "checkpoints" / f"step_{good:08d}"
+    assert lines[-1].endswith(f"the last good checkpoint is {last}"), lines[-1]
+    assert max(p.name for p in (out / "checkpoints").glob("step_*")) == last.name
 
 
 def _in_process(capsys, *args: str) -> tuple[int, str]:
