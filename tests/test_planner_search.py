@@ -336,7 +336,7 @@ def test_plan_defaults_name_the_profile_and_take_the_models_sequence(capsys, mon
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--ranks", "10000000"], "--ranks 10000000 is more processes than this machine can measure"),
+    (["--ranks", "10000000"], "--ranks 10000000 is more processes than this machine's memory"),
     (["--ranks", "1"], "--ranks must be at least 2"),
     (["--out", ""], "--out is empty"),
     (["--out", "profile.txt"], "must be a .toml file"),

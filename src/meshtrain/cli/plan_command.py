@@ -22,6 +22,7 @@ from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.corpus import write_atomic
 from meshtrain.errors import Code, SettingError
+from meshtrain.machine_fit import available_host_bytes
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.operations.failures import writing
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
@@ -257,6 +258,18 @@ def _json_layout(request: Request, result: SearchResult, p: Prediction) -> dict:
             "memory": memory, "command": train_command(request, p)}
 
 
+RANK_BYTES = 512 * 2**20  # one measuring process: the interpreter, torch and its buffers
+
+
+def _most_ranks() -> int:
+    """The processes `calibrate` can start at once: as many as MemAvailable holds (where it
+    is not known, 64 per core)."""
+    available = available_host_bytes()
+    if available is None:
+        return 64 * (os.cpu_count() or 1)
+    return max(2, available // RANK_BYTES)
+
+
 def _check_profile_out(out: Path) -> None:
     """`calibrate --out`: a .toml file that can be written where it is named."""
     if out.suffix != ".toml":
@@ -281,11 +294,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise SettingError(Code.RANGE,
                            f"`ranks` must be at least 2 (collectives need a group), got"
                            f" {args.ranks}")
-    most = max(8, 4 * (os.cpu_count() or 1))  # (on a GPU: the devices, calibrate's check)
+    most = _most_ranks()  # (on a GPU also the devices: calibrate's check)
     if args.ranks > most and not args.from_run:
         raise SettingError(Code.RANGE,
-                           f"`ranks` {args.ranks} is more processes than this machine can measure"
-                           f" at once: give at most {most}")
+                           f"`ranks` {args.ranks} is more processes than this machine's memory"
+                           f" holds at once ({RANK_BYTES // 2**20} MiB each): give at most {most}")
     if args.hardware is not None and not args.from_run:
         raise SettingError(Code.CHOICE,
                            "`hardware` names the profile --from-run fits; a measurement starts"
