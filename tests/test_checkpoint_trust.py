@@ -22,6 +22,7 @@ from meshtrain.checkpointing.model_files import write_model_checkpoint
 from meshtrain.checkpointing.retention import keep_newest
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
+from meshtrain.operations.failures import EXIT_FAILED, RunFailure
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
@@ -398,30 +399,33 @@ def _save_on_a_full_disk(corpus: str, out: str) -> str:
 
     ckpt.save_file = full_disk if mesh.rank == 1 else real
     try:
-        with pytest.raises(CheckpointError) as failed:
+        with pytest.raises(RunFailure) as failed:
             trainer.save(Path(out), 1)
     finally:
         ckpt.save_file = real
     left = sorted(p.name for p in (Path(out) / "checkpoints").iterdir())
     trainer.save(Path(out), 1)
-    return str(failed.value), left
+    return str(failed.value), failed.value.exit_code, failed.value.agreed, left
 
 
 def test_full_disk_during_a_save_is_one_agreed_line(corpus, tmp_path):
-    """Simulated: no small filesystem can be filled on this machine."""
+    """Simulated (safetensors' own error type); test_full_disk.py fills a real filesystem.
+    A failed write is exit 1 on every rank, agreed (rank 0 alone prints it), and with no
+    checkpoint saved before it the line names none."""
     results = run_on_ranks(2, _save_on_a_full_disk, corpus, str(tmp_path), timeout=90)
-    (line, left), (peer_line, _) = results
-    assert line == peer_line and len(line.splitlines()) == 1
+    (line, code, agreed, left), (_, peer_code, peer_agreed, _) = results
+    assert (code, agreed) == (peer_code, peer_agreed) == (EXIT_FAILED, True)
+    assert len(line.splitlines()) == 1
     assert "failed on rank 1 (writing rank_00001.safetensors: Error while serializing" in line
-    assert "No space left on device" in line and "previous checkpoint is intact" in line
+    assert "No space left on device" in line and "no checkpoint of this run was saved" in line
     assert left == [".tmp_step_00000001"]
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
     read_manifest(root / "step_00000001")
 
 
-def _export(capsys, *argv: str) -> str:
-    assert main(["export", *argv]) == 2
+def _export(capsys, *argv: str, code: int = 2) -> str:
+    assert main(["export", *argv]) == code
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     return err
@@ -453,9 +457,56 @@ def test_export_out_is_checked(made_run, tmp_path, capsys, monkeypatch):
     real = model_files.model_tensors
     monkeypatch.setattr(model_files, "model_tensors", disk_full_midway)
     monkeypatch.setattr(hf_io, "model_tensors", disk_full_midway)
-    for fmt, name in (("meshtrain", "m.safetensors"), ("hf", "hf")):
+    for fmt, name in (("meshtrain", "m.safetensors"), ("hf", "hf")):  # a failed write: 1
         assert "No space left on device" in \
-            _export(capsys, run, "--format", fmt, "--out", str(tmp_path / name))
+            _export(capsys, run, "--format", fmt, "--out", str(tmp_path / name), code=EXIT_FAILED)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "full"]
     assert list((tmp_path / "dir").iterdir()) == [] and \
         [p.name for p in (tmp_path / "full").iterdir()] == ["x"]
+
+
+def _leaves(node, path=()):
+    """Every (path, value) of a JSON document's scalars and empty containers."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) \
+        if isinstance(node, list) else None
+    if not items:
+        yield path, node
+        return
+    for key, child in items:
+        yield from _leaves(child, (*path, key))
+
+
+def test_random_manifest_edits_with_the_record_rewritten_are_never_a_traceback(run, capsys):
+    """A seeded fuzz (it was 900 ad-hoc trials): one leaf of manifest.json set to another kind
+    of value, digests.json rewritten to match; `export` verifies it: exit 0 when the edit
+    changes nothing it reads, else exit 2 and one line naming the problem, never an unexpected
+    error (`rerun with --debug`)."""
+    import random
+
+    rng = random.Random(56)
+    ck = _latest(run)
+    original = (ck / "manifest.json").read_text()
+    leaves = list(_leaves(json.loads(original)))
+    odd = [None, -1, 0, 2**70, 1.5, float("nan"), "", "x", "../x", [], {}, True, [1, "a"]]
+    refused = 0
+    for trial in range(40):
+        where, _ = rng.choice(leaves)
+        value = rng.choice(odd)
+
+        def edit(manifest, where=where, value=value):
+            node = manifest
+            for key in where[:-1]:
+                node = node[key]
+            if where:
+                node[where[-1]] = value
+
+        (ck / "manifest.json").write_text(original)
+        _edit_manifest(ck, edit)
+        capsys.readouterr()
+        out = run.parent / f"m{trial}.safetensors"
+        code = main(["export", str(run), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code in (0, 2) and "--debug" not in err, (where, value, err)
+        assert code == 0 or len(err.strip().splitlines()) == 1, (where, value, err)
+        refused += code == 2
+    assert refused >= 20  # most edits are damage the verification names

@@ -107,6 +107,30 @@ def test_the_compatibility_table_is_the_declarations():
     assert "\n".join(table()) in GUIDE.read_text()
 
 
+def _fault_rows() -> list[list[str]]:
+    """The cells of each row of the guide's table of faults injected in the tests."""
+    text = GUIDE.read_text()
+    section = text[text.index("### Faults injected in the tests"):]
+    section = section[:section.index("\n#", 1)]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows[1:]]
+
+
+def test_every_fault_row_names_tests_that_exist():
+    """Each row of the guide's fault table names at least one test (file::function) and a
+    count of at least 1, and each test named is defined in that file: a renamed or deleted test
+    fails here rather than leaving a claim no test backs."""
+    rows = _fault_rows()
+    assert len(rows) > 30
+    for fault, count, backing, *_ in rows:
+        named = re.findall(r"(test_\w+\.py)::(test_\w+)", backing)
+        assert named and int(count) >= 1, f"no test backs the fault row {fault!r}"
+        for file, function in named:
+            source = ROOT / "tests" / file
+            assert source.is_file() and re.search(rf"^def {function}\(", source.read_text(),
+                                                   re.M), f"{file}::{function} ({fault!r})"
+
+
 def test_links_stay_inside_the_repository():
     for path in DOCS:
         for target in re.findall(r"\]\(([^)#]+)\)", path.read_text()):

@@ -4,6 +4,7 @@ memory budget, fixed fields, the printed commands, JSON and bad input; `train --
 import dataclasses
 import itertools
 import json
+import os
 import re
 import shlex
 import tomllib
@@ -299,6 +300,22 @@ def test_plan_layout_over_budget_warns(capsys):
     (["--gpus", str(10**20)], f"--gpus {10**20} is more than any cluster holds: plan at most"
                               " 1048576"),  # the divisor walk never ended
     (["--gpus", "8", "--global-batch", str(10**20)], "sequences per step is past any run"),
+    # issue 56: each was a raw Python error, a search that never ended, or a silent default
+    (["--gpus", "0"], "--gpus must be positive, got 0"),  # was ZeroDivisionError
+    (["--gpus", "-3", "--hardware", "h100-80g"], "--gpus must be positive, got -3"),
+    (["--gpus", "8", "--num-layers", str(10**8)], "--num-layers 100000000 is past any model the"
+                                                  " planner prices"),  # was a search of hours
+    (["--gpus", "8", "--num-layers", "0"], "--num-layers must be positive, got 0"),
+    (["--gpus", "8", "--hidden-size", "-1"], "--hidden-size must be positive, got -1"),
+    (["--gpus", "8", "--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
+    (["--gpus", "8", "--moe-experts", "8", "--moe-capacity-factor", "inf"],
+     "--moe-capacity-factor must be > 0, got inf"),
+    (["--gpus", "8", "--precision", ""], "--precision must be one of fp32, bf16, fp16, got ''"),
+    (["--gpus", "8", "--hardware", ""], "--hardware '' is neither"),
+    (["--gpus", "8", "--layout", "tp=2,sp=1,tp=4"], "--layout fixes tp twice"),
+    (["--gpus", "8", "--layout", "tp=0"], "--layout tp=0"),
+    (["--gpus", "8", "--top", "0"], "--top must be positive, got 0"),
+    (["--gpus", "8", "--seq-len", "4096", "--max-seq-len", "1024"], "exceeds --max-seq-len 1024"),
 ])
 def test_plan_bad_input_is_one_line(capsys, args, message):
     code, out, err = _run(capsys, *args)
@@ -316,6 +333,25 @@ def test_plan_defaults_name_the_profile_and_take_the_models_sequence(capsys, mon
     assert "cpu-gloo" in header[1] and "this machine's profile, no --hardware given" in header[1]
     assert main(["plan", "--model", model, "--gpus", "4", "--max-seq-len", "512", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["seq_len"] == 512
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ranks", "10000000"], "--ranks 10000000 is more processes than this machine's memory"),
+    (["--ranks", "1"], "--ranks must be at least 2"),
+    (["--out", ""], "--out is empty"),
+    (["--out", "profile.txt"], "must be a .toml file"),
+    (["--out", "/proc/no/such/x.toml"], "its folder cannot be created"),
+    (["--hardware", "h200"], "--hardware names the profile --from-run fits"),
+    (["--from-run", "/no/such/run"], "is not a run directory"),
+])
+def test_plan_calibrate_bad_input_is_one_line_before_measuring(capsys, args, message):
+    """Refused before anything is measured (a measurement takes minutes); was a MemoryError,
+    a profile measured then not written, or a flag silently ignored."""
+    if "/proc/no/such/x.toml" in args and not os.path.isdir("/proc/self"):
+        pytest.skip("needs /proc, where no folder can be created")
+    code = main(["plan", "calibrate", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
 
 
 def test_plan_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch, capsys):

@@ -3,11 +3,13 @@ gradient norm (caught on every rank together, nothing non-finite saved), input t
 text or tokens, an `out` that cannot be written, a damaged metrics file on resume."""
 
 import math
+import signal
+import time
 
 import numpy as np
 import pytest
 import torch
-from harness import run_cli, run_on_ranks, worker_mesh
+from harness import run_cli, run_on_ranks, start_cli, worker_mesh
 from safetensors.torch import load_file
 
 from meshtrain.checkpointing.checkpoint import latest_checkpoint
@@ -59,6 +61,32 @@ def test_a_nonfinite_step_stops_the_run_unsaved_and_names_the_last_good_checkpoi
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["nonfinite"] == 1
 
 
+def test_a_stop_inside_a_nonfinite_streak_saves_nothing(corpus, tmp_path):
+    """SIGTERM (a real signal, to a real process) while every step is non-finite and skipped:
+    exit 3, one line naming the checkpoint saved before the streak; nothing saved inside it
+    although `--save-every 1` and a stop would each save."""
+    out = tmp_path / "run"
+    proc = start_cli("train", *TINY, *DIVERGING, "--steps", "100000", "--max-nonfinite-steps",
+                     "100000", "--data", corpus, "--out", str(out))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+        if sum(r.get("nonfinite", 0) for r in rows) >= 3:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 3 and "Traceback" not in err, err
+    assert "inside" in lines[-1] and "non-finite step(s) in a row, without saving" in lines[-1]
+    rows = read_metrics(out / "metrics.jsonl")
+    good = max(r["step"] for r in rows if not r.get("nonfinite"))  # the step before the streak
+    assert all(r.get("nonfinite") for r in rows if r["step"] > good) and rows[-1]["step"] > good
+    last = out / "checkpoints" / f"step_{good:08d}"
+    assert lines[-1].endswith(f"the last good checkpoint is {last}"), lines[-1]
+    assert max(p.name for p in (out / "checkpoints").glob("step_*")) == last.name
+
+
 def _in_process(capsys, *args: str) -> tuple[int, str]:
     """`meshtrain ARGS` of one rank run in this process: its exit code and stderr (the case
     above runs a failing run as a process)."""
@@ -72,13 +100,28 @@ def test_allowed_nonfinite_steps_are_skipped_and_never_saved(capsys, corpus, tmp
     code, err = _in_process(capsys, "train", *TINY, *DIVERGING, "--max-nonfinite-steps", "3",
                             "--data", corpus, "--out", str(out))
     assert code == EXIT_NONFINITE and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1].startswith("meshtrain: step 4: loss nan")
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("meshtrain: step 4: loss nan")
     rows = read_metrics(out / "metrics.jsonl")
     assert [(r["step"], r["skipped"], r.get("nonfinite", 0)) for r in rows] == [
         (1, 0, 0), (2, 1, 1), (3, 1, 1), (4, 1, 1)]
+    # `--save-every 1` saves nothing inside the streak: the last good checkpoint named is the
+    # last one saved before it began
     saved = sorted((out / "checkpoints").glob("step_*"))
-    assert [p.name for p in saved] == ["step_00000001", "step_00000002", "step_00000003"]
-    assert all(_all_finite(p) for p in saved)  # the skipped steps left the weights alone
+    assert [p.name for p in saved] == ["step_00000001"] and _all_finite(saved[0])
+    assert f"the last good checkpoint is {saved[0]}." in line, line
+
+
+def test_a_streak_reaching_the_last_step_is_not_saved(capsys, corpus, tmp_path):
+    """Fewer non-finite steps than allowed, but the run ends inside them: no final checkpoint
+    of a step in the streak; exit 5 names the one saved before it."""
+    out = tmp_path / "run"
+    code, err = _in_process(capsys, "train", *TINY, *DIVERGING, "--steps", "3",
+                            "--max-nonfinite-steps", "5", "--data", corpus, "--out", str(out))
+    line = err.strip().splitlines()[-1]
+    assert code == EXIT_NONFINITE and line.startswith("meshtrain: step 3: loss nan"), err
+    assert f"the last good checkpoint is {out / 'checkpoints' / 'step_00000001'}." in line
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_00000001"]
 
 
 def _steps_with_poison(cfg, degrees: dict, poisoned_rank: int) -> list[tuple]:
@@ -192,6 +235,8 @@ def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, monkeypatch):
     assert failure.value.exit_code == EXIT_FAILED
     assert str(failure.value).startswith(f"writing {tmp_path / 'metrics.jsonl'} failed (No space"
                                          " left on device)")
+    # the advice names no checkpoint where none was saved (it used to name "the last one")
+    assert str(failure.value).endswith("no checkpoint of this run was saved: train again")
     assert (tmp_path / "metrics.jsonl").read_text() == ""  # the row was never half-written
 
 

@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 
 from meshtrain.checkpointing.checkpoint import (
+    CheckpointWriteError,
     PendingCheckpoint,
     finish_checkpoint,
     write_rank_file,
 )
-from meshtrain.checkpointing.verify import CheckpointError
+from meshtrain.checkpointing.verify import CheckpointError, latest_checkpoint
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
 
@@ -81,7 +82,7 @@ class AsyncSaver:
         """Collective (every rank, main thread): wait for the write in flight and publish it
         when every rank's file is written; returns the published checkpoint, or None when
         nothing was in flight or the save failed (one line on stderr; the previous checkpoint
-        stays `latest`). Raises CheckpointError after `MAX_FAILURES` consecutive failures."""
+        stays `latest`). Raises CheckpointWriteError after `MAX_FAILURES` consecutive failures."""
         if self.pending is None:
             return None
         self.thread.join()
@@ -96,13 +97,17 @@ class AsyncSaver:
         rank, reason = failed[0]
         where = f"{pending.tmp / f'rank_{rank:05d}.safetensors'} (rank {rank}: {reason})"
         if self.failures >= MAX_FAILURES:
-            raise CheckpointError(f"{self.failures} background checkpoint saves in a row failed,"
-                                  f" the last writing {where}; free space or fix the checkpoint"
-                                  " directory, then resume from the last good checkpoint")
+            raise CheckpointWriteError(f"{self.failures} background checkpoint saves in a row"
+                                       f" failed, the last writing {where}")
         if self.mesh.rank == 0:
+            try:
+                previous = latest_checkpoint(pending.root)
+            except CheckpointError:
+                previous = None
+            kept = f"the previous checkpoint {previous.name} is intact" if previous else \
+                "no checkpoint of this run is saved yet"
             print(f"meshtrain: warning: background save of {pending.final.name} failed writing"
-                  f" {where}; the previous checkpoint is intact; retrying at the next save",
-                  file=sys.stderr)
+                  f" {where}; {kept}; retrying at the next save", file=sys.stderr)
         return None
 
     def wait(self) -> None:

@@ -278,6 +278,12 @@ def _merge_entries(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
     return merged
 
 
+class CheckpointWriteError(CheckpointError):
+    """A save that failed writing (a full disk, a revoked permission), agreed by every rank:
+    not damaged input but a failed write, which ends a run with exit 1 (`failures.writing`'s
+    kind), printed once. The message names where it failed; the caller adds what to do."""
+
+
 def _on_every_rank_or_none(action, mesh: ParallelMesh, what: str) -> None:
     """Run this rank's part of a save (or nothing) and agree with every rank on the outcome, so
     a failure anywhere (an OSError, or safetensors' own error, e.g. for a full disk) raises the
@@ -291,8 +297,7 @@ def _on_every_rank_or_none(action, mesh: ParallelMesh, what: str) -> None:
         failure = f"rank {mesh.rank} ({what}: {' '.join(str(e).split())})"
     failures = [f for f in comm.all_gather_objects(failure, mesh.world) if f is not None]
     if failures:
-        raise CheckpointError(f"saving the checkpoint failed on {failures[0]}; the previous"
-                              " checkpoint is intact")
+        raise CheckpointWriteError(f"saving the checkpoint failed on {failures[0]}")
 
 
 class Reader:

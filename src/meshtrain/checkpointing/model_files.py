@@ -6,6 +6,7 @@ checkpoint, what an import writes). The peak is one logical tensor, never the mo
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import shutil
 from collections.abc import Iterable, Iterator
@@ -15,7 +16,7 @@ import torch
 
 from meshtrain.checkpointing.checkpoint import (
     FORMAT,
-    CheckpointError,
+    CheckpointWriteError,
     Reader,
     free_step_dir,
     publish,
@@ -43,8 +44,16 @@ def model_tensors(path: str | Path, manifest: dict) -> Iterator[tuple[str, torch
         yield name, reader.full("model/" + name)
 
 
-def unwritable(out: Path, error: OSError) -> SettingError:
-    """The one-line error of an export whose output cannot be written."""
+FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}  # a write that began, then failed
+
+
+def unwritable(out: Path, error: OSError) -> SettingError | CheckpointWriteError:
+    """The one-line error of an export whose output cannot be written: a location that takes
+    no files is bad input (exit 2), a write that ran out of space a failed write (exit 1, as
+    a run's), whose partial output is removed."""
+    if error.errno in FULL:
+        return CheckpointWriteError(f"writing {out} failed ({error.strerror or error}): nothing"
+                                    " of it was kept; free space, then run the command again")
     return SettingError(Code.OUT_PATH,
                         f"`out` {out}: cannot write there ({error}); choose a writable location")
 
@@ -98,7 +107,9 @@ def write_model_checkpoint(root: str | Path, *, family: str, cfg: TransformerCon
                     "files": {file_name: digest}, "tensors": entries}
         publish(tmp, final, manifest=manifest, train_state={"step": 0}, config_toml=config_toml)
     except OSError as e:
-        raise CheckpointError(f"writing the checkpoint into {root} failed ({e})") from None
+        raise CheckpointWriteError(f"writing the checkpoint into {root} failed"
+                                   f" ({e.strerror or e}): nothing of it was kept; free space or"
+                                   " fix the permissions, then run the command again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # (gone after a publish)
     return final

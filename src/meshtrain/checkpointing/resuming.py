@@ -120,3 +120,28 @@ def checkpoint_to_resume(out: Path, *, resume: bool, auto_resume: bool, steps: i
                        f" {step} to train on")
 
 
+
+
+def last_good_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint a user told to continue is pointed at: the one `latest` names when it
+    verifies whole (hashes included), else the newest that does; None when none does. Only
+    failure paths call it: it reads every file of the checkpoint."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    try:
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            read_manifest(latest)
+            return latest
+    except CheckpointError:
+        pass
+    return _newest_complete(root)
+
+
+def continue_advice(root: str | Path) -> str:
+    """What to run after a failure, naming only a checkpoint that is there and verifies."""
+    path = last_good_checkpoint(root)
+    if path is None:
+        return "no checkpoint of this run was saved: train again"
+    return f"continue from checkpoint {path} with `resume`"

@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 
 from meshtrain.checkpointing import resuming
-from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest, resolve_checkpoint
+from meshtrain.checkpointing.checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    read_manifest,
+    resolve_checkpoint,
+)
 from meshtrain.cli.flags import as_flags
 from meshtrain.cli.parsers import parse_command_line
 from meshtrain.config import resumed_settings
@@ -35,6 +40,7 @@ from meshtrain.operations import endings, run_lock, stopping
 from meshtrain.operations.cpu_threads import threads_per_rank
 from meshtrain.operations.failures import (
     EXIT_BAD_INPUT,
+    EXIT_FAILED,
     EXIT_PEER_FAILED,
     EXIT_STOPPED,
     RunFailure,
@@ -46,9 +52,10 @@ from meshtrain.planner.hardware import load_hardware
 
 
 def _error(e: Exception) -> int:
-    """A refused input: one line (a message quoting a damaged file may hold line breaks)."""
+    """A refused input (exit 2), or a write that failed (a full disk: exit 1, as a run's):
+    one line (a message quoting a damaged file may hold line breaks)."""
     print(f"meshtrain: error: {' '.join(as_flags(str(e)).split())}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    return EXIT_FAILED if isinstance(e, CheckpointWriteError) else EXIT_BAD_INPUT
 
 
 def _under_torchrun() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 import time
@@ -21,7 +22,9 @@ from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.corpus import write_atomic
 from meshtrain.errors import Code, SettingError
+from meshtrain.machine_fit import available_host_bytes
 from meshtrain.models import TransformerConfig, preset
+from meshtrain.operations.failures import writing
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
 from meshtrain.planner.costs import Prediction
 from meshtrain.planner.hardware import (
@@ -31,7 +34,7 @@ from meshtrain.planner.hardware import (
     calibrated_path,
     load_hardware,
 )
-from meshtrain.planner.search import OVER_BUDGET, SearchResult, search
+from meshtrain.planner.search import OVER_BUDGET, SearchResult, check_gpus, search
 from meshtrain.planner.workload import ELEMENT_BYTES
 
 EXAMPLES = 3
@@ -100,6 +103,7 @@ def _request(args: argparse.Namespace) -> Request:
     if args.gpus is None:
         raise SettingError(Code.SETTING_MISSING,
                            "`gpus` is required: the number of devices to plan for")
+    check_gpus(args.gpus)  # before this machine's profile is scaled to them
     for name in ("top", "seq_len", "global_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SettingError(Code.RANGE,
@@ -116,9 +120,9 @@ def _request(args: argparse.Namespace) -> Request:
         raise SettingError(Code.SEQ_LEN_MAX,
                            f"`seq_len` {seq_len} exceeds `max_seq_len` {model.max_seq_len}:"
                            " raise `max_seq_len` or shorten `seq_len`")
-    hardware = load_hardware(args.hardware) if args.hardware else \
+    hardware = load_hardware(args.hardware) if args.hardware is not None else \
         default_hardware("auto", args.gpus)
-    precision = args.precision or hardware.default_precision
+    precision = args.precision if args.precision is not None else hardware.default_precision
     if precision not in ELEMENT_BYTES:
         raise SettingError(Code.CHOICE,
                            f"`precision` must be one of {', '.join(ELEMENT_BYTES)}, got"
@@ -254,6 +258,34 @@ def _json_layout(request: Request, result: SearchResult, p: Prediction) -> dict:
             "memory": memory, "command": train_command(request, p)}
 
 
+RANK_BYTES = 512 * 2**20  # one measuring process: the interpreter, torch and its buffers
+
+
+def _most_ranks() -> int:
+    """The processes `calibrate` can start at once: as many as MemAvailable holds (where it
+    is not known, 64 per core)."""
+    available = available_host_bytes()
+    if available is None:
+        return 64 * (os.cpu_count() or 1)
+    return max(2, available // RANK_BYTES)
+
+
+def _check_profile_out(out: Path) -> None:
+    """`calibrate --out`: a .toml file that can be written where it is named."""
+    if out.suffix != ".toml":
+        raise SettingError(Code.OUT_PATH,
+                           f"`out` {out} must be a .toml file (`hardware` reads it)")
+    if out.is_dir():
+        raise SettingError(Code.OUT_PATH, f"`out` {out} is a directory: name a .toml file in it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SettingError(Code.OUT_PATH, f"`out` {out}: its folder cannot be created"
+                                          f" ({e.strerror or e})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise SettingError(Code.OUT_PATH, f"`out` {out}: its folder is not writable")
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from meshtrain.planner.calibrate import calibrate_machine
     from meshtrain.planner.run_fit import fit_runs, read_run
@@ -262,10 +294,21 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise SettingError(Code.RANGE,
                            f"`ranks` must be at least 2 (collectives need a group), got"
                            f" {args.ranks}")
-    out = Path(args.out) if args.out else None
-    if out is not None and out.suffix != ".toml":
-        raise SettingError(Code.OUT_PATH,
-                           f"`out` {out} must be a .toml file (`hardware` reads it)")
+    most = _most_ranks()  # (on a GPU also the devices: calibrate's check)
+    if args.ranks > most and not args.from_run:
+        raise SettingError(Code.RANGE,
+                           f"`ranks` {args.ranks} is more processes than this machine's memory"
+                           f" holds at once ({RANK_BYTES // 2**20} MiB each): give at most {most}")
+    if args.hardware is not None and not args.from_run:
+        raise SettingError(Code.CHOICE,
+                           "`hardware` names the profile --from-run fits; a measurement starts"
+                           " from none: drop `hardware` or add --from-run")
+    if args.out == "":
+        raise SettingError(Code.OUT_PATH, "`out` is empty: name a .toml file (or omit `out` for"
+                                          " this machine's profile)")
+    out = Path(args.out) if args.out is not None else None
+    if out is not None:  # checked before minutes of measuring are spent
+        _check_profile_out(out)
     ranks = args.ranks
     if args.from_run:
         runs = [read_run(run) for run in args.from_run]  # every run read before the fit
@@ -279,6 +322,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if out is None:
         out = calibrated_path(machine_name("auto"), ranks)
         out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, hardware.to_toml().encode())
+    with writing(out):
+        write_atomic(out, hardware.to_toml().encode())
     print(f"meshtrain: wrote {out}; plan with it: meshtrain plan --hardware {out} --gpus N")
     return 0

@@ -8,6 +8,7 @@ job script can tell "stopped early, resumable" from "broken input" or "hung".
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 EXIT_OK = 0
@@ -32,12 +33,14 @@ class RunFailure(Exception):
 
 
 @contextlib.contextmanager
-def writing(path: Path):
+def writing(path: Path, then: Callable[[], str] | None = None):
     """Turn a failed write of a run file (a full disk, a revoked permission) into one line
-    naming the file; what a checkpoint already holds is untouched."""
+    naming the file (exit 1, as every failed write); what a checkpoint already holds is
+    untouched. `then()`: what to do after freeing space, computed only on a failure (it names
+    only a checkpoint that is there, e.g. `resuming.continue_advice`); default: run again."""
     try:
         yield
     except OSError as e:
+        advice = then() if then is not None else "run the command again"
         raise RunFailure(f"writing {path} failed ({e.strerror or e}): free space or fix the"
-                         " permissions, then continue from the last checkpoint with `resume`",
-                         EXIT_FAILED) from None
+                         f" permissions, then {advice}", EXIT_FAILED) from None

@@ -143,6 +143,16 @@ def search(model: TransformerConfig, hardware: Hardware, *, gpus: int, seq_len: 
 
 
 MAX_GPUS = 2**20  # the largest clusters of 2026 hold about 10^5 devices
+MAX_LAYERS = 2**12  # the deepest published models have about 10^2 layers; 2**12 take seconds
+
+
+def check_gpus(gpus: int) -> None:
+    """The devices a plan is for: 1 to `MAX_GPUS` (the search walks their divisors)."""
+    if gpus < 1:
+        raise SettingError(Code.RANGE, f"`gpus` must be positive, got {gpus}")
+    if gpus > MAX_GPUS:
+        raise SettingError(Code.RANGE, f"`gpus` {gpus} is more than any cluster holds: plan at"
+                                       f" most {MAX_GPUS}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -153,12 +163,12 @@ def _divisors(n: int) -> list[int]:
 class _Search:
     def __init__(self, model, hardware, gpus, seq_len, global_batch, precision, fixed, cost,
                  schedules):
-        if gpus < 1:
-            raise SettingError(Code.RANGE, f"`gpus` must be positive, got {gpus}")
-        if gpus > MAX_GPUS:  # the search walks the divisors: a number past any cluster
+        check_gpus(gpus)
+        if model.num_layers > MAX_LAYERS:
             raise SettingError(Code.RANGE,
-                               f"`gpus` {gpus} is more than any cluster holds: plan at most"
-                               f" {MAX_GPUS}")
+                               f"`num_layers` {model.num_layers} is past any model the planner"
+                               f" prices (it costs each layer of each layout): plan at most"
+                               f" {MAX_LAYERS}")
         if global_batch is not None and global_batch > MAX_GLOBAL_BATCH:
             raise SettingError(Code.RANGE,
                                f"`global_batch` {global_batch} sequences per step is past any run:"

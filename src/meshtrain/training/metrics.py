@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from meshtrain.checkpointing.resuming import continue_advice
 from meshtrain.config.settings import LoggingSettings
 from meshtrain.data.corpus import write_atomic
 from meshtrain.operations.failures import writing
@@ -44,11 +45,15 @@ class MetricsLog:
     def __init__(self, path: Path, *, resume_step: int | None = None, sinks: tuple = ()):
         self.path, self.damaged, self.sinks = path, 0, sinks
         self.kept_aside: Path | None = None
-        with writing(path):
+        with writing(path, self._advice):
             if resume_step is not None and path.exists():
                 self._truncate(resume_step)
             self._file = open(path, "a")
         self._pending: list[str] = []
+
+    def _advice(self) -> str:
+        """After a failed write: the run's checkpoint to continue from, if one verifies."""
+        return continue_advice(self.path.parent / "checkpoints")
 
     def _truncate(self, resume_step: int) -> None:
         """Keep the rows up to `resume_step`; the later ones go, in order, to `kept_aside`
@@ -82,7 +87,7 @@ class MetricsLog:
             sink.log(scalars, row["step"])
 
     def flush(self) -> None:
-        with writing(self.path):
+        with writing(self.path, self._advice):
             self._file.write("".join(self._pending))
             self._file.flush()
         self._pending.clear()

@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from meshtrain.checkpointing.checkpoint import latest_checkpoint
+from meshtrain.checkpointing.resuming import continue_advice, last_good_checkpoint
 from meshtrain.config.run_config import RunConfig, local_ranks, profile_window
 from meshtrain.data.corpus import write_atomic
 from meshtrain.data.tokenization import TOKENIZER_FILE
@@ -46,7 +46,7 @@ class RunState:
         self.log = None
         comm.barrier(mesh.world)  # every rank has checked `out` before rank 0 writes to it
         if mesh.rank == 0:
-            with writing(out):
+            with writing(out, lambda: continue_advice(out / "checkpoints")):
                 out.mkdir(parents=True, exist_ok=True)
                 (out / "config.toml").write_text(trainer.config_toml)
                 if trainer.tokenizer is not None:  # `meshtrain sample RUN` decodes with it
@@ -114,8 +114,10 @@ class RunState:
                              tflops=row["tflops"], mfu=row.get("mfu"))
         save_every = self.cfg.checkpoint.save_every
         stopping = stop_signal(request) if done < self.stop else None
-        saving = (done == self.stop or (save_every and done % save_every == 0)
-                  or request >= SAVE_NOW)
+        # Never inside a streak of non-finite steps: the last good checkpoint stays the last
+        # one saved before it began (a streak reaching the end stopped the run above).
+        saving = not self.nonfinite_run and (
+            done == self.stop or (save_every and done % save_every == 0) or request >= SAVE_NOW)
         if stopping and self.signals is not None:
             self.signals.agreed()
         if saving or done % t.log_every == 0:
@@ -128,6 +130,10 @@ class RunState:
                 self.progress.write(f"meshtrain: {how} checkpoint {path}")
         if stopping:
             self.progress.close()
+            if not saving:  # inside a non-finite streak
+                raise RunFailure(f"stopped by {stopping.name} after step {done}, inside"
+                                 f" {self.nonfinite_run} non-finite step(s) in a row, without"
+                                 f" saving; {self._last_good()}", EXIT_STOPPED, agreed=True)
             raise RunFailure(f"stopped by {stopping.name} after step {done}; checkpoint"
                              f" {path.name} saved; continue with `resume` (or `auto_resume`)",
                              EXIT_STOPPED, agreed=True)
@@ -137,20 +143,29 @@ class RunState:
         return self._traced(step) if step == self.traced else self.trainer.train_step(step)
 
     def _stop_if_nonfinite(self, row: dict) -> None:
-        """After `max_nonfinite_steps` consecutive inf/NaN steps, end the run before anything
-        is evaluated or saved. Every rank read the same reduced values, so all stop together."""
+        """After `max_nonfinite_steps` consecutive inf/NaN steps, or at the last step inside
+        fewer, end the run before anything is evaluated or saved (no checkpoint holds a step
+        of the streak). Every rank read the same reduced values, so all stop together."""
         self.nonfinite_run = self.nonfinite_run + 1 if row.get("nonfinite") else 0
-        if self.nonfinite_run < self.cfg.train.max_nonfinite_steps:
+        if not self.nonfinite_run or (self.nonfinite_run < self.cfg.train.max_nonfinite_steps
+                                      and row["step"] < self.stop):
             return
         self._write(row)
-        last = latest_checkpoint(self.out / "checkpoints") if self.log is not None else None
-        good = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+        good = self._last_good()
         raise RunFailure(f"step {row['step']}: loss {row['loss']}, gradient norm"
                          f" {row['grad_norm']}: not finite for {self.nonfinite_run} consecutive"
                          f" step(s), so the run stopped without saving; {good}. Lower `lr`, raise"
                          " `warmup_steps` or tighten `clip_grad`, and train again (or allow"
                          " skipped steps with `max_nonfinite_steps`)",
                          EXIT_NONFINITE, agreed=True)
+
+    def _last_good(self) -> str:
+        """Rank 0's words for the last good checkpoint: the newest saved before the streak (none
+        is saved inside one) that is there and verifies; other ranks print nothing."""
+        if self.log is None:
+            return ""
+        last = last_good_checkpoint(self.out / "checkpoints")
+        return f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
 
     def _request(self) -> float:
         """This rank's part of the step's request: a stop signal's, or (rank 0's clock) a

@@ -9,6 +9,7 @@ roles) and never asks which strategy or model family it runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -21,12 +22,13 @@ import torch
 
 from meshtrain.checkpointing.async_save import AsyncSaver
 from meshtrain.checkpointing.checkpoint import (
-    CheckpointError,
+    CheckpointWriteError,
     latest_checkpoint,
     load_checkpoint,
     prepare_checkpoint,
     save_checkpoint,
 )
+from meshtrain.checkpointing.resuming import continue_advice
 from meshtrain.config.run_config import RunConfig, check_packing
 from meshtrain.data.blend import Blend, load_data
 from meshtrain.data.corpus import BatchSampler
@@ -194,9 +196,10 @@ class Trainer:
                       values=values, states=states, optimizer_step=optimizer_step,
                       previous=self.executor.saved_state(),
                       keep_last=self.cfg.checkpoint.keep_last)
-        if not (background and self.saver):
-            return save_checkpoint(out / "checkpoints", step, **kwargs)
-        pending = prepare_checkpoint(out / "checkpoints", step, **kwargs)
+        with self._failed_write(out):
+            if not (background and self.saver):
+                return save_checkpoint(out / "checkpoints", step, **kwargs)
+            pending = prepare_checkpoint(out / "checkpoints", step, **kwargs)
         self.saver.start(pending)
         return pending.final
 
@@ -205,10 +208,20 @@ class Trainer:
         too many failures in a row end the run with exit 1."""
         if self.saver is None:
             return None
-        try:
+        with self._failed_write(Path(self.cfg.checkpoint.out)):
             return self.saver.settle()
-        except CheckpointError as e:
-            raise RunFailure(str(e), EXIT_FAILED, agreed=True) from None
+
+    @contextlib.contextmanager
+    def _failed_write(self, out: Path):
+        """A save every rank agreed failed writing (sync or background, a full disk): exit 1,
+        as every failed write, one line printed by rank 0, naming the checkpoint to continue
+        from only when one is there and verifies."""
+        try:
+            yield
+        except CheckpointWriteError as e:
+            advice = continue_advice(out / "checkpoints") if self.mesh.rank == 0 else ""
+            raise RunFailure(f"{e}: free space or fix the checkpoint directory, then {advice}",
+                             EXIT_FAILED, agreed=True) from None
 
     def resume(self, out: Path) -> int:
         """Load the latest checkpoint in `out` (any layout); returns the step to continue at."""

@@ -414,5 +414,8 @@ def parse_spec(spec: str) -> dict[str, Any]:
             raise SettingError(Code.CHOICE, f"`layout` item {item!r} is not KEY=VALUE with KEY"
                                             f" one of {', '.join(SPEC_FIELDS)}")
         f = SPEC_FIELDS[key]
+        if f.name in fixed:  # (the later one would silently win)
+            raise SettingError(Code.CHOICE, f"`layout` fixes {key} twice ({spec!r}): give each"
+                                            " field once")
         fixed[f.name] = parse_setting(f, text.strip(), where=f"`layout` {key}={text.strip()}")
     return fixed
