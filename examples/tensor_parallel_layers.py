@@ -13,7 +13,7 @@ mesh = meshtrain.init_parallel(tp=2, device="cpu")
 torch.manual_seed(0)
 dense_fc, dense_proj = nn.Linear(16, 64), nn.Linear(64, 16)
 fc = ColumnParallelLinear.from_dense(dense_fc, mesh=mesh)  # rows of [64, 16]: [32, 16] here
-proj = RowParallelLinear.from_dense(dense_proj, mesh=mesh, input_is_parallel=True)
+proj = RowParallelLinear.from_dense(dense_proj, mesh=mesh)  # takes fc's split output as is
 
 x = torch.randn(4, 16)
 with CommRecorder() as rec:

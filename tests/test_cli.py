@@ -177,7 +177,9 @@ def test_train_resume_export_sample_end_to_end(corpus, tmp_path, capsys):
     common = ["--device", "cpu", "--data", corpus, "--seq-len", "32", "--global-batch", "4",
               "--micro-batch", "2",
               "--steps", "6", "--eval-every", "3", "--out", str(out)]
-    run_cli("train", "--nproc", "2", "--tp", "2", "--stop-at", "3", *common)
+    stopped = run_cli("train", "--nproc", "2", "--tp", "2", "--stop-at", "3", *common)
+    assert "stopped at step 3 of 6 as --stop-at asked; continue: the same command with --resume" \
+        in stopped.stdout  # not a run that looks finished
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]

@@ -141,6 +141,67 @@ def test_links_stay_inside_the_repository():
         assert "../shared" not in path.read_text(), path
 
 
+SOURCE_NAMED_IN = [README, GUIDE, ROOT / "docs" / "design.md"]
+PYTHON_FILES = sorted(path.relative_to(ROOT).as_posix() for folder in
+                      ("src", "tests", "examples", "benchmarks") for path in
+                      (ROOT / folder).rglob("*.py"))
+
+
+def test_the_source_the_docs_name_is_the_codes():
+    """Every Python file the README, the guide and the design name (`parallel/runtime/plan.py`,
+    a path from the repository's root or the tail of one) is a file of the repository, and every
+    dotted `meshtrain.x.y` (a module, then attributes) imports; a file name such as
+    `meshtrain.json` is no module."""
+    missing = []
+    for doc in SOURCE_NAMED_IN:
+        text = doc.read_text()
+        for match in re.finditer(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.py)\b", text):
+            path = match.group(1)
+            if not any(f == path or f.endswith("/" + path) for f in PYTHON_FILES):
+                missing.append(f"{doc.name}:{text[:match.start()].count(chr(10)) + 1} {path}")
+        for match in re.finditer(r"(?<![\w/.-])meshtrain(?:\.[A-Za-z_]\w*)+", text):
+            parts = match.group(0).split(".")
+            if parts[-1] in ("json", "toml", "py", "bin", "safetensors"):
+                continue
+            if _imported(parts) is None:
+                missing.append(f"{doc.name}:{text[:match.start()].count(chr(10)) + 1}"
+                               f" {match.group(0)}")
+    assert not missing, missing
+
+
+def _imported(parts: list[str]):
+    """What the dotted name `parts` imports as (its longest module, then attributes), or None."""
+    import importlib
+
+    for i in range(len(parts), 0, -1):
+        try:
+            thing = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[i:]:
+            thing = getattr(thing, name, None)
+        return thing
+    return None
+
+
+def test_the_guides_plan_output_is_the_codes(capsys):
+    """The guide's `meshtrain plan` sessions (pure computation, a second each) print what the
+    guide shows, in the default suite: the planner's numbers change with its cost model."""
+    from meshtrain.cli.main import main
+
+    sessions = [c for c in _doc_commands(GUIDE) if c.shown and not c.skip
+                and (_meshtrain_argv(_words(c)) or [""])[0] == "plan"
+                and "calibrate" not in _words(c)]
+    assert len(sessions) >= 3
+    for command in sessions:
+        capsys.readouterr()
+        assert main(_meshtrain_argv(_words(command))) == 0, command.text
+        output = capsys.readouterr()
+        assert _shown_in(command.shown, output.out + output.err), (
+            f"guide.md:{command.line} does not print what the guide shows:\n{command.shown}\n"
+            f"{output.out[-3000:]}")
+
+
 # --- the documents' code blocks, run as a reader runs them -----------------------------------
 
 SETUP = re.compile(r"(python3? -m venv|\. \S*activate|source \S*activate|pip3? install"

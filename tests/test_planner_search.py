@@ -358,14 +358,30 @@ def test_plan_calibrate_writes_a_profile_atomically(tmp_path, monkeypatch, capsy
     import sys
     import types
 
+    from meshtrain.planner.calibrate import check_physical
+
+    def calibrate_machine(ranks, report):
+        report("matmul fit: ...")
+        return dataclasses.replace(NODE, name=f"here-{ranks}")
+
     fake = types.ModuleType("meshtrain.planner.calibrate")
-    fake.calibrate_machine = lambda ranks: dataclasses.replace(NODE, name=f"here-{ranks}")
+    fake.calibrate_machine, fake.check_physical = calibrate_machine, check_physical
     monkeypatch.setitem(sys.modules, "meshtrain.planner.calibrate", fake)
     out = tmp_path / "here.toml"
     assert main(["plan", "calibrate", "--out", str(out), "--ranks", "2"]) == 0
     assert tomllib.loads(out.read_text())["name"] == "here-2"
     assert [p.name for p in tmp_path.iterdir()] == ["here.toml"]
-    assert f"--hardware {out}" in capsys.readouterr().out
+    said = capsys.readouterr().out.splitlines()  # what it measured, the profile, the file
+    assert said[0].startswith("meshtrain: measuring this machine with 2 ranks")
+    assert said[1] == "meshtrain: matmul fit: ..."
+    assert said[2].startswith("meshtrain: profile here-2:")
+    assert f"--hardware {out}" in said[3]
+    # a fit no machine has is refused in one line, and nothing is written
+    fake.calibrate_machine = lambda ranks, report: dataclasses.replace(NODE, matmul_efficiency=2.09)
+    assert main(["plan", "calibrate", "--out", str(tmp_path / "bad.toml"), "--ranks", "2"]) == 2
+    refused = capsys.readouterr().err.strip().splitlines()
+    assert len(refused) == 1 and "matmul_efficiency 2.09 (not in (0, 1])" in refused[0]
+    assert not (tmp_path / "bad.toml").exists()
 
 
 # --- train --layout auto ---------------------------------------------------------------------

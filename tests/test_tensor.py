@@ -6,6 +6,7 @@ from harness import run_on_ranks, worker_mesh
 from torch import nn
 from torch.testing import assert_close
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.parallel import (
     ColumnParallelLinear,
     CommRecorder,
@@ -165,6 +166,17 @@ def _check_invalid_4():
     with pytest.raises(ValueError,
                        match=r"out_features \(18\) must be divisible by 3 blocks x tp \(4\)"):
         ColumnParallelLinear(8, 18, mesh=mesh, output_blocks=3)  # q, k, v of 6 rows, 4 ranks
+    # the defaults compose in their natural order; an input of the wrong width is one line
+    dense_fc, x = _dense_linear_and_input(8, 16)
+    dense_proj = nn.Linear(16, 8)
+    fc = ColumnParallelLinear.from_dense(dense_fc, mesh=mesh)
+    proj = RowParallelLinear.from_dense(dense_proj, mesh=mesh)
+    assert_close(proj(torch.relu(fc(x))), dense_proj(torch.relu(dense_fc(x))), **TOL)
+    with pytest.raises(SettingError, match=r"^RowParallelLinear\(16, 8\) with `input_is_parallel`"
+                       r"=True at tp 4 takes inputs of last dim 4, got 16: pass"
+                       r" `input_is_parallel`=False$") as refused:
+        proj(torch.randn(2, 16))
+    assert refused.value.code is Code.LAYER_INPUT
 
 
 def _check_column_group(tp, sequence_parallel):

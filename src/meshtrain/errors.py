@@ -103,6 +103,7 @@ class Code(Enum):
     MOE_TOP_K = "MoE top-k exceeds the experts"
     MODEL_FIELDS = "model fields not the family's settings"
     TP_WIDTH = "a layer width not divisible by tp"
+    LAYER_INPUT = "a parallel layer's input not of the width it takes"
     KV_CACHE = "no key/value cache for this model, layout or length"
     # the data
     DATA_BLEND = "data_path is not a blend of compatible files"

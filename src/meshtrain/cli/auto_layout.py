@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshtrain.cli.units import memory_text
 from meshtrain.config.run_config import RunConfig
 from meshtrain.data.blend import load_data
 from meshtrain.data.corpus import BYTE_VOCAB_SIZE
@@ -99,7 +100,7 @@ def choose_layout(cfg: RunConfig, world_size: int, given: set[tuple[str, str]]) 
         slower = second.step_time_s / best.step_time_s - 1
         lines.append(f"runner-up {short_spec(second.layout, result.base)}:"
                      f" {second.step_time_s:.4g} s a step"
-                     f" ({slower:+.2%}), {second.memory_gib:.2f} GiB per rank")
+                     f" ({slower:+.2%}), {memory_text(second.memory_gib)} per rank")
     return "\n".join([lines[0], *(f"  {line}" for line in lines[1:] + result.warnings)])
 
 
@@ -107,7 +108,7 @@ def describe(prediction: Prediction) -> str:
     p = prediction
     return (f"predicted {p.step_time_s:.4g} s a step (compute {p.compute_s:.4g}, exposed"
             f" communication {p.exposed_comm_s:.4g}, bubble {p.bubble_s:.4g}), {p.mfu:.1%} MFU,"
-            f" {p.memory_gib:.2f} GiB per rank")
+            f" {memory_text(p.memory_gib)} per rank")
 
 
 def short_spec(layout: ParallelPlan, reference: ParallelPlan | None = None) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import re
 
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
@@ -37,6 +39,18 @@ def _debug_parent() -> argparse.ArgumentParser:
 
 
 DEBUG = [_debug_parent()]
+SAMPLE_TOP_K, SAMPLE_TEMPERATURE = 40, 0.8
+"""`sample`'s defaults: readable text from a small model (greedy decoding loops)."""
+
+
+def _version() -> str:
+    """The installed package's version (a source tree not installed says so)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshtrain")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def command(sub, name: str, **kw) -> argparse.ArgumentParser:
@@ -172,9 +186,10 @@ def _plan_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="meshtrain", description="Train transformer language models on a device mesh; see"
                                       " `meshtrain COMMAND --help` for each command.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     e = command(sub, "export",
@@ -190,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                         " transformers' from_pretrained; dcp: torch.distributed.checkpoint files"
                         " under torchtitan's Llama 3 names (a new training run starts from it)")
     i = command(sub, "import-hf",
-                help="turn a Hugging Face GPT-2 or Llama directory into a"
-                            " meshtrain run directory (train --init-from it)")
+                help="turn a Hugging Face GPT-2, Llama, Qwen2 or Mistral directory into a"
+                     " meshtrain run directory (train --init-from it)")
     i.add_argument("hf_dir", metavar="HF_DIR", help="config.json + model.safetensors (or shards"
                                                      " with model.safetensors.index.json)")
     i.add_argument("--out", required=True, help="new run directory to write")
@@ -199,9 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run", help="run directory (its latest checkpoint) or a checkpoint directory")
     s.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     s.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
-    s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens;"
-                                                       " 0 means greedy")
-    s.add_argument("--temperature", type=float, default=1.0, help="softmax temperature for top-k")
+    s.add_argument("--top-k", type=int, default=SAMPLE_TOP_K,
+                   help="sample from the k most likely tokens; 0: greedy decoding (the most"
+                        " likely token each step, which a small model repeats in loops)")
+    s.add_argument("--temperature", type=float, default=SAMPLE_TEMPERATURE,
+                   help="softmax temperature for top-k: lower is more predictable")
     s.add_argument("--seed", type=int, default=0, help="seed for top-k sampling")
     s.add_argument("--nproc", type=int, default=1, help="local ranks to spawn")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
@@ -269,12 +286,34 @@ def _tokenizer_parser(sub) -> None:
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
     """The parsed command line; an unknown argument is refused with the usage of the
-    subcommand it was given to (not the top-level usage argparse would print)."""
+    subcommand it was given to (not the top-level usage argparse would print), and the flag
+    it most resembles."""
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:
-        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extras)}")
+        inner = _command_parser(parser, args)
+        flags = [flag for action in inner._actions for flag in action.option_strings
+                 if flag.startswith("--")]
+        hint = _did_you_mean(next((word.split("=")[0] for word in extras
+                                   if word.startswith("--")), ""), flags)
+        inner.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
     return args
+
+
+def _did_you_mean(word: str, known: list[str]) -> str:
+    """'; did you mean X?' for the known name closest to a mistyped one ('' if none is)."""
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6) if word else []
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, naming the closest choice to a mistyped one (a subcommand, or a
+    value of a flag with choices): Python 3.14's `suggest_on_error`, for every version."""
+
+    def error(self, message: str):
+        if match := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message):
+            message += _did_you_mean(match.group(1), re.findall(r"'([^']*)'", match.group(2)))
+        super().error(message)
 
 
 def _command_parser(parser: argparse.ArgumentParser,

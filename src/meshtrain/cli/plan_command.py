@@ -18,6 +18,7 @@ from pathlib import Path
 
 from meshtrain.cli.auto_layout import default_hardware, machine_name, short_spec
 from meshtrain.cli.flags import as_flags
+from meshtrain.cli.units import count_text, memory_unit
 from meshtrain.config import run_config as config_mod
 from meshtrain.config import settings
 from meshtrain.data.corpus import write_atomic
@@ -187,7 +188,8 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
         mine += f"; measured with {hw.calibrated_ranks} ranks sharing the machine"
         if hw.name.startswith("cpu") and hw.calibrated_ranks != request.gpus:
             mine += f" (`plan calibrate --ranks {request.gpus}` measures {request.gpus})"
-    lines = [f"{' '.join(request.model_flags)}: {m.num_parameters() / 1e9:.4g}B parameters,"
+    unit, scale = memory_unit(max((p.memory_gib for p in shown), default=1.0))
+    lines = [f"{' '.join(request.model_flags)}: {count_text(m.num_parameters())} parameters,"
              f" seq {request.seq_len}, global batch {request.global_batch}, {request.precision}",
              f"on {request.gpus} x {hw.name} ({hw.hbm_gib:g} GiB,"
              f" {hw.peak_for(request.precision):g} TFLOP/s peak, {hw.gpus_per_node} per"
@@ -195,14 +197,17 @@ def table(request: Request, result: SearchResult, shown: list[Prediction],
              f" {fit + over + invalid} layout(s) considered in {seconds:.1f} s: {fit} fit,"
              f" {over} over memory, {invalid} invalid (--explain: why)", ""]
     widths = [3, 9, 9, 8, 8, 9, 7, 7, 8, 7, 7, 7, 8]
-    lines.append("".join((" " + c).rjust(w) for c, w in zip(COLUMNS, widths, strict=True))
-                 + "  layout (step s = compute + comm + bubble; GiB = params + ... + buffers)")
+    columns = [unit if c == "GiB" else c for c in COLUMNS]
+    lines.append("".join((" " + c).rjust(w) for c, w in zip(columns, widths, strict=True))
+                 + f"  layout (step s = compute + comm + bubble; {unit} = params + ... +"
+                   " buffers)")
     for rank, p in enumerate(shown, 1):
         gib = p.memory.gib()
         cells = [str(rank), f"{p.step_time_s:.4g}", f"{p.compute_s:.4g}",
-                 f"{p.exposed_comm_s:.3g}", f"{p.bubble_s:.3g}", f"{p.tflops_per_gpu:.1f}",
-                 f"{p.mfu:.1%}", f"{p.memory_gib:.1f}",
-                 *(f"{gib[k]:.1f}" for k in ("parameters", "gradients", "optimizer_states",
+                 f"{p.exposed_comm_s:.3g}", f"{p.bubble_s:.3g}",
+                 f"{p.tflops_per_gpu:.1f}" if p.tflops_per_gpu >= 1 else f"{p.tflops_per_gpu:.2g}",
+                 f"{p.mfu:.1%}", f"{p.memory_gib * scale:.1f}",
+                 *(f"{gib[k] * scale:.1f}" for k in ("parameters", "gradients", "optimizer_states",
                                              "activations", "buffers"))]
         lines.append("".join((" " + c).rjust(w) for c, w in zip(cells, widths, strict=True))
                      + f"  {short_spec(p.layout, result.base)}")
@@ -287,8 +292,11 @@ def _check_profile_out(out: Path) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from meshtrain.planner.calibrate import calibrate_machine
+    from meshtrain.planner.calibrate import calibrate_machine, check_physical
     from meshtrain.planner.run_fit import fit_runs, read_run
+
+    def report(line: str) -> None:
+        print(f"meshtrain: {line}", flush=True)
 
     if args.ranks < 2 and not args.from_run:
         raise SettingError(Code.RANGE,
@@ -316,9 +324,12 @@ def _calibrate(args: argparse.Namespace) -> int:
             ranks = runs[0].ranks
         base = load_hardware(args.hardware) if args.hardware else \
             default_hardware("auto", ranks)
-        hardware = fit_runs(base, runs, report=lambda line: print(f"meshtrain: {line}"))
+        hardware = fit_runs(base, runs, report=report)
     else:
-        hardware = calibrate_machine(ranks=ranks)
+        report(f"measuring this machine with {ranks} ranks at once (about 40 s)")
+        hardware = calibrate_machine(ranks=ranks, report=report)
+    check_physical(hardware)
+    report(_profile_summary(hardware))
     if out is None:
         out = calibrated_path(machine_name("auto"), ranks)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -326,3 +337,12 @@ def _calibrate(args: argparse.Namespace) -> int:
         write_atomic(out, hardware.to_toml().encode())
     print(f"meshtrain: wrote {out}; plan with it: meshtrain plan --hardware {out} --gpus N")
     return 0
+
+
+def _profile_summary(hw: Hardware) -> str:
+    """The fitted profile in one line: the numbers the planner's costs rest on."""
+    return (f"profile {hw.name}: peak {hw.peak_for('fp32'):.3g} TFLOP/s fp32,"
+            f" {hw.peak_for('bf16'):.3g} bf16; matmul_efficiency {hw.matmul_efficiency:.3g};"
+            f" memory {hw.hbm_gbytes_per_s:.3g} GB/s; links {hw.intra_node_gbytes_per_s:.3g}"
+            f" GB/s, collective_latency_s {hw.collective_latency_s:.3g};"
+            f" {hw.hbm_gib:.3g} GiB per rank")

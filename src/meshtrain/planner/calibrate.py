@@ -340,6 +340,20 @@ def fit_profile(measured: dict, *, ranks: int,
     return _rounded(_fit_layer(hardware, measured["layer"], measured["device"], say))
 
 
+def check_physical(hardware: Hardware) -> None:
+    """Refuse a fitted profile no machine can have: a matmul efficiency outside (0, 1] (faster
+    than the fastest matmul timed) or a collective latency of zero or less."""
+    wrong = []
+    if not 0 < hardware.matmul_efficiency <= 1:
+        wrong.append(f"matmul_efficiency {hardware.matmul_efficiency:.3g} (not in (0, 1])")
+    if not hardware.collective_latency_s > 0:
+        wrong.append(f"collective_latency_s {hardware.collective_latency_s:.3g} (not > 0)")
+    if wrong:
+        raise CalibrationError(f"calibration: the fit gives {' and '.join(wrong)}, which no"
+                               " machine has: other work on the host disturbed the timings;"
+                               " nothing written, calibrate again when it is quieter")
+
+
 def _fit_layer(hardware: Hardware, times: dict[int, float], device: str,
                say: Callable[[str], None]) -> Hardware:
     """Scale the fitted compute rates and set `layer_overhead_s` so that a real layer's

@@ -205,7 +205,8 @@ class Progress:
     """Progress over optimizer steps showing loss and tokens/s (silent off rank 0): a tqdm bar
     on a terminal; otherwise (a log file, a scheduler's capture) one line every `interval`
     steps instead of carriage-return redraws, with the model TFLOP/s per rank, the MFU when
-    known (`Utilization`) and an ETA from the mean step time so far."""
+    known (`Utilization`) and an ETA from the mean time of the steps after this run's first
+    (which pays for compilation, warm-up and allocation, and would inflate it)."""
 
     def __init__(self, *, total: int, initial: int, enabled: bool, interval: int = 1):
         self.enabled, self.total, self.interval = enabled, total, interval
@@ -213,13 +214,15 @@ class Progress:
         self._bar = tqdm(total=total, initial=initial, disable=not enabled or self.lines,
                          unit="step", dynamic_ncols=True, file=sys.stderr, desc="train")
         self._initial, self._started = initial, time.perf_counter()
+        self._steady: tuple[int, float] | None = None  # (step, time) the first step ended
 
     def update(self, *, step: int, loss: float, tokens_per_s: float, tflops: float,
                mfu: float | None = None) -> None:
         shown_mfu = "" if mfu is None else f", {mfu:.1%} MFU"
+        if self._steady is None:
+            self._steady = (step, time.perf_counter())
         if self.lines and (step % self.interval == 0 or step == self.total):
-            per_step = (time.perf_counter() - self._started) / max(1, step - self._initial)
-            eta = _clock(per_step * (self.total - step))
+            eta = _clock(self._per_step(step) * (self.total - step))
             print(f"train: step {step}/{self.total}, loss {loss:.4f}, {tokens_per_s:,.0f}"
                   f" tokens/s, {tflops:.3g} TFLOP/s per rank{shown_mfu}, ETA {eta}",
                   file=sys.stderr, flush=True)
@@ -228,6 +231,14 @@ class Progress:
             postfix["mfu"] = f"{mfu:.1%}"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
+
+    def _per_step(self, step: int) -> float:
+        """Seconds per step: the mean after the first step, or the first one's alone."""
+        now = time.perf_counter()
+        first, at = self._steady
+        if step > first:
+            return (now - at) / (step - first)
+        return (now - self._started) / max(1, step - self._initial)
 
     def write(self, message: str) -> None:
         if self.enabled:

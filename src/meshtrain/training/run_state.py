@@ -241,4 +241,8 @@ class RunState:
                 print(f"meshtrain: loss curve in {self.out / 'loss.png'}")
             print(f"meshtrain: metrics in {self.out / 'metrics.jsonl'}, checkpoint step"
                   f" {self.stop} in {self.out / 'checkpoints'}")
+            if self.stop < self.cfg.train.steps:  # --stop-at: the run is not over
+                print(f"meshtrain: stopped at step {self.stop} of {self.cfg.train.steps} as"
+                      f" --stop-at asked; continue: the same command with --resume, without"
+                      f" --stop-at (or a later one)")
         return self.rows

@@ -7,6 +7,9 @@ where it is issued, so the compute between the two never counts as waiting. On C
 does not block in NCCL calls: an event recorded after the call ends the entry when the device
 passes it (`poll_device`).
 
+Its methods that a training step calls run as plain Python even inside a compiled region
+(`_eager`): they read clocks and keep a ring, nothing for Dynamo to trace into a graph.
+
 A watchdog thread reads the recorder without a lock: the main thread only replaces attributes,
 which the interpreter does atomically, so a reader sees an entry before or after an update.
 """
@@ -20,6 +23,7 @@ import torch
 
 from meshtrain.mesh import MeshAxis
 
+_eager = torch.compiler.disable  # the bookkeeping is not traced (nor warned about) by Dynamo
 P2P_OPS = ("send", "recv", "sendrecv")  # matched by peer, not by sequence number
 ARMED: list[FlightRecorder] = []  # observers `comm` reports to (the last one armed)
 
@@ -65,6 +69,7 @@ class FlightRecorder:
     def __exit__(self, *exc) -> None:
         ARMED.remove(self)
 
+    @_eager
     def issue(self, op: str, axis: MeshAxis, tensor: torch.Tensor | None, *,
               peer: int | None = None, blocking: bool = True) -> Entry:
         """Record a call about to be made; a `blocking` one is waited on at once."""
@@ -84,6 +89,7 @@ class FlightRecorder:
             self.waiting = entry
         return entry
 
+    @_eager
     def done(self, entry: Entry, work=None):
         """The call returned: a blocking one has ended; an async `work` is returned wrapped so
         that its `wait()` is tracked."""
@@ -92,11 +98,13 @@ class FlightRecorder:
             return None
         return TrackedWork(work, entry, self)
 
+    @_eager
     def block(self, entry: Entry) -> None:
         """The host starts waiting for `entry` (an async work's wait)."""
         entry.blocked = time.monotonic()
         self.waiting = entry
 
+    @_eager
     def end(self, entry: Entry) -> None:
         """The host is past `entry`; on CUDA the device may still be in it."""
         if entry.event is None:

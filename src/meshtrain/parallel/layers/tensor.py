@@ -195,10 +195,15 @@ class RowParallelLinear(_TensorParallelModule):
     in/tp slice of X and the partial results are summed by g (one all-reduce forward).
     The bias is added once, after the sum. With `sequence_parallel` the sum is a reduce-scatter
     along the sequence and the output `[b, s/tp, out]` (`tp_overlap`: as ring steps overlapped
-    with chunks of the matmul, `_OverlappedRowLinear`)."""
+    with chunks of the matmul, `_OverlappedRowLinear`).
+
+    By default the input is already split over TP (`input_is_parallel`), as a
+    `ColumnParallelLinear`'s output is by default: the two compose as `row(act(column(x)))`
+    with one all-reduce. With `input_is_parallel=False` the layer takes the full input and
+    keeps its own slice. An input of neither width is refused in one line."""
 
     def __init__(self, in_features: int, out_features: int, *, mesh: ParallelMesh | MeshAxis,
-                 bias: bool = True, input_is_parallel: bool = False,
+                 bias: bool = True, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, tp_overlap: bool = False):
         super().__init__()
         self.tp_axis = _tp_axis(mesh)
@@ -220,6 +225,7 @@ class RowParallelLinear(_TensorParallelModule):
 
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x.shape[-1])
         if not self.input_is_parallel:
             x = regions.scatter_to_tensor_parallel_region(x, self.tp_axis)
         if self.tp_overlap:  # the same, as ring steps behind chunks of the matmul
@@ -233,6 +239,21 @@ class RowParallelLinear(_TensorParallelModule):
         else:
             y = linear(x, self.weight, None, self.weight_grads, self.gemm)
         return y if self.bias is None else y + self.bias
+
+
+    def _check_input(self, width: int) -> None:
+        """Refuse an input whose last dim is not the one `input_is_parallel` says."""
+        tp, split = self.tp_axis.size, self.input_is_parallel
+        expected, other = (self.in_features // tp, self.in_features) if split else \
+            (self.in_features, self.in_features // tp)
+        if width == expected:
+            return
+        fix = f"pass `input_is_parallel`={not split}" if width == other else \
+            "feed it a ColumnParallelLinear's output (gather_output=False)"
+        raise SettingError(Code.LAYER_INPUT,
+                           f"RowParallelLinear({self.in_features}, {self.out_features}) with"
+                           f" `input_is_parallel`={split} at tp {tp} takes inputs of last dim"
+                           f" {expected}, got {width}: {fix}")
 
 
 class VocabParallelEmbedding(_TensorParallelModule):
