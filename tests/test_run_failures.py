@@ -158,7 +158,7 @@ def test_every_rank_sees_a_nan_that_one_rank_made(corpus, degrees):
     (["--lr", "1e308"], "--lr must be a finite number (an fp32 one, at most 3.4e+38), got"
                         " 1e+308"),  # finite in Python, inf as the optimizer's fp32
     (["--moe-experts", "2", "--moe-capacity-factor", "nan"],
-     "--moe-capacity-factor must be > 0, got nan"),
+     "--moe-capacity-factor must be a finite number, got nan"),
     (["--bucket-mb", "nan"], "--bucket-mb must be positive, got nan"),
     (["--bucket-mb", "inf"], "--bucket-mb must be positive, got inf"),
     (["--num-layers", str(10**9)], "the model's weights, gradients and AdamW states need at"
