@@ -85,14 +85,13 @@ def _check_run_folder(folder: Path, run_folder: Path) -> None:
     """The run's folder fits the filesystem's name and path limits, and can be made."""
     name = run_folder.name
     shown = name if len(name) <= 60 else f"{name[:40]}...({len(name)} characters)"
-    longest = max(os.pathconf(folder, "PC_NAME_MAX"), 1)
+    longest, path_max = _limit(folder, "PC_NAME_MAX", 255), _limit(folder, "PC_PATH_MAX", 4096)
     deepest = len(os.fsencode(run_folder.absolute() / LONGEST_FILE))
-    if len(os.fsencode(name)) > longest or deepest >= os.pathconf(folder, "PC_PATH_MAX"):
+    if len(os.fsencode(name)) > longest or deepest >= path_max:
         raise SettingError(Code.OFFLOAD_DIR, (
             f"`offload_dir` {folder}: the run's folder {shown} is too long for this filesystem"
-            f" (a name of at most {longest} bytes, paths under"
-            f" {os.pathconf(folder, 'PC_PATH_MAX')}): choose a shorter `run_name` or"
-            " `offload_dir`"), settings=("offload_dir", "run_name"))
+            f" (a name of at most {longest} bytes, paths under {path_max}): choose a shorter"
+            " `run_name` or `offload_dir`"), settings=("offload_dir", "run_name"))
     made = not run_folder.exists()
     try:
         run_folder.mkdir(exist_ok=True)
@@ -103,6 +102,15 @@ def _check_run_folder(folder: Path, run_folder: Path) -> None:
             f"`offload_dir` {folder}: the run's folder {shown} cannot be made there"
             f" ({e.strerror or e}): choose a shorter `run_name` or another `offload_dir`"),
             settings=("offload_dir", "run_name")) from e
+
+
+def _limit(folder: Path, name: str, default: int) -> int:
+    """A filesystem limit of `folder` (Linux's default where the filesystem names none)."""
+    try:
+        value = os.pathconf(folder, name)
+    except (OSError, ValueError):
+        return default
+    return value if value > 0 else default
 
 
 def _aligned(nbytes: int) -> int:
