@@ -5,7 +5,9 @@ median step time, the time of the optimizer step, and the peak resident memory (
 VmHWM). For nvme it also reports the bytes read and written per step and their rate over the
 optimizer step, beside the disk's sequential read and write bandwidth measured in the same run on
 the same folder (one file, 8 MiB direct transfers where the filesystem allows, else buffered
-with fsync; a buffered read may be served by the page cache: the line says which).
+with fsync; a buffered read may be served by the page cache: the line says which). The check of
+every read against the run's last write (CRC-32 per 8 MiB chunk) is measured side by side: the
+same nvme run with the check off (`nvme-unchecked`, `NvmeStore.verify = False`).
 
 The memory formula: nvme holds no master shard, no moments and no full fp32 gradient copy
 between or during steps (CPU offload makes the copy for the step), only a window of slabs:
@@ -13,6 +15,7 @@ between or during steps (CPU offload makes the copy for the step), only a window
 
     python benchmarks/bench_nvme_offload.py                       # hidden 768, 6 layers
     python benchmarks/bench_nvme_offload.py --quick               # a smoke run
+    python benchmarks/bench_nvme_offload.py --check-only          # the read check's cost alone
     python benchmarks/bench_nvme_offload.py --dir /mnt/nvme/tmp   # the disk to measure
     python benchmarks/bench_nvme_offload.py --deepspeed /tmp/ds_venv/bin/python  # + ZeRO-Infinity
 """
@@ -62,6 +65,41 @@ def sequential_bandwidth(folder: Path, nbytes: int) -> dict:
     return {"write_GBps": write, "read_GBps": read, "direct": bool(direct)}
 
 
+def check_cost(folder: Path, nbytes: int, rounds: int) -> dict:
+    """Seconds per pass over a store of `nbytes` of states (every bucket read, stepped by a
+    no-op and written back, as an optimizer step does) with the read check on and off, in
+    alternating rounds on the same files (a shared host's load then weighs on both alike)."""
+    import torch
+
+    from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES, NvmeStore
+
+    shard = 8 * 2**20 // 4  # the benchmark's --bucket-mb 8 of fp32 values
+    sizes = [shard] * max(1, nbytes // (STATE_BYTES * shard))
+    store = NvmeStore(folder / "check_cost", sizes)
+    for k, n in enumerate(sizes):
+        store.create(k, torch.randn(n))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for verify in (True, False):
+            store.verify = verify
+            store.load(0)  # a pass with digests of this setting's writes
+            store.release(0, dirty=True)
+            store.flush()
+            start = time.perf_counter()
+            store.prefetch(0)
+            for k in range(len(sizes)):
+                store.load(k)
+                if k + 1 < len(sizes):
+                    store.prefetch(k + 1)
+                store.release(k, dirty=True)
+            store.flush()
+            times[verify].append(time.perf_counter() - start)
+    moved = 2 * sum(store.nbytes)
+    store.close()
+    return {"bytes": moved, "on": statistics.median(times[True]),
+            "off": statistics.median(times[False])}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,8 +111,13 @@ def child(target: str, folder: str, quick: bool, steps: int, zero: int) -> dict:
     import torch
 
     from meshtrain.config.run_config import build_config
+    from meshtrain.parallel.runtime.nvme_offload import NvmeStore
     from meshtrain.parallel.runtime.process_groups import init_parallel
     from meshtrain.training.trainer import Trainer
+
+    label = target
+    if target == "nvme-unchecked":
+        target, NvmeStore.verify = "nvme", False
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     model = {"num_layers": 2, "hidden_size": 256, "num_heads": 4} if quick else \
@@ -112,7 +155,7 @@ def child(target: str, folder: str, quick: bool, steps: int, zero: int) -> dict:
         sync.close()
     hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
                if line.startswith("VmHWM"))
-    return {"target": target, "params": params, "step_s": statistics.median(times[1:]),
+    return {"target": label, "params": params, "step_s": statistics.median(times[1:]),
             "optimizer_s": statistics.median(optimizer_times[1:]), "vmhwm": hwm,
             "read_per_step": moved[0] / steps, "written_per_step": (moved[1] / steps),
             "window": window, "direct": direct}
@@ -172,6 +215,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--child")
     parser.add_argument("--zero", type=int, default=1)
+    parser.add_argument("--check-only", action="store_true", help="only the read check's cost:"
+                        " passes over 491 MiB of states with it on and off, alternating")
     parser.add_argument("--deepspeed", metavar="PYTHON", help="a Python with deepspeed (e.g."
                         " /tmp/ds_venv/bin/python): also ZeRO-3 against ZeRO-Infinity")
     args = parser.parse_args()
@@ -183,16 +228,26 @@ def main() -> None:
         return
     folder = Path(args.dir) / "bench_nvme_offload"
     folder.mkdir(parents=True, exist_ok=True)
+    if args.check_only:
+        sys.path.insert(0, str(Path(__file__).parents[1] / "src"))  # as the children do
+        cost = check_cost(folder, 491 * 2**20, rounds=7)
+        extra = cost["on"] - cost["off"]
+        print(f"read check: a pass moving {cost['bytes'] / 2**20:.0f} MiB (read + written) takes"
+              f" {cost['on']:.3f} s checked, {cost['off']:.3f} s unchecked (medians of 7"
+              f" alternating rounds): {extra * 1e3:+.0f} ms, {extra / cost['off']:+.1%}")
+        shutil.rmtree(folder, ignore_errors=True)  # the store removed its files
+        return
     disk = sequential_bandwidth(folder, (256 if args.quick else 1024) * 2**20)
     print(f"disk {folder}: sequential write {disk['write_GBps']:.2f} GB/s, read"
           f" {disk['read_GBps']:.2f} GB/s ({'direct' if disk['direct'] else 'buffered'} I/O)")
     cpu = run_child("cpu", folder, args.quick, args.steps)
     nvme = run_child("nvme", folder, args.quick, args.steps)
+    unchecked = run_child("nvme-unchecked", folder, args.quick, args.steps)
     p = cpu["params"]
     print(f"model: {p / 1e6:.1f}M parameters, zero 1, one rank, {args.steps} steps"
           f" (medians over steps 2..{args.steps})")
-    for r in (cpu, nvme):
-        print(f"  {r['target']:>4}: step {r['step_s']:.3f} s, optimizer step"
+    for r in (cpu, nvme, unchecked):
+        print(f"  {r['target']:>14}: step {r['step_s']:.3f} s, optimizer step"
               f" {r['optimizer_s']:.3f} s, peak RSS (VmHWM) {r['vmhwm'] / 2**20:.0f} MiB")
     read_rate = nvme["read_per_step"] / nvme["optimizer_s"] / 1e9
     write_rate = nvme["written_per_step"] / nvme["optimizer_s"] / 1e9
@@ -202,6 +257,11 @@ def main() -> None:
           f" ({read_rate / disk['read_GBps']:.2f}x sequential), {write_rate:.2f} GB/s written"
           f" ({write_rate / disk['write_GBps']:.2f}x sequential)")
     print(f"  step time nvme / cpu: {nvme['step_s'] / cpu['step_s']:.2f}x")
+    extra = nvme["optimizer_s"] - unchecked["optimizer_s"]
+    print(f"  the read check (CRC-32 of every byte written and read): optimizer step"
+          f" {extra * 1e3:+.0f} ms ({extra / unchecked['optimizer_s']:+.1%}), step"
+          f" {nvme['step_s'] / unchecked['step_s'] - 1:+.1%}, over"
+          f" {(nvme['read_per_step'] + nvme['written_per_step']) / 2**20:.0f} MiB hashed a step")
     formula = 16 * p - nvme["window"]
     saved = cpu["vmhwm"] - nvme["vmhwm"]
     print(f"  peak RSS saved: {saved / 2**20:.0f} MiB measured, formula 16 P - window ="

@@ -127,8 +127,10 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
                     micro_batch=plan.micro_batch, seed=t.seed)  # refuses a split too short
     out = _writable_out(Path(cfg.checkpoint.out))
     if plan.offload_optimizer == "nvme":  # every rank's files on this machine's disk
-        check_offload_dir(Path(plan.offload_dir), STATE_BYTES * model.num_parameters())
+        check_offload_dir(Path(plan.offload_dir), STATE_BYTES * model.num_parameters(),
+                          cfg.offload_run_folder)
     run_lock.check_free(out, run_lock.own_run_id())
+    run_lock.check_offload_free(cfg.offload_run_folder, run_lock.own_run_id())
     has_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
     if cfg.checkpoint.resume or cfg.checkpoint.auto_resume:
         if note := resuming.repair_latest(out / "checkpoints"):

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import importlib.util
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,11 +72,22 @@ class RunConfig:
         """The run's name in every logger and in `offload_dir` (default: `out`'s name)."""
         return self.logging.run_name or Path(self.checkpoint.out).resolve().name
 
-    def offload_folder(self, rank: int) -> Path | None:
-        """Where rank `rank` keeps ZeRO's states under `offload_optimizer` nvme."""
+    @property
+    def offload_run_folder(self) -> Path | None:
+        """This run's folder in `offload_dir` under `offload_optimizer` nvme: the run name
+        (separators and other odd characters as `_`) and a short hash of the resolved `out`,
+        so runs into `a/r` and `b/r` never share one and the same run resumed finds its own."""
         if self.plan.offload_optimizer != "nvme":
             return None
-        return Path(self.plan.offload_dir) / self.run_name / f"rank{rank}"
+        out = Path(self.checkpoint.out).resolve()
+        tag = hashlib.sha256(os.fsencode(out)).hexdigest()[:8]
+        name = re.sub(r"[^\w.-]", "_", self.run_name)
+        return Path(self.plan.offload_dir) / f"{name}-{tag}"
+
+    def offload_folder(self, rank: int) -> Path | None:
+        """Where rank `rank` keeps ZeRO's states under `offload_optimizer` nvme."""
+        folder = self.offload_run_folder
+        return None if folder is None else folder / f"rank{rank}"
 
     def resolved(self, model: TransformerConfig, plan: ParallelPlan) -> RunConfig:
         """This config with what the run decided where the settings left it open: the model

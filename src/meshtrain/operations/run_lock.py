@@ -1,4 +1,5 @@
-"""`OUT/.lock`: one live run per output directory.
+"""`OUT/.lock`: one live run per output directory; the same lock, per rank, on a run's NVMe
+offload folders (`OFFLOAD/<run>/rank<N>/.lock`, taken by each rank: `lock_offload_folder`).
 
 The lock names its owner: host, process id and run id (torchrun's TORCHELASTIC_RUN_ID, which
 every rank and every restarted worker of one elastic run shares; meshtrain's launcher passes its
@@ -27,9 +28,9 @@ LOCK_FILE = ".lock"
 
 
 class RunLockError(ValueError):
-    """`out` cannot be locked for this run: another live run holds it, or its lock file cannot be
-    written. A `ValueError`, as these were before they had their own type: the command line
-    ends them with exit code 2 and their one line."""
+    """`out` (or an offload folder) cannot be locked for this run: another live run holds it,
+    or its lock file cannot be written. A `ValueError`, as these were before they had their own
+    type: the command line ends them with exit code 2 and their one line."""
 
 
 def own_run_id() -> str | None:
@@ -93,28 +94,30 @@ def record_ranks(out: str | Path, mesh) -> None:
         os.replace(tmp, path)
 
 
-def _refusal(out: Path, owner: dict) -> str:
+def _refusal(out: Path, owner: dict, setting: str = "out") -> str:
     who = (f"host {owner.get('host')}, pid {owner.get('pid')}, run id {owner.get('run_id')}"
            if owner else "its lock file is unreadable")
-    return (f"`out` {out} is in use by another run ({who}): wait for it to end or choose another"
-            f" `out`; if that run is gone, delete {out / LOCK_FILE}")
+    what = "`out`" if setting == "out" else f"the `{setting}` folder"
+    return (f"{what} {out} is in use by another run ({who}): wait for it to end or choose"
+            f" another `{setting}`; if that run is gone, delete {out / LOCK_FILE}")
 
 
-def check_free(out: str | Path, run_id: str | None = None) -> None:
-    """Raise (one line, naming the owner) when a live run other than `run_id` holds `out`."""
+def check_free(out: str | Path, run_id: str | None = None, setting: str = "out") -> None:
+    """Raise (one line, naming the owner) when a live run other than `run_id` holds `out` (a
+    folder of `setting`)."""
     out = Path(out)
     owner = _read(out / LOCK_FILE)
     if owner is None or (run_id is not None and owner.get("run_id") == run_id):
         return
     if _alive(owner):
-        raise RunLockError(_refusal(out, owner))
+        raise RunLockError(_refusal(out, owner, setting))
 
 
 class RunLock:
-    """The lock of `out` for run `run_id` (default: a new random id)."""
+    """The lock of `out` (a folder of `setting`) for run `run_id` (default: a new random id)."""
 
-    def __init__(self, out: str | Path, run_id: str | None = None):
-        self.out, self.run_id = Path(out), run_id or uuid.uuid4().hex
+    def __init__(self, out: str | Path, run_id: str | None = None, setting: str = "out"):
+        self.out, self.run_id, self.setting = Path(out), run_id or uuid.uuid4().hex, setting
         self.held = False
 
     @property
@@ -124,7 +127,7 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock (creating `out`), over a stale one or one of the same run; raises
         RunLockError naming the owner when another live run holds it."""
-        check_free(self.out, self.run_id)
+        check_free(self.out, self.run_id, self.setting)
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id}
         try:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -137,10 +140,10 @@ class RunLock:
             else:
                 tmp.unlink()
         except OSError as e:
-            raise RunLockError(f"`out` {self.out}: cannot write its lock file ({e}); choose a"
-                               " writable `out`") from None
+            raise RunLockError(f"`{self.setting}` {self.out}: cannot write its lock file ({e});"
+                               f" choose a writable `{self.setting}`") from None
         if _read(self.path) != mine:  # another run took it over at the same moment
-            raise RunLockError(_refusal(self.out, _read(self.path) or {}))
+            raise RunLockError(_refusal(self.out, _read(self.path) or {}, self.setting))
         self.held = True
 
     def release(self) -> None:
@@ -168,3 +171,45 @@ class RunLock:
         comm.all_reduce(refused, mesh.world, op=torch.distributed.ReduceOp.MAX)
         if refused.item():
             raise RunFailure(reason, EXIT_BAD_INPUT, agreed=True)
+
+
+def check_offload_free(run_folder: Path | None, run_id: str | None = None) -> None:
+    """Before ranks start: refuse when a live run other than `run_id` holds any rank's folder
+    in this run's offload folder."""
+    ranks = sorted(run_folder.glob("rank*")) if run_folder is not None else []
+    for folder in ranks:
+        check_free(folder, run_id, "offload_dir")
+
+
+class OffloadLock:
+    """Rank `rank`'s lock on its NVMe offload folder `folder` (None: no nvme offload): every
+    rank takes its own at once, a refusal is agreed (RunFailure, exit 2, rank 0's line naming
+    a holder). `release` also removes the folder and the run's folder once empty (the files
+    are gone by then: the store removes its own)."""
+
+    def __init__(self, folder: Path | None):
+        self.lock = RunLock(folder, own_run_id(), "offload_dir") if folder else None
+
+    def acquire_agreed(self, mesh) -> None:
+        from meshtrain.parallel.communication import comm
+        if self.lock is None:
+            return
+        reason = ""
+        try:
+            self.lock.acquire()
+        except RunLockError as e:
+            reason = str(e)
+        refusals = [r for r in comm.all_gather_objects(reason, mesh.world) if r]
+        if refusals:
+            self.release()
+            raise RunFailure(refusals[0], EXIT_BAD_INPUT, agreed=True)
+
+    def release(self) -> None:
+        if self.lock is None or not self.lock.held:
+            return
+        self.lock.release()
+        for folder in (self.lock.out, self.lock.out.parent):
+            try:
+                folder.rmdir()
+            except OSError:
+                return  # another rank's files, or this rank's left by a failed close

@@ -34,12 +34,13 @@ from meshtrain.data.blend import Blend, load_data
 from meshtrain.data.corpus import BatchSampler
 from meshtrain.interop.checkpoint_formats import checkpoint_format
 from meshtrain.mesh import ParallelMesh
-from meshtrain.operations.failures import EXIT_FAILED, RunFailure
-from meshtrain.operations.run_lock import RunLock, record_ranks
+from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_FAILED, RunFailure
+from meshtrain.operations.run_lock import OffloadLock, RunLock, record_ranks
 from meshtrain.operations.stopping import StopSignals, failed_rank
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.executor import Packing
+from meshtrain.parallel.runtime.nvme_offload import OffloadFileChanged
 from meshtrain.parallel.runtime.optim import clip_grad_norm_
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import init_parallel
@@ -267,10 +268,13 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
                                  timeout=process_group_timeout(timeout))
         if lock is not None:
             lock.acquire_agreed(mesh)
+        offload = OffloadLock(cfg.offload_folder(mesh.world.rank))
         try:
+            offload.acquire_agreed(mesh)
             record_ranks(cfg.checkpoint.out, mesh)
             return _train(cfg, mesh, stop)
         finally:
+            offload.release()
             if lock is not None:
                 lock.release()
 
@@ -279,6 +283,8 @@ def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None) -> list
     trainer = Trainer.build(cfg, mesh)
     try:
         return _train_built(cfg, mesh, trainer, stop)
+    except OffloadFileChanged as e:  # this rank's line; its peers stop as on a dead rank
+        raise RunFailure(str(e), EXIT_BAD_INPUT) from None
     finally:
         trainer.sync.close()
 
