@@ -24,7 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtrain.data.corpus import sidecar_of, token_dtype, write_atomic
+from meshtrain.data.corpus import (
+    remove_stale_temporaries,
+    sidecar_of,
+    token_dtype,
+    write_atomic,
+)
 from meshtrain.data.documents import (
     PIECE_BYTES,
     DocumentError,
@@ -75,6 +80,8 @@ def prepare(inputs: Iterable[str | Path], *, out: str | Path, tokenizer: str | P
                            " that meshtrain recognises: name it with `eod_token`")
     problems = Problems(on_error)
     earlier = _output_paths(out)  # an earlier run's output inside an input folder is no input
+    for path in earlier:  # what an interrupted earlier run into `out` left
+        remove_stale_temporaries(path)
     files = [path for path in input_files(inputs, problems) if path.resolve() not in earlier]
     held_out = _held_out_rule(val_fraction, val_docs, files)
     pieces = read_documents(files, problems, text_field=text_field,
