@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import transformers
-from harness import start_cli
+from harness import run_torchrun, start_cli
 from test_stopping import _finish, _flags, _meshtrain_lines, _rows, _wait_for_step
 
 from meshtrain.cli.main import main
@@ -210,3 +210,30 @@ def test_a_rank_killed_under_plain_torchrun_is_named_by_a_peer(corpus, tmp_path)
     assert code != 0 and named == [
         "meshtrain: rank 1 ended without a word (killed by a signal: SIGKILL or an out-of-memory"
         " kill); the other ranks stopped, the last complete checkpoint is kept"], err[-3000:]
+
+
+_RAISING_RANK = textwrap.dedent("""
+    import os, sys
+    from meshtrain.cli.main import main
+    from meshtrain.training.trainer import Trainer
+    step = Trainer.train_step
+    def failing(self, n):
+        if n == 2 and os.environ["RANK"] == "1":
+            raise RuntimeError("injected at step 2")
+        return step(self, n)
+    Trainer.train_step = failing
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.extended  # 2 ranks under torchrun: 10-30 s
+def test_a_rank_raising_under_plain_torchrun_is_one_line_naming_it(corpus, tmp_path):
+    """The failed rank names itself and the cause once; its peer, whose collective failed,
+    says nothing (torch's agent prints its own report after)."""
+    script = tmp_path / "raising.py"
+    script.write_text(_RAISING_RANK)
+    result = run_torchrun(str(script), *_flags(corpus, tmp_path / "run"))
+    line = ("meshtrain: error: rank 1: RuntimeError: injected at step 2 (rerun with --debug for"
+            " the traceback)")  # (rank 0's progress line may run into it: no newline between)
+    assert result.returncode != 0 and line in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("meshtrain: ") == 1, result.stderr[-3000:]
