@@ -237,3 +237,26 @@ def test_a_rank_raising_under_plain_torchrun_is_one_line_naming_it(corpus, tmp_p
             " the traceback)")  # (rank 0's progress line may run into it: no newline between)
     assert result.returncode != 0 and line in result.stderr, result.stderr[-3000:]
     assert result.stderr.count("meshtrain: ") == 1, result.stderr[-3000:]
+
+
+def test_ctrl_c_to_prepare_and_its_workers_is_one_line(tmp_path):
+    """Ctrl-C reaches the whole process group: the workers leave it to the command, which ends
+    them and its temporaries (each worker printed a traceback and the command hung)."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"text": "{" ".join(["w" + str(i % 97)] * 4000)}"}}\n'
+                            for i in range(2000)))
+    out = tmp_path / "tokens" / "x.bin"
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "prepare", *[str(docs)] * 20,
+                             "--out", str(out), "--workers", "2"], start_new_session=True,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not list(out.parent.glob(".x.bin.tmp*")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err = _finish(proc, timeout=60)
+    lines = [line for line in err.replace("\r", "\n").splitlines() if not line.startswith(
+        "prepare")]
+    assert code == 3 and lines == [f"meshtrain: prepare stopped by SIGINT: nothing half-written"
+                                   f" in {out}; run it again"], err[-3000:]
+    assert list(out.parent.iterdir()) == []
