@@ -50,11 +50,13 @@ def test_a_signal_while_the_command_loads_torch_is_one_line_and_exit_3(corpus, t
     assert not out.exists()
 
 
-def test_signals_after_the_stop_checkpoint_keep_exit_3(corpus, tmp_path):
-    """SIGTERM, then SIGTERM again every 20 ms from the moment the checkpoint is complete until
-    the process is gone: the run saved, so it says so once and exits 3 (not 143)."""
+@pytest.mark.parametrize("nproc", ["1", pytest.param("2", marks=pytest.mark.extended)])
+def test_signals_after_the_stop_checkpoint_keep_exit_3(corpus, tmp_path, nproc):
+    """SIGTERM, then SIGTERM again every 20 ms (to the launcher and its ranks) from the moment
+    the checkpoint is complete until the command is gone: the run saved, so it says so once and
+    exits 3 (not 143)."""
     out = tmp_path / "run"
-    proc = start_cli(*_flags(corpus, out))
+    proc = start_cli(*_flags(corpus, out, "--nproc", nproc))
     _wait_for_step(out, 2, proc)
     os.kill(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
@@ -63,11 +65,12 @@ def test_signals_after_the_stop_checkpoint_keep_exit_3(corpus, tmp_path):
         time.sleep(0.005)
     sent = 0
     while proc.poll() is None:
-        try:
-            os.kill(proc.pid, signal.SIGTERM)
-            sent += 1
-        except ProcessLookupError:
-            break
+        for pid in [proc.pid, *stopping.rank_processes(proc.pid).values()]:  # (live ones)
+            try:
+                os.kill(pid, signal.SIGTERM)
+                sent += 1
+            except ProcessLookupError:
+                pass
         time.sleep(0.02)
     code, err = _finish(proc)
     step = max(r["step"] for r in _rows(out) if "loss" in r)
