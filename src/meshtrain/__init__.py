@@ -1,8 +1,8 @@
 """meshtrain: train transformer language models with Megatron-style parallelism on one mesh."""
 
-from meshtrain.operations.stopping import hold_in_launched_rank
+from meshtrain.operations.stopping import handle_start_signals
 
-hold_in_launched_rank()  # first: a rank's stop signal while torch loads is held, not fatal
+handle_start_signals()  # first: a stop signal while torch loads is one line or held, not fatal
 # ruff: noqa: E402 (the imports below load torch: after the call above on purpose)
 
 from meshtrain.inference.dense import DenseModel, load_model

@@ -9,7 +9,6 @@ machines, run the same command under torchrun.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -230,6 +229,8 @@ def _in_rank(fn, debug: bool = False) -> int:
         return e.exit_code
     except Exception as e:
         if endings.peer_failed(e) and not debug:
+            if not stopping.under_meshtrain_launcher():  # (that one names the dead rank)
+                endings.name_silent_peers()
             return EXIT_PEER_FAILED
         return endings.unexpected(e, debug, f"rank {rank}: ")
     finally:
@@ -386,6 +387,16 @@ def _plan(args: argparse.Namespace) -> int:
     return cmd_plan(args)
 
 
+def _interrupted(args: argparse.Namespace, sig) -> int:
+    """A command other than `train` stopped by a signal: it removed what it was writing."""
+    out = getattr(args, "out", None)
+    if os.environ.get("RANK", "0") == "0" and not stopping.under_meshtrain_launcher():
+        left = f"nothing half-written in {out}" if out else "nothing half-written"
+        print(f"meshtrain: {args.command} stopped by {sig.name}: {left}; run it again",
+              file=sys.stderr)
+    return EXIT_STOPPED
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_command_line(argv)
@@ -394,15 +405,22 @@ def main(argv: list[str] | None = None) -> int:
                 "doctor": lambda: cmd_doctor(args),
                 "tokenizer": lambda: cmd_tokenizer_train(args), "plan": lambda: _plan(args),
                 "sample": lambda: cmd_sample(args, argv)}
-    # train: stop signals held until the run arms its own handling (see `stopping`)
-    held = stopping.signals_held() if args.command == "train" else contextlib.nullcontext()
+    # train: stop signals held until the run arms its own handling (see `stopping`); any other
+    # command stops at the first, its temporaries removed on the way out
+    held = stopping.signals_held() if args.command == "train" else stopping.interruptible()
     try:
         with held:
-            return commands[args.command]()
+            try:
+                return commands[args.command]()
+            finally:
+                stopping.command_ended()
+    except stopping.Interrupted as e:
+        return _interrupted(args, e.signal)
     except (ValueError, CheckpointError) as e:
         return _error(e)
-    except Exception as e:
-        return endings.unexpected(e, args.debug)
+    except Exception as e:  # (under torchrun every rank may print it: each names itself)
+        where = f"rank {os.environ['RANK']}: " if _under_torchrun() else ""
+        return endings.unexpected(e, args.debug, where)
 
 
 def run() -> None:
@@ -411,6 +429,7 @@ def run() -> None:
     paid by the launcher and each rank); what must be released early (process groups, held in
     cycles) `destroy_parallel` has collected already, and files are closed by then."""
     code = main()
+    stopping.ignore_from_now()  # a signal now must not turn `code` into 128+N
     sys.stdout.flush()
     sys.stderr.flush()
     gc.freeze()

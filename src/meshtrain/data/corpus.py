@@ -138,6 +138,25 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
+def remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporaries of `path` (`.NAME.tmpPID`, see `write_atomic`) that a run killed
+    or interrupted while writing it left, those of a process that no longer lives."""
+    for tmp in path.parent.glob(f".{path.name}.tmp*"):
+        pid = tmp.name.removeprefix(f".{path.name}.tmp")
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
+
+
 def write_atomic(path: Path, content: bytes) -> None:
     """Write `path` whole or not at all: a temporary file in the same folder, renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

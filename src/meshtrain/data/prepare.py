@@ -18,13 +18,19 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterable, Iterator
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
-from meshtrain.data.corpus import sidecar_of, token_dtype, write_atomic
+from meshtrain.data.corpus import (
+    remove_stale_temporaries,
+    sidecar_of,
+    token_dtype,
+    write_atomic,
+)
 from meshtrain.data.documents import (
     PIECE_BYTES,
     DocumentError,
@@ -75,6 +81,8 @@ def prepare(inputs: Iterable[str | Path], *, out: str | Path, tokenizer: str | P
                            " that meshtrain recognises: name it with `eod_token`")
     problems = Problems(on_error)
     earlier = _output_paths(out)  # an earlier run's output inside an input folder is no input
+    for path in earlier:  # what an interrupted earlier run into `out` left
+        remove_stale_temporaries(path)
     files = [path for path in input_files(inputs, problems) if path.resolve() not in earlier]
     held_out = _held_out_rule(val_fraction, val_docs, files)
     pieces = read_documents(files, problems, text_field=text_field,
@@ -178,6 +186,13 @@ _worker_encoder: _Encoder | None = None
 
 def _start_worker(spec: str) -> None:
     global _worker_encoder
+    # A Ctrl-C or SIGHUP to the process group is the parent's to act on (it ends the pool);
+    # SIGTERM, the pool's own way to end a worker, ends one silently. Forked workers would
+    # otherwise inherit the command's handler and each print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # blocked by `_worker_pool`
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     _worker_encoder = _Encoder(load_tokenizer(spec))
 
@@ -186,15 +201,29 @@ def _encode_in_worker(texts: list[str | None]) -> list[np.ndarray | None]:
     return _worker_encoder(texts)
 
 
+_STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+@contextlib.contextmanager
 def _worker_pool(spec: str | Path, workers: int):
     """A pool of `workers` encoding processes (none for one worker), made before any progress
     thread starts. Forked where there is fork: workers start at once, without importing torch
-    again."""
+    again. Stop signals are blocked while it forks: one raised inside a fork hook (logging's)
+    would be swallowed; held, it is acted on once the pool is there to be ended."""
     if workers == 1:
-        return contextlib.nullcontext()
+        yield None
+        return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method).Pool(workers, initializer=_start_worker,
-                                                    initargs=(str(spec),))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+    try:
+        pool = multiprocessing.get_context(method).Pool(workers, initializer=_start_worker,
+                                                        initargs=(str(spec),))
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        raise
+    with pool:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        yield pool
 
 
 def _encoded(batches: Iterator[list[Piece]], tokenizer: Tokenizer, pool, workers: int

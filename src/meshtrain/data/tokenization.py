@@ -14,7 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtrain.data.corpus import BYTE_VOCAB_SIZE, decode, encode, write_atomic
+from meshtrain.data.corpus import (
+    BYTE_VOCAB_SIZE,
+    decode,
+    encode,
+    remove_stale_temporaries,
+    write_atomic,
+)
 from meshtrain.data.documents import Problems, input_files, input_progress, read_documents
 from meshtrain.errors import Code, SettingError
 
@@ -220,5 +226,6 @@ def train_tokenizer_file(inputs: Iterable[str | Path], *, vocab_size: int, out: 
 
         content = train_bpe(texts(), vocab_size=vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)  # of a killed earlier run into `out`
     write_atomic(out, content.encode("utf-8"))
     return len(json.loads(content)["model"]["vocab"]), problems.summary()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -289,13 +290,27 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Path:
                            f"`out` {run_dir} holds a run: import into a new directory")
     planned = source.planned()
     check_import_fits(planned, source.path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if (source.path / TOKENIZER_FILE).is_file():
-        shutil.copyfile(source.path / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
-    note = f"# meshtrain import-hf {source.path.resolve()}: model weights only, no run settings\n"
-    return write_model_checkpoint(run_dir / "checkpoints", family=source.mapping.family,
-                                  cfg=source.cfg, planned=planned, tensors=source.tensors(),
-                                  config_toml=note)
+    # Written into a sibling temporary, moved in at the end: an interrupted import (a signal, a
+    # full disk) leaves no half-written checkpoints/ that would make the next import refuse;
+    # the next import removes the temporary of an interrupted one.
+    tmp = run_dir.with_name(f".{run_dir.name}.import-tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if (source.path / TOKENIZER_FILE).is_file():
+            shutil.copyfile(source.path / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+        note = (f"# meshtrain import-hf {source.path.resolve()}: model weights only, no run"
+                " settings\n")
+        written = write_model_checkpoint(tmp / "checkpoints", family=source.mapping.family,
+                                         cfg=source.cfg, planned=planned,
+                                         tensors=source.tensors(), config_toml=note)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if (tmp / TOKENIZER_FILE).exists():
+            os.replace(tmp / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
+        (tmp / "checkpoints").rename(run_dir / "checkpoints")  # last: the run appears whole
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return run_dir / "checkpoints" / written.name
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -123,14 +124,21 @@ def export_dcp(checkpoint: str | Path, out_dir: str | Path) -> int:
             state[titan] = part.contiguous() if heads is None else _interleaved(part, heads)
     if cfg.tie_word_embeddings:  # torchtitan's tied model saves its output layer by name too
         state["lm_head.weight"] = state["tok_embeddings.weight"]
+    tmp = out.with_name(f".{out.name}.tmp")  # moved in whole; the next export removes a left one
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         with _one_process():
-            dcp.save(state, checkpoint_id=out, no_dist=True)
-        (out / SIDECAR).write_text(json.dumps({"family": "llama",
+            dcp.save(state, checkpoint_id=tmp, no_dist=True)
+        (tmp / SIDECAR).write_text(json.dumps({"family": "llama",
                                                "model": dataclasses.asdict(cfg)}, indent=1))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
     except OSError as e:
         raise unwritable(out, e) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (gone after the rename)
     return len(state)
 
 

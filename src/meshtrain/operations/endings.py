@@ -62,3 +62,16 @@ def peer_failed(e: Exception) -> bool:
     return isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and (
         "gloo/transport" in text or "Connection closed by peer" in text
         or "Connection reset by peer" in text)
+
+
+def name_silent_peers() -> None:
+    """Under plain torchrun no meshtrain launcher names a rank that died without a word: the
+    lowest surviving rank of its node does, in one line (torch's agent's report may follow)."""
+    from meshtrain.operations.stopping import silent_peers
+
+    silent, speaker = silent_peers()
+    if silent and speaker:
+        ranks = " and ".join(f"rank {rank}" for rank in silent)
+        print(f"meshtrain: {ranks} ended without a word (killed by a signal: SIGKILL or an"
+              " out-of-memory kill); the other ranks stopped, the last complete checkpoint is"
+              " kept", file=sys.stderr)

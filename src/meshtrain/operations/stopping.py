@@ -80,11 +80,90 @@ def signals_held():
         _held.clear()
 
 
-def hold_in_launched_rank() -> None:
-    """`hold_signals` in a rank meshtrain's launcher started, before torch loads (seconds in
-    which the launcher may already forward a signal); any other process keeps the defaults."""
+COMMAND_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what stops any command
+_command = {"ended": False}  # set once `main` has its exit code: later signals change nothing
+
+
+def is_meshtrain_command() -> bool:
+    """This process is the `meshtrain` command (`python -m meshtrain`, or the console script),
+    not a program that imports meshtrain as a library."""
+    argv = getattr(sys, "orig_argv", [])
+    module = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-m"]
+    return module[:1] == ["meshtrain"] or "-mmeshtrain" in argv or (
+        bool(sys.argv) and Path(sys.argv[0]).name == "meshtrain")
+
+
+def _stop_at_start(signum, frame) -> None:
+    """A stop signal to the command before it has its own handling (importing torch, parsing):
+    no step can have run and nothing is written yet; after `main` ended, nothing changes."""
+    if _command["ended"]:
+        return
+    print(f"meshtrain: stopped by {signal.Signals(signum).name} during start-up, before the"
+          " first step: nothing to save", file=sys.stderr, flush=True)
+    os._exit(EXIT_STOPPED)
+
+
+def handle_start_signals() -> None:
+    """The first thing `import meshtrain` does. A rank (of meshtrain's launcher, or the
+    `meshtrain` command under torchrun) holds stop signals until it arms (`hold_signals`): torch
+    loads for seconds in which its launcher may already forward one. The `meshtrain` command
+    itself ends at once with one line and EXIT_STOPPED (not a KeyboardInterrupt traceback, nor a
+    silent 143). A program importing meshtrain as a library keeps its handlers."""
     if os.environ.get(LAUNCHER_PID) == str(os.getppid()):
         hold_signals()
+    elif is_meshtrain_command():
+        _command["ended"] = False
+        if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+            hold_signals()
+        else:
+            for sig in COMMAND_SIGNALS:
+                signal.signal(sig, _stop_at_start)
+
+
+def command_ended() -> None:
+    """`main` has its exit code: a stop signal from now on is ignored (the handlers it restores
+    on its way out must not turn a finished or saved run into 128+N)."""
+    _command["ended"] = True
+
+
+def ignore_from_now() -> None:
+    """The command is about to exit with its code: ignore stop signals (Python's finalization
+    resets its handlers to the defaults, under which one would still end the process as 128+N)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class Interrupted(BaseException):
+    """A stop signal to a command other than `train` (`interruptible`): raised in the main thread
+    so that every `finally` on the way out removes what the command was writing."""
+
+    def __init__(self, sig: signal.Signals):
+        super().__init__(sig.name)
+        self.signal = sig
+
+
+@contextlib.contextmanager
+def interruptible():
+    """Around a command other than `train` (`prepare`, `import-hf`, `export`, ...): the first
+    SIGTERM, SIGINT or SIGHUP raises `Interrupted`, later ones are ignored while it cleans up;
+    one held from start-up (a rank under torchrun) raises at once."""
+    raised: list[int] = []
+
+    def handle(signum, frame):
+        if not raised:
+            raised.append(signum)
+            raise Interrupted(signal.Signals(signum))
+
+    previous = {sig: signal.signal(sig, handle) for sig in COMMAND_SIGNALS}
+    try:
+        if _held:
+            sig = _held[0][0]
+            _held.clear()
+            handle(sig, None)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _rank_folder() -> Path | None:
@@ -155,6 +234,27 @@ def failed_rank(world: int) -> str | None:
     return f"rank {failed[0][0]} failed with exit code {failed[0][1]}" if failed else None
 
 
+def silent_peers() -> tuple[list[int], bool]:
+    """Under plain torchrun, for a rank whose collective failed because a peer left: the ranks
+    of this node that ended without a word (neither alive nor with an exit file: a SIGKILL, an
+    out-of-memory kill), and whether this rank is the one to name them (the lowest of the
+    others). This rank's exit file is written first, so a peer that decides after it has
+    ended does not count it as silent."""
+    report_exit(EXIT_PEER_FAILED)
+    folder = _rank_folder()
+    try:
+        rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        ranks = range(rank - local, rank - local + int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        return [], False
+    if folder is None or not folder.parent.name.startswith("attempt_"):
+        return [], False
+    ended = set(_files_of(folder.parent.glob("*/rank_*.exit")))
+    alive = set(rank_processes(os.getppid()))
+    silent = [r for r in ranks if r not in ended and r not in alive]
+    return silent, rank == min(r for r in ranks if r not in silent)
+
+
 def _noop(signum, frame) -> None:
     """The Python-level handler: the watcher thread does the work (see `StopSignals`)."""
 
@@ -168,6 +268,7 @@ class StopSignals:
         self._first: tuple[int, float] | None = None
         self._request = 0.0
         self._echo = False  # a SIGUSR1 passed to the launcher comes back once
+        self._saved = False  # the run's last checkpoint is written (`saved`)
         self._deadline: threading.Timer | None = None
         self._pipe: tuple[int, int] | None = None
         self._previous: dict = {}
@@ -230,7 +331,14 @@ class StopSignals:
                 self._on_signal(signal.Signals(byte[0]), time.monotonic())
         os.close(read_fd)
 
+    def saved(self) -> None:
+        """The checkpoint that ends the run (a stop's, or the last step's) is complete: a signal
+        from now on changes nothing (a repeat must not turn it into an unsaved abort)."""
+        self._saved = True
+
     def _on_signal(self, sig: signal.Signals, now: float) -> None:
+        if self._saved:
+            return
         if self._first is None:
             self._first = (sig, now)
             self._request = STOP_BASE + sig
@@ -315,7 +423,10 @@ class LauncherSignals:
             raise SignalException(f"meshtrain's launcher got {sig.name}",
                                   sigval=signal.SIGKILL if self.in_start_up else sig)
         if now - self._first[1] > DUPLICATE_WINDOW_S:
-            for pid in rank_processes(os.getpid()).values():
+            ended = self.codes()  # a rank that reported its end (its checkpoint saved) is left
+            for rank, pid in rank_processes(os.getpid()).items():
+                if rank in ended:
+                    continue
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:

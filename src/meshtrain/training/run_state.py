@@ -125,6 +125,8 @@ class RunState:
         if saving:  # the end and a stop save in the foreground, after the write in flight
             path = trainer.save(self.out, done, background=done < self.stop and not stopping)
             self.last_save = time.monotonic()
+            if (stopping or done == self.stop) and self.signals is not None:
+                self.signals.saved()  # the run's last checkpoint: a later signal changes nothing
             if done < self.stop and not stopping:  # the end and a stop say so themselves
                 how = "writing in the background" if trainer.saver else "saved"
                 self.progress.write(f"meshtrain: {how} checkpoint {path}")
