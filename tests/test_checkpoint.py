@@ -12,6 +12,7 @@ from meshtrain.checkpointing import checkpoint as ckpt
 from meshtrain.checkpointing.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 from meshtrain.checkpointing.model_files import export_safetensors
 from meshtrain.config.run_config import build_config
+from meshtrain.operations.failures import EXIT_FAILED, RunFailure
 from meshtrain.parallel import named_full_tensors
 from meshtrain.training.trainer import Trainer
 
@@ -50,9 +51,11 @@ def _crash_during_save(corpus, out):
     ckpt._fsync_write = crash
     try:
         # Rank 0 fails before renaming the directory into place: every rank gets the same
-        # one-line error (no rank is left waiting) and the previous checkpoint stays.
-        with pytest.raises(CheckpointError, match="saving the checkpoint failed on rank 0"):
+        # agreed failure, a failed write's exit 1 (no rank is left waiting), and the previous
+        # checkpoint stays.
+        with pytest.raises(RunFailure, match="saving the checkpoint failed on rank 0") as failed:
             trainer.save(Path(out), 4)
+        assert failed.value.exit_code == EXIT_FAILED and failed.value.agreed
     finally:
         ckpt._fsync_write = real
 
