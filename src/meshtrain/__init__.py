@@ -1,6 +1,6 @@
 """meshtrain: train transformer language models with Megatron-style parallelism on one mesh."""
 
-from meshtrain.operations.stopping import handle_start_signals
+from meshtrain.operations.command_signals import handle_start_signals
 
 handle_start_signals()  # first: a stop signal while torch loads is one line or held, not fatal
 # ruff: noqa: E402 (the imports below load torch: after the call above on purpose)

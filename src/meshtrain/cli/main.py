@@ -35,7 +35,7 @@ from meshtrain.errors import Code, SettingError
 from meshtrain.interop.checkpoint_formats import checkpoint_format, format_named
 from meshtrain.machine_fit import check_states_fit
 from meshtrain.mesh import resolve_degrees
-from meshtrain.operations import endings, run_lock, stopping
+from meshtrain.operations import command_signals, endings, run_lock, stopping
 from meshtrain.operations.cpu_threads import threads_per_rank
 from meshtrain.operations.failures import (
     EXIT_BAD_INPUT,
@@ -407,14 +407,14 @@ def main(argv: list[str] | None = None) -> int:
                 "sample": lambda: cmd_sample(args, argv)}
     # train: stop signals held until the run arms its own handling (see `stopping`); any other
     # command stops at the first, its temporaries removed on the way out
-    held = stopping.signals_held() if args.command == "train" else stopping.interruptible()
+    held = stopping.signals_held() if args.command == "train" else command_signals.interruptible()
     try:
         with held:
             try:
                 return commands[args.command]()
             finally:
-                stopping.command_ended()
-    except stopping.Interrupted as e:
+                command_signals.command_ended()
+    except command_signals.Interrupted as e:
         return _interrupted(args, e.signal)
     except (ValueError, CheckpointError) as e:
         return _error(e)
@@ -429,7 +429,7 @@ def run() -> None:
     paid by the launcher and each rank); what must be released early (process groups, held in
     cycles) `destroy_parallel` has collected already, and files are closed by then."""
     code = main()
-    stopping.ignore_from_now()  # a signal now must not turn `code` into 128+N
+    command_signals.ignore_from_now()  # a signal now must not turn `code` into 128+N
     sys.stdout.flush()
     sys.stderr.flush()
     gc.freeze()

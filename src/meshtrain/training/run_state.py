@@ -112,6 +112,14 @@ class RunState:
         self._write(row)
         self.progress.update(step=done, loss=row["loss"], tokens_per_s=tokens_per_s,
                              tflops=row["tflops"], mfu=row.get("mfu"))
+        self._save_or_stop(done, request)
+        self.timer.lap()  # exclude evaluation and checkpointing from the next step's time
+
+    def _save_or_stop(self, done: int, request: float) -> None:
+        """After step `done`: save on the cadence, at the end or when asked (never inside a
+        streak of non-finite steps), with the metrics the checkpoint holds flushed first; end
+        the run when the ranks agreed on a stop signal."""
+        trainer, t = self.trainer, self.cfg.train
         save_every = self.cfg.checkpoint.save_every
         stopping = stop_signal(request) if done < self.stop else None
         # Never inside a streak of non-finite steps: the last good checkpoint stays the last
@@ -139,7 +147,6 @@ class RunState:
             raise RunFailure(f"stopped by {stopping.name} after step {done}; checkpoint"
                              f" {path.name} saved; continue with `resume` (or `auto_resume`)",
                              EXIT_STOPPED, agreed=True)
-        self.timer.lap()  # exclude evaluation and checkpointing from the next step's time
 
     def _run_step(self, step: int) -> dict:
         return self._traced(step) if step == self.traced else self.trainer.train_step(step)
