@@ -32,6 +32,19 @@ def _split_params(num_weights: int, params: tuple) -> tuple[tuple, tuple]:
     return params[:num_weights], params[num_weights:]
 
 
+def _save_column(ctx, x, axis: MeshAxis, num_weights: int,
+                 weight_grads: WeightGradients | None, gemm: DenseGemm,
+                 params: tuple) -> tuple[tuple, tuple]:
+    """What a column-parallel forward keeps for its backward: the input it was given and the
+    weights (never their join), the axis, the gemm and where weight gradients go; returns
+    (weights, biases)."""
+    weights, biases = _split_params(num_weights, params)
+    ctx.save_for_backward(x, *weights)
+    ctx.axis, ctx.has_bias, ctx.gemm = axis, bool(biases), gemm
+    ctx.weight_grads, ctx.params = weight_grads, params
+    return weights, biases
+
+
 class DenseGemm:
     """The local matmuls of a linear layer, in the dtype of its operands: the output
     `x W^T + b`, the input gradient `g W` and the weight gradient `g^T x`. A subclass computes
@@ -104,10 +117,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis: MeshAxis, num_weights: int,
                 weight_grads: WeightGradients | None, gemm: DenseGemm, *params):
-        weights, biases = _split_params(num_weights, params)
-        ctx.save_for_backward(x, *weights)
-        ctx.axis, ctx.has_bias, ctx.gemm = axis, bool(biases), gemm
-        ctx.weight_grads, ctx.params = weight_grads, params
+        weights, biases = _save_column(ctx, x, axis, num_weights, weight_grads, gemm, params)
         return gemm.output(x, _joined(weights), _joined(biases) if biases else None)
 
     @staticmethod
@@ -173,10 +183,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis: MeshAxis, num_weights: int,
                 weight_grads: WeightGradients | None, gemm: DenseGemm, *params):
-        weights, biases = _split_params(num_weights, params)
-        ctx.save_for_backward(x, *weights)
-        ctx.axis, ctx.has_bias, ctx.gemm = axis, bool(biases), gemm
-        ctx.weight_grads, ctx.params = weight_grads, params
+        weights, biases = _save_column(ctx, x, axis, num_weights, weight_grads, gemm, params)
         return gemm.output(comm.all_gather(x, axis, dim=1), _joined(weights),
                            _joined(biases) if biases else None)
 
