@@ -10,7 +10,8 @@ from meshtrain.config.run_config import build_config
 from meshtrain.contracts import AuxiliaryOutputs
 from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather_objects
-from meshtrain.parallel.layers.expert import MoE, capacity, route
+from meshtrain.parallel.layers.expert import MoE
+from meshtrain.parallel.layers.routing import capacity, route
 from meshtrain.parallel.runtime.optim import clip_grad_norm_
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
@@ -33,6 +34,13 @@ def test_capacity_rule_first_choices_then_position_order():
     assert r.kept[:, 1].tolist() == [True, False, False, False, False, False]
     assert r.tokens_per_expert.tolist() == [3 + 0, 2 + 1]
     assert_close(r.weights.sum(-1), torch.ones(6))  # GShard: renormalised
+
+
+def test_capacity_factor_zero_is_dropless():
+    logits = torch.tensor([[2.0, 1.0]] * 6)  # every token's both choices pile on the same expert
+    r = route(logits, top_k=2, capacity_factor=0.0)
+    assert r.kept.all()
+    assert r.tokens_per_expert.tolist() == [6, 6]
 
 
 def test_switch_aux_loss_and_top1_weights():
@@ -157,8 +165,8 @@ def test_expert_parallel_matches_single_process(corpus, tp, ep, top_k, world, mo
 def test_bad_moe_settings():
     with raises_as_flags("--moe-top-k 2 exceeds --moe-experts 1"):
         preset("tiny", moe_experts=1, moe_top_k=2).validate()
-    with raises_as_flags("--moe-capacity-factor must be > 0"):
-        preset("tiny", moe_experts=4, moe_capacity_factor=0.0).validate()
+    with raises_as_flags("--moe-capacity-factor must be > 0, or 0 for dropless"):
+        preset("tiny", moe_experts=4, moe_capacity_factor=-1.0).validate()
     with raises_as_flags("--moe-experts 6 must be divisible by --ep 4"):
         preset("tiny", moe_experts=6).validate_for_ep(4)
     with raises_as_flags("--ep 2 needs an MoE model"):

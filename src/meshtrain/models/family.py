@@ -68,7 +68,8 @@ class TransformerConfig(ABC):
     moe_every: int = _setting("every n-th MLP is an MoE layer (layers n-1, 2n-1, ...)", 1)
     moe_capacity_factor: float = _setting("expert capacity = ceil(factor x tokens x k /"
                                           " experts) per micro-batch and rank; excess choices"
-                                          " are dropped", 1.25)
+                                          " are dropped (0: dropless, every choice kept)",
+                                          1.25)
     moe_aux_loss_coef: float = _setting("weight of the Switch load-balancing loss", 0.01)
     moe_z_loss_coef: float = _setting("weight of the router z-loss (mean squared"
                                       " log-sum-exp of the router logits)", 0.0)
@@ -165,9 +166,9 @@ class TransformerConfig(ABC):
                 f" {self.moe_experts}: use more experts or a smaller k"))
         if self.moe_every < 1:
             raise SettingError(Code.RANGE, f"`moe_every` must be positive, got {self.moe_every}")
-        if not 0 < self.moe_capacity_factor < math.inf:
+        if not 0 <= self.moe_capacity_factor < math.inf:
             raise SettingError(Code.RANGE, (
-                f"`moe_capacity_factor` must be > 0, got"
+                f"`moe_capacity_factor` must be > 0, or 0 for dropless routing, got"
                 f" {self.moe_capacity_factor}"))
         if not (0 <= self.moe_aux_loss_coef < math.inf and 0 <= self.moe_z_loss_coef < math.inf):
             raise SettingError(Code.RANGE, "`moe_aux_loss_coef` and `moe_z_loss_coef` must be >= 0")

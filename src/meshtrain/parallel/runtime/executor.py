@@ -23,9 +23,9 @@ from meshtrain.data.corpus import to_device
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
-from meshtrain.parallel.layers.expert import RoutingStats
 from meshtrain.parallel.layers.loss import IGNORE_INDEX
 from meshtrain.parallel.layers.masks import document_ids, document_positions
+from meshtrain.parallel.layers.routing import RoutingStats
 from meshtrain.parallel.layers.weight_grads import defer_weight_gradients
 from meshtrain.parallel.runtime.pipeline import PipeDream2BW, ScheduleRun, run_schedule
 from meshtrain.parallel.schedules.actions import (
