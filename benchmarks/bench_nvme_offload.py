@@ -146,7 +146,7 @@ def child(target: str, folder: str, quick: bool, steps: int, zero: int) -> dict:
             start = time.perf_counter()
             trainer.train_step(s)
             times.append(time.perf_counter() - start)
-        store = sync.reducers[0].store
+        store = sync.reducers[0].states.files
         # creation wrote every bucket once before the first step
         moved = (store.bytes_read, store.bytes_written - sum(store.nbytes)) if store else (0, 0)
         params = sum(p.numel() for p in trainer.model.parameters())

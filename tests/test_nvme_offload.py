@@ -33,7 +33,7 @@ def _weights_after_steps(corpus, out, degrees, stage, target, folder, bucket_mb=
     parallel = {"zero": stage, "bucket_mb": bucket_mb, **degrees} | _offload(target, folder)
     trainer = Trainer.build(_cfg(corpus, out, parallel), worker_mesh(**degrees))
     rows = [trainer.train_step(step) for step in range(3)]
-    store = trainer.sync.reducers[0].store
+    store = getattr(trainer.sync.reducers[0].states, "files", None)  # nvme only
     files = sorted(p.name for p in store.directory.iterdir()) if store else []
     window = len(store.slabs) if store else 0
     values, states, _ = trainer.sync.export()
@@ -107,7 +107,7 @@ def _full_disk_mid_step(corpus, out, folder):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     for reducer in trainer.sync.reducers:
-        reducer.store.write = full
+        reducer.states.files.write = full
     with pytest.raises(SettingError) as failure:
         trainer.train_step(1)
         trainer.sync.export()  # a write still in flight fails here at the latest

@@ -156,7 +156,7 @@ def _changed_mid_step(corpus, out, folder):
     trainer = Trainer.build(_cfg(corpus, out, parallel), worker_mesh(dp=2))
     trainer.train_step(0)
     saved = trainer.save(Path(out), 1)
-    store = trainer.sync.reducers[0].store
+    store = trainer.sync.reducers[0].states.files
     store.flush()
     # every rank's (a rank alone would leave its peers waiting in the step's all-gather)
     _zero_second_half(store.path(len(store.sizes) - 1))

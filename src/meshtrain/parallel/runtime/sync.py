@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -35,6 +36,23 @@ from meshtrain.precision import MasterWeights
 Partial = list[tuple[MeshAxis, list[nn.Parameter]]]
 
 
+class Reducer(Protocol):
+    """What a sync asks of the reducer of one group of parameters over one axis, replicated
+    (`GradientReducer`: all-reduce) or sharded (`ZeroDataParallel`: reduce-scatter): `sync`
+    set before each backward (True on the step's last micro-batch), `wait()` after the last,
+    then `grad(p)`: this rank's reduced gradient of p (a piece of it when sharded, None if it
+    holds none)."""
+
+    params: list[nn.Parameter]
+    sync: bool
+
+    def zero_grad(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def grad(self, param: nn.Parameter) -> torch.Tensor | None: ...
+
+
 class GradientSync(ABC):
     """Per optimizer step: `zero_grad()`; `before_backward(last)` before each micro-batch's
     backward (True for the step's last); `wait()` -> the `GradientLayout` of this rank's
@@ -43,7 +61,8 @@ class GradientSync(ABC):
 
     optimizer: torch.optim.Optimizer
     """The AdamW `build_adamw` made from the `OptimizerSettings` the sync was given."""
-    reducers: list  # GradientReducer or ZeroDataParallel: dense parameters, then experts
+    reducers: list[Reducer]
+    """Dense parameters' reducer, then the experts' (over edp)."""
     sharded: bool
     """Whether data-parallel ranks hold different pieces of each gradient (clipping sums the
     squares over them)."""
@@ -269,5 +288,4 @@ class ZeroSync(GradientSync):
 
     def close(self) -> None:
         for reducer in self.reducers:
-            if reducer.store is not None:
-                reducer.store.close()
+            reducer.states.close()

@@ -21,17 +21,16 @@ One optimizer step:
 - then the master pieces step, each rank copies its updated shard into its parameter shard, and
   stages 1 and 2 all-gather the buckets (stage 3 keeps only the shard).
 
-With `offload`, the fp32 master shard, its gradient and the Adam moments live in host memory and
-the update runs there (on a CPU-only machine this is the same memory, and bitwise the same run).
-With `offload_dir` (nvme) they live in files instead (`nvme_offload.py`) and the update runs
-bucket by bucket through a window of host slabs: the next bucket is read and the previous one
-written while a bucket steps. AdamW is elementwise, so stepping bucket by bucket is bitwise
-the step over all pieces at once.
+The pieces, each a concept of its own module: the bucket (`zero_bucket.py`), where the master
+shards and Adam moments live - beside the parameters, on the host or in files - behind one
+store interface (`zero_states.py`), stage 3's gathering of parameters around computation
+(`zero_gather.py`), and the states in and out of checkpoints (`zero_export.py`). This class
+is the gradient side: stage 1's one reduction per step against stages 2 and 3's per
+micro-batch reductions, and the step.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,16 +41,16 @@ from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.data_parallel import check_grad_views, reverse_buckets
-from meshtrain.parallel.runtime.nvme_offload import NvmeStore
-from meshtrain.parallel.runtime.optim import ADAMW_MOMENTS, restored_step
-from meshtrain.parallel.runtime.zero_bucket import BACKWARD, FORWARD, FREE, Bucket, shard_numel
+from meshtrain.parallel.runtime.zero_bucket import BACKWARD, Bucket, shard_numel
+from meshtrain.parallel.runtime.zero_export import export_states, load_states
+from meshtrain.parallel.runtime.zero_gather import ParameterGatherer, TransientBytes, release
+from meshtrain.parallel.runtime.zero_states import state_store
 
 ZERO_STAGES = (0, 1, 2, 3)
 """The `zero` choices: nothing sharded, optimizer states, + gradients, + parameters."""
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 """The `offload_optimizer` choices."""
 
-_EVICTED = torch.empty(0)  # what an offloaded master piece or moment points at between uses
 _IN_FLIGHT_REDUCTIONS = 2  # stage 2/3: buckets whose reduce-scatter may still be running
 
 
@@ -82,25 +81,21 @@ class ZeroDataParallel:
         self.deferred_axis = deferred[1] if deferred else None
         groups = self._group(units, bucket_bytes, grad_dtype,
                              deferred[0] if deferred else None)
-        # nvme: each bucket's states go to disk as it is made, so they are never all in memory
-        self.store = NvmeStore(offload_dir, [shard_numel(g, axis.size) for g in groups]) \
-            if offload_dir else None
+        self.states = state_store(offload=offload, offload_dir=offload_dir,
+                                  shard_sizes=[shard_numel(g, axis.size) for g in groups])
         self.buckets = []
         self._pieces = {}
         for g in groups:
-            b = Bucket(g, axis, stage=stage, grad_dtype=grad_dtype,
-                       offload=offload or self.store is not None)
+            b = Bucket(g, axis, stage=stage, grad_dtype=grad_dtype, offload=self.states.on_host)
             self._pieces[id(b)] = [nn.Parameter(b.master[a:a + n]) for _, a, n in b.pieces]
-            if self.store is not None:
-                self.store.create(len(self.buckets), b.master)
-                self._evict(b, None)
+            self.states.adopt(len(self.buckets), b, self._pieces[id(b)])
             self.buckets.append(b)
         self.deferred = next((b for b in self.buckets if deferred and b.params[0] is deferred[0]),
                              None)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._in_flight: list[Bucket] = []
-        self.transient_bytes = 0
-        self.peak_transient_bytes = 0
+        self.transient = TransientBytes()
+        self.gatherer: ParameterGatherer | None = None  # stage 3, once `attach`ed
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -146,7 +141,7 @@ class ZeroDataParallel:
                 self._in_flight.remove(b)
                 self._complete(b)
             b.fresh_grad_flat()
-            self._track(b.grad_flat.numel() * b.grad_flat.element_size())
+            self.transient.add(b.grad_flat.numel() * b.grad_flat.element_size())
         if not b.as_grads:
             b.add_grad(param)
             param.grad = None
@@ -173,7 +168,7 @@ class ZeroDataParallel:
         b.grad_flat, b.grad_views = None, {}  # the collective holds it until done
         self._in_flight.append(b)
         if self.stage == 3 and b.state == BACKWARD:
-            self._release(b)
+            release(b, self.transient)
         while len(self._in_flight) > _IN_FLIGHT_REDUCTIONS:
             self._complete(self._in_flight.pop(0))
 
@@ -181,7 +176,7 @@ class ZeroDataParallel:
         if b.work is not None:
             b.work.wait()
         b.take_reduced(b.reduced)
-        self._track(-b.padded * b.grad_shard.element_size())
+        self.transient.add(-b.padded * b.grad_shard.element_size())
         b.work, b.reduced = None, None
 
     def wait(self) -> None:
@@ -206,7 +201,7 @@ class ZeroDataParallel:
             self._complete(self._in_flight.pop(0))
         if self.stage == 3:  # a unit whose parameters got no gradient is still gathered
             for b in self.buckets:
-                self._release(b)
+                release(b, self.transient)
         for b in self.buckets:
             b.ensure_grad_shard()
         if self.scale != 1.0:
@@ -222,27 +217,9 @@ class ZeroDataParallel:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step this rank's master pieces with the (unscaled, clipped) gradient shards, copy
-        them into the parameter shards and (stages 1, 2) gather the full parameters. Offloaded
-        to nvme, one bucket at a time: pieces without a gradient are left alone by AdamW."""
-        if self.store is None:
-            for b in self.buckets:
-                self._give_grads(b)
-            optimizer.step()
-            for b in self.buckets:
-                self._write_back(b)
-                if self.stage > 1:
-                    b.drop_grad_shard()
-        else:
-            self.store.prefetch(0)
-            for k, b in enumerate(self.buckets):
-                with self._offloaded(k, optimizer, dirty=True):
-                    if k + 1 < len(self.buckets):
-                        self.store.prefetch(k + 1)
-                    self._give_grads(b)
-                    optimizer.step()
-                    self._write_back(b)
-                    if self.stage > 1:
-                        b.drop_grad_shard()
+        them into the parameter shards and (stages 1, 2) gather the full parameters; in the
+        order the states' store allows (`StateStore.step`)."""
+        self.states.step(self.buckets, self._pieces, optimizer, self._give_grads, self._take)
         self._gather_parameters()
 
     def _give_grads(self, b: Bucket) -> None:
@@ -251,11 +228,13 @@ class ZeroDataParallel:
         for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
             piece.grad = grad[a:a + n]
 
-    def _write_back(self, b: Bucket) -> None:
+    def _take(self, b: Bucket) -> None:
         for piece in self._pieces[id(b)]:
             piece.grad = None  # frees an fp32 gradient copy
         if b.master is not b.param_shard:
             b.param_shard.copy_(b.master)
+        if self.stage > 1:
+            b.drop_grad_shard()
 
     def _gather_parameters(self) -> None:
         works = []
@@ -267,123 +246,20 @@ class ZeroDataParallel:
             if work is not None:
                 work.wait()
 
-    # ------------------------------------------------------------------ nvme offload
-    @contextmanager
-    def _offloaded(self, k: int, optimizer: torch.optim.Optimizer, *, dirty: bool):
-        """Bucket k's master and moments in host memory for the block (a no-op unless
-        offloaded to nvme); written back after it when `dirty`."""
-        if self.store is None:
-            yield
-            return
-        b, states = self.buckets[k], self.store.load(k)
-        self._bind(b, states, optimizer)
-        try:
-            yield
-            self._bind(b, states, optimizer)  # moments AdamW or `load` just made move in
-        finally:
-            self._evict(b, optimizer)
-            self.store.release(k, dirty=dirty)
-
-    def _bind(self, b: Bucket, states: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        """Point the master, its pieces and their moments at a slab `states` = [master |
-        exp_avg | exp_avg_sq], copying in moments held elsewhere (fresh from AdamW or `load`)."""
-        n = b.shard_size
-        b.master = states[:n]
-        for piece, (_, a, m) in zip(self._pieces[id(b)], b.pieces, strict=True):
-            piece.data = states[a:a + m]
-            state = optimizer.state.get(piece)
-            for i, name in enumerate(ADAMW_MOMENTS if state else ()):
-                view = states[(i + 1) * n + a:(i + 1) * n + a + m]
-                if state[name].numel() and state[name].data_ptr() != view.data_ptr():
-                    view.copy_(state[name])
-                state[name] = view
-
-    def _evict(self, b: Bucket, optimizer: torch.optim.Optimizer | None) -> None:
-        b.master = _EVICTED
-        for piece in self._pieces[id(b)]:
-            piece.data = _EVICTED
-            state = optimizer.state.get(piece) if optimizer is not None else None
-            for name in ADAMW_MOMENTS if state else ():
-                state[name] = _EVICTED
-
     # ------------------------------------------------------------------ stage 3 gathering
     def attach(self, units: list[nn.Module]) -> None:
-        """Gather each unit's parameters around its computation: bucket k is `units[k]`'s (the
-        model itself, whose own parameters are the embedding, final norm and output layer, then
-        each block: `ParameterRoles.units`)."""
-        assert self.stage == 3 and len(units) == len(self.buckets)
-        for k, module in enumerate(units):
-            module.register_forward_pre_hook(
-                lambda _m, _a, k=k: self._before_forward(k))
-            module.register_forward_hook(
-                lambda _m, _a, out, k=k: self._after_forward(k, out))
-
-    def _start_gather(self, b: Bucket) -> None:
-        if b.resident or b.gathering is not False:
-            return
-        nbytes = b.padded * b.param_flat.element_size()
-        b.param_flat.untyped_storage().resize_(nbytes)
-        self._track(nbytes)
-        # through .data: writing the storage must not bump the version counter that the
-        # saved views share (autograd would take them for modified)
-        flat = b.param_flat.data
-        own = flat[b.lo:b.lo + b.shard_size]
-        own.copy_(b.param_shard)  # in place: faster on gloo than gathering from another tensor
-        b.gathering = comm.all_gather_into(flat, own, self.axis, async_op=True)
-
-    def _gathered(self, b: Bucket, state: str) -> None:
-        self._start_gather(b)
-        if b.gathering is not False:
-            if b.gathering is not None:
-                b.gathering.wait()
-            b.gathering, b.resident = False, True
-        b.state = state
-
-    def _release(self, b: Bucket) -> None:
-        if b.resident:
-            b.param_flat.untyped_storage().resize_(0)
-            self._track(-b.padded * b.param_flat.element_size())
-            b.resident = False
-        b.state = FREE
-
-    def _before_forward(self, k: int) -> None:
-        b = self.buckets[k]
-        if b.state == BACKWARD:  # recomputation inside backward: already gathered
-            return
-        self._gathered(b, FORWARD)
-        if k + 1 < len(self.buckets):
-            self._start_gather(self.buckets[k + 1])
-
-    def _after_forward(self, k: int, out) -> None:
-        b = self.buckets[k]
-        if b.state != FORWARD:
-            return
-        self._release(b)
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad, k=k: self._before_backward(k))
-
-    def _before_backward(self, k: int) -> None:
-        self._gathered(self.buckets[k], BACKWARD)
-        if k == len(self.buckets) - 1 > 0:
-            # the last block's output gradient: the output layer's and final norm's backward
-            # are done, and unit 0 is not read again - the embedding's backward is a lookup's,
-            # which needs only the ids (a saved view of a freed parameter would fail loudly in
-            # backward, never read stale values). Its gradient bucket stays until the
-            # embedding's gradient lands; freeing the parameters here takes them off every
-            # block's backward (bench_zero: 16.5 MiB, as much as FSDP2's root keeps).
-            self._release(self.buckets[0])
-        # prefetch the block before, which backward computes next. Not at the head (k = 0):
-        # its backward is the step's memory peak (the logits' gradient and the output
-        # layer's weight gradient alive), so the last block is gathered only when it starts
-        # (bench_zero: 12 MiB off the peak). The first block is followed by the embedding,
-        # whose unit stays gathered.
-        if k > 1:
-            self._start_gather(self.buckets[k - 1])
+        """Gather each unit's parameters around its computation (`ParameterGatherer`)."""
+        assert self.stage == 3
+        self.gatherer = ParameterGatherer(self.buckets, self.axis, units, self.transient)
 
     # ------------------------------------------------------------------ memory and state
-    def _track(self, nbytes: int) -> None:
-        self.transient_bytes += nbytes
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
+    @property
+    def transient_bytes(self) -> int:
+        return self.transient.now
+
+    @property
+    def peak_transient_bytes(self) -> int:
+        return self.transient.peak
 
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of the model states: parameters (full buckets, or the shard at stage 3),
@@ -404,72 +280,16 @@ class ZeroDataParallel:
                       for t in optimizer.state.get(piece, {}).values()
                       if isinstance(t, torch.Tensor) and t.dim() > 0)
         held = {"parameters": params, "gradients": grads, "optimizer_states": states}
-        return held | ({"offloaded": self.store.offloaded_bytes} if self.store else {})
+        return held | self.states.offloaded()
 
-    @torch.no_grad()
     def export(self, optimizer: torch.optim.Optimizer, *,
                stepped: bool) -> tuple[dict, dict | None]:
-        """Full (this TP rank's) fp32 value and Adam moments of every parameter, gathered over
-        the axis (transient; collective): ({id(p): value}, {id(p): {state: tensor}} or None
-        before the first step). `stepped` must be the same on every rank (one that owns no
-        piece has no optimizer state of its own)."""
-        values: dict[int, torch.Tensor] = {}
-        states: dict[int, dict[str, torch.Tensor]] = {}
-        for k, b in enumerate(self.buckets):
-            with self._offloaded(k, optimizer, dirty=False):
-                self._export_bucket(b, optimizer, stepped, values, states)
-        return values, states if stepped else None
+        """Full (this TP rank's) fp32 values and moments by parameter id (`zero_export`)."""
+        return export_states(self.buckets, self._pieces, self.states, self.axis, optimizer,
+                             stepped=stepped)
 
-    def _export_bucket(self, b: Bucket, optimizer: torch.optim.Optimizer, stepped: bool,
-                       values: dict, states: dict) -> None:
-        full = self._gather_full(b, b.master)
-        for p in b.params:
-            values[id(p)] = b.param_view(full, p)
-        for name in ADAMW_MOMENTS if stepped else ():
-            shard = torch.zeros(b.shard_size, dtype=torch.float32, device=b.master.device)
-            for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
-                shard[a:a + n].copy_(optimizer.state[piece][name])
-            full = self._gather_full(b, shard)
-            for p in b.params:
-                states.setdefault(id(p), {})[name] = b.param_view(full, p)
-
-    def _gather_full(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
-        flat = torch.empty(b.padded, dtype=torch.float32, device=b.device)
-        comm.all_gather_into(flat, shard.to(b.device, torch.float32), self.axis)
-        if self.axis.size == 1:
-            flat.copy_(shard)
-        return flat
-
-    @torch.no_grad()
     def load(self, optimizer: torch.optim.Optimizer, values: dict[int, torch.Tensor],
              states: dict[int, dict[str, torch.Tensor]] | None,
              step: torch.Tensor | None) -> None:
         """Take this rank's shard of full per-parameter values (and moments)."""
-        for k, b in enumerate(self.buckets):
-            with self._offloaded(k, optimizer, dirty=True):
-                self._load_bucket(b, optimizer, values, states, step)
-
-    def _load_bucket(self, b: Bucket, optimizer: torch.optim.Optimizer, values: dict,
-                     states: dict | None, step: torch.Tensor | None) -> None:
-        full = self._flat_of(b, values)
-        b.master.copy_(full[b.lo:b.lo + b.shard_size])
-        b.param_shard.copy_(full[b.lo:b.lo + b.shard_size])
-        if b.resident:
-            b.param_flat.data.copy_(full)
-        if states is None or step is None:
-            return
-        moments = {name: self._flat_of(b, {i: s[name] for i, s in states.items()})
-                   for name in ADAMW_MOMENTS}
-        for piece, (_, a, n) in zip(self._pieces[id(b)], b.pieces, strict=True):
-            optimizer.state[piece] = {
-                "step": restored_step(optimizer, piece, step),
-                **{name: flat[b.lo + a:b.lo + a + n].to(piece.device).clone()
-                   for name, flat in moments.items()}}
-
-    @staticmethod
-    def _flat_of(b: Bucket, per_param: dict[int, torch.Tensor]) -> torch.Tensor:
-        flat = torch.zeros(b.padded, dtype=torch.float32, device=b.device)
-        for p in b.params:
-            b.param_view(flat, p).copy_(per_param[id(p)])
-        return flat
-
+        load_states(self.buckets, self._pieces, self.states, optimizer, values, states, step)
