@@ -115,15 +115,18 @@ class ParallelMesh:
     for the pipeline's backward traffic); dp_cp (dp x cp flattened:
     where replicated gradients are averaged);
     ep (expert parallel, consecutive blocks of dp_cp) and edp (the dp_cp ranks holding the same
-    experts); `tp_block(size)` for each size dividing tp; the grid axes of the tensor-parallel
-    scheme `tp_scheme` (`tp_grid`: tp_row and tp_col for 2d, ...: `TPScheme.grid`), each the
-    ranks of one TP block that differ only in that grid coordinate. Build it with
-    `init_parallel`.
+    experts); zero_shard (the ranks ZeRO shards over: consecutive blocks of `dp_shard` x cp of
+    dp_cp, all of dp_cp without hybrid sharding) and zero_replica (the ranks at the same place
+    of each block: replicas of one shard); `tp_block(size)` for each size dividing tp; the
+    grid axes of the tensor-parallel scheme `tp_scheme` (`tp_grid`: tp_row and tp_col for 2d,
+    ...: `TPScheme.grid`), each the ranks of one TP block that differ only in that grid
+    coordinate. Build it with `init_parallel`.
     """
 
     def __init__(self, degrees: dict[str, int], *, rank: int, device: torch.device,
                  tp_scheme: str = "1d", tp_grid: dict[str, int] | None = None,
-                 device_mesh=None, reused: dict[str, dist.ProcessGroup] | None = None):
+                 device_mesh=None, reused: dict[str, dist.ProcessGroup] | None = None,
+                 dp_shard: int | None = None):
         self.degrees = dict(degrees)
         # A torch DeviceMesh laid out as these axes (given, or built on first use), and the
         # groups of its dims that serve as axes here (`parallel/runtime/device_mesh.py`).
@@ -144,6 +147,7 @@ class ParallelMesh:
         ep = degrees["ep"]
         self._add_axis("ep", [g[i : i + ep] for g in dp_cp_groups for i in range(0, len(g), ep)])
         self._add_axis("edp", [g[i::ep] for g in dp_cp_groups for i in range(ep)])
+        self._add_zero_axes(dp_cp_groups, dp_shard)
         # First and last pipeline stage: both hold the tied word embedding.
         pp_groups = _axis_groups(degrees, ("pp",))
         self._add_axis("embed", [[g[0], g[-1]] for g in pp_groups if len(g) > 1]
@@ -186,6 +190,19 @@ class ParallelMesh:
                 mine = MeshAxis(name, len(ranks), ranks.index(self.rank), tuple(ranks), group)
         assert mine is not None, f"rank {self.rank} is in no {name} group"
         self._axes[name] = mine
+
+    def _add_zero_axes(self, dp_cp_groups: list[list[int]], dp_shard: int | None) -> None:
+        """Hybrid sharding's two axes; without it (or at dp_shard = dp) ZeRO's shard axis is
+        dp_cp itself and the replica axis has size 1 (no new groups)."""
+        self.dp_shard = self.degrees["dp"] if dp_shard is None else dp_shard
+        if self.dp_shard == self.degrees["dp"]:
+            self._axes["zero_shard"] = self._axes["dp_cp"]
+            self._axes["zero_replica"] = MeshAxis("zero_replica", 1, 0, (self.rank,), None)
+            return
+        block = self.dp_shard * self.degrees["cp"]
+        self._add_axis("zero_shard", [g[i:i + block] for g in dp_cp_groups
+                                      for i in range(0, len(g), block)])
+        self._add_axis("zero_replica", [g[i::block] for g in dp_cp_groups for i in range(block)])
 
     def _add_grid_axes(self, tp_groups: list[list[int]]) -> None:
         for name in self.tp_grid:

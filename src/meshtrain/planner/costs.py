@@ -104,8 +104,8 @@ def _step_scalars(lay: ParallelPlan, hw: Hardware) -> float:
     gradient norm over tp and pp (ZeRO: also dp x cp) - tiny, so all latency."""
     dp_cp, world = lay.dp * lay.cp, lay.world_size
     groups = [(dp_cp, lay.tp * dp_cp), (world, world), (lay.tp, lay.tp), (lay.pp, world)]
-    if lay.zero:
-        groups.append((dp_cp, lay.tp * dp_cp))
+    if lay.zero:  # the norm's squares summed over the shard group
+        groups.append((lay.zero_shard_ranks, lay.tp * lay.zero_shard_ranks))
     return sum(coll.all_reduce(hw, 4, g, span) for g, span in groups)
 
 
@@ -243,19 +243,36 @@ def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
 
 def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
     """Gradient sync over dp x cp (ZeRO: reduce-scatter, then all-gather the updated
-    parameters; stage 3 gathers each unit before its forward and backward instead)."""
+    parameters; stage 3 gathers each unit before its forward and backward instead). Hybrid
+    sharding (`dp_shard`): those inside the shard group, on the links its tp x cp x dp_shard
+    consecutive ranks span, then the step's gradient shards all-reduced over the replicas,
+    whose ranks span all of dp, exposed (the runtime reduces them once, after the backward)."""
     lay = work.layout
-    g, span = lay.dp * lay.cp, lay.tp * lay.cp * lay.dp
-    if g == 1:
+    if lay.dp * lay.cp == 1:
         return 0.0
     params = sum(c.parameters for c in own)
+    g = lay.zero_shard_ranks if lay.zero else lay.dp * lay.cp
+    replicas = lay.dp * lay.cp // g
+    across = coll.all_reduce(hw, params * GRAD_BYTES / g, replicas, lay.tp * lay.cp * lay.dp) \
+        if replicas > 1 else 0.0
+    return across + _sharded_exposed(work, hw, own, params, g, lay.tp * g)
+
+
+def _sharded_exposed(work: Workload, hw: Hardware, own: list[ChunkCost], params: float, g: int,
+                     span: int) -> float:
+    """The gradient sync inside a group of `g` ranks spanning `span` (ZeRO's shard group, or
+    all of dp x cp)."""
+    lay = work.layout
+    if g == 1:
+        return 0.0
     grads, weights = params * GRAD_BYTES, params * work.element_bytes
     forward = sum(c.forward for c in own)
     backward = sum(c.backward for c in own)
     last_bucket = min(1.0, 25 * 2**20 / max(grads, 1.0))
     units = work.model.num_layers // lay.pp + 1  # ZeRO-3 gathers: each layer, then the rest
     if lay.zero == 3 and lay.zero_impl == "deepspeed":
-        return work.micro_batches * _deepspeed_zero3(work, hw, params, units, backward)
+        return work.micro_batches * _deepspeed_zero3(work, hw, params, units, backward,
+                                                     (g, span))
     if lay.zero == 3:  # one gather per unit before forward and backward
         gather = units * coll.all_gather(hw, weights / units, g, span)
         scatter = units * coll.reduce_scatter(hw, grads / units, g, span)
@@ -272,14 +289,13 @@ def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) ->
 
 
 def _deepspeed_zero3(work: Workload, hw: Hardware, params: float, units: int,
-                     backward: float) -> float:
+                     backward: float, group: tuple[int, int]) -> float:
     """One micro-batch of DeepSpeed's ZeRO-3 as its published runs show it: each unit's
     parameters gathered when it runs, forward and backward, the compute waiting (none of
     meshtrain's prefetch overlap); the gradients reduce-scattered in the precision's dtype
     in DEEPSPEED_REDUCE_BUCKET buckets behind the backward (`overlap_comm`, stage 3's
-    default), each bucket a collective of its own."""
-    lay = work.layout
-    g, span = lay.dp * lay.cp, lay.tp * lay.cp * lay.dp
+    default), each bucket a collective of its own. `group`: the shard group's size, span."""
+    g, span = group
     gather = units * coll.all_gather(hw, params * work.element_bytes / units, g, span)
     buckets = max(1, math.ceil(params / DEEPSPEED_REDUCE_BUCKET))
     scatter = buckets * coll.reduce_scatter(hw, params * work.element_bytes / buckets, g, span)
@@ -290,7 +306,7 @@ def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> f
     """The scheme's traffic once a step after the data-parallel reduction (2.5d: the weight
     gradients all-reduced over depth; ZeRO: this rank's shard of them), exposed."""
     lay = work.layout
-    weights = sum(c.parameters for c in own) / (lay.dp * lay.cp if lay.zero else 1)
+    weights = sum(c.parameters for c in own) / (lay.zero_shard_ranks if lay.zero else 1)
     traffic = lay.scheme.step_traffic(lay.tp_grid, weights, GRAD_BYTES)
     if not traffic.total_bytes:
         return 0.0
@@ -304,7 +320,7 @@ def optimizer_time(work: Workload, hw: Hardware, params: float) -> float:
     host link, Adam runs at host memory bandwidth, and under nvme each state is read and
     written once, overlapping the update (the slower of the two counts)."""
     lay = work.layout
-    shard = params / (lay.dp * lay.cp) if lay.zero else params
+    shard = params / lay.zero_shard_ranks if lay.zero else params
     if lay.offload_optimizer == "none":
         return _elementwise(hw, shard * OPTIMIZER_BYTES_PER_PARAMETER)
     link = shard * (GRAD_BYTES + work.element_bytes) / (hw.host_link_gbytes_per_s * 1e9)

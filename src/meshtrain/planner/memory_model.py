@@ -70,7 +70,7 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
     first, last = 0 in own, len(ranges) - 1 in own
     params = sum(chunks[g].parameters for g in own) + (work.position_parameters() if first
                                                        else 0.0)
-    e, n = work.element_bytes, lay.dp * lay.cp
+    e, n = work.element_bytes, lay.zero_shard_ranks
     # offloaded (cpu, nvme): master and moments leave the device
     k = 0 if lay.offload_optimizer != "none" else 8 + (4 if e < 4 else 0)
     if lay.pp > 1:  # what the schedule keeps beyond the optimizer (2BW: weight versions)

@@ -63,6 +63,7 @@ MAX_MICRO_BATCH = 8
 MAX_VIRTUAL_STAGES = 8
 REFINE_MARGIN = 0.1
 REFINE_AT_MOST = 3
+HYBRID_TRIALS = 2  # hybrid sharding: the largest node-local shard groups tried per layout
 OVER_BUDGET = "memory over budget"
 DEGREES = ("tp", "pp", "dp", "cp")
 
@@ -429,10 +430,27 @@ class _Search:
                     break  # recompute does not change validity
                 fitting = self.fit_experts(layout, choices["ep"])
                 if fitting is not None:
-                    found.append(fitting)
+                    found += [fitting, *self.fit_hybrid(fitting.layout)]
                     fit_at[zero] = i
                     break
             start[zero] = fit_at.get(zero, max(limit, start.get(zero, 0)))
+        return found
+
+    def fit_hybrid(self, layout: ParallelPlan) -> list[Prediction]:
+        """Hybrid sharding of a fitting ZeRO layout: shard groups inside a node (tp x cp x
+        dp_shard ranks at most a node's GPUs), the largest `HYBRID_TRIALS` of them, largest
+        first while they fit (a smaller group holds more per rank). Not searched when
+        `dp_shard` is fixed."""
+        if not layout.zero or layout.dp_shard is not None:
+            return []
+        node = self.hardware.gpus_per_node // (layout.tp * layout.cp)
+        found = []
+        for s in sorted((d for d in _divisors(layout.dp) if d < layout.dp and d <= node),
+                        reverse=True)[:HYBRID_TRIALS]:
+            trial = replace(layout, dp_shard=s)
+            if not (self.runnable(trial) and self.fits(trial)):
+                break
+            found.append(self.seen[trial])
         return found
 
     def fit_experts(self, layout: ParallelPlan, eps: list[int]) -> Prediction | None:

@@ -263,8 +263,9 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
     with HangWatchdog(rank=int(os.environ.get("RANK", "0")), world_size=plan.world_size,
                       timeout=timeout, out=cfg.checkpoint.out) as watchdog:
         with watchdog.rendezvous():
-            mesh = init_parallel(**plan.degrees, tp_scheme=plan.tp_scheme,
-                                 tp_depth=plan.tp_depth, device=cfg.parallel.device,
+            mesh = init_parallel(**plan.degrees, dp_shard=plan.dp_shard,
+                                 tp_scheme=plan.tp_scheme, tp_depth=plan.tp_depth,
+                                 device=cfg.parallel.device,
                                  timeout=process_group_timeout(timeout))
         if lock is not None:
             lock.acquire_agreed(mesh)

@@ -83,6 +83,8 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("zero", "zero", lambda p, m: p.zero >= 1, {"dp": 2, "zero": 1}),
     Feature("zero_gradients", "zero", lambda p, m: p.zero >= 2, {"dp": 2, "zero": 2}),
     Feature("zero_parameters", "zero", lambda p, m: p.zero == 3, {"dp": 2, "zero": 3}),
+    Feature("hybrid", "dp_shard", lambda p, m: p.dp_shard is not None,
+            {"dp": 4, "dp_shard": 2, "zero": 1}),
     Feature("offload", "offload_optimizer", lambda p, m: p.offload_optimizer != "none",
             {"dp": 2, "zero": 1, "offload_optimizer": "cpu"}),
     Feature("virtual_stages", "virtual_stages", lambda p, m: p.virtual_stages > 1,
@@ -155,6 +157,11 @@ RULES: tuple[Rule, ...] = (
     _needs("offload", "zero", Code.OFFLOAD_WITHOUT_ZERO, (
         "`offload_optimizer` {plan.offload_optimizer} offloads ZeRO's optimizer shard: add"
         " `zero` 1 (or 2, 3)")),
+    _needs("hybrid", "zero", Code.DP_SHARD_WITHOUT_ZERO, (
+        "`dp_shard` {plan.dp_shard} sets the group ZeRO shards over: add `zero` 1 (or 2, 3)"
+        " or drop `dp_shard`")),
+    _excludes("hybrid", "moe", Code.DP_SHARD_MOE, (
+        "`dp_shard` does not shard MoE experts yet: drop `dp_shard` with `moe_experts`")),
     _excludes("zero_gradients", "pp", Code.ZERO_PIPELINE, (
         "`zero` {plan.zero} does not combine with `pp` {plan.pp}: a pipeline interleaves the"
         " backwards of many micro-batches, so sharded gradients would be reduce-scattered once"

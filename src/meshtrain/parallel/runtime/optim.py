@@ -215,7 +215,8 @@ def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, layout: GradientLayout
     share counts on the first of them). Replicated parameters (norms, row-parallel biases,
     positions): counted on TP rank 0 only. Pipeline stages hold different layers and are summed
     over PP. DP replicas hold the same averaged gradient, so nothing is summed over DP unless
-    the layout is `sharded` (then dp x cp for dense parameters, edp for experts); `experts` are
+    the layout is `sharded` (then ZeRO's shard axis for dense parameters - dp x cp unless
+    hybrid - and edp for experts); `experts` are
     summed over EP but not over their replicas (edp)."""
     counted = primary_parameters(model, mesh)
     first = next(model.parameters())
@@ -232,7 +233,7 @@ def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, layout: GradientLayout
         else:
             dense += square
     if layout.sharded:
-        comm.all_reduce(dense, mesh.dp_cp)
+        comm.all_reduce(dense, mesh.axis("zero_shard"))  # (its replicas hold the same)
         comm.all_reduce(expert, mesh.axis("edp"))
     comm.all_reduce(expert, mesh.ep)  # EP ranks hold different experts
     total = dense + expert

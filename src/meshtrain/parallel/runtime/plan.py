@@ -84,6 +84,12 @@ class ParallelPlan:
                            " 1 shards optimizer states, 2 also gradients, 3 also parameters"
                            " (gathered per layer); 2 and 3 not with pp > 1", spec="zero",
                         searched=True, choices=ZERO_STAGES)
+    dp_shard: int | None = _layout(None, "hybrid sharding: ZeRO shards over groups of this many"
+                                         " data-parallel ranks (x cp) and the dp / dp_shard"
+                                         " groups are replicas, their gradient shards"
+                                         " all-reduced (default: shard over all dp ranks;"
+                                         " usually the GPUs of a node; needs zero >= 1)",
+                                   spec="dp_shard")
     sequence_parallel: bool = _layout(False, "Megatron sequence parallelism over the TP ranks"
                                              " (needs tp > 1)", spec="sp", searched=True)
     tp_overlap: bool = _layout(False, "overlap the all-gather and reduce-scatter of sequence"
@@ -139,6 +145,11 @@ class ParallelPlan:
     compile: bool = _layout(False, "compile each transformer block with torch.compile"
                                    " (inductor): the first step compiles, later ones run"
                                    " fused kernels", section="train")
+
+    @property
+    def zero_shard_ranks(self) -> int:
+        """The ranks ZeRO shards each bucket over: dp_shard (default dp) x cp."""
+        return (self.dp_shard or self.degrees["dp"]) * self.cp
 
     @property
     def world_size(self) -> int:
@@ -318,6 +329,10 @@ class ParallelPlan:
         if self.zero_impl != "meshtrain" and self.zero != 3:
             raise SettingError(Code.ZERO_IMPL_STAGE, (
                 f"`zero_impl` {self.zero_impl} prices ZeRO-3: set `zero` 3 (got {self.zero})"))
+        if self.dp_shard is not None and (self.dp_shard < 1 or self.dp % self.dp_shard):
+            raise SettingError(Code.DP_SHARD, (
+                f"`dp_shard` {self.dp_shard} must divide `dp` {self.dp}: ZeRO shards over"
+                f" groups of dp_shard data-parallel ranks; choose a divisor of dp"))
         if (self.offload_optimizer == "nvme") != (self.offload_dir is not None):
             raise SettingError(Code.OFFLOAD_DIR, (
                 "`offload_optimizer` nvme keeps its files in `offload_dir`: set both, or"

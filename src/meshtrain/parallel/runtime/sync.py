@@ -232,7 +232,8 @@ class ZeroSync(GradientSync):
         folder = (lambda name: offload_dir / name) if offload_dir else (lambda name: None)
         dense = ZeroDataParallel([[q for q in params if id(q) not in experts]
                                   for _, params in roles.units],
-                                 mesh.dp_cp, **common, deferred=deferred,
+                                 mesh.axis("zero_shard"), **common, deferred=deferred,
+                                 replicas=mesh.axis("zero_replica"),
                                  offload_dir=folder("dense"))
         if stage == 3:
             dense.attach([module for module, _ in roles.units])

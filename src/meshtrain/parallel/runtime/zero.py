@@ -66,15 +66,19 @@ class ZeroDataParallel:
     (the tied embedding held by two pipeline stages), or (axis None) that gets its gradient in
     two backward passes (`ParameterRoles.reused`): its bucket is reduced in `wait()`.
     Stage 3 also needs `attach(units)` to gather parameters around computation.
+    `replicas` (hybrid sharding): the axis of the ranks holding the same shard in other
+    groups, over which the step's reduced gradient shards are averaged once, in `wait()`.
     """
 
     def __init__(self, units: list[list[nn.Parameter]], axis: MeshAxis, *, stage: int,
                  bucket_bytes: int = 25 * 2**20, grad_dtype: torch.dtype = torch.float32,
                  scale: float = 1.0, offload: bool = False, offload_dir: Path | None = None,
-                 deferred: tuple[nn.Parameter, MeshAxis | None] | None = None):
+                 deferred: tuple[nn.Parameter, MeshAxis | None] | None = None,
+                 replicas: MeshAxis | None = None):
         if stage not in (1, 2, 3):
             raise SettingError(Code.CHOICE, f"`zero` must be 0, 1, 2 or 3, got {stage}")
         self.axis, self.stage, self.scale = axis, stage, scale
+        self.replicas = replicas
         self._sync = True
         units = [[p for p in unit if p.requires_grad] for unit in units]
         self.params = [p for unit in units for p in unit]
@@ -204,6 +208,8 @@ class ZeroDataParallel:
                 release(b, self.transient)
         for b in self.buckets:
             b.ensure_grad_shard()
+            if self.sync and self.replicas is not None:  # hybrid: once per step, the shards
+                comm.all_reduce(b.grad_shard, self.replicas, op=dist.ReduceOp.AVG)
         if self.scale != 1.0:
             for b in self.buckets:
                 b.grad_shard.mul_(self.scale)

@@ -36,7 +36,7 @@ class GridScheme(TPScheme):
     communication), a split backward, `compile` or `fp8` (1d layers only)."""
 
     supports = frozenset({"tp", "pp", "dropout", "half", "fp64", "zero", "zero_gradients",
-                          "zero_parameters", "offload", "virtual_stages",
+                          "zero_parameters", "offload", "hybrid", "virtual_stages",
                           "two_weight_versions"})
 
     def input_width_parts(self, grid: dict[str, int]) -> int:

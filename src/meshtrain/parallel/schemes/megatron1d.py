@@ -125,7 +125,7 @@ class MegatronScheme(TPScheme):
     supports = frozenset({
         "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "ep", "moe",
         "dropout", "compile", "fp8", "half", "fp64", "zero", "zero_gradients",
-        "zero_parameters", "offload", "virtual_stages", "split_backward",
+        "zero_parameters", "offload", "hybrid", "virtual_stages", "split_backward",
         "two_weight_versions"})
     axes = ("tp",)
 
