@@ -440,10 +440,11 @@ class _Search:
         """Hybrid sharding of a fitting ZeRO layout: shard groups inside a node (tp x cp x
         dp_shard ranks at most a node's GPUs), the largest `HYBRID_TRIALS` of them, largest
         first while they fit (a smaller group holds more per rank). Not searched when
-        `dp_shard` is fixed."""
-        if not layout.zero or layout.dp_shard is not None:
-            return []
+        `dp_shard` is fixed, nor where the data-parallel ranks fit in a node (nothing would
+        leave the node's links, and the states would grow)."""
         node = self.hardware.gpus_per_node // (layout.tp * layout.cp)
+        if not layout.zero or layout.dp_shard is not None or layout.dp <= node:
+            return []
         found = []
         for s in sorted((d for d in _divisors(layout.dp) if d < layout.dp and d <= node),
                         reverse=True)[:HYBRID_TRIALS]:
