@@ -332,7 +332,7 @@ class ParallelPlan:
         if self.dp_shard is not None and (self.dp_shard < 1 or self.dp % self.dp_shard):
             raise SettingError(Code.DP_SHARD, (
                 f"`dp_shard` {self.dp_shard} must divide `dp` {self.dp}: ZeRO shards over"
-                f" groups of dp_shard data-parallel ranks; choose a divisor of dp"))
+                " groups of that many data-parallel ranks; choose a divisor of dp"))
         if (self.offload_optimizer == "nvme") != (self.offload_dir is not None):
             raise SettingError(Code.OFFLOAD_DIR, (
                 "`offload_optimizer` nvme keeps its files in `offload_dir`: set both, or"
