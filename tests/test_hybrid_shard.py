@@ -35,14 +35,14 @@ def _run(corpus, degrees, parallel, steps=3):
             trainer.memory_report(), psi)
 
 
-def _check_hybrid(corpus, stage, degrees, parallel, world, steps=3):
+def _check_hybrid(corpus, stage, degrees, parallel, world, steps=3, dp_shard=2):
     """dp 4 = 2 replicas x 2 shards at `stage` against one process (and ZeRO at dp 2's
     memory): the trajectory, and each axis's bytes against the formulas (fp32, one
     micro-batch per rank)."""
     single = run_on_ranks(1, _run, corpus, {}, {}, steps)[0][0]
     rows, traffic, memory, psi = run_on_ranks(
-        world, _run, corpus, degrees | {"dp_shard": 2},
-        parallel | {"zero": stage, "dp_shard": 2}, steps)[0]
+        world, _run, corpus, degrees | {"dp_shard": dp_shard},
+        parallel | {"zero": stage, "dp_shard": dp_shard}, steps)[0]
     (loss, norm), (ref_loss, ref_norm) = rows[0], single[0]
     assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
     _assert_same_trajectory(rows, single)
@@ -89,6 +89,22 @@ def test_hybrid_at_tp2(corpus, stage):
 @pytest.mark.timeout(900)
 def test_hybrid_zero1_with_a_pipeline(corpus):
     _check_hybrid(corpus, 1, {"pp": 2, "dp": 4}, {"pp": 2}, 8, steps=2)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("stage,target", [(2, "cpu"), (3, "nvme")])
+def test_hybrid_with_offload(corpus, tmp_path, stage, target):
+    offload = {"offload_optimizer": target} | (
+        {"offload_dir": str(tmp_path)} if target == "nvme" else {})
+    traffic, _, psi = _check_hybrid(corpus, stage, {"dp": 4}, offload, 4, steps=2)
+    _assert_traffic(traffic, stage, psi)
+
+
+@pytest.mark.extended
+def test_hybrid_with_context_parallelism_shards_over_cp_inside_the_group(corpus):
+    """dp 2 x cp 2 at dp_shard 1: each shard group is one rank's cp pair, the replicas the
+    two dp ranks."""
+    _check_hybrid(corpus, 3, {"dp": 2, "cp": 2}, {"cp": 2}, 4, steps=2, dp_shard=1)
 
 
 def _train(corpus, out, degrees, parallel, resume=False, **train):
