@@ -56,15 +56,24 @@ def _assert_same_trajectory(rows, reference, rel=1e-4, norm_rel=None):
         "llama-tp2xdp2-shared-kv-offload", "llama-dp2xep2-moe"])
 def test_zero_stages_follow_plain_data_parallelism(corpus, degrees, parallel, model):
     world = degrees.get("tp", 1) * degrees.get("cp", 1) * degrees["dp"]
-    moe = "moe_experts" in (model or {})
     offload = {k: v for k, v in parallel.items() if k == "offload_optimizer"}  # ZeRO only
     parallel = {k: v for k, v in parallel.items() if k not in offload}
     reference = run_on_ranks(world, _rows, corpus, degrees, parallel, model, steps=4)[0]
     assert reference[-2][0] < reference[0][0] - 0.3  # it learns
-    for stage in (1, 2) if moe else (1, 2, 3):
+    for stage in (1, 2, 3):
         parallel_zero = parallel | offload | {"zero": stage}
         rows = run_on_ranks(world, _rows, corpus, degrees, parallel_zero, model, steps=4)[0]
         _assert_same_trajectory(rows, reference)
+
+
+@pytest.mark.extended  # (the dp2xep2-moe case above runs ZeRO-3's expert path at edp 1)
+def test_zero3_gathers_experts_over_their_data_parallel_ranks(corpus):
+    """dp 4 x ep 2: each expert on two ranks (edp 2), sharded between them and gathered
+    around its block; the same run as plain data parallelism."""
+    degrees, parallel, model = {"dp": 4, "ep": 2}, {"ep": 2}, {"moe_experts": 4}
+    reference = run_on_ranks(4, _rows, corpus, degrees, parallel, model, steps=3)[0]
+    rows = run_on_ranks(4, _rows, corpus, degrees, parallel | {"zero": 3}, model, steps=3)[0]
+    _assert_same_trajectory(rows, reference)
 
 
 @pytest.mark.parametrize("schedule,model", [
@@ -330,7 +339,6 @@ def test_zero3_checkpoint_resumes_at_zero1_and_at_tp2(corpus, tmp_path):
     ({"offload_optimizer": "nvme", "zero": 1}, {},
      "--offload-optimizer nvme keeps its files in --offload-dir: set both"),
     ({"zero": 2, "pp": 2}, {}, "--zero 2 does not combine with --pp 2"),
-    ({"zero": 3, "ep": 2}, {"moe_experts": 4}, "--zero 3 does not shard MoE experts"),
     ({"zero": 1, "pp": 2, "pp_schedule": "2bw"}, {}, "--zero with --pp-schedule 2bw"),
 ])
 def test_bad_zero_settings(corpus, parallel, model, match):

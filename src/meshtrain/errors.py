@@ -64,7 +64,6 @@ class Code(Enum):
     # ZeRO
     ZERO_PIPELINE = "zero 2/3 with pp > 1"
     ZERO_2BW = "zero with 2bw"
-    ZERO3_MOE = "zero 3 with MoE"
     ZERO_FP64 = "zero with fp64"
     OFFLOAD_WITHOUT_ZERO = "offload without zero"
     DP_SHARD = "dp_shard does not divide dp"

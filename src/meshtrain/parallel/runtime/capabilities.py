@@ -166,8 +166,6 @@ RULES: tuple[Rule, ...] = (
         "`zero` {plan.zero} does not combine with `pp` {plan.pp}: a pipeline interleaves the"
         " backwards of many micro-batches, so sharded gradients would be reduce-scattered once"
         " per micro-batch per stage; use `zero` 1 with pipelines")),
-    _excludes("zero_parameters", "moe", Code.ZERO3_MOE, (
-        "`zero` 3 does not shard MoE experts yet: use `zero` 1 or 2 with `moe_experts`")),
     _needs("virtual_stages", "pp", Code.VIRTUAL_STAGES_PP,
            "`virtual_stages` {plan.virtual_stages} needs `pp` > 1"),
     _needs("two_weight_versions", "pp", Code.TWO_BW_PP,

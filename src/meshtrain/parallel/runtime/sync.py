@@ -239,10 +239,15 @@ class ZeroSync(GradientSync):
             dense.attach([module for module, _ in roles.units])
         self.reducers = [dense]
         if experts:
-            self.reducers.append(ZeroDataParallel(
-                [[q for q in params if id(q) in experts] for _, params in roles.units],
-                mesh.axis("edp"), **common, scale=1.0 / mesh.ep.size,
-                offload_dir=folder("experts")))
+            expert_units = [(module, [q for q in params if id(q) in experts])
+                            for module, params in roles.units]
+            expert_units = [(module, params) for module, params in expert_units if params]
+            reducer = ZeroDataParallel([params for _, params in expert_units],
+                                       mesh.axis("edp"), **common, scale=1.0 / mesh.ep.size,
+                                       offload_dir=folder("experts"))
+            if stage == 3:  # each block's experts gathered over edp around the block
+                reducer.attach([module for module, _ in expert_units], root=False)
+            self.reducers.append(reducer)
         pieces = [pair for reducer in self.reducers for pair in reducer.step_pieces()]
         self.optimizer = build_adamw([piece for _, piece in pieces], optimizer,
                                      no_decay={id(piece) for p, piece in pieces if p.dim() < 2})

@@ -253,10 +253,12 @@ class ZeroDataParallel:
                 work.wait()
 
     # ------------------------------------------------------------------ stage 3 gathering
-    def attach(self, units: list[nn.Module]) -> None:
-        """Gather each unit's parameters around its computation (`ParameterGatherer`)."""
+    def attach(self, units: list[nn.Module], *, root: bool = True) -> None:
+        """Gather each unit's parameters around its computation (`ParameterGatherer`; `root`:
+        unit 0 is the model itself)."""
         assert self.stage == 3
-        self.gatherer = ParameterGatherer(self.buckets, self.axis, units, self.transient)
+        self.gatherer = ParameterGatherer(self.buckets, self.axis, units, self.transient,
+                                          root=root)
 
     # ------------------------------------------------------------------ memory and state
     @property

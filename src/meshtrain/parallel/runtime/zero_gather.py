@@ -40,12 +40,14 @@ def release(b: Bucket, transient: TransientBytes) -> None:
 class ParameterGatherer:
     """Gather bucket k (`units[k]`'s parameters: the model itself, whose own parameters are
     the embedding, final norm and output layer, then each block: `ParameterRoles.units`)
-    around its computation, all-gathering over `axis`."""
+    around its computation, all-gathering over `axis`. `root`: whether unit 0 is the model
+    itself (the dense parameters); the experts' units are blocks only."""
 
     def __init__(self, buckets: list[Bucket], axis: MeshAxis, units: list[nn.Module],
-                 transient: TransientBytes):
+                 transient: TransientBytes, *, root: bool = True):
         assert len(units) == len(buckets)
         self.buckets, self.axis, self.transient = buckets, axis, transient
+        self.root = root
         for k, module in enumerate(units):
             module.register_forward_pre_hook(
                 lambda _m, _a, k=k: self._before_forward(k))
@@ -94,6 +96,10 @@ class ParameterGatherer:
 
     def _before_backward(self, k: int) -> None:
         self._gathered(self.buckets[k], BACKWARD)
+        if not self.root:  # blocks only: the one before computes next
+            if k > 0:
+                self._start(self.buckets[k - 1])
+            return
         if k == len(self.buckets) - 1 > 0:
             # the last block's output gradient: the output layer's and final norm's backward
             # are done, and unit 0 is not read again - the embedding's backward is a lookup's,
