@@ -76,6 +76,7 @@ from meshtrain.parallel.schedules.actions import (
     v_shape_chunk,
 )
 from meshtrain.parallel.schedules.catalog import SCHEDULES
+from meshtrain.parallel.schedules.releases import send_releases
 from meshtrain.parallel.schedules.schedule import PipelineSchedule
 from meshtrain.parallel.schedules.simulator import simulate
 from meshtrain.parallel.schedules.zero_bubble import estimated_costs
@@ -219,7 +220,8 @@ class MeshtrainPipeline(PipelineContender):
         # under the zero-bubble schedules
         costs = estimated_costs(tuple(len(layers) for layers in chunks), *shape.config(
         ).pipeline_work_shares(shape.seq)) if self.kind.orders_on_costs else None
-        actions = self.kind.action_lists(p, MICRO_BATCHES, v=v, chunk_costs=costs)[s]
+        lists = self.kind.action_lists(p, MICRO_BATCHES, v=v, chunk_costs=costs)
+        actions, releases = lists[s], send_releases(lists, place)[s]
         weight_grads = defer_weight_gradients(model) if self.kind.split_backward else None
         params = list(model.parameters())
         batches = micro_batches(shape)
@@ -239,7 +241,8 @@ class MeshtrainPipeline(PipelineContender):
                                   micro_batches=batches, mesh=mesh,
                                   activation_shape=activation, dtype=torch.float32,
                                   num_chunks=v, timeline=events, placement=place,
-                                  weight_grads=weight_grads, params=params).losses
+                                  weight_grads=weight_grads, params=params,
+                                  releases=releases).losses
             timelines.append(events)
             if tied is not None:
                 comm.all_reduce(tied.grad, mesh.axis("embed"))

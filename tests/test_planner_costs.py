@@ -13,7 +13,7 @@ from meshtrain.parallel.schedules.interleaved import interleaved
 from meshtrain.parallel.schedules.simulator import simulate
 from meshtrain.planner.costs import chunk_costs, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
-from meshtrain.planner.pipeline_model import ChunkCost, run_pipeline
+from meshtrain.planner.pipeline_model import ChunkCost, held_boundaries, run_pipeline
 from meshtrain.planner.search import search
 from meshtrain.planner.workload import Workload
 
@@ -156,16 +156,25 @@ def test_activations_are_the_formula_times_what_1f1b_keeps_in_flight():
     assert p.memory.activations == pytest.approx(4 * 2 * work.layer_activation_bytes())
 
 
-def test_the_first_stage_holds_every_activation_it_sent_until_the_steps_end():
-    """`run_schedule` waits for its sends at the step's end (measured: `--peak-memory`), so
-    the first stage's buffers grow by one sent activation per micro-batch."""
-    lay = ParallelPlan(dp=1, pp=4, micro_batch=1)
+def test_pipeline_buffers_do_not_grow_with_the_micro_batches_but_gpipes_outputs_do():
+    """`run_schedule` waits each send once the schedule proves it taken, so 1F1B's first
+    stage holds its p outputs and a received gradient however many micro-batches a step has
+    (measured: `--peak-memory`, bench_pipeline_memory.py); GPipe holds every output."""
     small_vocab = dataclasses.replace(GPT, vocab_size=512)
-    few, many = (predict(small_vocab, lay, BUILT_IN["a100-80g-selene"], seq_len=1024,
-                         global_batch=g).memory for g in (8, 16))
-    boundary = Workload(small_vocab, lay, 1024, 8, "bf16").boundary_bytes
-    assert many.activations == few.activations
-    assert many.buffers - few.buffers == pytest.approx(8 * boundary)
+
+    def memory(schedule, global_batch):
+        lay = ParallelPlan(dp=1, pp=4, micro_batch=1, pp_schedule=schedule)
+        return predict(small_vocab, lay, BUILT_IN["a100-80g-selene"], seq_len=1024,
+                       global_batch=global_batch).memory
+
+    few, many = memory("1f1b", 8), memory("1f1b", 512)
+    assert many.activations == few.activations and many.buffers == few.buffers
+    assert held_boundaries("1f1b", 4, 1, 512) == (5, 5, 4, 2)
+    # past the simulation's cap (32 here) the count extends at its last p micro-batches' rate:
+    # as counted on the whole list, every output and a received gradient (the last stage:
+    # every sent gradient, which nothing proves taken before the step's end)
+    assert held_boundaries("gpipe", 4, 1, 8) == (9, 9, 9, 8)
+    assert held_boundaries("gpipe", 4, 1, 64) == (65, 65, 65, 64)
 
 
 def test_tensor_parallel_communication_is_charged_and_hidden_where_meshtrain_hides_it():

@@ -97,11 +97,9 @@ def test_predict_row_is_the_convention_over_the_predicted_step():
 def test_every_row_is_predicted_and_the_median_meets_the_goal(results):
     assert [r.row["id"] for r in results] == list(ROWS)
     assert all(math.isfinite(r.predicted) and r.predicted > 0 for r in results)
-    # over meshtrain's memory only in deep pipelines, whose sends meshtrain keeps until the
-    # step's end (hundreds of micro-batches' activations and gradients; the published systems
-    # do not): those rows are priced as their system ran them (`best_prediction`)
-    over = [r for r in results if r.prediction.memory_gib > BUILT_IN[r.row["hardware"]].hbm_gib]
-    assert all(r.prediction.layout.pp >= 12 for r in over)
+    # every row's own layout fits meshtrain's memory (the deep pipelines' hundreds of
+    # micro-batches included: their sends are freed as the schedule proves them taken)
+    assert all(r.prediction.memory_gib <= BUILT_IN[r.row["hardware"]].hbm_gib for r in results)
     assert {r.prediction.layout.pp_schedule for r in results} <= set(MEGATRON_SCHEDULES)
     median, worst = summary(results)
     assert median <= 0.06  # 5.9% with the built-in profiles (docs/benchmarks.md)

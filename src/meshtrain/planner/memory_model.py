@@ -16,7 +16,8 @@ stages' worth on every rank, 1F1B's on its first; what a pending `W` keeps, its 
 inputs and output gradients, is taken as the activations it replaces), chunks where the schedule
 places them (zb-v: rank 0 holds the embedding and the output layer). Buffers (`_buffers`): the
 larger of the loss's and the backward's working sets, ZeRO-3's two gathered layers (and a tied
-embedding's gathered tables) and the pipeline's sends, which live until the step's end.
+embedding's gathered tables) and the pipeline's boundary tensors (`held_boundaries`: outputs,
+received gradients and sends not yet waited, bounded by pp and the schedule).
 Measured against `train --peak-memory` on every layout of `benchmarks/plan_memory_vs_measured.py`.
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshtrain.memory import zero_formula_bytes
-from meshtrain.planner.pipeline_model import ChunkCost, PipelineRun
+from meshtrain.planner.pipeline_model import ChunkCost, PipelineRun, held_boundaries
 from meshtrain.planner.workload import DEEPSPEED_REDUCE_BUCKET, GRAD_BYTES, Workload
 
 GIB = 2**30
@@ -84,14 +85,13 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
     layers_per_chunk = sum(len(ranges[c]) for c in own) / len(own)
     in_flight = pipe.peak_in_flight[rank]
     activations = in_flight * layers_per_chunk * work.layer_activation_bytes()
-    # a send's tensor lives until the step's end (`run_schedule` waits for them there): by
-    # the last forward, every micro-batch's activation out of each chunk that is not the
-    # last, and the input gradients of those already backwarded out of each not the first
-    m = work.micro_batches
-    sent = m * sum(c != len(ranges) - 1 for c in own) \
-        + max(0, m * sum(c != 0 for c in own) - in_flight)
+    # the boundary tensors the runtime holds at once: forward outputs until their backward, a
+    # received gradient until used, each send until the schedule proves it taken (bounded by
+    # pp and the schedule, not by the micro-batches, but for GPipe's outputs)
+    held = held_boundaries(pipe.schedule, pipe.pp, pipe.chunks_per_rank,
+                           pipe.micro_batches)[rank]
     heads = in_flight / len(own) if last else 0.0  # micro-batches in the last chunk
-    buffers = _buffers(work, params, first, heads) + sent * work.boundary_bytes
+    buffers = _buffers(work, params, first, heads) + held * work.boundary_bytes
     return MemoryBreakdown(*parts, activations, buffers)
 
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.schedules.actions import Action
 from meshtrain.parallel.schedules.catalog import pipeline_schedule
+from meshtrain.parallel.schedules.releases import held_boundary_tensors, send_releases
 from meshtrain.parallel.schedules.simulator import Simulation, simulate
 
 
@@ -135,3 +136,27 @@ def _schedule(schedule: str, p: int, v: int, m: int, steps: int) -> list[list[Ac
     """The action lists (costs aside): a search simulates the same shape with many costs, and
     building the lists is a third of a simulation. `simulate` only reads them."""
     return pipeline_schedule(schedule).action_lists(p, m, v=v, steps=steps)
+
+
+@functools.lru_cache(maxsize=256)
+def held_boundaries(schedule: str, p: int, v: int, m: int) -> tuple[int, ...]:
+    """Per rank: the most boundary tensors the runtime holds at once (forward outputs until
+    their backward, a received gradient until used, sends until waited:
+    `releases.held_boundary_tensors`), over a step (2BW: its steady state, two steps). Counted
+    at the simulation's cap of micro-batches and extended at the rate of its last p (none
+    where the schedule bounds them; GPipe's outputs grow with m)."""
+    if p == 1:
+        return (0,)
+    kind, cap = pipeline_schedule(schedule), p * max(8, 2 * v + 2)
+
+    def count(n: int) -> list[int]:
+        lists = _schedule(schedule, p, v, n, 1 if kind.flushes else 2)
+        releases = send_releases(lists, kind.placement)
+        return [held_boundary_tensors(actions, releases[r], r, p, v, kind.placement)
+                for r, actions in enumerate(lists)]
+
+    if m <= cap:
+        return tuple(count(m))
+    extra = (m - cap) / p
+    return tuple(round(c + extra * (c - s)) for c, s in zip(count(cap), count(cap - p),
+                                                            strict=True))

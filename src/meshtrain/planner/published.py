@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import textwrap
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.schedules.catalog import MEGATRON_SCHEDULES
 from meshtrain.planner.costs import Prediction, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
-from meshtrain.planner.search import OVER_BUDGET, SearchResult, search
+from meshtrain.planner.search import search
 
 GOAL_MEDIAN = 0.07
 GOAL_WORST = 0.20
@@ -147,17 +146,9 @@ def best_prediction(row: dict, hardware: Hardware) -> Prediction:
     if row["dp"] * row["tp"] * row["pp"] != row["gpus"]:
         raise PublishedRowError(f"row {row['id']}: `tp` x `pp` x `dp` is not its `gpus`"
                                 f" {row['gpus']}")
-    def fastest(hw: Hardware) -> SearchResult:
-        return search(row_model(row), hw, gpus=row["gpus"], seq_len=row["seq"],
-                      global_batch=row["global_batch"], precision=hardware.default_precision,
-                      fixed=fixed_fields(row), schedules=MEGATRON_SCHEDULES)
-
-    found = fastest(hardware)
-    if not found.ranked and OVER_BUDGET in found.rejected:
-        # over meshtrain's memory (its pipeline keeps every send until the step's end, which
-        # the published system does not): priced as that system ran it, memory unbounded
-        found = fastest(dataclasses.replace(hardware, hbm_gib=math.inf))
-    return found.best()
+    return search(row_model(row), hardware, gpus=row["gpus"], seq_len=row["seq"],
+                  global_batch=row["global_batch"], precision=hardware.default_precision,
+                  fixed=fixed_fields(row), schedules=MEGATRON_SCHEDULES).best()
 
 
 def tflops_in_convention(row: dict, step_time_s: float) -> float:

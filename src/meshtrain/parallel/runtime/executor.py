@@ -34,6 +34,7 @@ from meshtrain.parallel.schedules.actions import (
     SEND_ACTIVATION,
     Action,
 )
+from meshtrain.parallel.schedules.releases import Releases, send_releases
 from meshtrain.parallel.schedules.schedule import PipelineSchedule
 from meshtrain.parallel.schedules.zero_bubble import estimated_costs
 from meshtrain.precision import wide_dtype
@@ -159,7 +160,7 @@ class PipelineExecutor(LocalExecutor):
         self.schedule, self.activation_shape = schedule, activation_shape
         self.chunk_costs = estimated_costs(chunk_layers, *model.cfg.pipeline_work_shares(
             seq_len)) if schedule.orders_on_costs else None  # every chunk's layers
-        self.built: dict[int, list[Action]] = {}  # action lists by micro-batch count
+        self.built: dict[int, tuple[list[Action], Releases]] = {}  # by micro-batch count
         self.count_saved_bytes = False
         self.last_run: ScheduleRun | None = None
         self.weight_grads = defer_weight_gradients(model) if schedule.split_backward else None
@@ -167,11 +168,15 @@ class PipelineExecutor(LocalExecutor):
     def actions(self, num_micro_batches: int) -> list[Action]:
         """This rank's actions for one flush step (`PipelineSchedule.step_lists`), built once
         per micro-batch count."""
-        m = num_micro_batches
+        return self._built(num_micro_batches)[0]
+
+    def _built(self, m: int) -> tuple[list[Action], Releases]:
+        """This rank's actions for m micro-batches and where its sends are waited."""
         if m not in self.built:
-            self.built[m] = self.schedule.step_lists(
-                self.mesh.pp.size, m, v=len(self.model.stage.chunks),
-                chunk_costs=self.chunk_costs)[self.mesh.pp.rank]
+            lists = self.schedule.step_lists(self.mesh.pp.size, m, v=len(self.model.stage.chunks),
+                                             chunk_costs=self.chunk_costs)
+            rank = self.mesh.pp.rank
+            self.built[m] = (lists[rank], send_releases(lists, self.schedule.placement)[rank])
         return self.built[m]
 
     def stage(self, routing: RoutingStats | None):
@@ -211,8 +216,10 @@ class PipelineExecutor(LocalExecutor):
     def forward_backward(self, step, batches, sync, *, loss_scale, timeline=None) -> StepResult:
         micro_batches = self.local_slices(batches(step))
         m = len(micro_batches)
-        return self.run(self.actions(m), micro_batches, m, sync, loss_scale=loss_scale,
-                        routing=RoutingStats(self.mesh.device), timeline=timeline)
+        actions, releases = self._built(m)
+        return self.run(actions, micro_batches, m, sync, loss_scale=loss_scale,
+                        routing=RoutingStats(self.mesh.device), timeline=timeline,
+                        releases=releases)
 
     @torch.no_grad()
     def evaluate(self, batches: Batches) -> torch.Tensor:
@@ -255,7 +262,8 @@ class PipeDreamExecutor(PipelineExecutor):
         local = {(t - pipedream.first_step) * m + j: read[t][j] for t in read for j in range(m)}
         result = self.run(pipedream.segment(step), local, m, sync, loss_scale=loss_scale,
                           routing=RoutingStats(self.mesh.device), timeline=timeline,
-                          use_weights_of=pipedream.use_weights_of, carry=pipedream.carry)
+                          use_weights_of=pipedream.use_weights_of, carry=pipedream.carry,
+                          releases=pipedream.releases(step))
         pipedream.end_segment(step)
         return result
 

@@ -5,12 +5,15 @@ under the interleaved schedule: rank s holds global chunks s, s + p, ...): forwa
 ids (first global chunk) or the activation received from the previous global chunk; backwards
 take the loss (last global chunk) or the gradient received from the next one. The previous
 chunk lives on rank s - 1, or on rank p - 1 for rank 0's later chunks (the wrap-around), and the
-next on rank s + 1, or rank 0. Sends are asynchronous and waited at the end of the step (under
-2BW, one step later); receives block just before the compute that needs them, so any schedule
-the simulator accepts runs without deadlock. Shapes are known ahead (`[micro, s, h]`), so no
-handshake precedes a transfer. Under zb-v (`actions.v_shape_chunk`) the previous and next
-chunk's rank follow the V, and the boundary in the V's turn, inside rank p - 1, is handed over
-in memory.
+next on rank s + 1, or rank 0. Sends are asynchronous; each is waited, and its tensor freed, as
+soon as this rank has received something its receiver sent after taking it
+(`schedules/releases.py`), else at the end of the step (under 2BW, one step later), so a rank
+holds a number of boundary tensors set by the schedule and pp, not by the micro-batches.
+Receives block just before the compute that needs them, and waiting a send already taken
+blocks on nothing, so any schedule the simulator accepts runs without deadlock. Shapes are
+known ahead (`[micro, s, h]`), so no handshake precedes a transfer. Under zb-v
+(`actions.v_shape_chunk`) the previous and next chunk's rank follow the V, and the boundary in
+the V's turn, inside rank p - 1, is handed over in memory.
 
 The split backward (zb-h1, zb-v): `I` runs the chunk's backward for its input gradient only,
 while the layers queue their weight-gradient work (`layers/weight_grads.py`); parameters of
@@ -59,6 +62,7 @@ from meshtrain.parallel.schedules.actions import (
     model_chunk,
 )
 from meshtrain.parallel.schedules.pipedream import pipedream_2bw
+from meshtrain.parallel.schedules.releases import Releases, send_releases
 
 
 def stage_layers(num_layers: int, num_stages: int, split: list[int] | None = None) -> list[range]:
@@ -91,6 +95,8 @@ class ScheduleRun:
     losses: list[torch.Tensor]  # last global chunk's per-micro-batch losses (/ m), else empty
     peak_in_flight: int  # most (micro, chunk)s forwarded and not yet backwarded at one time
     peak_saved_bytes: int  # most bytes autograd saved for them at one time (0: not counted)
+    peak_boundary_tensors: int = 0  # most distinct tensors held among forward outputs, sends
+    # not yet waited and received gradients not yet consumed (what grew with the micro-batches)
 
 
 @dataclass
@@ -105,13 +111,21 @@ class InFlight:
     grads: dict = field(default_factory=dict)  # received gradients
     extra: dict = field(default_factory=dict)  # the chunk's own extra loss per forward
     saved: dict = field(default_factory=dict)  # bytes autograd holds per in-flight chunk
-    sends: list = field(default_factory=list)  # (work, tensor): the tensor lives until waited
+    sends: dict = field(default_factory=dict)  # send action -> (work, tensor), until waited
     weight_work: dict = field(default_factory=dict)  # split backward: what each W runs
 
-    def wait_sends(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
+    def wait_sends(self, which=None) -> None:
+        """Wait the sends `which` (send actions; default all) still pending, freeing them."""
+        for action in list(self.sends) if which is None else which:
+            if action in self.sends:
+                self.sends.pop(action)[0].wait()
+
+    def boundary_tensors(self) -> int:
+        """Distinct storages among held forward outputs (not losses), pending sends and
+        received gradients."""
+        held = [t for t in self.outputs.values() if t.dim() > 0] + list(self.grads.values()) \
+            + [t for _, t in self.sends.values()]
+        return len({t.untyped_storage().data_ptr() for t in held})
 
 
 def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
@@ -122,7 +136,8 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
                  loss_scale: float = 1.0, count_saved_of=None,
                  carry: InFlight | None = None, timeline: list | None = None,
                  placement: Placement = model_chunk,
-                 weight_grads: WeightGradients | None = None, params=()) -> ScheduleRun:
+                 weight_grads: WeightGradients | None = None, params=(),
+                 releases: Releases | None = None) -> ScheduleRun:
     """Run this rank's actions. `stage(x, chunk, batch)` runs local chunk `chunk` (of
     `num_chunks`) on micro-batch `batch` and returns its output and its own extra loss for that
     micro-batch (MoE routing losses, joining that backward; 0.0 for none); `micro_batches[i]`
@@ -135,15 +150,18 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
     put in the weight version micro-batch i uses (2BW).
     `count_saved_of`: the stage's parameters, to count the bytes autograd saves per in-flight
     chunk (off by default: a hook per saved tensor; a storage shared by chunks counts in each).
-    `carry`: state kept across calls; its sends are waited one call later (their receivers may
-    post them only after the optimizer step), and `carry.wait_sends()` drains the last ones.
+    `releases` (`releases.send_releases` of every rank's list, this rank's): after which
+    action each send is waited; without them every send waits for the end.
+    `carry`: state kept across calls; a send its `releases` do not free is waited one call
+    later (its receiver may post it only after the optimizer step), and `carry.wait_sends()`
+    drains the last ones.
     `timeline`, when given, gets one (kind, micro, chunk, start, end) per action, in
     `time.perf_counter()` seconds (see `pipeline_trace.py`).
     `placement` maps local chunks to global ones (`actions.v_shape_chunk` for zb-v); a list
     with `I` and `W` actions needs the layers' `weight_grads` and the stage's `params`.
     """
     state = carry or InFlight()
-    earlier_sends, state.sends = state.sends, []
+    earlier_sends = list(state.sends)
     runner = _Runner(stage=stage, loss_fn=loss_fn, micro_batches=micro_batches, mesh=mesh,
                      activation_shape=activation_shape, dtype=dtype, num_chunks=num_chunks,
                      m=num_micro_batches or len(micro_batches),
@@ -156,8 +174,8 @@ def run_schedule(actions: list[Action], *, stage: Callable, loss_fn: Callable,
         runner.run(a)
         if timeline is not None:
             timeline.append((a.kind, a.micro, a.chunk, start, time.perf_counter()))
-    for work, _ in earlier_sends:
-        work.wait()
+        runner.held(releases.get(index, ()) if releases else ())
+    state.wait_sends(earlier_sends)
     if carry is None:
         state.wait_sends()
     return runner.result
@@ -198,6 +216,12 @@ class _Runner:
         g = self.placement(self.mesh.pp.rank, a.chunk, self.mesh.pp.size)
         self.handlers[a.kind](a.micro, g, (a.micro, a.chunk))
 
+    def held(self, released) -> None:
+        """After an action: wait the sends it `released`, then count what is held."""
+        self.state.wait_sends(released)
+        self.result.peak_boundary_tensors = max(self.result.peak_boundary_tensors,
+                                                self.state.boundary_tensors())
+
     def tag(self, i: int, boundary: int, kind: int) -> int:
         """Boundary b lies between global chunks b and b + 1: one tag per (micro, boundary,
         kind: 0 activation, 1 gradient, 2 evaluation activation)."""
@@ -232,13 +256,13 @@ class _Runner:
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.activation_shape, dtype=self.dtype, device=self.mesh.device)
 
-    def _send(self, tensor: torch.Tensor, axis, to_chunk: int, tag: int) -> None:
+    def _send(self, a: Action, tensor: torch.Tensor, axis, to_chunk: int, tag: int) -> None:
         """To the rank holding global chunk `to_chunk`, or in memory when that is this one."""
         if self.owner[to_chunk] == self.mesh.pp.rank:
             self.state.handed[tag] = tensor
         else:
-            self.state.sends.append((comm.send(tensor, axis, self.owner[to_chunk], tag=tag),
-                                     tensor))
+            self.state.sends[a] = (
+                comm.send(tensor, axis, self.owner[to_chunk], tag=tag), tensor)
 
     def _recv(self, kind: str, axis, from_chunk: int, tag: int) -> torch.Tensor:
         if self.owner[from_chunk] == self.mesh.pp.rank:
@@ -281,7 +305,8 @@ class _Runner:
     def send_activation(self, i: int, g: int, key: tuple[int, int]) -> None:
         outputs = self.state.outputs
         tensor = outputs[key].detach() if torch.is_grad_enabled() else outputs.pop(key)
-        self._send(tensor, self.axis, g + 1, self.tag(i, g, self.forward_tag))
+        self._send(Action(SEND_ACTIVATION, i, key[1]), tensor, self.axis, g + 1,
+                   self.tag(i, g, self.forward_tag))
 
     def recv_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
         self.state.grads[key] = self._recv(RECV_GRAD, self.grad_axis, g + 1, self.tag(i, g, 1))
@@ -329,7 +354,8 @@ class _Runner:
 
     def send_grad(self, i: int, g: int, key: tuple[int, int]) -> None:
         tensor = self.state.inputs.pop(key).grad
-        self._send(tensor, self.grad_axis, g - 1, self.tag(i, g - 1, 1))
+        self._send(Action(SEND_GRAD, i, key[1]), tensor, self.grad_axis, g - 1,
+                   self.tag(i, g - 1, 1))
 
 
 class PipeDream2BW:
@@ -348,11 +374,17 @@ class PipeDream2BW:
     def __init__(self, params: list[torch.nn.Parameter], current: list[torch.Tensor], *,
                  p: int, s: int, m: int, first_step: int, num_steps: int,
                  previous: list[torch.Tensor] | None = None):
+        lists = pipedream_2bw(p, m, num_steps)
+        released = send_releases(lists)[s]
         self.segments: list[list[Action]] = [[]]
-        for a in pipedream_2bw(p, m, num_steps)[s]:
+        self.released: list[Releases] = [{}]  # by segment, at indices into it
+        for k, a in enumerate(lists[s]):
+            if k in released:
+                self.released[-1][len(self.segments[-1])] = released[k]
             self.segments[-1].append(a)
             if a.kind == OPTIMIZER_STEP:
                 self.segments.append([])
+                self.released.append({})
         self.first_step, self.m = first_step, m
         self.carry = InFlight()
         self.params, self.current = params, current
@@ -364,6 +396,10 @@ class PipeDream2BW:
     def segment(self, step: int) -> list[Action]:
         """This rank's actions from the end of step - 1's optimizer step to step's."""
         return self.segments[step - self.first_step]
+
+    def releases(self, step: int) -> Releases:
+        """Where the segment of `step` waits its sends (over the whole run's lists)."""
+        return self.released[step - self.first_step]
 
     def steps_read(self, step: int) -> list[int]:
         """The optimizer steps whose micro-batches the segment of `step` forwards."""
