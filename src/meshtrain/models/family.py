@@ -220,6 +220,14 @@ class TransformerConfig(ABC):
                            routed_scaling=self.moe_routed_scaling,
                            aux_tokens=self.moe_aux_loss_tokens)
 
+    def routing_state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The MoE routers' balancing state a checkpoint holds (as `routing/<name>`): the
+        choice bias with `moe_bias_rate`, the global fractions with a global balancing loss."""
+        names = ("expert_bias",) * bool(self.moe_bias_rate) \
+            + ("load_fractions",) * (self.moe_aux_loss_scope == "global")
+        return {f"layers.{i}.mlp.router.{name}": (self.moe_experts,)
+                for i in self.moe_layers() for name in names}
+
     def moe_layers(self) -> tuple[int, ...]:
         """The model layer indices whose MLP is an MoE layer."""
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
