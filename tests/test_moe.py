@@ -171,8 +171,19 @@ def test_bad_moe_settings():
         preset("tiny", moe_experts=6).validate_for_ep(4)
     with raises_as_flags("--ep 2 needs an MoE model"):
         preset("tiny").validate_for_ep(2)
-    with raises_as_flags("--moe-top-k must be 1 or 2"):
-        preset("tiny", moe_experts=4, moe_top_k=3).validate()
+    with raises_as_flags("--moe-top-k must be >= 1, got 0"):
+        preset("tiny", moe_experts=4, moe_top_k=0).validate()
+    preset("tiny", moe_experts=4, moe_top_k=3).validate()  # any 1 <= k <= experts
+    with raises_as_flags("--moe-bias-rate must be a finite number >= 0"):
+        preset("tiny", moe_experts=4, moe_bias_rate=-0.1).validate()
+    with raises_as_flags("--moe-bias-rate must be a finite number, got nan"):
+        preset("tiny", moe_experts=4, moe_bias_rate=float("nan")).validate()
+    with raises_as_flags("--moe-score must be softmax or sigmoid, got 'tanh'"):
+        preset("tiny", moe_experts=4, moe_score="tanh").validate()
+    with raises_as_flags("--moe-aux-loss-scope must be micro-batch or global"):
+        preset("tiny", moe_experts=4, moe_aux_loss_scope="step").validate()
+    with raises_as_flags("--moe-routed-scaling must be a finite number > 0"):
+        preset("tiny", moe_experts=4, moe_routed_scaling=0.0).validate()
 
 
 def test_moe_layers_and_parameter_count():

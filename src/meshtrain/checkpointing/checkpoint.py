@@ -45,6 +45,7 @@ from meshtrain.checkpointing.verify import latest_checkpoint as latest_checkpoin
 from meshtrain.checkpointing.verify import resolve_checkpoint as resolve_checkpoint
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.layers.routing import Router
 from meshtrain.parallel.layers.sharding import (
     GridPosition,
     ShardSpec,
@@ -93,6 +94,24 @@ def _owned_pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None, repli
     for i, (local, start, length) in enumerate(shard_pieces(spec, position)):
         piece = tensor.narrow(spec.dim, local, length)
         yield f"{name}#{i}", piece, {"dim": spec.dim, "offset": start, "length": length}
+
+
+def routing_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
+    """(name, buffer, router weight's name) of each MoE router's balancing state (the choice
+    bias, the previous step's global fractions): buffers a resumed run needs, saved under
+    `routing/<name>` and replicated like the router's weight, so they load at any layout."""
+    return [(f"{prefix}.{name}", buffer, f"{prefix}.weight")
+            for prefix, module in model.named_modules() if isinstance(module, Router)
+            for name, buffer in module.named_buffers(recurse=False)]
+
+
+def _load_routing(model: nn.Module, reader: Reader) -> None:
+    """The routers' balancing state, where the checkpoint has it; a checkpoint from before
+    it (or from a run without it) leaves the zeros a new run starts from."""
+    with torch.no_grad():
+        for name, buffer, _ in routing_buffers(model):
+            if "routing/" + name in reader.manifest["tensors"]:
+                buffer.copy_(reader.full("routing/" + name))
 
 
 def _logical_shape(tensor: torch.Tensor, spec: ShardSpec | None) -> list[int]:
@@ -160,6 +179,8 @@ def prepare_checkpoint(root: str | Path, step: int, *, model: nn.Module, mesh: P
     names = [n for n, _ in model.named_parameters()]
     sources = [("model/" + n, values[n].detach(), n) for n in names]
     sources += [("previous/" + n, previous[n].detach(), n) for n in names if previous]
+    sources += [("routing/" + n, buffer.detach(), weight) for n, buffer, weight
+                in routing_buffers(model)]
     for n in names:
         state = (states or {}).get(n, {})
         sources += [(f"optim/{s}/{n}", state[s], n) for s in ADAMW_MOMENTS if s in state]
@@ -374,6 +395,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
         previous = {name: local("previous/" + name, shards[name]) for name in names} \
             if "previous/" + names[0] in manifest["tensors"] else None
         load_states(values, states, step, previous=previous)
+    _load_routing(model, reader)
     if rng and manifest["layout"] == mesh.layout and manifest.get("device") == mesh.device.type:
         states = {name: reader.raw(f"rng/{mesh.rank}/{name}") for name in model.rng.get_states()}
         if None not in states.values():

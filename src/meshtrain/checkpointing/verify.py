@@ -195,20 +195,22 @@ def _model_config(path: Path, manifest: dict) -> TransformerConfig:
     if held != cfg.num_parameters():
         raise _damaged(path, "manifest.json", f"its model settings make {cfg.num_parameters()}"
                                               f" parameters, its model tensors hold {held}")
-    _check_shapes(path, manifest["tensors"], cfg.parameter_shapes())
+    _check_shapes(path, manifest["tensors"], cfg.parameter_shapes(), cfg.routing_state_shapes())
     return cfg
 
 
-def _check_shapes(path: Path, tensors: dict, expected: dict[str, tuple[int, ...]]) -> None:
-    """Each model tensor, and each optimizer state or earlier weight version of one, has the
-    shape the model settings give it (equal counts can still hide, say, a vocabulary one row
-    longer and a position table one row shorter)."""
+def _check_shapes(path: Path, tensors: dict, expected: dict[str, tuple[int, ...]],
+                  routing: dict[str, tuple[int, ...]]) -> None:
+    """Each model tensor, each optimizer state or earlier weight version of one, and each
+    router's balancing state has the shape the model settings give it (equal counts can
+    still hide, say, a vocabulary one row longer and a position table one row shorter)."""
     held = {name.removeprefix("model/") for name in tensors if name.startswith("model/")}
     if held != set(expected):
         name = sorted(held ^ set(expected))[0]
         where = "its model tensors hold" if name in held else "no model tensor holds"
         raise _damaged(path, "manifest.json", f"{where} {name}, which its model settings"
                                               f" {'do not make' if name in held else 'make'}")
+    expected = expected | routing  # (a checkpoint from before the routing state has none)
     for name, entry in tensors.items():
         param = name.removeprefix("previous/") if name.startswith("previous/") else \
             name.split("/", 2)[-1]

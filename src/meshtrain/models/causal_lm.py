@@ -88,10 +88,10 @@ class CausalLM(nn.Module, ABC):
         first = mesh.ep.rank * per_rank
         experts = {e: self.build_mlp(generator(seed, 10_000 * (1 + index) + 1 + e))
                    for e in range(first, first + per_rank)}
-        return MoE(router, experts, num_experts=cfg.moe_experts, top_k=cfg.moe_top_k,
-                   capacity_factor=cfg.moe_capacity_factor,
+        return MoE(router, experts, num_experts=cfg.moe_experts, rule=cfg.routing_rule(),
                    aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
-                   mesh=mesh)
+                   mesh=mesh, layer=index, seq_aux_loss_coef=cfg.moe_seq_aux_loss_coef,
+                   bias_rate=cfg.moe_bias_rate, global_aux=cfg.moe_aux_loss_scope == "global")
 
     def build_head(self, seed: int) -> nn.Module:
         """The untied output layer (`logits(hidden)`); tied families never call this."""

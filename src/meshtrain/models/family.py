@@ -18,9 +18,14 @@ from torch import nn
 
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
+from meshtrain.parallel.layers.routing import RoutingRule
 
-MOE_TOP_K = (1, 2)
-"""The `moe_top_k` choices: Switch routing (1 expert a token) or GShard's (2)."""
+MOE_SCORES = ("softmax", "sigmoid")
+"""The `moe_score` choices: how router logits become the scores experts are chosen by."""
+MOE_AUX_TOKENS = ("first", "all")
+"""The `moe_aux_loss_tokens` choices: the balancing loss counts first choices or all k."""
+MOE_AUX_SCOPES = ("micro-batch", "global")
+"""The `moe_aux_loss_scope` choices: whose expert fractions the balancing loss weighs."""
 
 
 def _setting(help: str, default: Any = MISSING, *, choices: tuple | None = None) -> Any:
@@ -63,8 +68,7 @@ class TransformerConfig(ABC):
                               " (explicit softmax(QK^T)V, saving the s x s scores)", "sdpa",
                               choices=ATTENTION_KERNELS)
     moe_experts: int = _setting("experts per MoE layer (0: dense MLPs only)", 0)
-    moe_top_k: int = _setting("experts per token: 1 (Switch) or 2 (GShard, weights"
-                              " renormalised)", 1, choices=MOE_TOP_K)
+    moe_top_k: int = _setting("experts per token, 1 .. moe_experts (1: Switch, 2: GShard)", 1)
     moe_every: int = _setting("every n-th MLP is an MoE layer (layers n-1, 2n-1, ...)", 1)
     moe_capacity_factor: float = _setting("expert capacity = ceil(factor x tokens x k /"
                                           " experts) per micro-batch and rank; excess choices"
@@ -73,6 +77,23 @@ class TransformerConfig(ABC):
     moe_aux_loss_coef: float = _setting("weight of the Switch load-balancing loss", 0.01)
     moe_z_loss_coef: float = _setting("weight of the router z-loss (mean squared"
                                       " log-sum-exp of the router logits)", 0.0)
+    moe_score: str = _setting("router scores: softmax over experts (Mixtral, Qwen) or a"
+                              " sigmoid each (DeepSeek-V3)", "softmax", choices=MOE_SCORES)
+    moe_norm_topk_prob: bool | None = _setting("renormalise the k chosen scores to sum to 1"
+                                               " (unset: only when moe_top_k >= 2)", None)
+    moe_routed_scaling: float = _setting("factor on the combine weights of the routed"
+                                         " experts (DeepSeek's routed_scaling_factor)", 1.0)
+    moe_aux_loss_tokens: str = _setting("the balancing loss's expert fractions count first"
+                                        " choices (Switch) or all k (transformers, Megatron)",
+                                        "first", choices=MOE_AUX_TOKENS)
+    moe_aux_loss_scope: str = _setting("the balancing loss weighs this micro-batch's fractions,"
+                                       " or the previous step's whole global batch's (the same"
+                                       " at every layout)", "micro-batch", choices=MOE_AUX_SCOPES)
+    moe_seq_aux_loss_coef: float = _setting("weight of DeepSeek's sequence-wise balancing loss"
+                                            " (fractions and scores per sequence)", 0.0)
+    moe_bias_rate: float = _setting("auxiliary-loss-free balancing: each step, an expert's"
+                                    " choice bias moves by this toward the mean load (0: off)",
+                                    0.0)
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
@@ -157,9 +178,8 @@ class TransformerConfig(ABC):
             self._validate_moe()
 
     def _validate_moe(self) -> None:
-        if self.moe_top_k not in MOE_TOP_K:
-            raise SettingError(Code.CHOICE, f"`moe_top_k` must be {alternatives(MOE_TOP_K)},"
-                                            f" got {self.moe_top_k}")
+        if self.moe_top_k < 1:
+            raise SettingError(Code.RANGE, f"`moe_top_k` must be >= 1, got {self.moe_top_k}")
         if self.moe_top_k > self.moe_experts:
             raise SettingError(Code.MOE_TOP_K, (
                 f"`moe_top_k` {self.moe_top_k} exceeds `moe_experts`"
@@ -172,6 +192,45 @@ class TransformerConfig(ABC):
                 f" {self.moe_capacity_factor}"))
         if not (0 <= self.moe_aux_loss_coef < math.inf and 0 <= self.moe_z_loss_coef < math.inf):
             raise SettingError(Code.RANGE, "`moe_aux_loss_coef` and `moe_z_loss_coef` must be >= 0")
+        self._validate_routing()
+
+    def _validate_routing(self) -> None:
+        for name, value, choices in (("moe_score", self.moe_score, MOE_SCORES),
+                                     ("moe_aux_loss_tokens", self.moe_aux_loss_tokens,
+                                      MOE_AUX_TOKENS),
+                                     ("moe_aux_loss_scope", self.moe_aux_loss_scope,
+                                      MOE_AUX_SCOPES)):
+            if value not in choices:
+                raise SettingError(Code.CHOICE, f"`{name}` must be {alternatives(choices)},"
+                                                f" got {value!r}")
+        for name in ("moe_bias_rate", "moe_seq_aux_loss_coef"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise SettingError(Code.RANGE, (
+                    f"`{name}` must be a finite number >= 0 (0: off), got"
+                    f" {getattr(self, name)}"))
+        if not 0 < self.moe_routed_scaling < math.inf:
+            raise SettingError(Code.RANGE, (
+                "`moe_routed_scaling` must be a finite number > 0 (1: unscaled), got"
+                f" {self.moe_routed_scaling}"))
+
+    def routing_rule(self) -> RoutingRule:
+        """The MoE layers' routing settings as `routing.route` takes them."""
+        return RoutingRule(top_k=self.moe_top_k, capacity_factor=self.moe_capacity_factor,
+                           score=self.moe_score, norm_topk_prob=self.moe_norm_topk_prob,
+                           routed_scaling=self.moe_routed_scaling,
+                           aux_tokens=self.moe_aux_loss_tokens)
+
+    def routing_state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The MoE routers' balancing state a checkpoint holds (as `routing/<name>`): the
+        choice bias with `moe_bias_rate`, the global fractions with a global balancing loss."""
+        names = ("expert_bias",) * bool(self.moe_bias_rate) \
+            + ("load_fractions",) * (self.moe_aux_loss_scope == "global")
+        return {f"layers.{i}.mlp.router.{name}": (self.moe_experts,)
+                for i in self.moe_layers() for name in names}
+
+    def moe_layers(self) -> tuple[int, ...]:
+        """The model layer indices whose MLP is an MoE layer."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0

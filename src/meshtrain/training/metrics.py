@@ -217,8 +217,10 @@ class Progress:
         self._steady: tuple[int, float] | None = None  # (step, time) the first step ended
 
     def update(self, *, step: int, loss: float, tokens_per_s: float, tflops: float,
-               mfu: float | None = None) -> None:
+               mfu: float | None = None, moe_load: float | None = None) -> None:
+        """`moe_load`: the worst MoE layer's max/mean expert load, shown when given."""
         shown_mfu = "" if mfu is None else f", {mfu:.1%} MFU"
+        shown_mfu += "" if moe_load is None else f", expert load max/mean {moe_load:.2f}"
         if self._steady is None:
             self._steady = (step, time.perf_counter())
         if self.lines and (step % self.interval == 0 or step == self.total):
@@ -229,6 +231,8 @@ class Progress:
         postfix = {"loss": f"{loss:.4f}", "tok_s": f"{tokens_per_s:,.0f}"}
         if mfu is not None:
             postfix["mfu"] = f"{mfu:.1%}"
+        if moe_load is not None:
+            postfix["load"] = f"{moe_load:.2f}"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
 

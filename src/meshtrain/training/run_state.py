@@ -111,7 +111,8 @@ class RunState:
             self.progress.write(f"step {done}: eval loss {evaluation['eval_loss']:.4f}")
         self._write(row)
         self.progress.update(step=done, loss=row["loss"], tokens_per_s=tokens_per_s,
-                             tflops=row["tflops"], mfu=row.get("mfu"))
+                             tflops=row["tflops"], mfu=row.get("mfu"),
+                             moe_load=row.get("moe_load_max_over_mean"))
         self._save_or_stop(done, request)
         self.timer.lap()  # exclude evaluation and checkpointing from the next step's time
 

@@ -141,15 +141,17 @@ class Trainer:
             comm.all_reduce(scalars["request"], mesh.world, op=torch.distributed.ReduceOp.MAX)
         if self.model.cfg.moe_experts:
             micro_batches = self.plan.micro_batches_per_step(t.global_batch)
-            scalars |= result.routing.summary(mesh, micro_batches)
+            scalars |= result.routing.summary(mesh, micro_batches, self.model.cfg.moe_layers())
         row = {"step": step + 1}
         if self.scaler.decides_first(t.max_nonfinite_steps):
             values = read_scalars(scalars)
             row |= self.scaler.settle(values)
             if not row["skipped"]:
                 self.executor.optimizer_step(lambda: sync.step(lr))
+                result.routing.update(self.model)
         else:  # a bad step ends the run
             self.executor.optimizer_step(lambda: sync.step(lr))
+            result.routing.update(self.model)
             values = read_scalars(scalars)
             row |= {"nonfinite": 1} if nonfinite(values, scaled=False) else {}
         return row | {"loss": values.pop("loss"), "grad_norm": values.pop("grad_norm"),

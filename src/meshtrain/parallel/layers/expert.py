@@ -24,7 +24,7 @@ from torch import nn
 
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm, regions
-from meshtrain.parallel.layers.routing import route
+from meshtrain.parallel.layers.routing import Router, RoutingRule, route
 
 
 @dataclass
@@ -50,13 +50,17 @@ class MoE(nn.Module):
     """
 
     def __init__(self, router: nn.Linear, experts: dict[int, nn.Module], *, num_experts: int,
-                 top_k: int, capacity_factor: float, aux_loss_coef: float, z_loss_coef: float,
-                 mesh: ParallelMesh):
+                 rule: RoutingRule, aux_loss_coef: float, z_loss_coef: float,
+                 mesh: ParallelMesh, layer: int = 0, seq_aux_loss_coef: float = 0.0,
+                 bias_rate: float = 0.0, global_aux: bool = False):
         super().__init__()
-        self.router = router  # replicated, [E, h]
+        self.router = Router(router, bias_rate=bias_rate, global_fractions=global_aux,
+                             aux_tokens=rule.aux_tokens)  # replicated, [E, h], fp32
         self.experts = nn.ModuleDict({str(e): expert for e, expert in experts.items()})
-        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.num_experts, self.rule, self.layer = num_experts, rule, layer
+        self.top_k, self.capacity_factor = rule.top_k, rule.capacity_factor
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.seq_aux_loss_coef = seq_aux_loss_coef
         self.ep_axis = mesh.ep
         self.num_local = num_experts // mesh.ep.size
         self.first_local = mesh.ep.rank * self.num_local
@@ -64,11 +68,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, aux) -> torch.Tensor:
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
-        routing = route(self.router(tokens), top_k=self.top_k,
-                        capacity_factor=self.capacity_factor)
-        aux.loss = aux.loss + self.aux_loss_coef * routing.aux_loss
-        if self.z_loss_coef:
-            aux.loss = aux.loss + self.z_loss_coef * routing.z_loss
+        routing = self._route(tokens, b)
         dispatch = self._dispatch(routing.tokens_per_expert)
         kept = torch.nonzero_static(routing.kept, size=dispatch.num_kept)  # [N, 2], token-major
         experts = routing.experts[kept[:, 0], kept[:, 1]]
@@ -79,10 +79,27 @@ class MoE(nn.Module):
         outputs = self._run_experts(tokens[token_idx], dispatch)  # [N, h] in send order
         weights = routing.weights[token_idx, choice_idx].unsqueeze(-1).to(outputs.dtype)
         combined = torch.zeros_like(tokens).index_add(0, token_idx, outputs * weights)
-        aux.routing.append({"tokens_per_expert": routing.tokens_per_expert.detach(),
-                            "kept": routing.kept.sum(), "assigned": routing.kept.numel(),
-                            "aux_loss": routing.aux_loss.detach()})
+        aux.loss = aux.loss + self.aux_loss_coef * routing.aux_loss
+        if self.z_loss_coef:
+            aux.loss = aux.loss + self.z_loss_coef * routing.z_loss
+        if self.seq_aux_loss_coef:
+            aux.loss = aux.loss + self.seq_aux_loss_coef * routing.seq_aux_loss
+        bias = self.router.expert_bias
+        aux.routing.append({
+            "layer": self.layer, "tokens_per_expert": routing.tokens_per_expert.detach(),
+            "counts": torch.stack([routing.tokens_per_expert, routing.choices_per_expert,
+                                   routing.first_per_expert]),
+            "kept": routing.kept.sum(), "assigned": routing.kept.numel(),
+            "aux_loss": routing.aux_loss.detach(),
+            "bias": None if bias is None else bias.detach().clone()})
         return combined.view(b, s, h)
+
+    def _route(self, tokens: torch.Tensor, sequences: int):
+        """This micro-batch's routing (`routing.route`) by the router's fp32 scores, choice bias
+        and global fractions."""
+        return route(self.router(tokens), self.rule, bias=self.router.expert_bias,
+                     fractions=self.router.load_fractions,
+                     sequences=sequences if self.seq_aux_loss_coef else 0)
 
     def _dispatch(self, counts: torch.Tensor) -> _Dispatch:
         """The sizes of this layer's all-to-alls and expert batches from the kept choices per

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
@@ -33,7 +34,22 @@ class Routing:
     kept: torch.Tensor  # [T, k] bool: within capacity
     aux_loss: torch.Tensor  # Switch load-balancing loss E * sum_i f_i P_i
     z_loss: torch.Tensor  # mean squared log-sum-exp of the router logits
+    seq_aux_loss: torch.Tensor  # DeepSeek's sequence-wise loss (0 when not asked for)
     tokens_per_expert: torch.Tensor  # [E] kept choices per expert
+    choices_per_expert: torch.Tensor  # [E] all k choices per expert, before capacity
+    first_per_expert: torch.Tensor  # [E] first choices per expert
+
+
+@dataclass(frozen=True)
+class RoutingRule:
+    """How scores become choices and weights (the `moe_*` routing settings)."""
+
+    top_k: int
+    capacity_factor: float
+    score: str = "softmax"
+    norm_topk_prob: bool | None = None  # None: renormalise for k >= 2 only
+    routed_scaling: float = 1.0
+    aux_tokens: str = "first"  # the balancing loss's fractions: "first" choices or "all" k
 
 
 def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -43,47 +59,155 @@ def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: 
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
-def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routing:
-    """Top-k routing with deterministic capacity dropping; `logits` `[T, E]`."""
-    num_tokens, num_experts = logits.shape
-    logits = logits.to(wide_dtype(logits.dtype))
-    probs = logits.softmax(dim=-1)
-    top_probs, experts = probs.topk(top_k, dim=-1)  # [T, k]
-    weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if top_k > 1 else top_probs
-    cap = capacity(num_tokens, num_experts=num_experts, top_k=top_k,
-                   capacity_factor=capacity_factor)
-    placed = torch.zeros(num_experts, dtype=torch.long, device=logits.device)
+def scores_of(logits: torch.Tensor, score: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores experts are chosen and weighted by, probabilities the balancing losses use):
+    softmax gives both; sigmoid scores each expert alone, normalised per token for the losses
+    (DeepSeek-V3)."""
+    if score == "softmax":
+        probs = logits.softmax(dim=-1)
+        return probs, probs
+    scores = logits.sigmoid()
+    return scores, scores / scores.sum(dim=-1, keepdim=True)
+
+
+def choose(scores: torch.Tensor, rule: RoutingRule, bias: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k experts and combine weights `[T, k]`. A bias `[E]` moves the choice
+    only: the weights are the unbiased scores of the chosen experts."""
+    if bias is None:
+        weights, experts = scores.topk(rule.top_k, dim=-1)
+    else:
+        experts = (scores + bias).topk(rule.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+    norm = rule.top_k > 1 if rule.norm_topk_prob is None else rule.norm_topk_prob
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if rule.routed_scaling != 1.0:
+        weights = weights * rule.routed_scaling
+    return experts, weights
+
+
+def place(experts: torch.Tensor, num_experts: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, kept) `[T, k]`: every first choice is placed before any second choice, tokens in
+    position order; a slot at or past `cap` is dropped."""
+    placed = torch.zeros(num_experts, dtype=torch.long, device=experts.device)
     slots = torch.empty_like(experts)
-    for choice in range(top_k):  # all first choices before any second choice
+    for choice in range(experts.shape[1]):
         onehot = F.one_hot(experts[:, choice], num_experts)  # [T, E]
         position = (onehot.cumsum(dim=0) - 1 + placed) * onehot
         slots[:, choice] = position.sum(dim=-1)
         placed += onehot.sum(dim=0)
-    kept = slots < cap
-    top1_fraction = F.one_hot(experts[:, 0], num_experts).float().mean(dim=0)
-    aux_loss = num_experts * (top1_fraction * probs.mean(dim=0)).sum()
+    return slots, slots < cap
+
+
+def own_fractions(experts: torch.Tensor, num_experts: int, aux_tokens: str) -> torch.Tensor:
+    """Each expert's share `[E]` of this micro-batch's first choices, or of all k choices."""
+    if aux_tokens == "first":
+        return F.one_hot(experts[:, 0], num_experts).float().mean(dim=0)
+    return F.one_hot(experts.flatten(), num_experts).float().mean(dim=0)
+
+
+def sequence_aux_loss(probs: torch.Tensor, experts: torch.Tensor, sequences: int
+                      ) -> torch.Tensor:
+    """DeepSeek's sequence-wise balancing loss: E * sum_i f_i P_i within each sequence (f over
+    all k choices, P the mean normalised score), averaged over the `sequences` rows."""
+    num_experts = probs.shape[-1]
+    fractions = F.one_hot(experts.reshape(sequences, -1), num_experts).float().mean(dim=1)
+    mean_probs = probs.reshape(sequences, -1, num_experts).mean(dim=1)
+    return num_experts * (fractions * mean_probs).sum(dim=-1).mean()
+
+
+def route(logits: torch.Tensor, rule: RoutingRule | None = None, *, top_k: int = 1,
+          capacity_factor: float = 1.25, bias: torch.Tensor | None = None,
+          fractions: torch.Tensor | None = None, sequences: int = 0) -> Routing:
+    """Top-k routing with deterministic capacity dropping; `logits` `[T, E]`. `rule` (or
+    `top_k` and `capacity_factor` for the default softmax rule); `bias` `[E]` for the choice;
+    `fractions` `[E]`: the global batch's expert fractions the balancing loss weighs (all zero:
+    none yet, this micro-batch's own); `sequences` > 0 computes the sequence-wise loss over
+    that many equal rows of tokens."""
+    rule = rule or RoutingRule(top_k=top_k, capacity_factor=capacity_factor)
+    num_tokens, num_experts = logits.shape
+    logits = logits.to(wide_dtype(logits.dtype))
+    scores, probs = scores_of(logits, rule.score)
+    experts, weights = choose(scores, rule, bias)
+    slots, kept = place(experts, num_experts, capacity(
+        num_tokens, num_experts=num_experts, top_k=rule.top_k,
+        capacity_factor=rule.capacity_factor))
+    share = own_fractions(experts, num_experts, rule.aux_tokens)
+    if fractions is not None:
+        share = torch.where(fractions.sum() > 0, fractions, share)
+    aux_loss = num_experts * (share * probs.mean(dim=0)).sum()
     z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    seq_aux = sequence_aux_loss(probs, experts, sequences) if sequences \
+        else torch.zeros((), device=logits.device)
     tokens_per_expert = torch.zeros(num_experts, dtype=torch.long, device=logits.device)
     tokens_per_expert.index_add_(0, experts.flatten(), kept.flatten().long())  # no masked select
-    return Routing(experts, weights, slots, kept, aux_loss, z_loss, tokens_per_expert)
+    return Routing(experts, weights, slots, kept, aux_loss, z_loss, seq_aux, tokens_per_expert,
+                   torch.bincount(experts.flatten(), minlength=num_experts),
+                   torch.bincount(experts[:, 0], minlength=num_experts))
+
+
+class Router(nn.Module):
+    """The router's `[E, h]` weight (named `router.weight`), the choice bias of
+    auxiliary-loss-free balancing and the previous step's global expert fractions (global
+    balancing loss), all kept in the wide dtype whatever the model is cast to: a bf16 model
+    still scores experts in fp32 (as Megatron's fp32 router and transformers do)."""
+
+    def __init__(self, linear: nn.Linear, *, bias_rate: float = 0.0,
+                 global_fractions: bool = False, aux_tokens: str = "first"):
+        super().__init__()
+        self.weight = linear.weight
+        num_experts = self.weight.shape[0]
+        self.bias_rate, self.aux_tokens = bias_rate, aux_tokens
+        zeros = torch.zeros(num_experts, dtype=wide_dtype(self.weight.dtype))
+        self.register_buffer("expert_bias", zeros.clone() if bias_rate else None,
+                             persistent=False)
+        self.register_buffer("load_fractions", zeros.clone() if global_fractions else None,
+                             persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        def widened(t: torch.Tensor) -> torch.Tensor:
+            t = fn(t)
+            return t.to(wide_dtype(t.dtype)) if t.is_floating_point() else t
+        return super()._apply(widened, recurse)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(tokens.to(self.weight.dtype), self.weight)
+
+    @torch.no_grad()
+    def update(self, counts: torch.Tensor) -> None:
+        """After an optimizer step, from the global batch's integer counts `[3, E]` (kept,
+        all choices, first choices; the same on every rank): the bias moves each expert by
+        the rate toward the mean load, `bias += rate * sign(mean - load)`, and the fractions
+        become the batch's."""
+        if self.expert_bias is not None:
+            load = counts[1].to(self.expert_bias.dtype)
+            self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+        if self.load_fractions is not None:
+            chosen = counts[2 if self.aux_tokens == "first" else 1].to(self.load_fractions.dtype)
+            self.load_fractions.copy_(chosen / chosen.sum())
 
 
 class RoutingStats:
-    """Routing of one optimizer step summed over micro-batches and MoE layers, kept on the
-    device until `summary`."""
+    """Routing of one optimizer step summed over micro-batches, per MoE layer (by its model
+    layer index), kept on the device until `summary`; `update` then moves each local router's
+    balancing state."""
 
     def __init__(self, device: torch.device):
-        self.tokens_per_expert: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, layer) -> [E]
+        self.per_layer: dict[int, torch.Tensor] = {}  # layer -> [3, E]: kept, chosen, first
+        self.bias: dict[int, torch.Tensor] = {}  # layer -> [2]: the choice bias's min, max
         self.counts = torch.zeros(3, device=device)  # dropped, assigned, aux loss
+        self.reduced: dict[int, torch.Tensor] = {}  # `per_layer` over the global batch
 
     def add(self, routing: list[dict], chunk: int = 0) -> None:
         """One forward's `AuxiliaryOutputs.routing` (of local model chunk `chunk`)."""
         if not routing:
             return
-        for i, layer in enumerate(routing):
-            key = (chunk, i)
-            self.tokens_per_expert[key] = self.tokens_per_expert.get(key, 0) \
-                + layer["tokens_per_expert"]
+        for layer in routing:
+            key = layer["layer"]
+            self.per_layer[key] = self.per_layer.get(key, 0) + layer["counts"]
+            if layer["bias"] is not None:
+                self.bias[key] = torch.stack([layer["bias"].min(), layer["bias"].max()])
         # summed in float64 layer by layer, then added in float32 (the metric's arithmetic)
         sums = [torch.zeros((), dtype=torch.float64, device=self.counts.device)
                 for _ in range(3)]
@@ -93,18 +217,23 @@ class RoutingStats:
             sums[2] = sums[2] + layer["aux_loss"].double()
         self.counts += torch.stack(sums).float()
 
-    def summary(self, mesh: ParallelMesh, num_micro_batches: int) -> dict:
+    def summary(self, mesh: ParallelMesh, num_micro_batches: int,
+                layers: tuple[int, ...] = ()) -> dict:
         """Over the whole global batch (summed over DP ranks, and over pipeline stages):
         tokens each expert processed (min/mean/max over layers and experts), drop rate, aux
-        loss per micro-batch, as 0-dim device tensors (the step reads them with its other
-        scalars). Every rank of a pipeline joins, with or without MoE layers."""
+        loss per micro-batch, and for each MoE layer of `layers` its max/mean expert load,
+        dropped fraction and choice-bias range (the worst max/mean as
+        `moe_load_max_over_mean`), as 0-dim device tensors (the step reads them with its
+        other scalars). Every rank of a pipeline joins, with or without MoE layers."""
         device = mesh.device
-        per_layer = list(self.tokens_per_expert.values())  # the same order on every dp rank
-        tokens = torch.stack(per_layer).double() if per_layer \
-            else torch.zeros(0, 1, dtype=torch.double, device=device)
+        keys = list(self.per_layer)  # the same order on every dp rank
+        stacked = torch.stack([self.per_layer[k] for k in keys]).double() if keys \
+            else torch.zeros(0, 3, 1, dtype=torch.double, device=device)
         counts = self.counts.double()
-        comm.all_reduce(tokens, mesh.dp_cp)
+        comm.all_reduce(stacked, mesh.dp_cp)
         comm.all_reduce(counts, mesh.dp_cp)
+        self.reduced = dict(zip(keys, stacked, strict=True))
+        tokens = stacked[:, 0]
         spread = torch.stack([tokens.sum(), torch.full((), tokens.numel(), dtype=torch.double,
                                                         device=device)])
         low = tokens.min().float() if tokens.numel() else torch.full((), math.inf, device=device)
@@ -117,4 +246,34 @@ class RoutingStats:
         return {"moe_tokens_per_expert_min": low,
                 "moe_tokens_per_expert_mean": spread[0] / spread[1],
                 "moe_tokens_per_expert_max": high, "moe_drop_rate": counts[0] / counts[1],
-                "moe_aux_loss": counts[2] / (num_micro_batches * mesh.dp_cp.size)}
+                "moe_aux_loss": counts[2] / (num_micro_batches * mesh.dp_cp.size)} \
+            | self._per_layer(mesh, layers)
+
+    def _per_layer(self, mesh: ParallelMesh, layers: tuple[int, ...]) -> dict:
+        """Each MoE layer's load columns (max/mean, dropped fraction, bias min, bias max),
+        filled by the stage holding it and summed over the pipeline."""
+        if not layers:
+            return {}
+        table = torch.zeros(len(layers), 4, dtype=torch.double, device=mesh.device)
+        for key, counts in self.reduced.items():
+            row = table[layers.index(key)]
+            row[0] = counts[0].max() / counts[0].mean()
+            row[1] = 1 - counts[0].sum() / counts[1].sum()
+            if key in self.bias:
+                row[2:] = self.bias[key]
+        comm.all_reduce(table, mesh.pp)
+        table = table.float()
+        out = {"moe_load_max_over_mean": table[:, 0].max()}
+        for i, layer in enumerate(layers):
+            out |= {f"moe_load_max_over_mean/{layer}": table[i, 0],
+                    f"moe_dropped/{layer}": table[i, 1], f"moe_bias_min/{layer}": table[i, 2],
+                    f"moe_bias_max/{layer}": table[i, 3]}
+        return out
+
+    def update(self, model: nn.Module) -> None:
+        """After the optimizer step: each local router takes its layer's global counts (the
+        same on every rank, so every replica's bias moves alike)."""
+        for module in model.modules():
+            router = getattr(module, "router", None)
+            if isinstance(router, Router) and module.layer in self.reduced:
+                router.update(self.reduced[module.layer])

@@ -67,6 +67,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             scheme_refusal=_GRID_SPLIT),
     Feature("moe", "moe_experts", lambda p, m: bool(m.moe_experts), {"moe_experts": 4},
             scheme_refusal=_GRID_SPLIT),
+    Feature("moe_seq_aux", "moe_seq_aux_loss_coef",
+            lambda p, m: bool(m.moe_experts and m.moe_seq_aux_loss_coef),
+            {"moe_experts": 4, "moe_seq_aux_loss_coef": 0.01}, scheme_refusal=_GRID_SPLIT),
     Feature("dropout", "dropout", lambda p, m: m.dropout > 0, {"dropout": 0.1}),
     Feature("compile", "compile", lambda p, m: p.compile, {"compile": True},
             scheme_refusal=(Code.COMPILE_SCHEME, (
@@ -130,6 +133,10 @@ def _excludes(feature: str, other: str, code: Code, message: str) -> Rule:
 
 _MOE_SPLIT = ("`moe_experts` with `sequence_parallel` or `cp` > 1 is not supported: routing"
               " assumes every TP/CP rank holds the whole micro-batch")
+_SEQ_AUX_SPLIT = ("`moe_seq_aux_loss_coef` with `sequence_parallel` or `cp` > 1 is not"
+                  " supported: a sequence's tokens are routed on several ranks, so its"
+                  " per-sequence loss would not be one process's; use `moe_aux_loss_scope`"
+                  " global instead")
 _TWO_BW_PRECISION = "`pp_schedule` {plan.pp_schedule} supports `precision` fp32 only, got" \
                     " {plan.precision}"
 _ZERO_FP64 = ("`zero` {plan.zero} keeps fp32 master shards, which would round `precision`"
@@ -144,6 +151,8 @@ RULES: tuple[Rule, ...] = (
         " ranks)")),
     _excludes("cp", "dropout", Code.CP_DROPOUT,
               "attention dropout with `cp` > 1 is not supported: use `dropout` 0"),
+    _excludes("moe_seq_aux", "sequence_parallel", Code.MOE_SEQ_AUX_SPLIT, _SEQ_AUX_SPLIT),
+    _excludes("moe_seq_aux", "cp", Code.MOE_SEQ_AUX_SPLIT, _SEQ_AUX_SPLIT),
     _excludes("moe", "sequence_parallel", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
     _excludes("moe", "cp", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
     _excludes("compile", "moe", Code.COMPILE_MOE, (

@@ -104,14 +104,17 @@ class ZeroDataParallel:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _group(self, units, bucket_bytes, grad_dtype, deferred) -> list[list[nn.Parameter]]:
-        """Stage 3: a bucket per unit; else size-closed buckets in reverse order. The deferred
-        parameter always has a bucket of its own."""
+        """Stage 3: a bucket per unit; else size-closed buckets in reverse order, split by
+        dtype (a flat buffer has one; the MoE router stays fp32 in a 16-bit model). The
+        deferred parameter always has a bucket of its own."""
         rest = [[p for p in unit if p is not deferred] for unit in units]
         if self.stage == 3:
             groups = [unit for unit in rest if unit]
         else:
             itemsize = torch.empty((), dtype=grad_dtype).element_size()
-            groups = reverse_buckets([p for unit in rest for p in unit], bucket_bytes, itemsize)
+            groups = [same for group in reverse_buckets([p for unit in rest for p in unit],
+                                                        bucket_bytes, itemsize)
+                      for same in _by_dtype(group)]
         return groups + ([[deferred]] if deferred is not None else [])
 
     @property
@@ -301,3 +304,11 @@ class ZeroDataParallel:
              step: torch.Tensor | None) -> None:
         """Take this rank's shard of full per-parameter values (and moments)."""
         load_states(self.buckets, self._pieces, self.states, optimizer, values, states, step)
+
+
+def _by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """`params` as groups of one dtype each, in order of first appearance."""
+    groups: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.dtype, []).append(p)
+    return list(groups.values())

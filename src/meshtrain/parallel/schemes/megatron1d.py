@@ -124,7 +124,7 @@ class MegatronScheme(TPScheme):
     name = "1d"
     supports = frozenset({
         "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "ep", "moe",
-        "dropout", "compile", "fp8", "half", "fp64", "zero", "zero_gradients",
+        "moe_seq_aux", "dropout", "compile", "fp8", "half", "fp64", "zero", "zero_gradients",
         "zero_parameters", "offload", "hybrid", "virtual_stages", "split_backward",
         "two_weight_versions"})
     axes = ("tp",)
