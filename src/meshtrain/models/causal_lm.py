@@ -91,7 +91,7 @@ class CausalLM(nn.Module, ABC):
         return MoE(router, experts, num_experts=cfg.moe_experts, top_k=cfg.moe_top_k,
                    capacity_factor=cfg.moe_capacity_factor,
                    aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
-                   mesh=mesh)
+                   mesh=mesh, gemm=cfg.moe_gemm)
 
     def build_head(self, seed: int) -> nn.Module:
         """The untied output layer (`logits(hidden)`); tied families never call this."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
+from meshtrain.parallel.layers.grouped_matmul import GEMMS
 
 MOE_TOP_K = (1, 2)
 """The `moe_top_k` choices: Switch routing (1 expert a token) or GShard's (2)."""
@@ -73,6 +74,10 @@ class TransformerConfig(ABC):
     moe_aux_loss_coef: float = _setting("weight of the Switch load-balancing loss", 0.01)
     moe_z_loss_coef: float = _setting("weight of the router z-loss (mean squared"
                                       " log-sum-exp of the router logits)", 0.0)
+    moe_gemm: str = _setting("how the experts are computed: auto (the measured best on the"
+                             " device), loop (one expert at a time), padded (one batched"
+                             " matmul) or grouped (torch's grouped matmul)", "auto",
+                             choices=GEMMS)
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
@@ -151,6 +156,9 @@ class TransformerConfig(ABC):
             raise SettingError(Code.CHOICE, (
                 f"`attention` must be {alternatives(ATTENTION_KERNELS)}, got"
                 f" {self.attention!r}"))
+        if self.moe_gemm not in GEMMS:
+            raise SettingError(Code.CHOICE, f"`moe_gemm` must be {alternatives(GEMMS)},"
+                                            f" got {self.moe_gemm!r}")
         if self.moe_experts < 0:
             raise SettingError(Code.RANGE, f"`moe_experts` must be >= 0, got {self.moe_experts}")
         if self.moe_experts:
