@@ -91,6 +91,17 @@ def step_fn(module, x: torch.Tensor, grad: torch.Tensor, *, ours: bool):
     return step
 
 
+def stacking_ms(layer: MoE, repeats: int = 5) -> float:
+    """Median time to stack the layer's expert weights as a forward does (both projections)."""
+    experts = list(layer.experts.values())
+
+    def stack():
+        with torch.no_grad():
+            for name in ("fc", "proj"):
+                torch.stack([getattr(e, name).weight for e in experts])
+    return statistics.median(timed(stack, repeats)) * 1e3
+
+
 def timed(step, n: int, sync=None) -> list[float]:
     times = []
     for _ in range(n):
@@ -156,6 +167,8 @@ def main(rounds: int, steps: int, *, quick: bool = False) -> int:
             per_rank = pool.run(_time_ranked, steps if measured else WARMUP, timeout=3600)
             times[EP2] += [max(t) for t in zip(*per_rank, strict=True)] if measured else []
     report(sizes, rounds, steps, times)
+    print(f"stacking the {sizes[1]} experts' weights (both projections), part of each padded or"
+          f" grouped step above: {stacking_ms(base):.1f} ms")
     return 0
 
 

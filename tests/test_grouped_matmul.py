@@ -4,6 +4,7 @@ and gradients, with empty and uneven groups, and an MoE layer's experts through 
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import raises_as_flags
 from torch.testing import assert_close
 
 from meshtrain import ParallelMesh, preset
@@ -96,3 +97,8 @@ def test_moe_experts_together_equal_one_at_a_time(name, monkeypatch):
         assert got.keys() == loop.keys()
         for param, grad in got.items():
             assert_close(grad, loop[param], **TIGHT, msg=f"{gemm} {param}")
+
+
+def test_unknown_moe_gemm_is_refused_naming_the_choices():
+    with raises_as_flags("--moe-gemm must be auto, loop, padded or grouped, got 'fast'"):
+        preset("tiny", moe_experts=4, moe_gemm="fast").validate()
