@@ -20,6 +20,8 @@ process group (tests/harness.py's RankPool), so process start-up is never timed.
 
     python benchmarks/bench_moe.py              # L=4 h=256 s=128 V=256 b=8, E=8 on 2 of 4 MLPs
     python benchmarks/bench_moe.py --quick      # tiny sizes: a smoke run of every contender
+    python benchmarks/bench_moe.py --layer      # one Qwen3-MoE-shaped layer against transformers'
+                                                # (bench_moe_layer.py)
 """
 
 from __future__ import annotations
@@ -227,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="measured steps per round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--layer", action="store_true",
+                        help="one Qwen3-MoE-shaped layer against transformers' (bench_moe_layer)")
     args = parser.parse_args(argv)
+    if args.layer:
+        from bench_moe_layer import main as layer_main
+        return layer_main(args.rounds, args.steps, quick=args.quick)
     for flag in ("steps", "rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")

@@ -156,7 +156,8 @@ def _check_ep(corpus, tp, ep, top_k, model=None):
 
 @pytest.mark.parametrize("tp,ep,top_k,world,model", [
     (1, 1, 1, 2, None), (1, 2, 1, 2, None), (1, 2, 2, 4, None), (1, 4, 2, 4, None),
-    (2, 2, 2, 4, None), (1, 2, 2, 2, LLAMA), (2, 2, 1, 4, LLAMA)], ids=str)
+    (2, 2, 2, 4, None), (1, 2, 2, 2, LLAMA), (2, 2, 1, 4, LLAMA),
+    (2, 1, 2, 2, {"moe_gemm": "grouped"})], ids=str)
 def test_expert_parallel_matches_single_process(corpus, tp, ep, top_k, world, model):
     """Llama's experts are SwiGLU MLPs."""
     run_on_ranks(world, _check_ep, corpus, tp, ep, top_k, model)

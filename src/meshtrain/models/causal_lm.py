@@ -91,7 +91,8 @@ class CausalLM(nn.Module, ABC):
         return MoE(router, experts, num_experts=cfg.moe_experts, rule=cfg.routing_rule(),
                    aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
                    mesh=mesh, layer=index, seq_aux_loss_coef=cfg.moe_seq_aux_loss_coef,
-                   bias_rate=cfg.moe_bias_rate, global_aux=cfg.moe_aux_loss_scope == "global")
+                   bias_rate=cfg.moe_bias_rate, global_aux=cfg.moe_aux_loss_scope == "global",
+                   gemm=cfg.moe_gemm)
 
     def build_head(self, seed: int) -> nn.Module:
         """The untied output layer (`logits(hidden)`); tied families never call this."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
+from meshtrain.parallel.layers.grouped_matmul import GEMMS
 from meshtrain.parallel.layers.routing import RoutingRule
 
 MOE_SCORES = ("softmax", "sigmoid")
@@ -94,6 +95,10 @@ class TransformerConfig(ABC):
     moe_bias_rate: float = _setting("auxiliary-loss-free balancing: each step, an expert's"
                                     " choice bias moves by this toward the mean load (0: off)",
                                     0.0)
+    moe_gemm: str = _setting("how the experts are computed: auto (the measured best on the"
+                             " device), loop (one expert at a time), padded (one batched"
+                             " matmul) or grouped (torch's grouped matmul)", "auto",
+                             choices=GEMMS)
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
@@ -172,6 +177,9 @@ class TransformerConfig(ABC):
             raise SettingError(Code.CHOICE, (
                 f"`attention` must be {alternatives(ATTENTION_KERNELS)}, got"
                 f" {self.attention!r}"))
+        if self.moe_gemm not in GEMMS:
+            raise SettingError(Code.CHOICE, f"`moe_gemm` must be {alternatives(GEMMS)},"
+                                            f" got {self.moe_gemm!r}")
         if self.moe_experts < 0:
             raise SettingError(Code.RANGE, f"`moe_experts` must be >= 0, got {self.moe_experts}")
         if self.moe_experts:

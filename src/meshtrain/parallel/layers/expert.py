@@ -24,7 +24,10 @@ from torch import nn
 
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm, regions
+from meshtrain.parallel.layers.grouped_matmul import add_per_group, expert_gemm, grouped_linear
+from meshtrain.parallel.layers.linear_functions import DENSE
 from meshtrain.parallel.layers.routing import Router, RoutingRule, route
+from meshtrain.parallel.layers.tensor import ColumnParallelLinear, RowParallelLinear
 
 
 @dataclass
@@ -52,7 +55,7 @@ class MoE(nn.Module):
     def __init__(self, router: nn.Linear, experts: dict[int, nn.Module], *, num_experts: int,
                  rule: RoutingRule, aux_loss_coef: float, z_loss_coef: float,
                  mesh: ParallelMesh, layer: int = 0, seq_aux_loss_coef: float = 0.0,
-                 bias_rate: float = 0.0, global_aux: bool = False):
+                 bias_rate: float = 0.0, global_aux: bool = False, gemm: str = "auto"):
         super().__init__()
         self.router = Router(router, bias_rate=bias_rate, global_fractions=global_aux,
                              aux_tokens=rule.aux_tokens)  # replicated, [E, h], fp32
@@ -64,6 +67,7 @@ class MoE(nn.Module):
         self.ep_axis = mesh.ep
         self.num_local = num_experts // mesh.ep.size
         self.first_local = mesh.ep.rank * self.num_local
+        self.gemm = gemm  # a `grouped_matmul.GEMMS` choice
 
     def forward(self, x: torch.Tensor, aux) -> torch.Tensor:
         b, s, h = x.shape
@@ -132,10 +136,50 @@ class MoE(nn.Module):
         owner = torch.repeat_interleave(labels, dispatch.per_source.flatten(),
                                         output_size=rows.shape[0])
         perm = torch.argsort(owner, stable=True)
-        outs = [self.experts[str(self.first_local + local)](chunk)
-                for local, chunk in enumerate(rows[perm].split(dispatch.sizes))]
-        out = torch.cat(outs)[torch.argsort(perm)]  # back to the received order
+        out = self._expert_outputs(rows[perm], dispatch.sizes)[torch.argsort(perm)]  # received
+        # order again
         if ep.size > 1:
             out = regions.all_to_all_differentiable(out, ep, send_splits=dispatch.recv_splits,
                                                  recv_splits=dispatch.send_splits)
         return out
+
+    def _expert_outputs(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Rows sorted by local expert (`sizes` of each) -> their experts' outputs."""
+        experts = [self.experts[str(self.first_local + i)] for i in range(self.num_local)]
+        backend = expert_gemm(self.gemm, rows.device)
+        if backend == "loop" or not all(map(_stackable, experts)):
+            chunks = rows.split(sizes)
+            return torch.cat([e(chunk) for e, chunk in zip(experts, chunks, strict=True)])
+        return grouped_mlp(experts, rows, sizes, backend)
+
+
+def _stackable(expert: nn.Module) -> bool:
+    """An MLP of Megatron's dense linears, each a plain matmul around f and g."""
+    fc, proj = getattr(expert, "fc", None), getattr(expert, "proj", None)
+    return (type(fc) is ColumnParallelLinear and type(proj) is RowParallelLinear
+            and fc.replicas == 1 and not fc.gather_output and proj.input_is_parallel
+            and not (fc.sequence_parallel or proj.sequence_parallel)
+            and all(p.gemm is DENSE and p.weight_grads is None for p in (fc, proj)))
+
+
+def grouped_mlp(experts: list[nn.Module], rows: torch.Tensor, sizes: list[int],
+                backend: str) -> torch.Tensor:
+    """The experts' MLPs over their `sizes` consecutive rows, each projection of all of them
+    one `grouped_linear` of their stacked weights: the same operations as each expert's own
+    forward (f, fc with its bias, the activation, proj, g, proj's bias)."""
+    fc, proj = [e.fc for e in experts], [e.proj for e in experts]
+    axis = fc[0].tp_axis
+    if axis.size > 1:
+        rows = regions.copy_to_tensor_parallel_region(rows, axis)
+    hidden = grouped_linear(rows, _stacked(fc, "weight"), _stacked(fc, "bias"), sizes, backend)
+    out = grouped_linear(experts[0].activation(hidden), _stacked(proj, "weight"), None, sizes,
+                         backend)
+    if axis.size > 1:
+        out = regions.reduce_from_tensor_parallel_region(out, axis)
+    bias = _stacked(proj, "bias")
+    return out if bias is None else add_per_group(out, bias, sizes)
+
+
+def _stacked(layers: list[nn.Module], name: str) -> torch.Tensor | None:
+    tensors = [getattr(layer, name) for layer in layers]
+    return None if tensors[0] is None else torch.stack(tensors)
