@@ -43,7 +43,9 @@ class _Dispatch:
 class MoE(nn.Module):
     """Routed experts in place of a dense MLP. `experts` holds only this EP rank's experts (each
     an MLP of the model's family, tensor-parallel like the dense one), keyed by global expert
-    index, so names do not depend on ep.
+    index, so names do not depend on ep. `shared_expert` (an MLP like the dense one) sees every
+    token and its output is added to the routed one, scaled per token by
+    sigmoid(`shared_expert_gate`(x)) where there is a gate (replicated [1, h], like the router).
 
     Each forward adds its weighted routing losses to `aux.loss` and appends its statistics to
     `aux.routing` (see `contracts.AuxiliaryOutputs`).
@@ -51,9 +53,11 @@ class MoE(nn.Module):
 
     def __init__(self, router: nn.Linear, experts: dict[int, nn.Module], *, num_experts: int,
                  top_k: int, capacity_factor: float, aux_loss_coef: float, z_loss_coef: float,
-                 mesh: ParallelMesh):
+                 mesh: ParallelMesh, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Linear | None = None):
         super().__init__()
         self.router = router  # replicated, [E, h]
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
         self.experts = nn.ModuleDict({str(e): expert for e, expert in experts.items()})
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
@@ -82,7 +86,16 @@ class MoE(nn.Module):
         aux.routing.append({"tokens_per_expert": routing.tokens_per_expert.detach(),
                             "kept": routing.kept.sum(), "assigned": routing.kept.numel(),
                             "aux_loss": routing.aux_loss.detach()})
+        if self.shared_expert is not None:
+            combined = combined + self._shared(tokens)
         return combined.view(b, s, h)
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output `[T, h]`, gated per token where there is a gate."""
+        out = self.shared_expert(tokens)
+        if self.shared_expert_gate is None:
+            return out
+        return out * torch.sigmoid(self.shared_expert_gate(tokens))
 
     def _dispatch(self, counts: torch.Tensor) -> _Dispatch:
         """The sizes of this layer's all-to-alls and expert batches from the kept choices per
