@@ -121,7 +121,7 @@ def _error(capsys, argv) -> str:
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-layers", "0,4"],
      "--pp-layers 0,4 leaves a stage without layers"),
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-layers", "2;2"],
-     "--pp-layers must be comma-separated layer counts"),
+     "--pp-layers must be comma-separated layer numbers"),
 
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "zigzag"],
      "--pp-schedule must be gpipe, 1f1b, interleaved, 2bw, zb-h1, zb-v or eager-1f1b, got"

@@ -154,12 +154,22 @@ def _check_ep(corpus, tp, ep, top_k, model=None):
         assert rec.count("all_to_all") == 0
 
 
+SHARED = {"moe_every": 1, "moe_first_dense": 1, "moe_ffn_size": 16, "moe_shared_ffn_size": 24,
+          "moe_shared_gate": "sigmoid"}
+"""Narrow experts, a gated shared expert, the first layer dense (`test_moe_shapes.py`)."""
+SHARED_LLAMA = LLAMA | {"moe_every": 1, "moe_layers": [0, 2], "moe_ffn_size": 32,
+                        "moe_shared_ffn_size": 64, "moe_shared_gate": "none"}
+
+
 @pytest.mark.parametrize("tp,ep,top_k,world,model", [
     (1, 1, 1, 2, None), (1, 2, 1, 2, None), (1, 2, 2, 4, None), (1, 4, 2, 4, None),
-    (2, 2, 2, 4, None), (1, 2, 2, 2, LLAMA), (2, 2, 1, 4, LLAMA),
-    (2, 1, 2, 2, {"moe_gemm": "grouped"})], ids=str)
+    (2, 2, 2, 4, None), (1, 2, 2, 2, LLAMA), (2, 2, 1, 4, LLAMA), (1, 2, 2, 2, SHARED),
+    (2, 1, 2, 2, {"moe_gemm": "grouped"}),
+    pytest.param(2, 2, 2, 4, SHARED, marks=pytest.mark.extended),
+    pytest.param(2, 2, 2, 4, SHARED_LLAMA, marks=pytest.mark.extended)], ids=str)
 def test_expert_parallel_matches_single_process(corpus, tp, ep, top_k, world, model):
-    """Llama's experts are SwiGLU MLPs."""
+    """Llama's experts are SwiGLU MLPs; a shared expert is tensor-parallel like the dense
+    MLP and replicated over ep."""
     run_on_ranks(world, _check_ep, corpus, tp, ep, top_k, model)
 
 

@@ -104,6 +104,8 @@ class Code(Enum):
     MODEL_UNSUPPORTED = "model feature not implemented"
     MODEL_MEMORY = "model states exceed the machine's memory"
     MOE_TOP_K = "MoE top-k exceeds the experts"
+    LAYER_PATTERN = "a per-layer pattern that lists no valid layers"
+    MOE_SHARED = "a shared expert without its gate style, or without experts"
     MODEL_FIELDS = "model fields not the family's settings"
     TP_WIDTH = "a layer width not divisible by tp"
     LAYER_INPUT = "a parallel layer's input not of the width it takes"

@@ -37,7 +37,8 @@ METADATA = ("manifest.json", "train_state.json", "config.toml")
 STEP_NAME = re.compile(r"step_(\d{8})(?:\.(\d+))?")
 RANK_FILE = re.compile(r"rank_(\d{5})\.safetensors")
 DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in CODES}
-_SETTING_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_SETTING_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+                  "tuple[int, ...]": (list,)}  # (JSON's list; its items checked as it is built)
 
 
 class CheckpointError(ValueError):

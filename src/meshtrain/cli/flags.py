@@ -9,7 +9,7 @@ from meshtrain.config import run_config as config_mod
 
 # Options of the data commands that library messages name in backticks, as `train` settings are.
 _DATA_OPTIONS = ("tokenizer", "text_field", "on_error", "workers", "val_docs", "eod_token")
-_PLAN_OPTIONS = ("gpus", "top", "ranks")
+_PLAN_OPTIONS = ("gpus", "top", "ranks", "moe_imbalance")
 
 
 def as_flags(message: str) -> str:

@@ -160,6 +160,11 @@ def _plan_parser(sub) -> None:
                    help="fix fields, e.g. tp=8,pp=8,vp=3,mb=1,zero=1,sp=1,recompute=selective,"
                         "schedule=interleaved; the others are searched (2bw only when"
                         " fixed); a spec leaving one layout is evaluated even over budget")
+    p.add_argument("--moe-imbalance", type=float, default=None, metavar="X",
+                   help="max/mean rows per expert an MoE model's busiest expert-parallel rank"
+                        " is priced at (its compute, all-to-alls and saved rows; a run's"
+                        " metrics report it as moe_tokens_per_expert_max / _mean; default 1:"
+                        " balanced)")
     p.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show")
     p.add_argument("--json", action="store_true", default=False,
                    help="print one JSON object instead of the table")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import math
 import os
 import shlex
 import sys
@@ -27,7 +29,7 @@ from meshtrain.machine_fit import available_host_bytes
 from meshtrain.models import TransformerConfig, preset
 from meshtrain.operations.failures import writing
 from meshtrain.parallel.runtime.plan import SPEC_FIELDS, ParallelPlan, parse_spec
-from meshtrain.planner.costs import Prediction
+from meshtrain.planner.costs import Prediction, predict
 from meshtrain.planner.hardware import (
     BUILT_IN,
     UNFITTED,
@@ -36,7 +38,7 @@ from meshtrain.planner.hardware import (
     load_hardware,
 )
 from meshtrain.planner.search import OVER_BUDGET, SearchResult, check_gpus, search
-from meshtrain.planner.workload import ELEMENT_BYTES
+from meshtrain.planner.workload import ELEMENT_BYTES, MOE_IMBALANCE
 
 EXAMPLES = 3
 """Rejected layouts shown per reason with --explain."""
@@ -54,6 +56,7 @@ class Request:
     seq_len: int
     global_batch: int
     precision: str
+    moe_imbalance: float | None = None  # None: the default assumption, `MOE_IMBALANCE`
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -68,7 +71,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = search(request.model, request.hardware, gpus=request.gpus,
                     seq_len=request.seq_len, global_batch=request.global_batch,
-                    precision=request.precision, fixed=parse_spec(args.layout))
+                    precision=request.precision, fixed=parse_spec(args.layout),
+                    cost=functools.partial(predict, moe_imbalance=request.moe_imbalance
+                                           or MOE_IMBALANCE))
     seconds = time.perf_counter() - started
     if not result.ranked:
         if args.explain and not args.json:
@@ -109,8 +114,10 @@ def _request(args: argparse.Namespace) -> Request:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SettingError(Code.RANGE,
                                f"`{name}` must be positive, got {getattr(args, name)}")
-    given = {key.split(".", 1)[1]: value for key, value in vars(args).items()
-             if key.startswith("model.")}
+    fields = {f.name: f for f in dataclasses.fields(settings.ModelSettings)}
+    given = {name: config_mod.coerce_setting(key, fields[name], value)
+             for key, value in vars(args).items() if key.startswith("model.")
+             for name in [key.split(".", 1)[1]]}
     cfg = config_mod.RunConfig(model=settings.ModelSettings(**given))
     base = preset(cfg.model.model or config_mod.DEFAULT_PRESET)
     seq_len = args.seq_len if args.seq_len is not None else \
@@ -129,7 +136,18 @@ def _request(args: argparse.Namespace) -> Request:
                            f"`precision` must be one of {', '.join(ELEMENT_BYTES)}, got"
                            f" {precision!r}")
     return Request(model, _model_flags(given, model), hardware, bool(args.hardware), args.gpus,
-                   seq_len, args.global_batch, precision)
+                   seq_len, args.global_batch, precision, _moe_imbalance(args, model))
+
+
+def _moe_imbalance(args: argparse.Namespace, model: TransformerConfig) -> float | None:
+    value = getattr(args, "moe_imbalance", None)
+    if value is not None and not model.moe_experts:
+        raise SettingError(Code.MODEL_UNSUPPORTED, "`moe_imbalance` prices MoE layers, and the"
+                                                   " model has none: drop it")
+    if value is not None and not 1 <= value < math.inf:
+        raise SettingError(Code.RANGE, f"`moe_imbalance` is a max/mean expert load, a finite"
+                                       f" number >= 1, got {value}")
+    return value
 
 
 def _model_flags(given: dict[str, object], model: TransformerConfig) -> list[str]:
@@ -138,7 +156,8 @@ def _model_flags(given: dict[str, object], model: TransformerConfig) -> list[str
     flags = []
     for name, value in {**given, "vocab_size": model.vocab_size}.items():
         flag = fields[name].metadata.get("flag", "--" + name.replace("_", "-"))
-        flags += [flag] if value is True else [flag, str(value)]
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        flags += [flag] if value is True else [flag, text]
     return flags
 
 
@@ -224,12 +243,32 @@ def explain(result: SearchResult, request: Request) -> list[str]:
         if m.window_start_layer else ""
     lines = [f"attention: sliding window {m.sliding_window}{where} of sequence {s}: attention"
              f" FLOPs {span / s:.3g} of the causal mask's" if span < s else
-             f"attention: causal over the whole sequence ({s})", "rejected layouts by reason:"]
+             f"attention: causal over the whole sequence ({s})", *_moe_lines(request),
+             "rejected layouts by reason:"]
     for reason, items in sorted(result.rejected.items(), key=lambda kv: -len(kv[1])):
         lines.append(f"  {reason}: {len(items)}")
         for r in _examples(reason, items):
             lines.append(f"    {short_spec(r.layout, result.base)}: {as_flags(r.detail)}")
     return lines
+
+
+def _moe_lines(request: Request) -> list[str]:
+    """The MoE shape and load the costs assume (`Workload.expert_load`)."""
+    m = request.model
+    if not m.moe_experts:
+        return []
+    shared = f"a shared expert of width {m.moe_shared_ffn_size} (gate: {m.moe_shared_gate})" \
+        if m.moe_shared_ffn_size else "no shared expert"
+    rows = "dropless: all k rows a token" if not m.moe_capacity_factor else \
+        f"capacity factor {m.moe_capacity_factor:g}: all k rows a token, the busiest rank's" \
+        " at most that factor x the mean"
+    load = f"{request.moe_imbalance:g} (--moe-imbalance)" if request.moe_imbalance else \
+        f"{MOE_IMBALANCE:g} (assumed, balanced; --moe-imbalance X or a run's" \
+        " moe_tokens_per_expert_max / _mean)"
+    return [f"MoE: {m.moe_pattern.describe(m.num_layers)}, {m.moe_experts} experts of width"
+            f" {m.expert_ffn_size}, top-{m.moe_top_k}, {shared}; {rows}",
+            f"MoE load: the busiest expert-parallel rank's rows priced at max/mean expert load"
+            f" {load}"]
 
 
 def _examples(reason: str, items: list) -> list:

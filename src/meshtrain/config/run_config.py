@@ -216,7 +216,7 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):  # (a tuple: layer indices or counts)
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
 
@@ -265,7 +265,7 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
                                        f"{source}: unknown setting {section}.{key}; known:"
                                        f" {', '.join(known[section])}")
                 f = known[section][key]
-                value = _coerce(f"{section}.{key}", f, value)
+                value = coerce_setting(f"{section}.{key}", f, value)
                 if f in _OWNERS:
                     spread[_OWNERS[f]][key] = value
                 else:
@@ -289,7 +289,8 @@ def build_config(file_values: dict[str, dict[str, Any]], overrides: dict[str, di
     return cfg
 
 
-def _coerce(name: str, f: dataclasses.Field, value: Any) -> Any:
+def coerce_setting(name: str, f: dataclasses.Field, value: Any) -> Any:
+    """A setting's value of the field's type from a flag's text or a TOML value."""
     kind = f.type if isinstance(f.type, str) else str(f.type)
     if value is None:
         return None

@@ -73,26 +73,32 @@ class CausalLM(nn.Module, ABC):
         """The norm before the output layer."""
 
     @abstractmethod
-    def build_mlp(self, gen: torch.Generator) -> nn.Module:
-        """One dense MLP (also each MoE expert), its weights drawn from `gen`."""
+    def build_mlp(self, gen: torch.Generator, width: int | None = None) -> nn.Module:
+        """One MLP of `width` (None: the dense one's; also each MoE expert and the shared
+        expert), its weights drawn from `gen`."""
 
     def build_feed_forward(self, seed: int, index: int, gen: torch.Generator) -> nn.Module:
         """Layer `index`'s MLP: routed experts on MoE layers, else `build_mlp(gen)`. This EP
         rank's experts each draw from their own generator, so their weights do not depend on
-        ep; the router draws from `gen`."""
+        ep; the router, then the shared expert and its gate, draw from `gen`."""
         cfg, mesh = self.cfg, self.mesh
         if not cfg.is_moe_layer(index):
             return self.build_mlp(gen)
         router = init_linear(cfg.hidden_size, cfg.moe_experts, cfg.init_std, gen, bias=False)
         per_rank = cfg.moe_experts // mesh.ep.size
         first = mesh.ep.rank * per_rank
-        experts = {e: self.build_mlp(generator(seed, 10_000 * (1 + index) + 1 + e))
+        experts = {e: self.build_mlp(generator(seed, 10_000 * (1 + index) + 1 + e),
+                                     cfg.expert_ffn_size)
                    for e in range(first, first + per_rank)}
+        shared = self.build_mlp(gen, cfg.moe_shared_ffn_size) if cfg.moe_shared_ffn_size \
+            else None
+        gate = init_linear(cfg.hidden_size, 1, cfg.init_std, gen, bias=False) \
+            if cfg.moe_shared_gate == "sigmoid" else None
         return MoE(router, experts, num_experts=cfg.moe_experts, rule=cfg.routing_rule(),
                    aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
                    mesh=mesh, layer=index, seq_aux_loss_coef=cfg.moe_seq_aux_loss_coef,
                    bias_rate=cfg.moe_bias_rate, global_aux=cfg.moe_aux_loss_scope == "global",
-                   gemm=cfg.moe_gemm)
+                   gemm=cfg.moe_gemm, shared_expert=shared, shared_expert_gate=gate)
 
     def build_head(self, seed: int) -> nn.Module:
         """The untied output layer (`logits(hidden)`); tied families never call this."""

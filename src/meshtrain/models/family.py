@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from meshtrain.errors import Code, SettingError, alternatives
+from meshtrain.models.layer_pattern import LayerPattern
 from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
 from meshtrain.parallel.layers.grouped_matmul import GEMMS
 from meshtrain.parallel.layers.routing import RoutingRule
@@ -27,6 +28,9 @@ MOE_AUX_TOKENS = ("first", "all")
 """The `moe_aux_loss_tokens` choices: the balancing loss counts first choices or all k."""
 MOE_AUX_SCOPES = ("micro-batch", "global")
 """The `moe_aux_loss_scope` choices: whose expert fractions the balancing loss weighs."""
+MOE_SHARED_GATES = ("none", "sigmoid")
+"""How a shared expert's output joins the routed one: added as it is (DeepSeek), or scaled by
+sigmoid(Linear(h -> 1)(x)) per token (Qwen2-MoE's `shared_expert_gate`)."""
 
 
 def _setting(help: str, default: Any = MISSING, *, choices: tuple | None = None) -> Any:
@@ -71,6 +75,19 @@ class TransformerConfig(ABC):
     moe_experts: int = _setting("experts per MoE layer (0: dense MLPs only)", 0)
     moe_top_k: int = _setting("experts per token, 1 .. moe_experts (1: Switch, 2: GShard)", 1)
     moe_every: int = _setting("every n-th MLP is an MoE layer (layers n-1, 2n-1, ...)", 1)
+    moe_first_dense: int = _setting("the first k layers keep a dense MLP (DeepSeek's"
+                                    " first_k_dense_replace)", 0)
+    moe_layers: tuple[int, ...] | None = _setting(
+        "the MoE layers listed, e.g. 1,3 (instead of `moe_every` and `moe_first_dense`)", None)
+    moe_ffn_size: int = _setting("width of each expert's MLP (0: `ffn_size`, the dense MLP's)",
+                                 0)
+    moe_shared_ffn_size: int = _setting("width of the shared expert, an MLP every token of an"
+                                        " MoE layer passes besides its routed experts (0: none;"
+                                        " DeepSeek's: expert width x shared experts)", 0)
+    moe_shared_gate: str | None = _setting("how the shared expert joins: none (DeepSeek: added)"
+                                           " or sigmoid (Qwen2-MoE: scaled by a learned"
+                                           " per-token gate); required with a shared expert",
+                                           None, choices=MOE_SHARED_GATES)
     moe_capacity_factor: float = _setting("expert capacity = ceil(factor x tokens x k /"
                                           " experts) per micro-batch and rank; excess choices"
                                           " are dropped (0: dropless, every choice kept)",
@@ -102,7 +119,8 @@ class TransformerConfig(ABC):
 
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
-        "moe_every", "kv_heads", "qkv_bias", "tie_embeddings")
+        "moe_every", "moe_first_dense", "moe_layers", "expert_ffn_size", "moe_shared_ffn_size",
+        "moe_shared_gate", "kv_heads", "qkv_bias", "tie_embeddings")
     """What a checkpoint's tensors depend on (fields or their resolved properties): they must
     match to load it."""
     POSITIVE_FIELDS: ClassVar[tuple[str, ...]] = ("init_std",)
@@ -110,12 +128,25 @@ class TransformerConfig(ABC):
 
     def __post_init__(self):
         """A config that exists can be built: its shape is checked here, once, wherever it
-        comes from (presets, settings, Hugging Face files, checkpoints)."""
+        comes from (presets, settings, Hugging Face files, checkpoints: a JSON list)."""
+        if self.moe_layers is not None:
+            object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
         self.validate()
 
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Width of each routed expert's MLP."""
+        return self.moe_ffn_size or self.ffn_size
+
+    @property
+    def moe_pattern(self) -> LayerPattern:
+        """Which layers' MLPs are MoE (when `moe_experts`)."""
+        return LayerPattern(self.moe_every, self.moe_first_dense, self.moe_layers,
+                            names=("moe_every", "moe_first_dense", "moe_layers"))
 
     @property
     def head_dim(self) -> int:
@@ -184,6 +215,10 @@ class TransformerConfig(ABC):
             raise SettingError(Code.RANGE, f"`moe_experts` must be >= 0, got {self.moe_experts}")
         if self.moe_experts:
             self._validate_moe()
+        elif self.moe_shared_ffn_size or self.moe_ffn_size or self.moe_layers:
+            raise SettingError(Code.MOE_SHARED, (
+                "`moe_ffn_size`, `moe_shared_ffn_size` and `moe_layers` shape MoE layers, and"
+                " `moe_experts` is 0: set `moe_experts`"))
 
     def _validate_moe(self) -> None:
         if self.moe_top_k < 1:
@@ -192,8 +227,23 @@ class TransformerConfig(ABC):
             raise SettingError(Code.MOE_TOP_K, (
                 f"`moe_top_k` {self.moe_top_k} exceeds `moe_experts`"
                 f" {self.moe_experts}: use more experts or a smaller k"))
-        if self.moe_every < 1:
-            raise SettingError(Code.RANGE, f"`moe_every` must be positive, got {self.moe_every}")
+        self.moe_pattern.validate(self.num_layers)
+        for name, zero in (("moe_ffn_size", "`ffn_size`"), ("moe_shared_ffn_size", "none")):
+            if getattr(self, name) < 0:
+                raise SettingError(Code.RANGE, (
+                    f"`{name}` must be >= 0 (0: {zero}), got {getattr(self, name)}"))
+        if self.moe_shared_gate not in (None, *MOE_SHARED_GATES):
+            raise SettingError(Code.CHOICE, (
+                f"`moe_shared_gate` must be {alternatives(MOE_SHARED_GATES)}, got"
+                f" {self.moe_shared_gate!r}"))
+        if self.moe_shared_ffn_size and self.moe_shared_gate is None:
+            raise SettingError(Code.MOE_SHARED, (
+                f"`moe_shared_ffn_size` {self.moe_shared_ffn_size} needs `moe_shared_gate`:"
+                " none (DeepSeek: added as it is) or sigmoid (Qwen2-MoE: gated per token)"))
+        if not self.moe_shared_ffn_size and self.moe_shared_gate is not None:
+            raise SettingError(Code.MOE_SHARED, (
+                f"`moe_shared_gate` {self.moe_shared_gate!r} gates a shared expert, and"
+                " `moe_shared_ffn_size` is 0: set both or neither"))
         if not 0 <= self.moe_capacity_factor < math.inf:
             raise SettingError(Code.RANGE, (
                 f"`moe_capacity_factor` must be > 0, or 0 for dropless routing, got"
@@ -234,14 +284,14 @@ class TransformerConfig(ABC):
         names = ("expert_bias",) * bool(self.moe_bias_rate) \
             + ("load_fractions",) * (self.moe_aux_loss_scope == "global")
         return {f"layers.{i}.mlp.router.{name}": (self.moe_experts,)
-                for i in self.moe_layers() for name in names}
+                for i in self.moe_layer_indices() for name in names}
 
-    def moe_layers(self) -> tuple[int, ...]:
+    def moe_layer_indices(self) -> tuple[int, ...]:
         """The model layer indices whose MLP is an MoE layer."""
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
+        return self.moe_experts > 0 and self.moe_pattern.matches(layer)
 
     def validate_for_ep(self, ep: int) -> None:
         if ep > 1 and self.moe_experts == 0:
@@ -258,20 +308,22 @@ class TransformerConfig(ABC):
             raise SettingError(Code.HEADS_TP, (
                 f"the number of heads ({self.num_heads}) must be divisible by tp"
                 f" ({tp}): choose a tp that divides it"))
-        if self.ffn_size % tp:
-            raise SettingError(Code.MLP_WIDTH_TP, (
-                f"the MLP width ({self.ffn_size}) must be divisible by tp ({tp})"))
+        for what, width in (("MLP", self.ffn_size), ("expert", self.expert_ffn_size),
+                            ("shared expert", self.moe_shared_ffn_size)):
+            if width % tp:
+                raise SettingError(Code.MLP_WIDTH_TP, (
+                    f"the {what} width ({width}) must be divisible by tp ({tp})"))
 
     def num_moe_layers(self) -> int:
-        return self.num_layers // self.moe_every if self.moe_experts else 0  # (is_moe_layer's)
+        return self.moe_pattern.count(self.num_layers) if self.moe_experts else 0
 
     @abstractmethod
     def attention_parameters(self, *, weights_only: bool = False) -> int:
         """Parameters of one attention (`weights_only`: its matrices, without biases)."""
 
     @abstractmethod
-    def mlp_parameters(self, *, weights_only: bool = False) -> int:
-        """Parameters of one dense MLP, which is also one expert's."""
+    def mlp_parameters(self, *, weights_only: bool = False, width: int | None = None) -> int:
+        """Parameters of one MLP of `width` (None: the dense MLP's, `ffn_size`)."""
 
     @abstractmethod
     def other_parameters(self) -> int:
@@ -302,8 +354,9 @@ class TransformerConfig(ABC):
         """One attention's parameters (name within `attn`: logical shape)."""
 
     @abstractmethod
-    def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
-        """One dense MLP's parameters (name within `mlp`, or within one expert: shape)."""
+    def mlp_shapes(self, width: int | None = None) -> dict[str, tuple[int, ...]]:
+        """One MLP's parameters of `width` (None: the dense one's; name within `mlp`, within
+        one expert, or within the shared expert: shape)."""
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's logical (unsharded) shape by its name in the family's `CausalLM`:
@@ -324,42 +377,61 @@ class TransformerConfig(ABC):
         return {}
 
     def _layer_shapes(self, prefix: str, layer: int) -> dict[str, tuple[int, ...]]:
-        norm, mlp = self.norm_shapes(), self.mlp_shapes()
+        norm = self.norm_shapes()
         shapes = {f"{prefix}{ln}.{name}": shape for ln in ("ln1", "ln2")
                   for name, shape in norm.items()}
         shapes |= {f"{prefix}attn.{name}": s for name, s in self.attention_shapes().items()}
         if not self.is_moe_layer(layer):
-            return shapes | {f"{prefix}mlp.{name}": shape for name, shape in mlp.items()}
+            return shapes | {f"{prefix}mlp.{name}": s for name, s in self.mlp_shapes().items()}
         shapes[f"{prefix}mlp.router.weight"] = (self.moe_experts, self.hidden_size)
-        return shapes | {f"{prefix}mlp.experts.{e}.{name}": shape
-                         for e in range(self.moe_experts) for name, shape in mlp.items()}
+        expert = self.mlp_shapes(self.expert_ffn_size)
+        shapes |= {f"{prefix}mlp.experts.{e}.{name}": shape
+                   for e in range(self.moe_experts) for name, shape in expert.items()}
+        if self.moe_shared_ffn_size:
+            shapes |= {f"{prefix}mlp.shared_expert.{name}": shape
+                       for name, shape in self.mlp_shapes(self.moe_shared_ffn_size).items()}
+        if self.moe_shared_gate == "sigmoid":
+            shapes[f"{prefix}mlp.shared_expert_gate.weight"] = (1, self.hidden_size)
+        return shapes
+
+    def moe_mlp_parameters(self, *, weights_only: bool = False, experts: int | None = None
+                           ) -> int:
+        """One MoE layer's MLP: the router [E, h], `experts` routed experts (None: all E), the
+        shared expert and its gate [1, h]."""
+        h = self.hidden_size
+        experts = self.moe_experts if experts is None else experts
+        shared = self.mlp_parameters(weights_only=weights_only,
+                                     width=self.moe_shared_ffn_size) \
+            if self.moe_shared_ffn_size else 0
+        gate = h if self.moe_shared_gate == "sigmoid" else 0
+        return self.moe_experts * h + gate + shared + experts * self.mlp_parameters(
+            weights_only=weights_only, width=self.expert_ffn_size)
 
     def num_parameters(self) -> int:
-        """Every parameter, each tied one once (an MoE layer adds a router [E, h] and E - 1
-        more MLPs)."""
-        h, experts = self.hidden_size, self.moe_experts
-        per_layer = self.attention_parameters() + self.mlp_parameters()
-        routed = self.num_moe_layers() * (experts * h + (experts - 1) * self.mlp_parameters())
-        return self.other_parameters() + self.num_layers * per_layer + routed
+        """Every parameter, each tied one once (an MoE layer's MLP is `moe_mlp_parameters`)."""
+        moe = self.num_moe_layers()
+        mlps = (self.num_layers - moe) * self.mlp_parameters() + moe * self.moe_mlp_parameters()
+        return self.other_parameters() + self.num_layers * self.attention_parameters() + mlps
 
     def matmul_parameters_per_token(self) -> int:
         """Weights one token is multiplied with: each layer's attention and MLP matrices (on
-        MoE layers the router and top-k experts' only), and the output layer (the input
-        embedding is a lookup)."""
-        h, moe = self.hidden_size, self.num_moe_layers()
-        mlp = self.mlp_parameters(weights_only=True)
-        layers = self.num_layers * self.attention_parameters(weights_only=True) \
-            + (self.num_layers - moe) * mlp + moe * (self.moe_top_k * mlp + h * self.moe_experts)
-        return layers + self.vocab_size * h
+        MoE layers the router, top-k experts and the shared expert only), and the output layer
+        (the input embedding is a lookup)."""
+        moe = self.num_moe_layers()
+        mlp = (self.num_layers - moe) * self.mlp_parameters(weights_only=True) \
+            + moe * self.moe_mlp_parameters(weights_only=True, experts=self.moe_top_k)
+        layers = self.num_layers * self.attention_parameters(weights_only=True) + mlp
+        return layers + self.vocab_size * self.hidden_size
 
     def pipeline_work_shares(self, seq_len: int) -> tuple[float, float]:
         """The output layer's matmul FLOPs and one layer's attention-core FLOPs (scores and
         their use of the values, over the keys a query attends), each over one layer's
         weight-matmul FLOPs (MoE: top-k experts): what ZB-V weighs chunks by
         (`zero_bubble.estimated_costs`)."""
-        experts = self.moe_top_k if self.moe_experts else 1
-        weights = self.attention_parameters(weights_only=True) \
-            + experts * self.mlp_parameters(weights_only=True)
+        mlp = self.moe_mlp_parameters(weights_only=True, experts=self.moe_top_k) \
+            - self.moe_experts * self.hidden_size if self.moe_experts \
+            else self.mlp_parameters(weights_only=True)  # (without the router's, as always)
+        weights = self.attention_parameters(weights_only=True) + mlp
         attention = 2 * self.attended_keys(seq_len) * self.num_heads * self.head_dim
         return self.vocab_size * self.hidden_size / weights, attention / weights
 

@@ -60,8 +60,8 @@ class GPTConfig(TransformerConfig):
         h = self.hidden_size
         return 4 * h * h + (0 if weights_only else 4 * h)  # fused QKV and output projection
 
-    def mlp_parameters(self, *, weights_only: bool = False) -> int:
-        h, f = self.hidden_size, self.ffn_size
+    def mlp_parameters(self, *, weights_only: bool = False, width: int | None = None) -> int:
+        h, f = self.hidden_size, width or self.ffn_size
         return 2 * h * f + (0 if weights_only else f + h)
 
     def other_parameters(self) -> int:
@@ -81,8 +81,8 @@ class GPTConfig(TransformerConfig):
         return {"qkv.weight": (3 * h, h), "qkv.bias": (3 * h,), "proj.weight": (h, h),
                 "proj.bias": (h,)}
 
-    def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
-        h, f = self.hidden_size, self.ffn_size
+    def mlp_shapes(self, width: int | None = None) -> dict[str, tuple[int, ...]]:
+        h, f = self.hidden_size, width or self.ffn_size
         return {"fc.weight": (f, h), "fc.bias": (f,), "proj.weight": (h, f), "proj.bias": (h,)}
 
     def pointwise_bytes(self, *, hidden: float, tp: int, element_size: int,
@@ -171,9 +171,9 @@ class GPT(CausalLM):
         return Block(ln1=ln1, attn=attn, ln2=ln2, mlp=mlp, dropout=cfg.dropout,
                      stream=factory.hidden_stream)
 
-    def build_mlp(self, gen) -> MLP:
+    def build_mlp(self, gen, width: int | None = None) -> MLP:
         cfg = self.cfg
-        h, f, std = cfg.hidden_size, cfg.ffn_size, cfg.init_std
+        h, f, std = cfg.hidden_size, width or cfg.ffn_size, cfg.init_std
         return MLP(self.factory.column(init_linear(h, f, std, gen)),
                    self.factory.row(init_linear(f, h, std / math.sqrt(2 * cfg.num_layers), gen)),
                    activation=gelu_tanh)

@@ -104,8 +104,8 @@ class LlamaConfig(TransformerConfig):
         biases = (self.num_heads + 2 * self.kv_heads) * d if self.qkv_bias else 0
         return weights + (0 if weights_only else biases)
 
-    def mlp_parameters(self, *, weights_only: bool = False) -> int:
-        return 3 * self.hidden_size * self.ffn_size  # gate, up, down
+    def mlp_parameters(self, *, weights_only: bool = False, width: int | None = None) -> int:
+        return 3 * self.hidden_size * (width or self.ffn_size)  # gate, up, down
 
     def other_parameters(self) -> int:
         """Token table, untied output layer, two RMSNorms a layer and the final one."""
@@ -125,8 +125,8 @@ class LlamaConfig(TransformerConfig):
             shapes |= {"qkv.q.bias": (q,), "qkv.kv.bias": (2 * kv,)}
         return shapes | {"proj.weight": (h, q)}
 
-    def mlp_shapes(self) -> dict[str, tuple[int, ...]]:
-        h, f = self.hidden_size, self.ffn_size
+    def mlp_shapes(self, width: int | None = None) -> dict[str, tuple[int, ...]]:
+        h, f = self.hidden_size, width or self.ffn_size
         return {"fc.weight": (2 * f, h), "proj.weight": (h, f)}  # fc: gate | up
 
     def pointwise_bytes(self, *, hidden: float, tp: int, element_size: int,
@@ -243,9 +243,9 @@ class Llama(CausalLM):
     def _norm(self) -> nn.Module:
         return self.factory.norm(RMSNorm(self.cfg.hidden_size, eps=self.cfg.rms_norm_eps))
 
-    def build_mlp(self, gen) -> MLP:
+    def build_mlp(self, gen, width: int | None = None) -> MLP:
         """SwiGLU: `fc` holds the gate and up projections as two blocks."""
-        h, f = self.cfg.hidden_size, self.cfg.ffn_size
+        h, f = self.cfg.hidden_size, width or self.cfg.ffn_size
         return MLP(self.factory.column(init_linear(h, 2 * f, self.cfg.init_std, gen, bias=False),
                                        blocks=2),
                    self.factory.row(init_linear(f, h, self._out_std, gen, bias=False)),

@@ -33,7 +33,12 @@ from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware, model_tflops
 from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
 from meshtrain.planner.pipeline_model import ChunkCost, rank_chunks, run_pipeline
-from meshtrain.planner.workload import DEEPSPEED_REDUCE_BUCKET, GRAD_BYTES, Workload
+from meshtrain.planner.workload import (
+    DEEPSPEED_REDUCE_BUCKET,
+    GRAD_BYTES,
+    MOE_IMBALANCE,
+    Workload,
+)
 
 GIB = 2**30
 OPTIMIZER_BYTES_PER_PARAMETER = 80
@@ -72,10 +77,12 @@ class Prediction:
 
 
 def predict(model: TransformerConfig, layout: ParallelPlan, hardware: Hardware, *, seq_len: int,
-            global_batch: int, precision: str = "bf16") -> Prediction:
+            global_batch: int, precision: str = "bf16",
+            moe_imbalance: float = MOE_IMBALANCE) -> Prediction:
     """Predict one training step of `model` laid out as `layout` (already valid: the search
-    checks layouts with `ParallelPlan.validate` first) on `hardware`."""
-    work = Workload(model, layout, seq_len, global_batch, precision)
+    checks layouts with `ParallelPlan.validate` first) on `hardware`; `moe_imbalance`: max/mean
+    rows per expert (`Workload.moe_imbalance`)."""
+    work = Workload(model, layout, seq_len, global_batch, precision, moe_imbalance)
     chunks = chunk_costs(work, hardware)
     pipe = run_pipeline(chunks, layout, work.micro_batches, hardware.oversubscription)
     totals = []
@@ -208,12 +215,14 @@ def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[f
 def _expert_comm(work: Workload, hw: Hardware, index: int) -> tuple[float, float]:
     """An MoE layer under expert parallelism: its forward sends the kept (token, choice) rows
     to their experts' ranks and the results back (two all-to-alls, after a tiny one of the
-    per-expert counts), its backward the same two in reverse; every choice priced as kept."""
+    per-expert counts), its backward the same two in reverse; every choice priced as kept, the
+    busiest rank's rows `expert_load` x the mean's."""
     lay, m = work.layout, work.model
     if lay.ep == 1 or not m.is_moe_layer(index):
         return 0.0, 0.0
     span = lay.tp * lay.cp * lay.ep
-    rows = work.local_tokens * m.moe_top_k * m.hidden_size * work.element_bytes
+    rows = work.local_tokens * m.moe_top_k * work.expert_load * m.hidden_size \
+        * work.element_bytes
     exchange = coll.all_to_all(hw, rows, lay.ep, span)
     return 2 * exchange + coll.all_to_all(hw, 8 * m.moe_experts, lay.ep, span), 2 * exchange
 

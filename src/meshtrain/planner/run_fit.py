@@ -48,7 +48,8 @@ class MeasuredRun:
 
 
 def read_run(path: str | Path) -> MeasuredRun:
-    """The run in directory `path` (its config.toml and metrics.jsonl)."""
+    """The run in directory `path` (its config.toml and metrics.jsonl), an MoE run priced at
+    its own measured expert imbalance (`measured_imbalance`)."""
     path = Path(path)
     config, metrics = path / "config.toml", path / "metrics.jsonl"
     if not config.is_file() or not metrics.is_file():
@@ -56,27 +57,36 @@ def read_run(path: str | Path) -> MeasuredRun:
                            f"`from_run` {path} is not a run directory (no config.toml and"
                            " metrics.jsonl): give the `out` of a finished `meshtrain train`")
     cfg = config_mod.build_config(config_mod.load_toml(config), {})
-    times = []
+    rows = []
     for line in metrics.read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a killed run
         if isinstance(row, dict) and isinstance(row.get("step_time_s"), int | float):
-            times.append(float(row["step_time_s"]))
+            rows.append(row)
+    times = [float(row["step_time_s"]) for row in rows]
     if len(times) <= WARMUP_STEPS:
         raise SettingError(Code.FROM_RUN,
                            f"`from_run` {path} has {len(times)} timed step(s): train at least"
                            f" {WARMUP_STEPS + 1} steps (the first {WARMUP_STEPS} are warm-up)")
     model = cfg.model_config(cfg.model.vocab_size)
-    t = cfg.train
+    t, imbalance = cfg.train, measured_imbalance(rows[WARMUP_STEPS:])
 
     def predicted(hardware: Hardware) -> float:  # scaled to the run's ranks, as `plan` scales it
         return predict(model, cfg.plan, hardware.for_ranks(cfg.plan.world_size),
                        seq_len=t.seq_len, global_batch=t.global_batch,
-                       precision=cfg.plan.precision).step_time_s
+                       precision=cfg.plan.precision, moe_imbalance=imbalance).step_time_s
     return MeasuredRun(path, cfg.plan.world_size, predicted,
                        statistics.median(times[WARMUP_STEPS:]))
+
+
+def measured_imbalance(rows: list[dict]) -> float:
+    """The median over `rows` (metrics.jsonl's) of max/mean tokens per expert; 1 where the
+    run has no MoE layers."""
+    ratios = [row["moe_tokens_per_expert_max"] / row["moe_tokens_per_expert_mean"]
+              for row in rows if row.get("moe_tokens_per_expert_mean")]
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
 def scaled(hardware: Hardware, compute: float, network: float) -> Hardware:

@@ -30,6 +30,9 @@ DEEPSPEED_REDUCE_BUCKET = 5e8
 (also 5e8) buckets stage 1 and 2's parameter all-gather; stage 3 gathers module by module."""
 CAUSAL_FRACTION = 0.5
 """Share of the s x s score and value matmuls a causal kernel computes."""
+MOE_IMBALANCE = 1.0
+"""The max/mean expert load assumed unless a run's measurement or the user gives one
+(`plan --moe-imbalance`): every expert equally busy, the planner's optimistic default."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,20 @@ class Workload:
     seq_len: int
     global_batch: int
     precision: str
+    moe_imbalance: float = MOE_IMBALANCE
+    """Max/mean rows per expert over a step (a run's `moe_tokens_per_expert_max` / `_mean`)."""
+
+    @property
+    def expert_load(self) -> float:
+        """The busiest EP rank's expert rows over the mean rank's: the expert imbalance (an
+        upper bound on a rank's, exact at one expert a rank), at most the capacity factor where
+        one caps each expert's rows; 1 without EP (one rank computes every row)."""
+        m = self.model
+        if self.layout.ep == 1:
+            return 1.0
+        if m.moe_capacity_factor:
+            return min(self.moe_imbalance, m.moe_capacity_factor)
+        return self.moe_imbalance
 
     @property
     def element_bytes(self) -> int:
@@ -96,10 +113,12 @@ class Workload:
         mlp = m.mlp_parameters(weights_only=True)
         parameters = m.attention_parameters() + m.mlp_parameters()
         if m.is_moe_layer(index):
-            # the router, and the experts this rank holds beyond the one MLP counted above
-            parameters += m.moe_experts * h + (m.moe_experts // self.layout.ep - 1) \
-                * m.mlp_parameters()
-            mlp = m.moe_top_k * mlp + h * m.moe_experts
+            # this rank's experts, the router and shared expert; each token's k experts' rows
+            # (dropless: every choice; the busiest rank's: `expert_load` x the mean)
+            parameters = m.attention_parameters() \
+                + m.moe_mlp_parameters(experts=m.moe_experts // self.layout.ep)
+            mlp = m.moe_mlp_parameters(weights_only=True,
+                                       experts=m.moe_top_k * self.expert_load)
         weight = tuple(2 * tokens * w / t for w in (attention * 3 / 4, attention / 4,
                                                      mlp / 2, mlp / 2))
         width = m.num_heads * m.head_dim
@@ -170,6 +189,7 @@ class Workload:
         m, lay = self.model, self.layout
         if not m.moe_experts or recompute == "full":
             return 0.0
-        share = sum(map(m.is_moe_layer, range(m.num_layers))) / m.num_layers
+        share = m.num_moe_layers() / m.num_layers
         tokens = lay.micro_batch * self.seq_len // lay.cp
-        return share * 2 * m.moe_top_k * tokens * m.hidden_size * self.element_bytes
+        return share * 2 * m.moe_top_k * self.expert_load * tokens * m.hidden_size \
+            * self.element_bytes

@@ -46,7 +46,9 @@ class _Dispatch:
 class MoE(nn.Module):
     """Routed experts in place of a dense MLP. `experts` holds only this EP rank's experts (each
     an MLP of the model's family, tensor-parallel like the dense one), keyed by global expert
-    index, so names do not depend on ep.
+    index, so names do not depend on ep. `shared_expert` (an MLP like the dense one) sees every
+    token and its output is added to the routed one, scaled per token by
+    sigmoid(`shared_expert_gate`(x)) where there is a gate (replicated [1, h], like the router).
 
     Each forward adds its weighted routing losses to `aux.loss` and appends its statistics to
     `aux.routing` (see `contracts.AuxiliaryOutputs`).
@@ -55,10 +57,13 @@ class MoE(nn.Module):
     def __init__(self, router: nn.Linear, experts: dict[int, nn.Module], *, num_experts: int,
                  rule: RoutingRule, aux_loss_coef: float, z_loss_coef: float,
                  mesh: ParallelMesh, layer: int = 0, seq_aux_loss_coef: float = 0.0,
-                 bias_rate: float = 0.0, global_aux: bool = False, gemm: str = "auto"):
+                 bias_rate: float = 0.0, global_aux: bool = False, gemm: str = "auto",
+                 shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Linear | None = None):
         super().__init__()
         self.router = Router(router, bias_rate=bias_rate, global_fractions=global_aux,
                              aux_tokens=rule.aux_tokens)  # replicated, [E, h], fp32
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
         self.experts = nn.ModuleDict({str(e): expert for e, expert in experts.items()})
         self.num_experts, self.rule, self.layer = num_experts, rule, layer
         self.top_k, self.capacity_factor = rule.top_k, rule.capacity_factor
@@ -96,6 +101,8 @@ class MoE(nn.Module):
             "kept": routing.kept.sum(), "assigned": routing.kept.numel(),
             "aux_loss": routing.aux_loss.detach(),
             "bias": None if bias is None else bias.detach().clone()})
+        if self.shared_expert is not None:
+            combined = combined + self._shared(tokens)
         return combined.view(b, s, h)
 
     def _route(self, tokens: torch.Tensor, sequences: int):
@@ -104,6 +111,13 @@ class MoE(nn.Module):
         return route(self.router(tokens), self.rule, bias=self.router.expert_bias,
                      fractions=self.router.load_fractions,
                      sequences=sequences if self.seq_aux_loss_coef else 0)
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output `[T, h]`, gated per token where there is a gate."""
+        out = self.shared_expert(tokens)
+        if self.shared_expert_gate is None:
+            return out
+        return out * torch.sigmoid(self.shared_expert_gate(tokens))
 
     def _dispatch(self, counts: torch.Tensor) -> _Dispatch:
         """The sizes of this layer's all-to-alls and expert batches from the kept choices per

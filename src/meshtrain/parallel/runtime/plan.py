@@ -386,7 +386,7 @@ def parse_setting(f: dataclasses.Field, text: str, *, where: str) -> Any:
         try:
             return tuple(int(n) for n in text.split(","))
         except ValueError:
-            raise SettingError(Code.RANGE, f"{where} must be comma-separated layer counts such"
+            raise SettingError(Code.RANGE, f"{where} must be comma-separated layer numbers such"
                                            f" as 3,5, got {text!r}") from None
     if kind.startswith("float"):
         try:
