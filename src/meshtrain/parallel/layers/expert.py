@@ -13,6 +13,20 @@ Experts and TP: each expert is an MLP split over TP exactly like the dense one (
 fc, row-parallel proj), so each TP rank holds 1/tp of every local expert. The router and the
 dispatch are replicated across TP; each expert's f/g operators sum its input gradient and its
 output over TP, so the combine step sees full expert outputs and the router gets exact gradients.
+
+Sequence parallelism (dropless only): each TP rank holds s/tp of the sequence. The layer
+all-gathers the tokens over TP, routes and dispatches them as above (every TP rank alike) and
+keeps its own part of the output; the router runs on the rank's own tokens and gathers its
+logits, so its weight gradient is partial over TP like every other sequence-parallel weight's.
+Per pass this adds one all-gather of the layer's T x h input (forward: the tokens; backward:
+the output's gradient) to the experts' all-reduce of k x T x h rows: at top-2, 1/5 of the TP
+bytes. Routing locally instead would trade that all-gather for uneven all-gathers and
+reduce-scatters of the dispatched rows over TP, which gloo cannot run and which take a second
+expert path; one gather keeps one path and even collectives.
+
+Context parallelism (dropless only): each CP rank routes its own tokens; routing is per token,
+so the choices are those of one process. The load-balancing loss's expert fractions are summed
+over CP, so the CP ranks' losses average to the loss of the whole micro-batch.
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtrain.mesh import ParallelMesh
+from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm, regions
 from meshtrain.parallel.layers.routing import route
 
@@ -51,21 +65,25 @@ class MoE(nn.Module):
 
     def __init__(self, router: nn.Linear, experts: dict[int, nn.Module], *, num_experts: int,
                  top_k: int, capacity_factor: float, aux_loss_coef: float, z_loss_coef: float,
-                 mesh: ParallelMesh):
+                 mesh: ParallelMesh, sequence_axis: MeshAxis | None = None):
         super().__init__()
         self.router = router  # replicated, [E, h]
         self.experts = nn.ModuleDict({str(e): expert for e, expert in experts.items()})
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.ep_axis = mesh.ep
+        self.ep_axis, self.cp_axis, self.sequence_axis = mesh.ep, mesh.cp, sequence_axis
         self.num_local = num_experts // mesh.ep.size
         self.first_local = mesh.ep.rank * self.num_local
 
     def forward(self, x: torch.Tensor, aux) -> torch.Tensor:
+        logits = self.router(x)
+        if self.sequence_axis is not None:  # [b, s/tp, .] -> [b, s, .] (see the module doc)
+            logits = regions.gather_sequence_alike(logits, self.sequence_axis)
+            x = regions.gather_sequence_alike(x, self.sequence_axis)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
-        routing = route(self.router(tokens), top_k=self.top_k,
-                        capacity_factor=self.capacity_factor)
+        routing = route(logits.reshape(b * s, -1), top_k=self.top_k,
+                        capacity_factor=self.capacity_factor, token_axis=self.cp_axis)
         aux.loss = aux.loss + self.aux_loss_coef * routing.aux_loss
         if self.z_loss_coef:
             aux.loss = aux.loss + self.z_loss_coef * routing.z_loss
@@ -82,6 +100,8 @@ class MoE(nn.Module):
         aux.routing.append({"tokens_per_expert": routing.tokens_per_expert.detach(),
                             "kept": routing.kept.sum(), "assigned": routing.kept.numel(),
                             "aux_loss": routing.aux_loss.detach()})
+        if self.sequence_axis is not None:
+            return regions.split_sequence(combined.view(b, s, h), self.sequence_axis)
         return combined.view(b, s, h)
 
     def _dispatch(self, counts: torch.Tensor) -> _Dispatch:

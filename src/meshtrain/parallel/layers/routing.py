@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from meshtrain.mesh import ParallelMesh
+from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.precision import wide_dtype
 
@@ -43,8 +43,12 @@ def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: 
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
-def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routing:
-    """Top-k routing with deterministic capacity dropping; `logits` `[T, E]`."""
+def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float,
+          token_axis: MeshAxis | None = None) -> Routing:
+    """Top-k routing with deterministic capacity dropping; `logits` `[T, E]`. `token_axis`:
+    the ranks holding the rest of this micro-batch's tokens (context parallelism), over which
+    the balancing loss's expert fractions are summed, so its ranks' losses average to the
+    micro-batch's."""
     num_tokens, num_experts = logits.shape
     logits = logits.to(wide_dtype(logits.dtype))
     probs = logits.softmax(dim=-1)
@@ -61,6 +65,9 @@ def route(logits: torch.Tensor, *, top_k: int, capacity_factor: float) -> Routin
         placed += onehot.sum(dim=0)
     kept = slots < cap
     top1_fraction = F.one_hot(experts[:, 0], num_experts).float().mean(dim=0)
+    if token_axis is not None and token_axis.size > 1:
+        comm.all_reduce(top1_fraction, token_axis)
+        top1_fraction /= token_axis.size
     aux_loss = num_experts * (top1_fraction * probs.mean(dim=0)).sum()
     z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
     tokens_per_expert = torch.zeros(num_experts, dtype=torch.long, device=logits.device)

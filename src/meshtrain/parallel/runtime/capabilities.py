@@ -67,6 +67,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
             scheme_refusal=_GRID_SPLIT),
     Feature("moe", "moe_experts", lambda p, m: bool(m.moe_experts), {"moe_experts": 4},
             scheme_refusal=_GRID_SPLIT),
+    Feature("moe_capacity", "moe_capacity_factor",
+            lambda p, m: m.moe_capacity,
+            {"moe_experts": 4, "moe_capacity_factor": 1.0}, scheme_refusal=_GRID_SPLIT),
     Feature("dropout", "dropout", lambda p, m: m.dropout > 0, {"dropout": 0.1}),
     Feature("compile", "compile", lambda p, m: p.compile, {"compile": True},
             scheme_refusal=(Code.COMPILE_SCHEME, (
@@ -126,8 +129,8 @@ def _excludes(feature: str, other: str, code: Code, message: str) -> Rule:
     return Rule(feature, other, False, code, message)
 
 
-_MOE_SPLIT = ("`moe_experts` with `sequence_parallel` or `cp` > 1 is not supported: routing"
-              " assumes every TP/CP rank holds the whole micro-batch")
+_MOE_SPLIT = ("`moe_capacity_factor` {model.moe_capacity_factor} with `sequence_parallel` or"
+              " `cp` > 1 is not supported (its capacity is per rank): use 0 (dropless)")
 _TWO_BW_PRECISION = "`pp_schedule` {plan.pp_schedule} supports `precision` fp32 only, got" \
                     " {plan.precision}"
 _ZERO_FP64 = ("`zero` {plan.zero} keeps fp32 master shards, which would round `precision`"
@@ -142,8 +145,8 @@ RULES: tuple[Rule, ...] = (
         " ranks)")),
     _excludes("cp", "dropout", Code.CP_DROPOUT,
               "attention dropout with `cp` > 1 is not supported: use `dropout` 0"),
-    _excludes("moe", "sequence_parallel", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
-    _excludes("moe", "cp", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
+    _excludes("moe_capacity", "sequence_parallel", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
+    _excludes("moe_capacity", "cp", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
     _excludes("compile", "moe", Code.COMPILE_MOE, (
         "`compile` with `moe_experts` is not supported: routing sizes each expert's batch by"
         " counts read on the host, so every step would compile again; train MoE models without"
