@@ -19,6 +19,7 @@ CASES = {
     "gpt": ("tiny", {}),
     "llama_gqa": ("llama-tiny", {}),  # 8 query heads over 4 key/value heads
     "llama_shared_kv": ("llama-tiny", {"num_kv_heads": 1}),  # tp 2: both ranks hold the one
+    "moe": ("tiny", {"moe_experts": 4, "moe_top_k": 2, "moe_capacity_factor": 0.0}),  # dropless
 }
 SAMPLED = {"top_k": 8, "temperature": 0.8, "seed": 3}
 
@@ -56,7 +57,8 @@ _TP2_DEFAULT = "llama_shared_kv"
 
 
 @pytest.mark.parametrize("case,tp", [
-    *((case, 1) for case in CASES),
+    *(pytest.param(case, 1, marks=pytest.mark.extended if case == "moe" else ())
+      for case in CASES),  # (moe: test_dropless_moe_models_generate_with_the_cache)
     *(pytest.param(case, 2, marks=() if case == _TP2_DEFAULT else pytest.mark.extended)
       for case in CASES)])
 def test_cached_generation_equals_uncached(case, tp):
@@ -91,12 +93,24 @@ def test_cached_logits_equal_one_forward(case, attention):
     run_on_ranks(2, _check_cached_logits, case, 2, attention)
 
 
-def test_moe_models_generate_without_the_cache():
+def test_moe_models_with_a_capacity_generate_without_the_cache():
     model = _model("gpt", ParallelMesh.local(), moe_experts=2)
-    with pytest.raises(ValueError, match="moe_experts"):
+    with pytest.raises(ValueError, match="moe_capacity_factor"):
         model.kv_cache(MAX_SEQ_LEN)
     assert torch.equal(generate(model, PROMPT, max_new_tokens=6),
                        generate(model, PROMPT, max_new_tokens=6, use_cache=False))
+
+
+def test_dropless_moe_models_generate_with_the_cache(monkeypatch):
+    """Dropless routing is per token: the cached tokens are the uncached ones (the `moe` case
+    of the tests above checks them through the sliding window), and the cache is made."""
+    model = _model("moe", ParallelMesh.local())
+    made = []
+    monkeypatch.setattr(model, "kv_cache", lambda n: made.append(n) or type(model).kv_cache(
+        model, n))
+    assert torch.equal(generate(model, PROMPT, max_new_tokens=6),
+                       generate(model, PROMPT, max_new_tokens=6, use_cache=False))
+    assert made == [11]
 
 
 def test_cache_refuses_training_mode_pipeline_stages_and_overflow():

@@ -12,7 +12,9 @@ from meshtrain.parallel import CommRecorder, named_full_tensors
 from meshtrain.parallel.communication.comm import all_gather_objects
 from meshtrain.parallel.layers.expert import MoE
 from meshtrain.parallel.layers.routing import capacity, route
+from meshtrain.parallel.runtime.capabilities import check_capabilities
 from meshtrain.parallel.runtime.optim import clip_grad_norm_
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
@@ -195,6 +197,16 @@ def test_bad_moe_settings():
         preset("tiny", moe_experts=4, moe_aux_loss_scope="step").validate()
     with raises_as_flags("--moe-routed-scaling must be a finite number > 0"):
         preset("tiny", moe_experts=4, moe_routed_scaling=0.0).validate()
+
+
+def test_capacity_mode_is_refused_with_split_sequences_and_dropless_is_not():
+    """A capacity is per rank, so with sp or cp it would not be one process's; dropless
+    routing is per token (its parity: test_moe_layouts.py)."""
+    for plan in (ParallelPlan(tp=2, sequence_parallel=True), ParallelPlan(cp=2)):
+        with raises_as_flags(r"^--moe-capacity-factor 1.0 with --sequence-parallel or --cp > 1"
+                             r" is not supported \(its capacity is per rank\): use 0"):
+            check_capabilities(plan, preset("tiny", moe_experts=4, moe_capacity_factor=1.0))
+        check_capabilities(plan, preset("tiny", moe_experts=4, moe_capacity_factor=0.0))
 
 
 def test_moe_layers_and_parameter_count():

@@ -47,7 +47,7 @@ class Code(Enum):
     EP_DEGREE = "ep does not divide dp x cp"
     EP_WITHOUT_MOE = "ep > 1 without MoE"
     EXPERTS_EP = "experts not divisible by ep"
-    MOE_SEQUENCE_SPLIT = "MoE with sp or cp"
+    MOE_SEQUENCE_SPLIT = "MoE capacity with sp or cp"
     MOE_SEQ_AUX_SPLIT = "MoE sequence-wise balancing loss with sp or cp"
     # tensor-parallel schemes
     GRID_TP = "tp does not form the scheme's grid"

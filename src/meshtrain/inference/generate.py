@@ -26,13 +26,14 @@ def generate(model: CausalLM, ids: torch.Tensor, *, max_new_tokens: int, top_k: 
     with) every step runs the whole context. Once the sequence outgrows `max_seq_len` the window
     slides, every token's position changes and no cached key or value is valid any more: the
     cache is dropped and each step recomputes the window, so the output stays the uncached one.
-    MoE models always recompute (expert capacity depends on the tokens routed together).
+    MoE models with an expert capacity always recompute (what a token keeps depends on the
+    tokens routed with it); dropless routing is per token, so they cache.
     """
     model.eval()
     cfg, mesh = model.cfg, model.mesh
     gen = torch.Generator(device=mesh.device).manual_seed(seed)
     cache = model.kv_cache(min(cfg.max_seq_len, ids.shape[1] + max_new_tokens)) \
-        if use_cache and not cfg.moe_experts else None
+        if use_cache and not cfg.moe_capacity else None
     for _ in range(max_new_tokens):
         if cache is not None and ids.shape[1] > cfg.max_seq_len:
             cache = None  # the window slides from here on

@@ -87,18 +87,20 @@ class CausalLM(nn.Module, ABC):
         router = init_linear(cfg.hidden_size, cfg.moe_experts, cfg.init_std, gen, bias=False)
         per_rank = cfg.moe_experts // mesh.ep.size
         first = mesh.ep.rank * per_rank
-        experts = {e: self.build_mlp(generator(seed, 10_000 * (1 + index) + 1 + e),
-                                     cfg.expert_ffn_size)
-                   for e in range(first, first + per_rank)}
-        shared = self.build_mlp(gen, cfg.moe_shared_ffn_size) if cfg.moe_shared_ffn_size \
-            else None
+        with self.factory.whole_sequence():  # experts see tokens gathered over sp
+            experts = {e: self.build_mlp(generator(seed, 10_000 * (1 + index) + 1 + e),
+                                         cfg.expert_ffn_size)
+                       for e in range(first, first + per_rank)}
+            shared = self.build_mlp(gen, cfg.moe_shared_ffn_size) if cfg.moe_shared_ffn_size \
+                else None
         gate = init_linear(cfg.hidden_size, 1, cfg.init_std, gen, bias=False) \
             if cfg.moe_shared_gate == "sigmoid" else None
         return MoE(router, experts, num_experts=cfg.moe_experts, rule=cfg.routing_rule(),
                    aux_loss_coef=cfg.moe_aux_loss_coef, z_loss_coef=cfg.moe_z_loss_coef,
                    mesh=mesh, layer=index, seq_aux_loss_coef=cfg.moe_seq_aux_loss_coef,
                    bias_rate=cfg.moe_bias_rate, global_aux=cfg.moe_aux_loss_scope == "global",
-                   gemm=cfg.moe_gemm, shared_expert=shared, shared_expert_gate=gate)
+                   gemm=cfg.moe_gemm, shared_expert=shared, shared_expert_gate=gate,
+                   sequence_axis=self.factory.sequence_axis)
 
     def build_head(self, seed: int) -> nn.Module:
         """The untied output layer (`logits(hidden)`); tied families never call this."""
@@ -145,9 +147,9 @@ class CausalLM(nn.Module, ABC):
     def kv_cache(self, capacity: int) -> KVCache:
         """An empty key/value cache of `capacity` tokens (at most `max_seq_len`) for generating
         with this model: `forward(ids, cache=cache)` runs only the new tokens. Whole models at
-        any tp only; MoE models are refused, since expert capacity drops tokens by how many are
-        routed together, so one token at a time would route differently from the whole
-        sequence."""
+        any tp only; MoE models with an expert capacity are refused, since it drops tokens by how
+        many are routed together, so one token at a time would route differently from the whole
+        sequence (dropless routing is per token)."""
         cfg, stage = self.cfg, self.stage
         if not (stage.has_embedding and stage.has_head) or len(stage.layers) < cfg.num_layers:
             problem = "a pipeline stage holds part of the model"
@@ -155,8 +157,9 @@ class CausalLM(nn.Module, ABC):
             problem = "sequence and context parallelism split the sequence over ranks"
         elif self.factory.splits_batch:
             problem = f"`tp_scheme` {self.mesh.tp_scheme} splits each batch over ranks"
-        elif cfg.moe_experts:
-            problem = "`moe_experts`: expert capacity depends on the tokens routed together"
+        elif cfg.moe_capacity:
+            problem = ("`moe_capacity_factor`: expert capacity depends on the tokens routed"
+                       " together (0, dropless, caches)")
         elif not 1 <= capacity <= cfg.max_seq_len:
             problem = f"its capacity must be 1 .. `max_seq_len` ({cfg.max_seq_len}), got {capacity}"
         else:

@@ -293,6 +293,12 @@ class TransformerConfig(ABC):
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_experts > 0 and self.moe_pattern.matches(layer)
 
+    @property
+    def moe_capacity(self) -> bool:
+        """Whether MoE layers drop choices past an expert capacity (a factor > 0): a token's
+        routing then depends on the tokens routed with it; dropless routing is per token."""
+        return bool(self.moe_experts) and self.moe_capacity_factor > 0
+
     def validate_for_ep(self, ep: int) -> None:
         if ep > 1 and self.moe_experts == 0:
             raise SettingError(Code.EP_WITHOUT_MOE, (

@@ -141,7 +141,8 @@ class Trainer:
             comm.all_reduce(scalars["request"], mesh.world, op=torch.distributed.ReduceOp.MAX)
         if self.model.cfg.moe_experts:
             micro_batches = self.plan.micro_batches_per_step(t.global_batch)
-            scalars |= result.routing.summary(mesh, micro_batches, self.model.cfg.moe_layer_indices())
+            scalars |= result.routing.summary(mesh, micro_batches,
+                                              self.model.cfg.moe_layer_indices())
         row = {"step": step + 1}
         if self.scaler.decides_first(t.max_nonfinite_steps):
             values = read_scalars(scalars)

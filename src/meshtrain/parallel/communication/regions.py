@@ -93,6 +93,14 @@ gather_from_sequence_parallel_region = conjugate(
 reduce_scatter_to_sequence_parallel_region = conjugate(
     partial(reduce_scatter, dim=1), partial(all_gather, dim=1),
     "Partial `[b, s, h]` -> summed `[b, s/t, h]` (reduce-scatter); the gradient all-gathered.")
+gather_sequence_alike = conjugate(
+    partial(all_gather, dim=1), partial(split_along, dim=1),
+    "`[b, s/t, ...]` -> `[b, s, ...]` for a computation every rank then repeats alike (MoE"
+    " routing and dispatch under sequence parallelism); the gradient keeps this rank's chunk.")
+split_sequence = conjugate(
+    partial(split_along, dim=1), partial(all_gather, dim=1),
+    "This rank's `[b, s/t, ...]` of a `[b, s, ...]` every rank holds alike; the gradient is"
+    " all-gathered.")
 reduce_scatter_batch = conjugate(
     partial(reduce_scatter, dim=0), partial(all_gather, dim=0),
     "Partial `[b, ...]` summed over `axis`, this rank's `[b/n, ...]` kept (grid schemes).")

@@ -13,6 +13,20 @@ Experts and TP: each expert is an MLP split over TP exactly like the dense one (
 fc, row-parallel proj), so each TP rank holds 1/tp of every local expert. The router and the
 dispatch are replicated across TP; each expert's f/g operators sum its input gradient and its
 output over TP, so the combine step sees full expert outputs and the router gets exact gradients.
+
+Sequence parallelism (dropless only): each TP rank holds s/tp of the sequence. The layer
+all-gathers the tokens over TP, routes and dispatches them as above (every TP rank alike) and
+keeps its own part of the output; the router runs on the rank's own tokens and gathers its
+logits, so its weight gradient is partial over TP like every other sequence-parallel weight's.
+Per pass this adds one all-gather of the layer's T x h input (forward: the tokens; backward:
+the output's gradient) to the experts' all-reduce of k x T x h rows: at top-2, 1/5 of the TP
+bytes. Routing locally instead would trade that all-gather for uneven all-gathers and
+reduce-scatters of the dispatched rows over TP, which gloo cannot run and which take a second
+expert path; one gather keeps one path and even collectives.
+
+Context parallelism (dropless only): each CP rank routes its own tokens; routing is per token,
+so the choices are those of one process. The load-balancing loss's expert fractions are summed
+over CP, so the CP ranks' losses average to the loss of the whole micro-batch.
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtrain.mesh import ParallelMesh
+from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm, regions
 from meshtrain.parallel.layers.grouped_matmul import add_per_group, expert_gemm, grouped_linear
 from meshtrain.parallel.layers.linear_functions import DENSE
@@ -59,7 +73,8 @@ class MoE(nn.Module):
                  mesh: ParallelMesh, layer: int = 0, seq_aux_loss_coef: float = 0.0,
                  bias_rate: float = 0.0, global_aux: bool = False, gemm: str = "auto",
                  shared_expert: nn.Module | None = None,
-                 shared_expert_gate: nn.Linear | None = None):
+                 shared_expert_gate: nn.Linear | None = None,
+                 sequence_axis: MeshAxis | None = None):
         super().__init__()
         self.router = Router(router, bias_rate=bias_rate, global_fractions=global_aux,
                              aux_tokens=rule.aux_tokens)  # replicated, [E, h], fp32
@@ -69,15 +84,21 @@ class MoE(nn.Module):
         self.top_k, self.capacity_factor = rule.top_k, rule.capacity_factor
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.seq_aux_loss_coef = seq_aux_loss_coef
-        self.ep_axis = mesh.ep
+        self.ep_axis, self.cp_axis, self.sequence_axis = mesh.ep, mesh.cp, sequence_axis
         self.num_local = num_experts // mesh.ep.size
         self.first_local = mesh.ep.rank * self.num_local
         self.gemm = gemm  # a `grouped_matmul.GEMMS` choice
 
     def forward(self, x: torch.Tensor, aux) -> torch.Tensor:
+        logits = self.router(x)  # the router and the shared gate see this rank's own tokens
+        gate = None if self.shared_expert_gate is None else self.shared_expert_gate(x)
+        if self.sequence_axis is not None:  # [b, s/tp, .] -> [b, s, .] (see the module doc)
+            logits, x = (regions.gather_sequence_alike(t, self.sequence_axis) for t in (logits, x))
+            if gate is not None:
+                gate = regions.gather_sequence_alike(gate, self.sequence_axis)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
-        routing = self._route(tokens, b)
+        routing = self._route(logits.reshape(b * s, -1), b)
         dispatch = self._dispatch(routing.tokens_per_expert)
         kept = torch.nonzero_static(routing.kept, size=dispatch.num_kept)  # [N, 2], token-major
         experts = routing.experts[kept[:, 0], kept[:, 1]]
@@ -102,22 +123,23 @@ class MoE(nn.Module):
             "aux_loss": routing.aux_loss.detach(),
             "bias": None if bias is None else bias.detach().clone()})
         if self.shared_expert is not None:
-            combined = combined + self._shared(tokens)
+            combined = combined + self._shared(tokens, gate)
+        if self.sequence_axis is not None:
+            return regions.split_sequence(combined.view(b, s, h), self.sequence_axis)
         return combined.view(b, s, h)
 
-    def _route(self, tokens: torch.Tensor, sequences: int):
-        """This micro-batch's routing (`routing.route`) by the router's fp32 scores, choice bias
-        and global fractions."""
-        return route(self.router(tokens), self.rule, bias=self.router.expert_bias,
-                     fractions=self.router.load_fractions,
+    def _route(self, logits: torch.Tensor, sequences: int):
+        """This micro-batch's routing (`routing.route`) by the router's fp32 logits `[T, E]`,
+        choice bias and global fractions (the balancing loss's own fractions summed over cp)."""
+        return route(logits, self.rule, bias=self.router.expert_bias,
+                     fractions=self.router.load_fractions, token_axis=self.cp_axis,
                      sequences=sequences if self.seq_aux_loss_coef else 0)
 
-    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The shared expert's output `[T, h]`, gated per token where there is a gate."""
+    def _shared(self, tokens: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The shared expert's output `[T, h]`, scaled per token by sigmoid(`gate`) `[b, s, 1]`
+        where there is a gate."""
         out = self.shared_expert(tokens)
-        if self.shared_expert_gate is None:
-            return out
-        return out * torch.sigmoid(self.shared_expert_gate(tokens))
+        return out if gate is None else out * torch.sigmoid(gate.reshape(-1, 1))
 
     def _dispatch(self, counts: torch.Tensor) -> _Dispatch:
         """The sizes of this layer's all-to-alls and expert batches from the kept choices per

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtrain.mesh import ParallelMesh
+from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.precision import wide_dtype
 
@@ -119,12 +119,15 @@ def sequence_aux_loss(probs: torch.Tensor, experts: torch.Tensor, sequences: int
 
 def route(logits: torch.Tensor, rule: RoutingRule | None = None, *, top_k: int = 1,
           capacity_factor: float = 1.25, bias: torch.Tensor | None = None,
-          fractions: torch.Tensor | None = None, sequences: int = 0) -> Routing:
+          fractions: torch.Tensor | None = None, sequences: int = 0,
+          token_axis: MeshAxis | None = None) -> Routing:
     """Top-k routing with deterministic capacity dropping; `logits` `[T, E]`. `rule` (or
     `top_k` and `capacity_factor` for the default softmax rule); `bias` `[E]` for the choice;
     `fractions` `[E]`: the global batch's expert fractions the balancing loss weighs (all zero:
     none yet, this micro-batch's own); `sequences` > 0 computes the sequence-wise loss over
-    that many equal rows of tokens."""
+    that many equal rows of tokens. `token_axis`: the ranks holding the rest of this
+    micro-batch's tokens (context parallelism), over which the balancing loss's own fractions
+    are averaged, so its ranks' losses average to the micro-batch's."""
     rule = rule or RoutingRule(top_k=top_k, capacity_factor=capacity_factor)
     num_tokens, num_experts = logits.shape
     logits = logits.to(wide_dtype(logits.dtype))
@@ -134,6 +137,9 @@ def route(logits: torch.Tensor, rule: RoutingRule | None = None, *, top_k: int =
         num_tokens, num_experts=num_experts, top_k=rule.top_k,
         capacity_factor=rule.capacity_factor))
     share = own_fractions(experts, num_experts, rule.aux_tokens)
+    if token_axis is not None and token_axis.size > 1:
+        comm.all_reduce(share, token_axis)
+        share /= token_axis.size
     if fractions is not None:
         share = torch.where(fractions.sum() > 0, fractions, share)
     aux_loss = num_experts * (share * probs.mean(dim=0)).sum()

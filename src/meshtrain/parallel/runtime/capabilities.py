@@ -63,10 +63,14 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("cp", "cp", lambda p, m: p.cp > 1, {"cp": 2}, scheme_refusal=_GRID_SPLIT),
     Feature("cp_all2all", "cp_mode", lambda p, m: p.cp > 1 and p.cp_mode == "all2all",
             {"cp": 2, "cp_mode": "all2all"}, scheme_refusal=_GRID_SPLIT),
-    Feature("ep", "ep", lambda p, m: p.ep > 1, {"dp": 2, "ep": 2, "moe_experts": 4},
+    Feature("ep", "ep", lambda p, m: p.ep > 1,
+            {"dp": 2, "ep": 2, "moe_experts": 4, "moe_capacity_factor": 0.0},
             scheme_refusal=_GRID_SPLIT),
-    Feature("moe", "moe_experts", lambda p, m: bool(m.moe_experts), {"moe_experts": 4},
-            scheme_refusal=_GRID_SPLIT),
+    Feature("moe", "moe_experts", lambda p, m: bool(m.moe_experts),
+            {"moe_experts": 4, "moe_capacity_factor": 0.0}, scheme_refusal=_GRID_SPLIT),
+    Feature("moe_capacity", "moe_capacity_factor",
+            lambda p, m: m.moe_capacity,
+            {"moe_experts": 4, "moe_capacity_factor": 1.0}, scheme_refusal=_GRID_SPLIT),
     Feature("moe_seq_aux", "moe_seq_aux_loss_coef",
             lambda p, m: bool(m.moe_experts and m.moe_seq_aux_loss_coef),
             {"moe_experts": 4, "moe_seq_aux_loss_coef": 0.01}, scheme_refusal=_GRID_SPLIT),
@@ -131,8 +135,8 @@ def _excludes(feature: str, other: str, code: Code, message: str) -> Rule:
     return Rule(feature, other, False, code, message)
 
 
-_MOE_SPLIT = ("`moe_experts` with `sequence_parallel` or `cp` > 1 is not supported: routing"
-              " assumes every TP/CP rank holds the whole micro-batch")
+_MOE_SPLIT = ("`moe_capacity_factor` {model.moe_capacity_factor} with `sequence_parallel` or"
+              " `cp` > 1 is not supported (its capacity is per rank): use 0 (dropless)")
 _SEQ_AUX_SPLIT = ("`moe_seq_aux_loss_coef` with `sequence_parallel` or `cp` > 1 is not"
                   " supported: a sequence's tokens are routed on several ranks, so its"
                   " per-sequence loss would not be one process's; use `moe_aux_loss_scope`"
@@ -153,8 +157,8 @@ RULES: tuple[Rule, ...] = (
               "attention dropout with `cp` > 1 is not supported: use `dropout` 0"),
     _excludes("moe_seq_aux", "sequence_parallel", Code.MOE_SEQ_AUX_SPLIT, _SEQ_AUX_SPLIT),
     _excludes("moe_seq_aux", "cp", Code.MOE_SEQ_AUX_SPLIT, _SEQ_AUX_SPLIT),
-    _excludes("moe", "sequence_parallel", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
-    _excludes("moe", "cp", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
+    _excludes("moe_capacity", "sequence_parallel", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
+    _excludes("moe_capacity", "cp", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
     _excludes("compile", "moe", Code.COMPILE_MOE, (
         "`compile` with `moe_experts` is not supported: routing sizes each expert's batch by"
         " counts read on the host, so every step would compile again; train MoE models without"

@@ -45,8 +45,8 @@ class PipelineSchedule(ABC):
     """Whether Megatron-LM has it (what a published Megatron run may have used)."""
     supports: frozenset[str] = frozenset({
         "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "ep", "moe",
-        "moe_seq_aux", "dropout", "compile", "fp8", "half", "fp64", "zero", "zero_gradients",
-        "zero_parameters", "offload", "hybrid"})
+        "moe_seq_aux", "moe_capacity", "dropout", "compile", "fp8", "half", "fp64", "zero",
+        "zero_gradients", "zero_parameters", "offload", "hybrid"})
     """The layout features (`runtime/capabilities.FEATURES`) it runs: every one that is not a
     schedule's own; a schedule adds its own (virtual stages, a split backward, two weight
     versions), and a feature no schedule lists is refused."""

@@ -13,6 +13,7 @@ rank's slice of the dense model built under seed S at every layout.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -103,6 +104,17 @@ class LayerFactory(ABC):
     def splits_sequence(self) -> bool:
         """Whether a rank's layers see only part of the sequence (sequence or context
         parallelism): a key/value cache, which appends whole tokens, cannot be used then."""
+
+    @property
+    def sequence_axis(self) -> MeshAxis | None:
+        """The axis the hidden states' sequence is split over between layers (sequence
+        parallelism), or None."""
+        return None
+
+    def whole_sequence(self) -> contextlib.AbstractContextManager:
+        """Inside it, layers are built for whole-sequence inputs even where the hidden states
+        are split over `sequence_axis` (MoE experts see tokens gathered over it)."""
+        return contextlib.nullcontext()
 
     @property
     def splits_batch(self) -> bool:

@@ -6,6 +6,7 @@ layers are `layers/tensor.py`'s.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -93,6 +94,19 @@ class Megatron1D(LayerFactory):
     def splits_sequence(self) -> bool:
         return self.sequence_parallel or self.mesh.cp.size > 1
 
+    @property
+    def sequence_axis(self) -> MeshAxis | None:
+        return self.mesh.tp if self.sequence_parallel else None
+
+    @contextlib.contextmanager
+    def whole_sequence(self):
+        split = self.sequence_parallel, self.tp_overlap
+        self.sequence_parallel = self.tp_overlap = False
+        try:
+            yield
+        finally:
+            self.sequence_parallel, self.tp_overlap = split
+
     def hidden_shape(self, batch: int, tokens: int, hidden: int) -> tuple[int, ...]:
         return (batch, tokens // (self.mesh.tp.size if self.sequence_parallel else 1), hidden)
 
@@ -124,9 +138,9 @@ class MegatronScheme(TPScheme):
     name = "1d"
     supports = frozenset({
         "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "ep", "moe",
-        "moe_seq_aux", "dropout", "compile", "fp8", "half", "fp64", "zero", "zero_gradients",
-        "zero_parameters", "offload", "hybrid", "virtual_stages", "split_backward",
-        "two_weight_versions"})
+        "moe_seq_aux", "moe_capacity", "dropout", "compile", "fp8", "half", "fp64", "zero",
+        "zero_gradients", "zero_parameters", "offload", "hybrid", "virtual_stages",
+        "split_backward", "two_weight_versions"})
     axes = ("tp",)
 
     def grid(self, tp: int, depth: int | None = None) -> dict[str, int]:

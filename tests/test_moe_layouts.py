@@ -1,0 +1,185 @@
+"""Dropless MoE at every layout against one process: a top-2-of-8 fp32 model trains the same
+5-step trajectory, and every token goes to the same experts at every step and MoE layer, at
+ep x dp, tp x ep, pp x ep under zb-v and zb-h1, sequence parallelism x ep, cp x ep (ring and
+all2all) and with ZeRO 1 and 2; a run saved at one layout resumes at another on the same
+trajectory.
+
+The choices are recorded by a test-only wrap of the MoE layer's `route`, keyed by global token
+(step, micro-batch of the global batch, layer, sequence, position in the sequence); a context
+parallel rank's tokens are its head and tail chunks, mapped back by their positions. A choice
+that differs names its token, layer and the score gap that decided it; no choice of the
+reference is within `MIN_GAP` of a tie (the smallest gap is printed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from harness import run_on_ranks, worker_mesh
+
+import meshtrain.parallel.layers.expert as expert_layer
+from meshtrain import ParallelMesh
+from meshtrain.config.run_config import build_config
+from meshtrain.parallel.layers.context_parallel import context_parallel_positions
+from meshtrain.parallel.layers.expert import MoE
+from meshtrain.training.trainer import Trainer
+
+MODEL = {"num_layers": 4, "moe_experts": 8, "moe_top_k": 2, "moe_every": 2,
+         "moe_capacity_factor": 0.0, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001}
+"""The model settings of every run (the integrator adds settings of other branches here)."""
+TRAIN = {"steps": 5, "global_batch": 8, "micro_batch": 2, "seq_len": 16, "seed": 3,
+         "clip_grad": 0.0, "eval_every": 0}
+STEPS = TRAIN["steps"]
+MIN_GAP = 1e-6  # no reference choice closer to a tie than this
+REL = 1e-5  # fp32 trajectories within this of one process's
+METRICS = ("loss", "grad_norm", "moe_aux_loss")
+
+
+def _cfg(corpus: str, degrees: dict, parallel: dict):
+    cfg = build_config({}, {"model": MODEL, "train": TRAIN,
+                            "parallel": {"device": "cpu", **degrees, **parallel},
+                            "data": {"data": corpus}, "checkpoint": {"out": "/nonexistent"}})
+    cfg.plan = dataclasses.replace(cfg.plan, **degrees)
+    return cfg
+
+
+class _Choices:
+    """This rank's routing choices while installed: {(step, micro-batch, layer, sequence,
+    position): (experts, gap)}, the gap the smallest difference of adjacent sorted scores among
+    the top k + 1 (what a choice and its order turn on). Each MoE layer's forwards run its
+    micro-batches in order, so a layer's n-th forward is local micro-batch n % m."""
+
+    def __init__(self, model, mesh, cfg, first_step: int):
+        self.records: dict[tuple, tuple[tuple[int, ...], float]] = {}
+        self.calls: dict[str, int] = {}
+        self.layer = ""
+        self.first_step, self.mesh, self.cfg = first_step, mesh, cfg
+        self.m = cfg.train.global_batch // (cfg.plan.micro_batch * mesh.dp.size)
+        self.positions = context_parallel_positions(cfg.train.seq_len, mesh.cp.size,
+                                                    mesh.cp.rank)
+        self.hooks = [module.register_forward_pre_hook(
+            lambda _m, _args, name=name: setattr(self, "layer", name))
+            for name, module in model.named_modules() if isinstance(module, MoE)]
+        self.route = expert_layer.route
+        expert_layer.route = self._route
+
+    def _route(self, logits, **kwargs):
+        routing = self.route(logits, **kwargs)
+        n = self.calls[self.layer] = self.calls.get(self.layer, 0) + 1
+        step, local = self.first_step + (n - 1) // self.m, (n - 1) % self.m
+        micro_batch = self.mesh.dp.rank * self.m + local
+        k = routing.experts.shape[1]
+        scores = logits.detach().float().softmax(-1).sort(dim=-1, descending=True).values
+        gaps = (scores[:, :k] - scores[:, 1:k + 1]).min(dim=-1).values
+        per_sequence = len(self.positions)
+        for t, (experts, gap) in enumerate(zip(routing.experts.tolist(), gaps.tolist(),
+                                               strict=True)):
+            position = int(self.positions[t % per_sequence])
+            key = (step, micro_batch, self.layer, t // per_sequence, position)
+            self.records[key] = (tuple(experts), gap)
+        return routing
+
+    def remove(self) -> None:
+        expert_layer.route = self.route
+        for hook in self.hooks:
+            hook.remove()
+
+
+def _metrics(row: dict) -> dict:
+    return {name: float(row[name]) for name in METRICS}
+
+
+def _run(corpus: str, degrees: dict, parallel: dict, *, stop: int = STEPS, save=None,
+         resume=None) -> tuple[list[dict], dict]:
+    """Steps up to `stop` at a layout (from a checkpoint in `resume`; saving in `save`): each
+    step's metrics and this rank's routing choices."""
+    cfg = _cfg(corpus, degrees, parallel)
+    trainer = Trainer.build(cfg, worker_mesh(**degrees) if degrees else ParallelMesh.local())
+    start = trainer.resume(resume) if resume else 0
+    choices = _Choices(trainer.model, trainer.mesh, cfg, start)
+    try:
+        rows = [_metrics(trainer.train_step(step)) for step in range(start, stop)]
+    finally:
+        choices.remove()
+    if save:
+        trainer.save(save, stop)
+    return rows, choices.records
+
+
+def _reference(corpus: str) -> tuple[list[dict], dict]:
+    rows, choices = _run(corpus, {}, {})  # in this process
+    gap = min(g for _, g in choices.values())
+    print(f"smallest reference gap between routing scores: {gap:.3e}")
+    assert gap > MIN_GAP, f"a reference choice is within {gap:.1e} of a tie: change the seed"
+    return rows, choices
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    return _reference(corpus)
+
+
+def _assert_same_choices(layout: str, per_rank: list[dict], reference: dict) -> None:
+    """Every token of every step and layer recorded by some rank, each rank's choice the
+    reference's."""
+    seen = set()
+    for rank, choices in enumerate(per_rank):
+        for key, (experts, _) in choices.items():
+            want, gap = reference[key]
+            step, micro_batch, layer, sequence, position = key
+            assert experts == want, (
+                f"{layout} rank {rank}: step {step} micro-batch {micro_batch} {layer} sequence"
+                f" {sequence} position {position} chose experts {experts}, one process"
+                f" {want} (score gap {gap:.2e})")
+        seen |= choices.keys()
+    assert seen == reference.keys(), f"{layout}: tokens not recorded: {len(reference) - len(seen)}"
+
+
+def _assert_same_trajectory(layout: str, rows: list[dict], reference: list[dict]) -> None:
+    assert len(rows) == len(reference)
+    for step, (row, want) in enumerate(zip(rows, reference, strict=True)):
+        for name in METRICS:
+            assert row[name] == pytest.approx(want[name], rel=REL), (layout, step, name)
+
+
+LAYOUTS = {  # name: (degrees, plan settings)
+    "cp2xep2": ({"cp": 2, "ep": 2}, {"cp_mode": "ring"}),
+    "ep2xdp2": ({"dp": 4, "ep": 2}, {}),
+    "tp2xep2": ({"tp": 2, "dp": 2, "ep": 2}, {}),
+    "pp2xep2-zb-v": ({"pp": 2, "dp": 2, "ep": 2}, {"pp_schedule": "zb-v"}),
+    "sp-tp2xep2": ({"tp": 2, "dp": 2, "ep": 2}, {"sequence_parallel": True}),
+    "cp2xdp2xep2-all2all": ({"cp": 2, "dp": 2, "ep": 2}, {"cp_mode": "all2all"}),
+    "pp2xep2-zb-h1": ({"pp": 2, "dp": 2, "ep": 2}, {"pp_schedule": "zb-h1"}),
+    "sp-tp2xep2-zero1": ({"tp": 2, "dp": 2, "ep": 2}, {"sequence_parallel": True, "zero": 1}),
+    "cp2xdp2xep2-zero2": ({"cp": 2, "dp": 2, "ep": 2}, {"cp_mode": "ring", "zero": 2}),
+}
+DEFAULT = "cp2xep2"  # the default tier's one layout: context parallelism's token split
+
+
+def _world(degrees: dict) -> int:
+    world = 1
+    for axis in ("tp", "pp", "cp", "dp"):
+        world *= degrees.get(axis, 1)
+    return world
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(name, marks=() if name == DEFAULT else pytest.mark.extended)
+    for name in LAYOUTS])
+def test_dropless_layout_trains_one_process_trajectory_and_choices(corpus, reference, layout):
+    degrees, parallel = LAYOUTS[layout]
+    results = run_on_ranks(_world(degrees), _run, corpus, degrees, parallel, timeout=300)
+    _assert_same_trajectory(layout, results[0][0], reference[0])
+    _assert_same_choices(layout, [choices for _, choices in results], reference[1])
+
+
+@pytest.mark.extended
+def test_resume_at_another_layout_continues_the_trajectory(corpus, reference, tmp_path):
+    """Saved after 3 steps at ep 2 x dp 2, resumed at tp 2 x ep 2."""
+    first = run_on_ranks(4, _run, corpus, *LAYOUTS["ep2xdp2"], stop=3, save=tmp_path,
+                         timeout=300)
+    second = run_on_ranks(4, _run, corpus, *LAYOUTS["tp2xep2"], resume=tmp_path, timeout=300)
+    _assert_same_trajectory("resumed", first[0][0] + second[0][0], reference[0])
+    _assert_same_choices("resumed", [a[1] | b[1] for a, b in zip(first, second, strict=True)],
+                         reference[1])
