@@ -99,6 +99,7 @@ def _error(capsys, argv) -> str:
     (["--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 exceeds --moe-experts 2"),
     (["--moe-experts", "4", "--moe-capacity-factor", "-1"],
      "--moe-capacity-factor must be > 0, or 0 for dropless"),
+    (["--moe-experts", "4", "--moe-bias-rate", "-0.5"], "--moe-bias-rate must be a finite"),
     (["--nproc", "4", "--tp", "2", "--ep", "4", "--moe-experts", "4"],
      "ep=4 must divide dp x cp = 2 x 1 = 2"),
     (["--tp", "1", "--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
