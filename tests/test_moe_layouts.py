@@ -1,7 +1,7 @@
 """Dropless MoE at every layout against one process: a top-2-of-8 fp32 model trains the same
 5-step trajectory, and every token goes to the same experts at every step and MoE layer, at
 ep x dp, tp x ep, pp x ep under zb-v and zb-h1, sequence parallelism x ep, cp x ep (ring and
-all2all) and with ZeRO 1 and 2; a run saved at one layout resumes at another on the same
+all2all) and with ZeRO 1, 2 and 3; a run saved at one layout resumes at another on the same
 trajectory.
 
 The choices are recorded by a test-only wrap of the MoE layer's `route`, keyed by global token
@@ -23,11 +23,14 @@ from meshtrain import ParallelMesh
 from meshtrain.config.run_config import build_config
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.layers.expert import MoE
+from meshtrain.parallel.layers.routing import scores_of
 from meshtrain.training.trainer import Trainer
 
 MODEL = {"num_layers": 4, "moe_experts": 8, "moe_top_k": 2, "moe_every": 2,
-         "moe_capacity_factor": 0.0, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001}
-"""The model settings of every run (the integrator adds settings of other branches here)."""
+         "moe_capacity_factor": 0.0, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001,
+         "moe_shared_ffn_size": 32, "moe_shared_gate": "sigmoid", "moe_bias_rate": 0.002}
+"""The model settings of every run: dropless top-2 of 8 experts beside a gated shared expert,
+balanced by the routing bias (updated after every step) as well as the loss."""
 TRAIN = {"steps": 5, "global_batch": 8, "micro_batch": 2, "seq_len": 16, "seed": 3,
          "clip_grad": 0.0, "eval_every": 0}
 STEPS = TRAIN["steps"]
@@ -64,13 +67,16 @@ class _Choices:
         self.route = expert_layer.route
         expert_layer.route = self._route
 
-    def _route(self, logits, **kwargs):
-        routing = self.route(logits, **kwargs)
+    def _route(self, logits, rule, **kwargs):
+        routing = self.route(logits, rule, **kwargs)
         n = self.calls[self.layer] = self.calls.get(self.layer, 0) + 1
         step, local = self.first_step + (n - 1) // self.m, (n - 1) % self.m
         micro_batch = self.mesh.dp.rank * self.m + local
         k = routing.experts.shape[1]
-        scores = logits.detach().float().softmax(-1).sort(dim=-1, descending=True).values
+        scores = scores_of(logits.detach().float(), rule.score)[0]
+        if kwargs.get("bias") is not None:
+            scores = scores + kwargs["bias"]  # what the choice ranks
+        scores = scores.sort(dim=-1, descending=True).values
         gaps = (scores[:, :k] - scores[:, 1:k + 1]).min(dim=-1).values
         per_sequence = len(self.positions)
         for t, (experts, gap) in enumerate(zip(routing.experts.tolist(), gaps.tolist(),
@@ -153,6 +159,7 @@ LAYOUTS = {  # name: (degrees, plan settings)
     "pp2xep2-zb-h1": ({"pp": 2, "dp": 2, "ep": 2}, {"pp_schedule": "zb-h1"}),
     "sp-tp2xep2-zero1": ({"tp": 2, "dp": 2, "ep": 2}, {"sequence_parallel": True, "zero": 1}),
     "cp2xdp2xep2-zero2": ({"cp": 2, "dp": 2, "ep": 2}, {"cp_mode": "ring", "zero": 2}),
+    "zero3-ep2xdp4": ({"dp": 4, "ep": 2}, {"zero": 3}),
 }
 DEFAULT = "cp2xep2"  # the default tier's layout: context parallelism's token split
 

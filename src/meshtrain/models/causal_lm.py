@@ -91,8 +91,8 @@ class CausalLM(nn.Module, ABC):
             experts = {e: self.build_mlp(generator(seed, 10_000 * (1 + index) + 1 + e),
                                          cfg.expert_ffn_size)
                        for e in range(first, first + per_rank)}
-            shared = self.build_mlp(gen, cfg.moe_shared_ffn_size) if cfg.moe_shared_ffn_size \
-                else None
+        shared = self.build_mlp(gen, cfg.moe_shared_ffn_size) if cfg.moe_shared_ffn_size \
+            else None
         gate = init_linear(cfg.hidden_size, 1, cfg.init_std, gen, bias=False) \
             if cfg.moe_shared_gate == "sigmoid" else None
         return MoE(router, experts, num_experts=cfg.moe_experts, rule=cfg.routing_rule(),

@@ -90,12 +90,10 @@ class MoE(nn.Module):
         self.gemm = gemm  # a `grouped_matmul.GEMMS` choice
 
     def forward(self, x: torch.Tensor, aux) -> torch.Tensor:
-        logits = self.router(x)  # the router and the shared gate see this rank's own tokens
-        gate = None if self.shared_expert_gate is None else self.shared_expert_gate(x)
-        if self.sequence_axis is not None:  # [b, s/tp, .] -> [b, s, .] (see the module doc)
+        shared = None if self.shared_expert is None else self._shared(x)
+        logits = self.router(x)  # on this rank's own tokens (see the module doc)
+        if self.sequence_axis is not None:  # [b, s/tp, .] -> [b, s, .]
             logits, x = (regions.gather_sequence_alike(t, self.sequence_axis) for t in (logits, x))
-            if gate is not None:
-                gate = regions.gather_sequence_alike(gate, self.sequence_axis)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
         routing = self._route(logits.reshape(b * s, -1), b)
@@ -122,11 +120,10 @@ class MoE(nn.Module):
             "kept": routing.kept.sum(), "assigned": routing.kept.numel(),
             "aux_loss": routing.aux_loss.detach(),
             "bias": None if bias is None else bias.detach().clone()})
-        if self.shared_expert is not None:
-            combined = combined + self._shared(tokens, gate)
+        out = combined.view(b, s, h)
         if self.sequence_axis is not None:
-            return regions.split_sequence(combined.view(b, s, h), self.sequence_axis)
-        return combined.view(b, s, h)
+            out = regions.split_sequence(out, self.sequence_axis)
+        return out if shared is None else out + shared
 
     def _route(self, logits: torch.Tensor, sequences: int):
         """This micro-batch's routing (`routing.route`) by the router's fp32 logits `[T, E]`,
@@ -135,11 +132,14 @@ class MoE(nn.Module):
                      fractions=self.router.load_fractions, token_axis=self.cp_axis,
                      sequences=sequences if self.seq_aux_loss_coef else 0)
 
-    def _shared(self, tokens: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """The shared expert's output `[T, h]`, scaled per token by sigmoid(`gate`) `[b, s, 1]`
-        where there is a gate."""
-        out = self.shared_expert(tokens)
-        return out if gate is None else out * torch.sigmoid(gate.reshape(-1, 1))
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output for the layer's input `x` as it comes (sequence-split
+        under sp: the shared expert is an MLP of the model, sequence-parallel like the dense
+        one), scaled per token by sigmoid(`shared_expert_gate`(x)) where there is a gate."""
+        out = self.shared_expert(x)
+        if self.shared_expert_gate is None:
+            return out
+        return out * torch.sigmoid(self.shared_expert_gate(x))
 
     def _dispatch(self, counts: torch.Tensor) -> _Dispatch:
         """The sizes of this layer's all-to-alls and expert batches from the kept choices per
