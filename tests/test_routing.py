@@ -1,6 +1,8 @@
 """Routing variants against hand-written references, the balancing state (global fractions,
 choice bias) across ranks and checkpoints, and the fp32 router of a 16-bit model."""
 
+import dataclasses
+
 import pytest
 import torch
 from harness import run_on_ranks, worker_mesh
@@ -187,6 +189,19 @@ def test_global_balancing_and_bias_equal_one_process(corpus, tmp_path):
     load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"), model=model,
                     mesh=ParallelMesh.local())
     assert _routers(model) == routers
+
+
+def test_a_recomputed_layer_is_counted_once(corpus, tmp_path):
+    """`recompute` full replays each MoE layer in the backward: its routing is counted at the
+    forward only, so the step's statistics equal a run without recomputation."""
+    rows = {}
+    for recompute in ("none", "full"):
+        cfg = _balanced_cfg(corpus, tmp_path / recompute)
+        cfg.plan = dataclasses.replace(cfg.plan, recompute=recompute)
+        trainer = Trainer.build(cfg, ParallelMesh.local())
+        rows[recompute] = trainer.train_step(0)
+    for key in ("moe_tokens_per_expert_mean", "moe_tokens_per_expert_max", "loss"):
+        assert float(rows["full"][key]) == float(rows["none"][key]), key
 
 
 @pytest.mark.extended

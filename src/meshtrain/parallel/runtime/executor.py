@@ -115,9 +115,9 @@ class LocalExecutor:
             sync.before_backward(i == m - 1)
             aux = AuxiliaryOutputs()
             cross_entropy = self.cross_entropy(batch, aux)
+            routing.add(aux.routing)  # before a recomputing backward appends its replays
             ((cross_entropy + aux.loss) / m * loss_scale).backward()
             loss_sum += cross_entropy.detach().to(self.loss_dtype) / m
-            routing.add(aux.routing)
         return StepResult(loss_sum, routing)
 
     def cross_entropy(self, batch: MicroBatch, aux: AuxiliaryOutputs | None = None
