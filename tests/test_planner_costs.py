@@ -283,6 +283,22 @@ def test_expert_parallel_layers_pay_their_all_to_alls():
     assert two.forward == one.forward  # the same work, only moved
 
 
+def test_moe_activations_follow_the_expert_and_shared_widths():
+    """A Llama MoE layer of top-4 narrow experts (width f/4) beside a shared expert of width f
+    saves SwiGLU's 4 x width bytes per row for 4 rows a token at f/4 and one at f, in place of
+    the dense MLP's one row at f: two dense MLPs' worth."""
+    llama = preset("llama-tiny")
+    f = llama.ffn_size
+    moe = dataclasses.replace(llama, moe_experts=8, moe_top_k=4, moe_ffn_size=f // 4,
+                              moe_shared_ffn_size=f, moe_shared_gate="none")
+    lay = ParallelPlan(dp=8, ep=2, micro_batch=2)
+    dense, sparse = (Workload(m, lay, 512, 16, "bf16").layer_activation_bytes()
+                     for m in (llama, moe))
+    tokens, e = 2 * 512, 2
+    expected = 2 * 4 * tokens * llama.hidden_size * e + 4 * tokens * e * (4 * f // 4 + f - f)
+    assert sparse - dense == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("top_k,every", [(1, 1), (2, 1), (1, 2)])
 def test_moe_layers_keep_their_expert_rows_and_outputs_for_backward(top_k, every):
     moe = dataclasses.replace(GPT, moe_experts=8, moe_top_k=top_k, moe_every=every)
@@ -290,7 +306,10 @@ def test_moe_layers_keep_their_expert_rows_and_outputs_for_backward(top_k, every
     dense, sparse = (Workload(m, lay, 1024, 16, "bf16").layer_activation_bytes()
                      for m in (GPT, moe))
     rows = 2 * 1024 * GPT.hidden_size * 2  # a micro-batch's tokens x h, bf16
-    assert sparse - dense == pytest.approx(2 * top_k * rows / every)
+    # k expert rows in and out, and k rows of GeLU's input and output at the expert width in
+    # place of the dense MLP's one
+    hidden = 2 * (2 * 1024) * GPT.ffn_size * 2
+    assert sparse - dense == pytest.approx((2 * top_k * rows + (top_k - 1) * hidden) / every)
     full = dataclasses.replace(lay, recompute="full")
     assert Workload(moe, full, 1024, 16, "bf16").layer_activation_bytes() == \
         Workload(GPT, full, 1024, 16, "bf16").layer_activation_bytes()

@@ -343,6 +343,13 @@ class TransformerConfig(ABC):
         """Bytes one transformer layer saves for backward (checked against measurement)."""
 
     @abstractmethod
+    def mlp_activation_bytes(self, tokens: float, width: int, *, tp: int,
+                             element_size: int) -> float:
+        """What one MLP of `width` saves for backward that grows with its width, for `tokens`
+        rows (a dense MLP's part of `activation_bytes`; the planner prices an MoE layer's
+        experts and shared expert by it)."""
+
+    @abstractmethod
     def pointwise_bytes(self, *, hidden: float, tp: int, element_size: int,
                         fused: bool) -> float:
         """Bytes per token one layer's memory-bound forward kernels read and write (norms,

@@ -107,6 +107,11 @@ class GPTConfig(TransformerConfig):
             sequence_parallel=sequence_parallel, recompute=recompute,
             element_size=element_size, mask_size=mask_size, dropout=dropout)
 
+    def mlp_activation_bytes(self, tokens: float, width: int, *, tp: int,
+                             element_size: int) -> float:
+        """The fc output (GeLU's input) and GeLU's output (the projection's input)."""
+        return 2 * tokens * width * element_size / tp
+
 
 def _gpt(layers: int, hidden: int, heads: int, **kw) -> GPTConfig:
     return GPTConfig(num_layers=layers, hidden_size=hidden, num_heads=heads, **kw)

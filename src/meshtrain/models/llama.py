@@ -176,6 +176,11 @@ class LlamaConfig(TransformerConfig):
                 + (a * s * s * b * mu / t if dropout else 0)
         return replicated / replicated_split + attention + 4 * s * b * self.ffn_size * e / t
 
+    def mlp_activation_bytes(self, tokens: float, width: int, *, tp: int,
+                             element_size: int) -> float:
+        """SwiGLU's gate-and-up output, silu(gate) and their product."""
+        return 4 * tokens * width * element_size / tp
+
 
 def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, **kw) -> LlamaConfig:
     return LlamaConfig(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,

@@ -185,11 +185,16 @@ class Workload:
         """What an MoE layer keeps beyond a dense MLP's, averaged over the layers: its experts'
         input rows (a gathered copy of the routed tokens, or what the all-to-all delivered)
         and their outputs until the combine's backward, k rows of h per token each, on every
-        TP rank (measured on CPU: `benchmarks/plan_memory_vs_measured.py`)."""
-        m, lay = self.model, self.layout
+        TP rank (measured on CPU: `benchmarks/plan_memory_vs_measured.py`); and the hidden
+        activations of k expert rows per token at the expert width plus the shared expert's,
+        in place of the dense MLP's."""
+        m, lay, e = self.model, self.layout, self.element_bytes
         if not m.moe_experts or recompute == "full":
             return 0.0
         share = m.num_moe_layers() / m.num_layers
         tokens = lay.micro_batch * self.seq_len // lay.cp
-        return share * 2 * m.moe_top_k * self.expert_load * tokens * m.hidden_size \
-            * self.element_bytes
+        rows = m.moe_top_k * self.expert_load * tokens
+        hidden = sum(m.mlp_activation_bytes(n, width, tp=lay.tp, element_size=e)
+                     for n, width in ((rows, m.expert_ffn_size),
+                                      (tokens, m.moe_shared_ffn_size), (-tokens, m.ffn_size)))
+        return share * (2 * rows * m.hidden_size * e + hidden)
