@@ -17,10 +17,9 @@ import torch.nn.functional as F
 GEMMS = ("auto", "loop", "padded", "grouped")
 """The `moe_gemm` choices."""
 
-# Measured (docs/benchmarks.md): on this CPU the batched and grouped matmuls are faster than
-# the loop but not bitwise it (their weight gradients sum in another order, biases join their
-# matmul otherwise), so auto keeps the loop: runs recorded before keep their numbers. Grouped
-# matmul is the kernel GPUs have.
+# Measured (docs/benchmarks.md): on this CPU the batched matmul is the fastest, but neither it
+# nor grouped matmul is bitwise the loop (the MoE golden runs' weights move), so auto keeps the
+# loop: runs recorded before keep their numbers. Grouped matmul is the kernel GPUs have.
 _AUTO = {"cpu": "loop", "cuda": "grouped"}
 _GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
                    "cuda": (torch.bfloat16,)}
