@@ -17,10 +17,9 @@ import torch.nn.functional as F
 GEMMS = ("auto", "loop", "padded", "grouped")
 """The `moe_gemm` choices."""
 
-# Measured (docs/benchmarks.md): on this CPU the batched matmul is the fastest, but neither it
-# nor grouped matmul is bitwise the loop (the MoE golden runs' weights move), so auto keeps the
-# loop: runs recorded before keep their numbers. Grouped matmul is the kernel GPUs have.
-_AUTO = {"cpu": "loop", "cuda": "grouped"}
+# Measured (docs/benchmarks.md): on a CPU the padded batched matmul is the fastest, ahead of
+# transformers' grouped_mm experts; grouped matmul is the kernel GPUs have.
+_AUTO = {"cpu": "padded", "cuda": "grouped"}
 _GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
                    "cuda": (torch.bfloat16,)}
 
