@@ -3,16 +3,22 @@ ring over cp / cp_a2a outside. The core against a dense masked reference (causal
 documents) at cp 4 = 2 x 2, the mesh's two sub-axes, the bytes each part sends against the
 formula, training against one process, the refusals, and the planner's price."""
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from harness import run_on_ranks, worker_mesh
 
+from meshtrain.cli.main import main
+from meshtrain.config.run_config import build_config
+from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel import CommRecorder
 from meshtrain.parallel.layers.attention import AttentionCore
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.layers.masks import AttentionMask
+from meshtrain.training.trainer import Trainer
 
 S, HEADS, KV_HEADS, D = 32, 4, 2, 8
 
@@ -52,12 +58,29 @@ def _hybrid_core(a2a: int, window, documents: bool):
     local = [t.detach()[:, :, mine].clone().requires_grad_() for t in full]
     core = AttentionCore(dropout=0.0, eager=False, cp_axis=mesh.cp, cp_mode="hybrid",
                          recompute=False, cp_split=(inner, outer))
-    out = core(*local, None, mask)
-    out.pow(2).sum().backward()
+    with CommRecorder() as sent:
+        out = core(*local, None, mask)
+        out.pow(2).sum().backward()
+    _assert_sent_bytes(sent, a2a, 4 // a2a, local[0])
     errors = [(out - reference[:, :, mine]).abs().max().item()]
     errors += [(t.grad - f.grad[:, :, mine]).abs().max().item()
                for t, f in zip(local, full, strict=True)]
     return max(errors)
+
+
+def _assert_sent_bytes(sent: CommRecorder, a2a: int, ring: int, q: torch.Tensor) -> None:
+    """Per rank, with P the bytes of this rank's queries (key/value heads repeated to as many):
+    8 all-to-alls over cp_a2a (q, k, v and the output, forward and backward), each sending
+    (a2a - 1) / a2a P; over cp_ring, ring - 1 key/value blocks of 2P forward, ring - 1 again
+    and ring gradient blocks backward (the last returning them home)."""
+    p = q.numel() * q.element_size()
+    exchanges = sent.select("all_to_all", "cp_a2a")
+    assert len(exchanges) == (8 if a2a > 1 else 0)
+    assert sent.ring_bytes("all_to_all", "cp_a2a") == 8 * (a2a - 1) / a2a * p * (a2a > 1)
+    sends = 3 * ring - 2 if ring > 1 else 0
+    assert sent.count("send", "cp_ring") == sends
+    assert sent.ring_bytes("send", "cp_ring") == sends * 2 * p
+    assert len(sent.records) == len(exchanges) + sends  # nothing else
 
 
 def test_hybrid_attention_follows_the_mask():
@@ -70,3 +93,89 @@ def test_hybrid_attention_follows_the_mask():
     (2, None, False), (2, 5, False), (2, None, True), (4, 5, True), (1, 5, True)])
 def test_hybrid_attention_follows_every_mask(a2a, window, documents):
     assert max(run_on_ranks(4, _hybrid_core, a2a, window, documents)) < 1e-12
+
+
+EOD = 256
+TRAIN = {"steps": 5, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "seed": 5,
+         "eval_every": 0, "warmup_steps": 1, "clip_grad": 0.0}
+PACKED = {"document_mask": True, "reset_positions": True, "eod_mask_loss": True}
+FEW_HEADS = {"model": "llama-tiny", "num_heads": 2, "num_kv_heads": 1}
+"""Two query heads, one key/value head: cp 4 exceeds the heads a rank holds."""
+
+
+@pytest.fixture(scope="module")
+def documents_file(tmp_path_factory) -> str:
+    """A token file of byte documents of 3-40 tokens, each ending with the id 256."""
+    text = b"the cat sat. a dog ran far away. birds sing"
+    g = np.random.default_rng(1)
+    tokens = []
+    while len(tokens) < 20_000:
+        start, length = g.integers(0, len(text) - 8), g.integers(3, 40)
+        tokens += list(text[start:start + length]) + [EOD]
+    path = tmp_path_factory.mktemp("docs") / "docs.bin"
+    np.asarray(tokens, dtype="<u2").tofile(path)
+    path.with_name("docs.bin.json").write_text(json.dumps(
+        {"dtype": "uint16", "vocab_size": EOD + 1, "eod_id": EOD, "tokenizer": "bytes"}))
+    return str(path)
+
+
+def _trajectory(data: str, model: dict, degrees: dict, parallel: dict, packed: bool):
+    """Loss and gradient norm of 5 fp32 steps."""
+    cfg = build_config({}, {"model": model, "train": TRAIN,
+                            "parallel": {"device": "cpu", **degrees, **parallel},
+                            "data": {"data": data} | (PACKED if packed else {}),
+                            "checkpoint": {"out": "/nonexistent"}})
+    mesh = worker_mesh(**degrees, cp_a2a=parallel.get("cp_a2a")) if degrees \
+        else ParallelMesh.local()
+    trainer = Trainer.build(cfg, mesh)
+    rows = [trainer.train_step(step) for step in range(TRAIN["steps"])]
+    return [(row["loss"], row["grad_norm"]) for row in rows]
+
+
+def _assert_same_run(data, model, degrees, parallel, packed=True):
+    reference = run_on_ranks(1, _trajectory, data, model, {}, {}, packed)[0]
+    ranks = math.prod(degrees.values())
+    rows = run_on_ranks(ranks, _trajectory, data, model, degrees, parallel, packed)[-1]
+    for step, (got, want) in enumerate(zip(rows, reference, strict=True)):
+        assert got == pytest.approx(want, rel=1e-5), (step, got, want)
+
+
+HYBRID = {"cp_mode": "hybrid", "cp_a2a": 2}
+
+
+def test_hybrid_trains_packed_documents_as_one_process(documents_file):
+    """cp 4 = 2 all-to-all x 2 ring with 2 query heads (cp past the heads), documents masked."""
+    _assert_same_run(documents_file, FEW_HEADS, {"cp": 4, "dp": 1}, HYBRID)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("model,degrees,packed", [
+    ({"model": "tiny"}, {"cp": 4, "dp": 1}, False),
+    ({"model": "mistral-tiny"}, {"cp": 4, "dp": 1}, True),  # a window of 16
+    ({"model": "tiny"}, {"tp": 2, "cp": 2, "dp": 1}, True),
+    ({"model": "tiny"}, {"pp": 2, "cp": 2, "dp": 1}, True),
+], ids=str)
+def test_hybrid_trains_as_one_process_at_every_layout(corpus, documents_file, model, degrees,
+                                                      packed):
+    _assert_same_run(documents_file if packed else corpus, model, degrees, HYBRID, packed)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--nproc", "4", "--cp", "4", "--cp-mode", "hybrid", "--cp-a2a", "3"],
+     "--cp-mode hybrid needs --cp-a2a dividing --cp 4, got 3"),
+    (["--nproc", "4", "--cp", "4", "--cp-mode", "hybrid"],
+     "--cp-mode hybrid needs --cp-a2a dividing --cp 4, got None"),
+    (["--nproc", "8", "--tp", "2", "--cp", "4", "--cp-mode", "hybrid", "--cp-a2a", "4"],
+     "--cp-a2a 4 must divide the heads per TP rank (2)"),
+    (["--cp-mode", "hybrid", "--cp-a2a", "2"], "--cp-mode hybrid splits the context-parallel"
+                                               " ranks: add --cp > 1"),
+    (["--nproc", "2", "--cp", "2", "--cp-a2a", "2"],
+     "--cp-a2a 2 sets --cp-mode hybrid's all-to-all group: add --cp-mode hybrid"),
+])
+def test_bad_hybrid_settings_are_one_line_before_any_rank_starts(capsys, corpus, tmp_path,
+                                                                 flags, needle):
+    argv = ["train", "--device", "cpu", "--data", corpus, "--out", str(tmp_path / "run"),
+            *(["--tp", "1"] if "--tp" not in flags else []), *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and needle in err, err
