@@ -3,6 +3,7 @@ ring over cp / cp_a2a outside. The core against a dense masked reference (causal
 documents) at cp 4 = 2 x 2, the mesh's two sub-axes, the bytes each part sends against the
 formula, training against one process, the refusals, and the planner's price."""
 
+import dataclasses
 import json
 import math
 
@@ -14,10 +15,16 @@ from harness import run_on_ranks, worker_mesh
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.mesh import ParallelMesh
+from meshtrain.models import preset
 from meshtrain.parallel import CommRecorder
 from meshtrain.parallel.layers.attention import AttentionCore
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.layers.masks import AttentionMask
+from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.planner.costs import chunk_costs
+from meshtrain.planner.hardware import Hardware
+from meshtrain.planner.search import search
+from meshtrain.planner.workload import Workload
 from meshtrain.training.trainer import Trainer
 
 S, HEADS, KV_HEADS, D = 32, 4, 2, 8
@@ -179,3 +186,33 @@ def test_bad_hybrid_settings_are_one_line_before_any_rank_starts(capsys, corpus,
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and needle in err, err
+
+
+LINKS = Hardware(name="links", peak_tflops=100.0, hbm_gib=80, gpus_per_node=8,
+                 intra_node_gbytes_per_s=400.0, inter_node_gbytes_per_s=25.0,
+                 network_efficiency=0.5, collective_latency_s=1e-5, overlap_efficiency=0.0)
+"""Two links 16x apart; nothing hidden behind compute, so each transfer shows whole."""
+LONG_GPT = dataclasses.replace(preset("gpt2"), num_layers=2, max_seq_len=16384)
+
+
+def test_the_planner_prices_hybrid_on_the_links_of_its_two_axes():
+    """cp 16 = 4 all-to-all (inside a node of 8) x 4 ring (across two nodes), per layer: 4
+    all-to-alls each way of a rank's queries Q over the node's link, 3 ring steps of 2Q
+    forward and 3 + 4 backward over the network's."""
+    plan = ParallelPlan(cp=16, dp=1, cp_mode="hybrid", cp_a2a=4, micro_batch=1)
+    chunk = chunk_costs(Workload(LONG_GPT, plan, 16384, 1, "bf16"), LINKS)[0]
+    q = 1 * 16384 // 16 * LONG_GPT.hidden_size * 2  # tokens x heads x head size, bf16
+    exchange = 3 * 1e-5 + 3 / 4 * q / (400e9 * 0.5)
+    step = 1e-5 + 2 * q / (25e9 * 0.5)
+    layers = LONG_GPT.num_layers
+    assert chunk.forward_comm == pytest.approx(layers * (4 * exchange + 3 * step))
+    assert chunk.backward_comm == pytest.approx(layers * (4 * exchange + 7 * step))
+
+
+def test_the_search_tries_each_all_to_all_group_inside_a_node():
+    result = search(LONG_GPT, LINKS, gpus=16, seq_len=16384, global_batch=1, precision="bf16",
+                    fixed={"tp": 1, "pp": 1, "cp": 16, "mb": 1, "zero": 0})
+    tried = {p.layout.cp_a2a for p in result.ranked}
+    assert tried == {None, 2, 4}  # 16 would leave the node, 8 does not divide the 12 heads
+    best = result.best().layout
+    assert (best.cp_mode, best.cp_a2a) == ("hybrid", 4)  # the least over the slow link
