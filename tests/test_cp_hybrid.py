@@ -103,10 +103,10 @@ def test_hybrid_attention_follows_every_mask(a2a, window, documents):
 
 
 EOD = 256
-TRAIN = {"steps": 5, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "seed": 5,
+TRAIN = {"steps": 5, "global_batch": 2, "micro_batch": 2, "seq_len": 32, "seed": 5,
          "eval_every": 0, "warmup_steps": 1, "clip_grad": 0.0}
 PACKED = {"document_mask": True, "reset_positions": True, "eod_mask_loss": True}
-FEW_HEADS = {"model": "llama-tiny", "num_heads": 2, "num_kv_heads": 1}
+FEW_HEADS = {"model": "llama-tiny", "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 """Two query heads, one key/value head: cp 4 exceeds the heads a rank holds."""
 
 
@@ -160,6 +160,7 @@ def test_hybrid_trains_packed_documents_as_one_process(documents_file):
     ({"model": "tiny"}, {"cp": 4, "dp": 1}, False),
     ({"model": "mistral-tiny"}, {"cp": 4, "dp": 1}, True),  # a window of 16
     ({"model": "tiny"}, {"tp": 2, "cp": 2, "dp": 1}, True),
+    ({"model": "tiny"}, {"tp": 2, "cp": 4, "dp": 1}, True),  # 2 heads a tp rank, cp 4
     ({"model": "tiny"}, {"pp": 2, "cp": 2, "dp": 1}, True),
 ], ids=str)
 def test_hybrid_trains_as_one_process_at_every_layout(corpus, documents_file, model, degrees,
