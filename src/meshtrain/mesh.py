@@ -120,13 +120,16 @@ class ParallelMesh:
     of each block: replicas of one shard); `tp_block(size)` for each size dividing tp; the
     grid axes of the tensor-parallel scheme `tp_scheme` (`tp_grid`: tp_row and tp_col for 2d,
     ...: `TPScheme.grid`), each the ranks of one TP block that differ only in that grid
-    coordinate. Build it with `init_parallel`.
+    coordinate; under hybrid context parallelism (`cp_a2a`) the cp axis's two sub-axes:
+    cp_a2a (cp_a2a consecutive cp ranks, innermost after tp: the all-to-all inside a node) and
+    cp_ring (the cp ranks at the same place of each cp_a2a block: the ring, possibly across
+    nodes), cp rank = cp_ring rank x cp_a2a + cp_a2a rank. Build it with `init_parallel`.
     """
 
     def __init__(self, degrees: dict[str, int], *, rank: int, device: torch.device,
                  tp_scheme: str = "1d", tp_grid: dict[str, int] | None = None,
                  device_mesh=None, reused: dict[str, dist.ProcessGroup] | None = None,
-                 dp_shard: int | None = None):
+                 dp_shard: int | None = None, cp_a2a: int | None = None):
         self.degrees = dict(degrees)
         # A torch DeviceMesh laid out as these axes (given, or built on first use), and the
         # groups of its dims that serve as axes here (`parallel/runtime/device_mesh.py`).
@@ -148,6 +151,11 @@ class ParallelMesh:
         self._add_axis("ep", [g[i : i + ep] for g in dp_cp_groups for i in range(0, len(g), ep)])
         self._add_axis("edp", [g[i::ep] for g in dp_cp_groups for i in range(ep)])
         self._add_zero_axes(dp_cp_groups, dp_shard)
+        if cp_a2a is not None:
+            cp_groups = _axis_groups(degrees, ("cp",))
+            self._add_axis("cp_a2a", [g[i:i + cp_a2a] for g in cp_groups
+                                      for i in range(0, len(g), cp_a2a)])
+            self._add_axis("cp_ring", [g[i::cp_a2a] for g in cp_groups for i in range(cp_a2a)])
         # First and last pipeline stage: both hold the tied word embedding.
         pp_groups = _axis_groups(degrees, ("pp",))
         self._add_axis("embed", [[g[0], g[-1]] for g in pp_groups if len(g) > 1]

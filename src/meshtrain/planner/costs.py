@@ -200,16 +200,38 @@ def _attention_core(work: Workload, hw: Hardware, flops: float) -> tuple[float, 
 
 def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[float, float]:
     """Ring attention (the layouts' context-parallel mode): cp - 1 K/V blocks pass each way
-    behind the attention blocks; backward sends their gradients too, and returns them home."""
+    behind the attention blocks; backward sends their gradients too, and returns them home.
+    `cp_mode` hybrid: `_hybrid_comm`."""
     lay, m = work.layout, work.model
     c, span = lay.cp, lay.tp * lay.cp
     if c == 1:
         return 0.0, 0.0
+    if lay.cp_mode == "hybrid":
+        return _hybrid_comm(work, hw, core)
     kv_width = max(m.kv_heads // lay.tp, 1) * m.head_dim
     block = 2 * work.local_tokens * kv_width * work.element_bytes
     step = coll.send(hw, block, span)
     forward = (c - 1) * coll.behind(hw, step, core / c)
     return forward, (c - 1) * coll.behind(hw, 2 * step, 2 * core / c) + step
+
+
+def _hybrid_comm(work: Workload, hw: Hardware, core: float) -> tuple[float, float]:
+    """Hybrid context parallelism, each part on the links its axis crosses: 4 all-to-alls of
+    a rank's queries' size each way (q, k, v and the output; k and v repeated to the query
+    heads first) over cp_a2a ranks inside tp x cp_a2a consecutive ones, exposed (attention
+    waits on them); then the ring over cp / cp_a2a ranks spread over tp x cp, its blocks
+    (cp_a2a x the tokens, 1/cp_a2a of the heads: twice the queries' bytes) behind the core's
+    steps as the ring's are."""
+    lay, m = work.layout, work.model
+    a, r = lay.cp_a2a, lay.cp // lay.cp_a2a
+    queries = work.local_tokens * (m.num_heads // lay.tp) * m.head_dim * work.element_bytes
+    exchanges = 4 * coll.all_to_all(hw, queries, a, lay.tp * a)
+    if r == 1:
+        return exchanges, exchanges
+    step = coll.send(hw, 2 * queries, lay.tp * lay.cp)
+    forward = (r - 1) * coll.behind(hw, step, core / r)
+    backward = (r - 1) * coll.behind(hw, 2 * step, 2 * core / r) + step
+    return exchanges + forward, exchanges + backward
 
 
 def _expert_comm(work: Workload, hw: Hardware, index: int) -> tuple[float, float]:

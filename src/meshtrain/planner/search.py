@@ -10,9 +10,11 @@ run (1d tensor parallelism; zb-v: 2 x pp layers at least); gpipe only when fixed
 1F1B's work holding every micro-batch's activations, and the simulator never finds it faster),
 2bw only when fixed (its delayed update changes what is trained), eager-1f1b only when fixed
 (it holds more activations to hide transfer latency, which the cost model does not credit);
-sp with tp > 1; ZeRO 0-3; recompute none, selective, full; the tensor-parallel schemes tp forms
-a grid for (`scheme_space.py`: 1d, 2d, 2.5d at each depth, 3d; a grid's micro-batches split
-evenly over its batch split, up to MAX_MICRO_BATCH sequences per rank), each scheme its own
+sp with tp > 1; ZeRO 0-3; recompute none, selective, full; at cp > 1 the ring and hybrid
+context parallelism at each `cp_a2a` inside a node (`fit_context`); the tensor-parallel
+schemes tp forms a grid for (`scheme_space.py`: 1d, 2d, 2.5d at each depth, 3d; a grid's
+micro-batches split evenly over its batch split, up to MAX_MICRO_BATCH sequences per rank),
+each scheme its own
 degree combination. `ParallelPlan.validate` rejects what meshtrain cannot run, with its reason.
 
 Pruned so thousands of devices take seconds (a prediction takes milliseconds, a deep pipeline's
@@ -430,7 +432,8 @@ class _Search:
                     break  # recompute does not change validity
                 fitting = self.fit_experts(layout, choices["ep"])
                 if fitting is not None:
-                    found += [fitting, *self.fit_hybrid(fitting.layout)]
+                    found += [fitting, *self.fit_hybrid(fitting.layout),
+                              *self.fit_context(fitting.layout)]
                     fit_at[zero] = i
                     break
             start[zero] = fit_at.get(zero, max(limit, start.get(zero, 0)))
@@ -453,6 +456,18 @@ class _Search:
                 break
             found.append(self.seen[trial])
         return found
+
+    def fit_context(self, layout: ParallelPlan) -> list[Prediction]:
+        """Hybrid context parallelism of a fitting layout: each `cp_a2a` strictly between 1
+        and cp that divides it and keeps the all-to-all inside a node (tp x cp_a2a ranks at
+        most a node's GPUs; validation refuses one not dividing the heads per tp rank). Not
+        searched when `cp_mode` or `cp_a2a` is fixed."""
+        if layout.cp == 1 or {"cp_mode", "cp_a2a"} & self.base.keys():
+            return []
+        node = self.hardware.gpus_per_node // layout.tp
+        trials = [replace(layout, cp_mode="hybrid", cp_a2a=a) for a in _divisors(layout.cp)
+                  if 1 < a < layout.cp and a <= node]
+        return [self.seen[t] for t in trials if self.runnable(t) and self.fits(t)]
 
     def fit_experts(self, layout: ParallelPlan, eps: list[int]) -> Prediction | None:
         """The smallest expert-parallel degree (from the fewest all-to-all peers) that fits."""

@@ -134,13 +134,14 @@ class Workload:
     def _keys_per_query(self, ring: bool) -> float:
         """Keys each query's scores are computed for: half the sequence for a causal fused
         kernel, the whole of it for the ring's whole blocks; under a sliding window the keys
-        it leaves (the ring skips blocks wholly outside it), averaged over the layers with and
-        without it."""
+        it leaves (the ring skips blocks wholly outside it: blocks of s / cp tokens, or of
+        s / (cp / cp_a2a) under hybrid), averaged over the layers with and without it."""
         m, s = self.model, self.seq_len
         full = s * (1.0 if ring else CAUSAL_FRACTION)
         if m.sliding_window is None or m.sliding_window >= s:
             return full
-        windowed = min(s, m.sliding_window + s / self.layout.cp) if ring else \
+        ring_ranks = self.layout.cp // (self.layout.cp_a2a or 1)
+        windowed = min(s, m.sliding_window + s / ring_ranks) if ring else \
             window_keys(m.sliding_window, s)
         return m.windowed_fraction * windowed + (1 - m.windowed_fraction) * full
 

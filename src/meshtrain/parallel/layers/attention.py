@@ -2,7 +2,8 @@
 `AttentionMask` (causal; a sliding window; documents of packed sequences).
 
 It runs one of: torch's SDPA, an explicit eager path (whose saved tensors match the
-activation-memory formulas), ring attention or Ulysses all-to-all over the context-parallel axis.
+activation-memory formulas), ring attention, Ulysses all-to-all or both (hybrid: all-to-all
+inside, ring outside) over the context-parallel axis.
 A mask other than plain causal is a dense bool tensor on the CPU and, on a GPU, a flex_attention
 block mask (`layers/flex.py`; also under Ulysses, whose gathered sequences take the local core),
 except with dropout, the eager path and the ring's blocks, which stay dense there too.
@@ -25,7 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.mesh import MeshAxis
-from meshtrain.parallel.layers.context_parallel import ring_attention, ulysses_attention
+from meshtrain.parallel.layers.context_parallel import (
+    hybrid_attention,
+    ring_attention,
+    ulysses_attention,
+)
 from meshtrain.parallel.layers.eager import eager_under_compile
 from meshtrain.parallel.layers.flex import flex_attention_masked
 from meshtrain.parallel.layers.masks import CAUSAL, AttentionMask
@@ -34,8 +39,9 @@ from meshtrain.parallel.layers.rng import TENSOR_PARALLEL, RNGTracker
 
 ATTENTION_KERNELS = ("sdpa", "eager")
 """The `attention` choices: torch's fused kernel, or explicit softmax(QK^T)V."""
-CP_MODES = ("ring", "all2all")
-"""The `cp_mode` choices: K/V blocks around a ring, or Ulysses' all-to-all over heads."""
+CP_MODES = ("ring", "all2all", "hybrid")
+"""The `cp_mode` choices: K/V blocks around a ring, Ulysses' all-to-all over heads, or the
+all-to-all over `cp_a2a` ranks inside and the ring outside."""
 
 
 def eager_attention(q, k, v, p: float, mask: AttentionMask = CAUSAL,
@@ -61,13 +67,14 @@ def _query_key_positions(q, k, k_start: int) -> tuple[torch.Tensor, torch.Tensor
 class AttentionCore(nn.Module):
     """`core(q, k, v, rng, mask)`: q `[b, a, s, d]`, k and v `[b, kv, t, d]` (kv divides a) for
     this rank's heads and tokens -> `[b, a, s, d]`; t = s, or t > s with a key/value cache
-    (whose tokens come first, from sequence index `k_start`). No parameters."""
+    (whose tokens come first, from sequence index `k_start`). No parameters. `cp_split`:
+    under `cp_mode` hybrid, the cp axis's (cp_a2a, cp_ring) sub-axes."""
 
     def __init__(self, *, dropout: float, eager: bool, cp_axis: MeshAxis, cp_mode: str,
-                 recompute: bool):
+                 recompute: bool, cp_split: tuple[MeshAxis, MeshAxis] | None = None):
         super().__init__()
         self.dropout, self.eager = dropout, eager
-        self.cp_axis, self.cp_mode = cp_axis, cp_mode
+        self.cp_axis, self.cp_mode, self.cp_split = cp_axis, cp_mode, cp_split
         self.recompute = recompute
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rng: RNGTracker,
@@ -94,6 +101,8 @@ class AttentionCore(nn.Module):
             seq_len = q.shape[-2] * self.cp_axis.size
             if self.cp_mode == "ring":
                 return ring_attention(q, k, v, self.cp_axis, seq_len, mask)
+            if self.cp_mode == "hybrid":
+                return hybrid_attention(q, k, v, *self.cp_split, seq_len, mask)
             return ulysses_attention(q, k, v, self.cp_axis, seq_len,
                                      lambda q, k, v: self._local(q, k, v, mask))
         return self._local(q, k, v, mask, p, k_start)

@@ -10,6 +10,8 @@ Two attention schemes over the cp axis:
   Written by hand because no public SDPA returns the log-sum-exp.
 - all2all (Ulysses): an all-to-all turns "my tokens, all my heads" into "all tokens, 1/cp of my
   heads", attention runs on whole sequences, and the reverse all-to-all turns it back.
+- hybrid (Megatron-Core's a2a+p2p): all-to-all over cp_a2a ranks inside (a node), then the ring
+  over the cp / cp_a2a groups outside: the all-to-all's head limit applies to cp_a2a only.
 """
 
 from __future__ import annotations
@@ -177,13 +179,42 @@ def _sequence_to_heads(x: torch.Tensor, axis: MeshAxis) -> torch.Tensor:
     return received.transpose(0, 1).reshape(b, axis.size * a_part, n, d)
 
 
+def _exchanged(q, k, v, axis: MeshAxis, gathered: torch.Tensor, held: torch.Tensor,
+               attend: Callable) -> torch.Tensor:
+    """`attend` between the two all-to-alls over `axis`: the gathered tokens (sequence
+    positions `gathered`, in the order the ranks send them) are put in the order `held` (the
+    same positions) for `attend`, and its output back in the gathered order."""
+    slot = torch.empty(int(gathered.max()) + 1, dtype=torch.long)
+    slot[gathered] = torch.arange(len(gathered))
+    to_held = slot[held].to(q.device)
+    slot[held] = torch.arange(len(held))
+    to_gathered = slot[gathered].to(q.device)
+    q, k, v = (_heads_to_sequence(t, axis)[:, :, to_held] for t in (q, k, v))
+    return _sequence_to_heads(attend(q, k, v)[:, :, to_gathered], axis)
+
+
+def _gathered_positions(seq_len: int, cp: int, ranks: range) -> torch.Tensor:
+    """The sequence positions of cp ranks `ranks`' tokens, in rank order."""
+    return torch.cat([context_parallel_positions(seq_len, cp, r) for r in ranks])
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,
                       seq_len: int, attend: Callable) -> torch.Tensor:
     """Attention by all-to-all: `attend(q, k, v)` (masked as it knows) sees whole sequences in
     position order for 1/cp of this rank's heads."""
-    order = torch.cat([context_parallel_positions(seq_len, axis.size, r)
-                       for r in range(axis.size)]).to(q.device)  # gathered -> position
-    to_natural = torch.argsort(order)
-    q, k, v = (_heads_to_sequence(t, axis)[:, :, to_natural] for t in (q, k, v))
-    out = attend(q, k, v)[:, :, order]
-    return _sequence_to_heads(out, axis)
+    gathered = _gathered_positions(seq_len, axis.size, range(axis.size))
+    return _exchanged(q, k, v, axis, gathered, torch.arange(seq_len), attend)
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inner: MeshAxis,
+                     outer: MeshAxis, seq_len: int, mask: AttentionMask) -> torch.Tensor:
+    """All-to-all over `inner` (cp_a2a), then the ring over `outer` (cp_ring): cp rank
+    outer.rank x inner.size + inner.rank. The first chunks of an inner group's ranks are
+    consecutive, and so are their second chunks, so what the group gathers is in position order
+    the head-tail share of ring rank outer.rank at cp = outer.size: the ring runs on it as on
+    its own ranks, for 1/inner.size of this rank's heads."""
+    cp, first = inner.size * outer.size, outer.rank * inner.size
+    gathered = _gathered_positions(seq_len, cp, range(first, first + inner.size))
+    held = context_parallel_positions(seq_len, outer.size, outer.rank)
+    return _exchanged(q, k, v, inner, gathered, held,
+                      lambda q, k, v: ring_attention(q, k, v, outer, seq_len, mask))

@@ -63,6 +63,12 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("cp", "cp", lambda p, m: p.cp > 1, {"cp": 2}, scheme_refusal=_GRID_SPLIT),
     Feature("cp_all2all", "cp_mode", lambda p, m: p.cp > 1 and p.cp_mode == "all2all",
             {"cp": 2, "cp_mode": "all2all"}, scheme_refusal=_GRID_SPLIT),
+    Feature("cp_hybrid", "cp_mode", lambda p, m: p.cp_mode == "hybrid",
+            {"cp": 4, "cp_mode": "hybrid", "cp_a2a": 2, "micro_batch": 2},
+            scheme_refusal=_GRID_SPLIT),
+    Feature("cp_a2a", "cp_a2a", lambda p, m: p.cp_a2a is not None,
+            {"cp": 4, "cp_mode": "hybrid", "cp_a2a": 2, "micro_batch": 2},
+            scheme_refusal=_GRID_SPLIT),
     Feature("ep", "ep", lambda p, m: p.ep > 1,
             {"dp": 2, "ep": 2, "moe_experts": 4, "moe_capacity_factor": 0.0},
             scheme_refusal=_GRID_SPLIT),
@@ -153,6 +159,12 @@ RULES: tuple[Rule, ...] = (
     _needs("sequence_parallel", "tp", Code.SP_WITHOUT_TP, (
         "`sequence_parallel` needs `tp` > 1 (it splits the sequence over the tensor-parallel"
         " ranks)")),
+    _needs("cp_hybrid", "cp", Code.CP_HYBRID_WITHOUT_CP, (
+        "`cp_mode` hybrid splits the context-parallel ranks: add `cp` > 1 (a multiple of"
+        " `cp_a2a`) or use `cp_mode` ring")),
+    _needs("cp_a2a", "cp_hybrid", Code.CP_A2A_WITHOUT_HYBRID, (
+        "`cp_a2a` {plan.cp_a2a} sets `cp_mode` hybrid's all-to-all group: add `cp_mode`"
+        " hybrid or drop `cp_a2a`")),
     _excludes("cp", "dropout", Code.CP_DROPOUT,
               "attention dropout with `cp` > 1 is not supported: use `dropout` 0"),
     _excludes("moe_seq_aux", "sequence_parallel", Code.MOE_SEQ_AUX_SPLIT, _SEQ_AUX_SPLIT),

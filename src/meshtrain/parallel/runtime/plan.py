@@ -106,9 +106,13 @@ class ParallelPlan:
                              spec="scheme", searched=True, choices=tuple(SCHEMES))
     tp_depth: int | None = _layout(None, "2.5d's depth d (tp = q^2 d; default: the largest d"
                                          " leaving q >= 2)", spec="depth", searched=True)
-    cp_mode: str = _layout("ring", "context-parallel attention: ring (K/V around a ring) or"
-                                   " all2all (Ulysses: heads/tp divisible by cp)",
-                           choices=CP_MODES)
+    cp_mode: str = _layout("ring", "context-parallel attention: ring (K/V around a ring),"
+                                   " all2all (Ulysses: heads/tp divisible by cp) or hybrid"
+                                   " (all-to-all over cp_a2a ranks inside, ring over cp /"
+                                   " cp_a2a outside)", choices=CP_MODES)
+    cp_a2a: int | None = _layout(None, "cp_mode hybrid's all-to-all group: this many"
+                                       " consecutive cp ranks, innermost after tp (a node's"
+                                       " links); divides cp and the heads per tp rank")
     pp_layers: tuple[int, ...] | None = _layout(
         None, "layers per pipeline stage, comma-separated (e.g. 3,5); with virtual stages one"
               " count per model chunk (pp x v of them; 2 x pp under zb-v); default: an even split")
@@ -305,6 +309,21 @@ class ParallelPlan:
             raise SettingError(Code.ALL2ALL_HEADS, (
                 f"`cp_mode` all2all needs heads per TP rank ({model.num_heads // tp})"
                 f" divisible by `cp` {cp}: use `cp_mode` ring or another `cp`"))
+        if self.cp_mode == "hybrid":
+            self._validate_cp_a2a(model.num_heads // tp)
+
+    def _validate_cp_a2a(self, heads: int) -> None:
+        """Hybrid's all-to-all group: given, a divisor of cp, and of the query heads one
+        tensor-parallel rank holds (each of its ranks takes 1/cp_a2a of them)."""
+        a2a = self.cp_a2a
+        if a2a is None or a2a < 1 or self.cp % a2a:
+            raise SettingError(Code.CP_A2A, (
+                f"`cp_mode` hybrid needs `cp_a2a` dividing `cp` {self.cp}, got {a2a}: choose a"
+                " divisor (the ranks of the all-to-all, usually inside a node)"))
+        if heads % a2a:
+            raise SettingError(Code.CP_A2A_HEADS, (
+                f"`cp_a2a` {a2a} must divide the heads per TP rank ({heads}): choose a"
+                " divisor (the ring part has no head limit)"))
 
     def _validate_fp8(self, seq_len: int) -> None:
         """The tokens float8 matmuls run over (the device is checked where it is known:

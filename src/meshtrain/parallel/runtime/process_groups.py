@@ -71,13 +71,15 @@ def init_parallel(
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     device_mesh: DeviceMesh | None = None,
     dp_shard: int | None = None,
+    cp_a2a: int | None = None,
 ) -> ParallelMesh:
     """Create (if needed) the default process group from torchrun's environment and the mesh.
 
     Without torchrun's environment this becomes a one-rank world. The backend follows the device
     (`device`: auto, cpu or cuda): NCCL on CUDA, gloo on CPU. Degrees left out are 1 (dp: the
     rest of the world). `dp_shard`: hybrid sharding's group of data-parallel ranks (a divisor
-    of dp; default all of them).
+    of dp; default all of them). `cp_a2a`: hybrid context parallelism's all-to-all group
+    (a divisor of cp; the mesh gains its cp_a2a and cp_ring sub-axes).
 
     `device_mesh`: a torch DeviceMesh with named dims (pp, dp_replicate, dp_shard or dp, cp,
     tp, in that order, row-major over the world) gives the degrees and its groups for pp, dp,
@@ -119,7 +121,8 @@ def init_parallel(
                            f" but `device` is {device.type}: use the mesh's device")
     reused = reused_groups(device_mesh) if device_mesh is not None else None
     return ParallelMesh(degrees, rank=dist.get_rank(), device=device, tp_scheme=tp_scheme,
-                        tp_grid=grid, device_mesh=device_mesh, reused=reused, dp_shard=dp_shard)
+                        tp_grid=grid, device_mesh=device_mesh, reused=reused, dp_shard=dp_shard,
+                        cp_a2a=cp_a2a)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:

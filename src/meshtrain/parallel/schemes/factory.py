@@ -73,8 +73,11 @@ class LayerFactory(ABC):
     def attention_core(self, *, dropout: float, eager: bool) -> nn.Module:
         """softmax(q k^T / sqrt(d)) v, causal, over this rank's heads: `core(q, k, v, rng)`
         with q `[b, heads, s, d]` and k, v `[b, kv heads, s, d]` (context-parallel over cp)."""
+        split = (self.mesh.axis("cp_a2a"), self.mesh.axis("cp_ring")) \
+            if self.cp_mode == "hybrid" else None
         return AttentionCore(dropout=dropout, eager=eager, cp_axis=self.mesh.cp,
-                             cp_mode=self.cp_mode, recompute=self.recompute == "selective")
+                             cp_mode=self.cp_mode, recompute=self.recompute == "selective",
+                             cp_split=split)
 
     def recompute_layer(self, index: int) -> bool:
         """Whether transformer layer `index` is recomputed in backward."""
