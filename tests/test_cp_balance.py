@@ -13,7 +13,8 @@ import pytest
 import torch
 from harness import run_on_ranks, worker_mesh
 
-from meshtrain.config.run_config import build_config
+from meshtrain.config.run_config import build_config, validate
+from meshtrain.errors import Code, SettingError
 from meshtrain.parallel.layers.attention import AttentionCore
 from meshtrain.parallel.layers.context_parallel import ring_sub_blocks
 from meshtrain.parallel.layers.cp_balance import (
@@ -100,6 +101,14 @@ def _balanced_attention(cp_mode: str, window) -> float:
     pytest.param("all2all", None, marks=pytest.mark.extended)])
 def test_attention_over_a_balanced_layout_is_the_dense_one(cp_mode, window):
     assert max(run_on_ranks(2, _balanced_attention, cp_mode, window)) < 1e-12
+
+
+def test_an_unknown_cp_balance_is_refused_in_one_line():
+    cfg = build_config({}, {"data": {"cp_balance": "zigzag"}})
+    with pytest.raises(SettingError, match="`cp_balance` must be one of work, head-tail, got"
+                                           " zigzag") as error:
+        validate(cfg, 1)
+    assert error.value.code is Code.CHOICE
 
 
 def _token_file(directory, kind: str) -> str:
