@@ -8,8 +8,10 @@ over the windows: the visible query-key pairs (what the mask allows), the score 
 computes (its sub-blocks, `rank_work`, which the tests hold equal to `ring_sub_blocks`' count)
 and its own attention forward + backward time; then the slowest rank's step time, the max/min of
 the computed elements and the fraction of them that is masked inside the computed sub-blocks.
-The two layouts alternate (A B A B ...) on the same ranks; medians of the rounds. The ranks are
-a RankPool of tests/harness.py, one thread each.
+The two layouts alternate (A B A B ...) on the same ranks; medians of the rounds. Then whole
+training steps (llama-tiny, 2 layers, one sequence a step, `--document-mask`) of two trainers on
+the long-tailed documents, one per `cp_balance`, alternating. The ranks are a RankPool of
+tests/harness.py, one thread each.
 
     python benchmarks/bench_cp_balance.py                 # s 4096, cp 2 and 4
     python benchmarks/bench_cp_balance.py --quick         # s 1024, 1 round: a smoke run
@@ -18,6 +20,7 @@ a RankPool of tests/harness.py, one thread each.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -29,10 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshtrain.config.run_config import build_config
 from meshtrain.data.prepare import prepare
 from meshtrain.parallel.layers.context_parallel import ring_attention
 from meshtrain.parallel.layers.cp_balance import head_tail, rank_work, work_balanced
 from meshtrain.parallel.layers.masks import AttentionMask, document_ids
+from meshtrain.training.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from harness import RankPool, worker_mesh  # noqa: E402  (the one rank-spawning harness)
@@ -114,6 +119,43 @@ def _per_rank(values) -> str:
     return ", ".join(f"{v:,}" for v in values)
 
 
+def long_tailed_file(folder: Path, count: int) -> str:
+    """The long-tailed documents as a byte-token file (end-of-document 256) for training."""
+    tokens, eod = long_tailed_tokens(count)
+    ids = np.where(tokens == eod, 256, np.arange(len(tokens)) % 200).astype("<u2")
+    path = folder / "long_tailed.bin"
+    ids.tofile(path)
+    path.with_name("long_tailed.bin.json").write_text(json.dumps(
+        {"dtype": "uint16", "vocab_size": 257, "eod_id": 256, "tokenizer": "bytes"}))
+    return str(path)
+
+
+def _train_times(data: str, seq_len: int, cp: int, rounds: int) -> dict[str, list[float]]:
+    """Per `cp_balance`: the step times of its trainer, the two alternating."""
+    mesh = worker_mesh(cp=cp)
+    trainers = {}
+    for balance in ("head-tail", "work"):
+        cfg = build_config({}, {"model": {"model": "llama-tiny", "num_layers": 2},
+                                "train": {"steps": rounds + 1, "global_batch": 1,
+                                          "micro_batch": 1, "seq_len": seq_len,
+                                          "eval_every": 0, "warmup_steps": 1},
+                                "parallel": {"device": "cpu", "cp": cp},
+                                "data": {"data": data, "document_mask": True,
+                                         "cp_balance": balance},
+                                "checkpoint": {"out": "/nonexistent"}})
+        cfg.plan = dataclasses.replace(cfg.plan, cp=cp)
+        trainers[balance] = Trainer.build(cfg, mesh)
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for step in range(rounds + 1):  # the first step warms up
+        for name, trainer in trainers.items():
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            trainer.train_step(step)
+            torch.distributed.barrier()
+            times[name].append(time.perf_counter() - start)
+    return {name: values[1:] for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -126,9 +168,17 @@ def main() -> None:
           f" heads x {HEAD_DIM}, median of {rounds} alternating rounds")
     sources = {"stdlib": windows(*stdlib_tokens(), seq_len),
                "long-tailed": windows(*long_tailed_tokens(SEQUENCES * seq_len * 4), seq_len)}
-    for cp in (int(c) for c in args.cp.split(",")):
+    cps = [int(c) for c in args.cp.split(",")]
+    for cp in cps:
         for source, docs in sources.items():
             report(source, docs, cp, seq_len, rounds)
+    with tempfile.TemporaryDirectory() as folder:
+        data = long_tailed_file(Path(folder), 64 * seq_len)
+        for cp in cps:
+            with RankPool(cp) as pool:
+                times = pool.run(_train_times, data, seq_len, cp, rounds, timeout=3600.0)[0]
+            print(f"long-tailed, cp {cp}, training step: " + ", ".join(
+                f"{name} {statistics.median(t) * 1e3:.0f} ms" for name, t in times.items()))
 
 
 if __name__ == "__main__":
