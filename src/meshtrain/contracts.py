@@ -63,11 +63,13 @@ class AuxiliaryOutputs:
 class MicroBatch(NamedTuple):
     """One micro-batch as this rank runs it: token ids and targets (this rank's share of each
     sequence), the positions the model embeds (`[s]`, or `[b, s]` restarting at each document),
-    the document index of every token of the whole sequences (`[b, S]`; None: no document mask)
-    and the count the summed loss is divided by (None: this rank's non-ignored targets)."""
+    the document index of every token of the whole sequences (`[b, S]`; None: no document mask),
+    the count the summed loss is divided by (None: this rank's non-ignored targets) and which
+    tokens each context-parallel rank holds when not head-tail (a `TokenLayout`)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor
     documents: torch.Tensor | None = None
     loss_tokens: torch.Tensor | None = None
+    layout: object | None = None  # parallel/layers/cp_balance.TokenLayout (a lower layer here)

@@ -39,6 +39,7 @@ from meshtrain.data.corpus import BYTE_VOCAB_SIZE, check_seed
 from meshtrain.errors import Code, SettingError
 from meshtrain.interop.checkpoint_formats import saved_model
 from meshtrain.models import TransformerConfig, preset
+from meshtrain.parallel.layers.cp_balance import CP_BALANCES
 from meshtrain.parallel.layers.fp8 import check_fp8_device
 from meshtrain.parallel.runtime.optim import OptimizerSettings
 from meshtrain.parallel.runtime.plan import ParallelPlan, parse_setting
@@ -415,6 +416,9 @@ def _validate_data(d: DataSettings) -> None:
                                             " W2 FILE2 ...) and drop `data`")
     if d.data_path is not None:
         parse_data_path(d.data_path)
+    if d.cp_balance not in CP_BALANCES:
+        raise SettingError(Code.CHOICE, f"`cp_balance` must be one of {', '.join(CP_BALANCES)},"
+                                        f" got {d.cp_balance}")
 
 
 def _validate_packing(cfg: RunConfig, plan: ParallelPlan) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshtrain.models import PRESETS, TransformerConfig
+from meshtrain.parallel.layers.cp_balance import CP_BALANCES
 from meshtrain.parallel.runtime.process_groups import DEVICE_KINDS
 
 
@@ -125,6 +126,11 @@ class DataSettings:
                                       " --document-mask; GPT's learned positions need it to see"
                                       " each document as it would alone)")
     eod_mask_loss: bool = _f(False, "no loss on predicting the end-of-document token")
+    cp_balance: str = _f("work", "with --document-mask and cp > 1, which tokens each"
+                                 " context-parallel rank holds: work (each micro-batch's chunks"
+                                 " assigned by the attention its documents give them, so every"
+                                 " rank computes the same) or head-tail (the fixed split, which"
+                                 " balances only one long document)", choices=CP_BALANCES)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from meshtrain.errors import Code, SettingError
 from meshtrain.models.blocks import generator, init_linear
 from meshtrain.models.family import TransformerConfig
 from meshtrain.models.kv_cache import KVCache
+from meshtrain.parallel.layers.cp_balance import TokenLayout
 from meshtrain.parallel.layers.expert import MoE
 from meshtrain.parallel.layers.loss import IGNORE_INDEX
 from meshtrain.parallel.layers.masks import AttentionMask
@@ -109,7 +110,8 @@ class CausalLM(nn.Module, ABC):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, *,
                 chunk: int | None = None, aux: AuxiliaryOutputs | None = None,
                 cache: KVCache | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None,
+                layout: TokenLayout | None = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states -> hidden states or local logits (last).
 
         `positions`: the sequence positions of the tokens in `x` (context parallelism holds a
@@ -121,6 +123,8 @@ class CausalLM(nn.Module, ABC):
         of the tokens before `x`, which the new ones are appended to. `documents`: `[b, S]`
         the document of every token of the whole sequences (packed data): attention stays
         within each; with the layer's window (`layer_window`) it forms its `AttentionMask`.
+        `layout`: which of them each context-parallel rank holds, when not head-tail
+        (`layers/cp_balance.py`).
         """
         aux = aux if aux is not None else AuxiliaryOutputs()
         chunks = range(len(self.stage.chunks)) if chunk is None else [chunk]
@@ -130,7 +134,8 @@ class CausalLM(nn.Module, ABC):
             start = 0 if cache is None else cache.length
             positions = torch.arange(start, start + x.shape[1], device=x.device)
         indices = [i for c in chunks for i in self.stage.chunks[c]]
-        masks = {w: AttentionMask(w, documents) for w in map(self.cfg.layer_window, indices)}
+        masks = {w: AttentionMask(w, documents, layout)
+                 for w in map(self.cfg.layer_window, indices)}
         if self.stage.has_embedding and chunks[0] == 0:
             x = self.embedding(x, positions, self.rng)
         for index in indices:

@@ -135,7 +135,11 @@ class Workload:
         """Keys each query's scores are computed for: half the sequence for a causal fused
         kernel, the whole of it for the ring's whole blocks; under a sliding window the keys
         it leaves (the ring skips blocks wholly outside it: blocks of s / cp tokens, or of
-        s / (cp / cp_a2a) under hybrid), averaged over the layers with and without it."""
+        s / (cp / cp_a2a) under hybrid), averaged over the layers with and without it. Every cp
+        rank is priced 1/cp of it: head-tail balances causal attention, and packed documents
+        under `cp_balance` work are balanced to `TOLERANCE` per micro-batch (measured
+        1.00-1.01, docs/benchmarks.md); documents themselves are not priced (the causal work is
+        an upper bound on what a document mask leaves)."""
         m, s = self.model, self.seq_len
         full = s * (1.0 if ring else CAUSAL_FRACTION)
         if m.sliding_window is None or m.sliding_window >= s:

@@ -100,7 +100,8 @@ class Trainer:
         plan = cfg.plan.with_degrees(mesh.degrees)
         check_packing(cfg, corpus.eod_id)
         d = cfg.data
-        packing = Packing(corpus.eod_id, d.document_mask, d.reset_positions, d.eod_mask_loss)
+        packing = Packing(corpus.eod_id, d.document_mask, d.reset_positions, d.eod_mask_loss,
+                          d.cp_balance)
         parallel = parallelize(cfg.model_config(corpus.vocab_size), plan, mesh, seed=t.seed,
                                seq_len=t.seq_len, steps=t.stop_at or t.steps,
                                optimizer=cfg.optimizer, packing=packing,

@@ -104,7 +104,7 @@ class AttentionCore(nn.Module):
             if self.cp_mode == "hybrid":
                 return hybrid_attention(q, k, v, *self.cp_split, seq_len, mask)
             return ulysses_attention(q, k, v, self.cp_axis, seq_len,
-                                     lambda q, k, v: self._local(q, k, v, mask))
+                                     lambda q, k, v: self._local(q, k, v, mask), mask)
         return self._local(q, k, v, mask, p, k_start)
 
     def _local(self, q, k, v, mask: AttentionMask, p: float = 0.0,

@@ -1,7 +1,7 @@
 """Context parallelism: every rank holds a slice of every sequence.
 
-Load balance for causal attention: the sequence is cut into 2 x cp chunks and rank r holds chunks
-r and 2cp-1-r, so every rank has as many early (cheap) as late (expensive) queries.
+Which tokens a rank holds is its `TokenLayout` (`layers/cp_balance.py`): head-tail by default,
+or balanced by the work of a micro-batch's documents, which the mask carries (`mask.layout`).
 
 Two attention schemes over the cp axis:
 - ring: K/V blocks travel around the ring; each rank attends its queries to every block and merges
@@ -16,6 +16,7 @@ Two attention schemes over the cp axis:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ import torch
 
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm, regions
+from meshtrain.parallel.layers.cp_balance import TokenLayout, head_tail
 from meshtrain.parallel.layers.eager import eager_under_compile
 from meshtrain.parallel.layers.masks import CAUSAL, AttentionMask
 from meshtrain.precision import wide_dtype
@@ -30,12 +32,13 @@ from meshtrain.precision import wide_dtype
 
 def context_parallel_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Positions (into the full sequence) of the tokens rank `rank` holds, in its order."""
-    if cp == 1:
-        return torch.arange(seq_len)
-    chunk = seq_len // (2 * cp)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk)
-    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
-    return torch.cat([first, second])
+    return torch.arange(seq_len) if cp == 1 else head_tail(seq_len, cp).ranks[rank]
+
+
+def mask_layout(mask: AttentionMask, seq_len: int, cp: int) -> TokenLayout:
+    """The layout the tokens were assigned by: the mask's (a balanced micro-batch) or
+    head-tail."""
+    return mask.layout if mask.layout is not None else head_tail(seq_len, cp)
 
 
 def _block_scores(q, k, q_pos, k_pos, scale, mask: AttentionMask):
@@ -44,27 +47,50 @@ def _block_scores(q, k, q_pos, k_pos, scale, mask: AttentionMask):
     return scores.masked_fill(~mask.allowed(q_pos, k_pos), float("-inf"))
 
 
-def ring_sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor,
-                    mask: AttentionMask) -> list[tuple[slice, slice]]:
-    """The (query rows, key columns) of one ring step worth computing. Both sides hold two
-    chunks; a chunk of queries needs the key chunks the mask leaves visible to it (under the
-    causal mask: both on its own step for the late chunk, one chunk or none otherwise), and
-    the two query chunks are computed together when they need the same keys. The skipped
-    scores are all masked, so the result is what the whole block gives, for about half the work
-    at large cp."""
-    n = len(q_pos)
-    halves = (slice(0, n // 2), slice(n // 2, n))
-    needs = [[k for k in halves if mask.visible_span(q_pos[q], k_pos[k])] for q in halves]
-    groups = [(slice(0, n), needs[0])] if needs[0] == needs[1] else list(zip(halves, needs,
-                                                                              strict=True))
-    return [(rows, keys[0] if len(keys) == 1 else slice(0, n)) for rows, keys in groups if keys]
+def ring_sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, mask: AttentionMask,
+                    pieces: int = 2) -> list[tuple[slice, slice]]:
+    """The (query rows, key columns) of one ring step worth computing. Both sides hold `pieces`
+    runs of contiguous positions (head-tail: two chunks); a query run needs the key runs the
+    mask leaves visible to it (under the causal mask, for head-tail: both on its own step for
+    the late chunk, one chunk or none otherwise); neighbouring query runs needing the same keys
+    are computed together, and neighbouring key runs in one block. The skipped scores are all
+    masked, so the result is what the whole block gives, for about half the work at large cp."""
+    size = len(q_pos) // pieces
+    cut = [slice(i * size, (i + 1) * size) for i in range(pieces)]
+    needs = [tuple(j for j, keys in enumerate(cut) if mask.visible_span(q_pos[q], k_pos[keys]))
+             for q in cut]
+    blocks, start = [], 0
+    for end in range(1, pieces + 1):
+        if end < pieces and needs[end] == needs[start]:
+            continue
+        rows = slice(start * size, end * size)
+        blocks += [(rows, slice(lo * size, hi * size)) for lo, hi in _runs(needs[start])]
+        start = end
+    return blocks
 
 
-def _ring_positions(seq_len: int, cp: int, device) -> tuple[list, list]:
-    """Every rank's token positions on the host (to plan sub-blocks without a device sync) and
-    on the device (to mask scores)."""
-    planned = [context_parallel_positions(seq_len, cp, r) for r in range(cp)]
-    return planned, [p.to(device) for p in planned]
+def _runs(indices: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Sorted indices -> their runs of consecutive values as [lo, hi) pairs."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _ring_positions(seq_len: int, axis: MeshAxis, mask: AttentionMask, device):
+    """Every step's sub-blocks (planned on the host, without a device sync, once per mask:
+    forward and backward of every layer sharing it) and every rank's positions on the device
+    (to mask scores)."""
+    layout = mask_layout(mask, seq_len, axis.size)
+    key = ("ring", axis.rank, axis.size, seq_len)
+    if key not in mask._host:
+        mine = layout.ranks[axis.rank]
+        mask._host[key] = [ring_sub_blocks(mine, layout.ranks[(axis.rank - step) % axis.size],
+                                           mask, layout.pieces) for step in range(axis.size)]
+    return mask._host[key], [p.to(device) for p in layout.ranks]
 
 
 def _merge_block(q, k, v, q_pos, k_pos, scale, mask, out, lse):
@@ -90,7 +116,7 @@ class _RingAttention(torch.autograd.Function):
         wide = wide_dtype(q.dtype)
         q, k, v = q.to(wide), k.to(wide), v.to(wide)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        planned, positions = _ring_positions(seq_len, axis.size, q.device)
+        planned, positions = _ring_positions(seq_len, axis, mask, q.device)
         q_pos = positions[axis.rank]
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
@@ -99,7 +125,7 @@ class _RingAttention(torch.autograd.Function):
             source = (axis.rank - step) % axis.size
             k_pos = positions[source]
             k_blk, v_blk = kv.chunk(2)
-            for rows, cols in ring_sub_blocks(planned[axis.rank], planned[source], mask):
+            for rows, cols in planned[step]:
                 out[:, :, rows], lse[:, :, rows] = _merge_block(
                     q[:, :, rows], k_blk[:, :, cols], v_blk[:, :, cols], q_pos[rows],
                     k_pos[cols], scale, mask, out[:, :, rows], lse[:, :, rows])
@@ -115,7 +141,7 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.to(q.dtype)
         axis, mask = ctx.axis, ctx.mask
         scale = 1.0 / math.sqrt(q.shape[-1])
-        planned, positions = _ring_positions(ctx.seq_len, axis.size, q.device)
+        planned, positions = _ring_positions(ctx.seq_len, axis, mask, q.device)
         q_pos = positions[axis.rank]
         delta = (grad_out * out).sum(dim=-1, keepdim=True)  # [b, a, n, 1]
         grad_q = torch.zeros_like(q)
@@ -126,7 +152,7 @@ class _RingAttention(torch.autograd.Function):
             k_pos = positions[source]
             k_blk, v_blk = kv.chunk(2)
             grad_k, grad_v = grad_kv.chunk(2)  # views: the sums land in grad_kv
-            for rows, cols in ring_sub_blocks(planned[axis.rank], planned[source], mask):
+            for rows, cols in planned[step]:
                 probs = torch.exp(_block_scores(q[:, :, rows], k_blk[:, :, cols], q_pos[rows],
                                                 k_pos[cols], scale, mask)
                                   - lse[:, :, rows].unsqueeze(-1))
@@ -193,28 +219,41 @@ def _exchanged(q, k, v, axis: MeshAxis, gathered: torch.Tensor, held: torch.Tens
     return _sequence_to_heads(attend(q, k, v)[:, :, to_gathered], axis)
 
 
-def _gathered_positions(seq_len: int, cp: int, ranks: range) -> torch.Tensor:
-    """The sequence positions of cp ranks `ranks`' tokens, in rank order."""
-    return torch.cat([context_parallel_positions(seq_len, cp, r) for r in ranks])
-
-
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: MeshAxis,
-                      seq_len: int, attend: Callable) -> torch.Tensor:
+                      seq_len: int, attend: Callable, mask: AttentionMask = CAUSAL
+                      ) -> torch.Tensor:
     """Attention by all-to-all: `attend(q, k, v)` (masked as it knows) sees whole sequences in
-    position order for 1/cp of this rank's heads."""
-    gathered = _gathered_positions(seq_len, axis.size, range(axis.size))
+    position order for 1/cp of this rank's heads (the tokens assigned by `mask`'s layout)."""
+    gathered = torch.cat(mask_layout(mask, seq_len, axis.size).ranks)
     return _exchanged(q, k, v, axis, gathered, torch.arange(seq_len), attend)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inner: MeshAxis,
                      outer: MeshAxis, seq_len: int, mask: AttentionMask) -> torch.Tensor:
     """All-to-all over `inner` (cp_a2a), then the ring over `outer` (cp_ring): cp rank
-    outer.rank x inner.size + inner.rank. The first chunks of an inner group's ranks are
-    consecutive, and so are their second chunks, so what the group gathers is in position order
-    the head-tail share of ring rank outer.rank at cp = outer.size: the ring runs on it as on
-    its own ranks, for 1/inner.size of this rank's heads."""
-    cp, first = inner.size * outer.size, outer.rank * inner.size
-    gathered = _gathered_positions(seq_len, cp, range(first, first + inner.size))
-    held = context_parallel_positions(seq_len, outer.size, outer.rank)
+    outer.rank x inner.size + inner.rank, for 1/inner.size of this rank's heads. Head-tail:
+    the first chunks of an inner group's ranks are consecutive, and so are their second chunks,
+    so what the group gathers is in position order the head-tail share of ring rank outer.rank
+    at cp = outer.size, and the ring runs on it as on its own ranks. A balanced layout: each
+    ring rank holds its inner group's tokens as they come, `pieces` x inner.size runs."""
+    first = outer.rank * inner.size
+    if mask.layout is None:
+        gathered = torch.cat(head_tail(seq_len, inner.size * outer.size)
+                             .ranks[first:first + inner.size])
+        held, ring_mask = head_tail(seq_len, outer.size).ranks[outer.rank], mask
+    else:
+        ring_mask = _ring_level(mask, inner.size)
+        gathered = held = ring_mask.layout.ranks[outer.rank]
     return _exchanged(q, k, v, inner, gathered, held,
-                      lambda q, k, v: ring_attention(q, k, v, outer, seq_len, mask))
+                      lambda q, k, v: ring_attention(q, k, v, outer, seq_len, ring_mask))
+
+
+def _ring_level(mask: AttentionMask, group: int) -> AttentionMask:
+    """`mask` with its layout seen by the ring of hybrid cp: each inner group of `group` ranks
+    as one rank holding their tokens in rank order (kept with the mask, planned once)."""
+    key = ("hybrid", group)
+    if key not in mask._host:
+        ranks, pieces = mask.layout.ranks, mask.layout.pieces
+        merged = tuple(torch.cat(ranks[g:g + group]) for g in range(0, len(ranks), group))
+        mask._host[key] = dataclasses.replace(mask, layout=TokenLayout(merged, pieces * group))
+    return mask._host[key]

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshtrain.parallel.layers.cp_balance import TokenLayout
+
 
 def _visible(window: int | None, documents: torch.Tensor | None, row, q, k) -> torch.Tensor:
     """The rule, on broadcasting tensors of batch rows and query and key sequence indices (or
@@ -38,11 +40,14 @@ class AttentionMask:
     """`window`: keys at most `window - 1` positions before the query (None: all of them).
     `documents`: `[b, S]` the document index of every token of the whole sequences (S, not this
     rank's share: context-parallel ranks look up the tokens they hold by position).
+    `layout`: which sequence indices each context-parallel rank holds (`layers/cp_balance.py`),
+    when a micro-batch's tokens were assigned by its documents' work; None: head-tail.
     `block_masks`: the flex block masks built for this mask (`layers/flex.py`), so the layers
     of one forward, which share the mask, build each once."""
 
     window: int | None = None
     documents: torch.Tensor | None = None
+    layout: TokenLayout | None = None
     block_masks: dict = field(default_factory=dict, compare=False, repr=False)
     _host: dict = field(default_factory=dict, compare=False, repr=False)
 

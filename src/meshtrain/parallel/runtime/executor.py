@@ -23,6 +23,7 @@ from meshtrain.data.corpus import to_device
 from meshtrain.mesh import ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
+from meshtrain.parallel.layers.cp_balance import work_balanced
 from meshtrain.parallel.layers.loss import IGNORE_INDEX
 from meshtrain.parallel.layers.masks import document_ids, document_positions
 from meshtrain.parallel.layers.routing import RoutingStats
@@ -46,12 +47,19 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 class Packing:
     """How documents packed into one sequence are seen (all off: one token stream). `eod_id`
     ends a document; `document_mask` keeps attention within it; `reset_positions` restarts
-    the embedded positions at its first token; `eod_mask_loss` puts no loss on predicting it."""
+    the embedded positions at its first token; `eod_mask_loss` puts no loss on predicting it;
+    `cp_balance` "work" assigns a masked micro-batch's tokens to the context-parallel ranks by
+    its documents' attention work (`layers/cp_balance.py`), "head-tail" keeps the fixed split."""
 
     eod_id: int | None = None
     document_mask: bool = False
     reset_positions: bool = False
     eod_mask_loss: bool = False
+    cp_balance: str = "work"
+
+    def balanced(self, cp: int) -> bool:
+        """Whether micro-batches are assigned to `cp` ranks by their documents' work."""
+        return cp > 1 and self.document_mask and self.cp_balance == "work"
 
 
 ONE_STREAM = Packing()
@@ -76,22 +84,36 @@ class LocalExecutor:
 
     def local_slices(self, batches: Batches) -> list[MicroBatch]:
         """This context-parallel rank's tokens of each (inputs, targets), on the device."""
-        mine = self.positions
-        moved = to_device([(x[:, mine], y[:, mine]) for x, y in batches], self.mesh.device)
-        packing = self.packing
+        packing, device, cp = self.packing, self.mesh.device, self.mesh.cp
         if not (packing.document_mask or packing.eod_mask_loss):
+            moved = to_device([(x[:, self.positions], y[:, self.positions]) for x, y in batches],
+                              device)
             return [MicroBatch(x, y, self.device_positions) for x, y in moved]
-        device, slices = self.mesh.device, []
+        documents = [document_ids(x, packing.eod_id) if packing.document_mask else None
+                     for x, _ in batches]
+        layouts = [work_balanced(d, cp.size) if packing.balanced(cp.size) else None
+                   for d in documents]
+        mine = [self.positions if layout is None else layout.ranks[cp.rank] for layout in layouts]
+        moved = to_device([(x[:, m], y[:, m]) for (x, y), m in zip(batches, mine, strict=True)],
+                          device)
         loss_tokens = self._loss_tokens_per_share(batches) if packing.eod_mask_loss else None
-        for (x, _), (local_x, local_y) in zip(batches, moved, strict=True):
-            documents = document_ids(x, packing.eod_id) if packing.document_mask else None
-            positions = document_positions(documents)[:, mine].to(device) \
-                if packing.reset_positions else self.device_positions
-            if packing.eod_mask_loss:
-                local_y = local_y.masked_fill(local_y == packing.eod_id, IGNORE_INDEX)
-            slices.append(MicroBatch(local_x, local_y, positions, None if documents is None
-                                     else documents.to(device), loss_tokens))
-        return slices
+        return [self._packed_slice(*parts, loss_tokens)
+                for parts in zip(moved, documents, layouts, mine, strict=True)]
+
+    def _packed_slice(self, moved, documents, layout, mine, loss_tokens) -> MicroBatch:
+        """One packed micro-batch's share on this rank (its tokens `moved`, at sequence indices
+        `mine` of the work-balanced `layout` or head-tail): the positions it embeds, the
+        documents, the targets with a loss."""
+        packing, device = self.packing, self.mesh.device
+        local_x, local_y = moved
+        if packing.reset_positions:
+            positions = document_positions(documents)[:, mine].to(device)
+        else:
+            positions = self.device_positions if layout is None else mine.to(device)
+        if packing.eod_mask_loss:
+            local_y = local_y.masked_fill(local_y == packing.eod_id, IGNORE_INDEX)
+        return MicroBatch(local_x, local_y, positions, None if documents is None
+                          else documents.to(device), loss_tokens, layout)
 
     def _loss_tokens_per_share(self, batches: Batches) -> torch.Tensor:
         """The targets with a loss (not end-of-document) in the whole global batch, summed over
@@ -124,7 +146,8 @@ class LocalExecutor:
                       ) -> torch.Tensor:
         """Mean cross-entropy of this rank's tokens (equal counts on every dp x cp rank, so
         averaging over them gives the global mean)."""
-        logits = self.model(batch.inputs, batch.positions, aux=aux, documents=batch.documents)
+        logits = self.model(batch.inputs, batch.positions, aux=aux, documents=batch.documents,
+                            layout=batch.layout)
         return self.batch_loss(logits, batch)
 
     def batch_loss(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
@@ -184,7 +207,8 @@ class PipelineExecutor(LocalExecutor):
         routing statistics go to `routing`."""
         def run(x: torch.Tensor, chunk: int, batch: MicroBatch):
             aux = AuxiliaryOutputs()
-            out = self.model(x, batch.positions, chunk=chunk, aux=aux, documents=batch.documents)
+            out = self.model(x, batch.positions, chunk=chunk, aux=aux, documents=batch.documents,
+                            layout=batch.layout)
             if routing is not None:
                 routing.add(aux.routing, chunk)
             return out, aux.loss
