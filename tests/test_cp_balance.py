@@ -144,7 +144,7 @@ def _run(data: str, degrees: dict, parallel: dict, model: dict, balance: str) ->
 
 def _assert_same_run(data: str, degrees: dict, parallel: dict, model: dict) -> None:
     reference = run_on_ranks(1, _run, data, {"dp": 1}, {}, model, "work")[0]
-    ranks = math.prod(degrees.values())
+    ranks = math.prod(n for axis, n in degrees.items() if axis != "cp_a2a")  # a part of cp
     got = run_on_ranks(ranks, _run, data, degrees, parallel, model, "work")[-1]
     for (loss, norm), (loss_1, norm_1) in zip(got, reference, strict=True):
         assert abs(loss - loss_1) / loss_1 < 1e-5 and abs(norm - norm_1) / norm_1 < 1e-5
@@ -164,7 +164,8 @@ def test_a_balanced_packed_run_is_the_one_process_run(tmp_path):
     ({"cp": 2, "dp": 2}, {"cp": 2}, {}),
     ({"cp": 2, "dp": 1}, {"cp": 2, "recompute": "full"}, {"model": "mistral-tiny",
                                                            "model_arg": ["sliding_window=6"]}),
-], ids=["all2all", "cp4", "tp2-sp", "pp2", "dp2", "window-recompute"])
+    ({"cp": 4, "dp": 1, "cp_a2a": 2}, {"cp": 4, "cp_mode": "hybrid"}, {}),
+], ids=["all2all", "cp4", "tp2-sp", "pp2", "dp2", "window-recompute", "hybrid-2x2"])
 def test_a_balanced_packed_run_is_the_one_process_run_at_every_layout(tmp_path, kind, degrees,
                                                                       parallel, model):
     _assert_same_run(_token_file(tmp_path, kind), degrees, parallel, model)
