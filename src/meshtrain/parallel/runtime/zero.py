@@ -104,12 +104,15 @@ class ZeroDataParallel:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _group(self, units, bucket_bytes, grad_dtype, deferred) -> list[list[nn.Parameter]]:
-        """Stage 3: a bucket per unit; else size-closed buckets in reverse order, split by
-        dtype (a flat buffer has one; the MoE router stays fp32 in a 16-bit model). The
-        deferred parameter always has a bucket of its own."""
+        """Stage 3: a bucket per unit; else size-closed buckets in reverse order; either split
+        by dtype (a flat buffer has one; the MoE router stays fp32 in a 16-bit model). The
+        deferred parameter always has a bucket of its own. Stage 3 also notes each bucket's
+        unit (`_unit_of`), which `attach` gathers together."""
         rest = [[p for p in unit if p is not deferred] for unit in units]
         if self.stage == 3:
-            groups = [unit for unit in rest if unit]
+            by_unit = [_by_dtype(unit) for unit in rest if unit]
+            groups = [same for unit in by_unit for same in unit]
+            self._unit_of = [k for k, unit in enumerate(by_unit) for _ in unit]
         else:
             itemsize = torch.empty((), dtype=grad_dtype).element_size()
             groups = [same for group in reverse_buckets([p for unit in rest for p in unit],
@@ -260,8 +263,9 @@ class ZeroDataParallel:
         """Gather each unit's parameters around its computation (`ParameterGatherer`; `root`:
         unit 0 is the model itself)."""
         assert self.stage == 3
-        self.gatherer = ParameterGatherer(self.buckets, self.axis, units, self.transient,
-                                          root=root)
+        by_unit = [[b for b, k in zip(self.buckets, self._unit_of, strict=True) if k == unit]
+                   for unit in range(len(units))]
+        self.gatherer = ParameterGatherer(by_unit, self.axis, units, self.transient, root=root)
 
     # ------------------------------------------------------------------ memory and state
     @property
