@@ -12,7 +12,7 @@ from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
 from meshtrain.config.run_config import build_config, validate
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.parallel import CommRecorder
-from meshtrain.parallel.runtime import zero
+from meshtrain.parallel.runtime import zero_stage
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer, run_training
 
@@ -175,7 +175,7 @@ def test_zero3_frees_the_head_unit_for_the_blocks_backward():
     block = max(blocks)
     assert len(seen) == len(blocks) and not any(resident for _, resident in seen), seen
     assert seen[0][0] <= unit0 + 2 * block, (seen, unit0, block)  # nothing in flight yet
-    assert all(tracked <= unit0 + (2 + zero._IN_FLIGHT_REDUCTIONS) * block
+    assert all(tracked <= unit0 + (2 + zero_stage._IN_FLIGHT_REDUCTIONS) * block
                for tracked, _ in seen), (seen, unit0, block)
 
 
@@ -228,7 +228,8 @@ def test_zero3_peak_is_bounded_by_the_units_it_gathers():
     at_head, peak, (unit0, *blocks) = run_on_ranks(2, _zero3_backward_memory)[0]
     assert at_head == unit0
     block = max(blocks)
-    assert 0 < peak <= 2 * unit0 + (3 + zero._IN_FLIGHT_REDUCTIONS) * block, (peak, unit0, block)
+    in_flight = zero_stage._IN_FLIGHT_REDUCTIONS
+    assert 0 < peak <= 2 * unit0 + (3 + in_flight) * block, (peak, unit0, block)
 
 
 def _offload_run(corpus, stage, offload):
