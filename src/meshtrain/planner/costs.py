@@ -31,7 +31,7 @@ from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware, model_tflops
-from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
+from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory, zero_shard
 from meshtrain.planner.pipeline_model import ChunkCost, rank_chunks, run_pipeline
 from meshtrain.planner.workload import (
     DEEPSPEED_REDUCE_BUCKET,
@@ -90,7 +90,7 @@ def predict(model: TransformerConfig, layout: ParallelPlan, hardware: Hardware, 
         own = [chunks[g] for g in pipe.chunks_of(rank)]
         sync = data_parallel_exposed(work, hardware, own) + depth_gradient_sync(work, hardware,
                                                                                  own)
-        optimizer = optimizer_time(work, hardware, sum(c.parameters for c in own))
+        optimizer = optimizer_time(work, hardware, own)
         totals.append((pipe.makespan + sync + optimizer, rank, sync, optimizer))
     step, rank, sync, optimizer = max(totals)
     scalars = _step_scalars(layout, hardware)
@@ -181,7 +181,7 @@ def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False
         backward += forward
         backward_comm += forward_comm
     return ChunkCost(forward, forward_comm, backward, backward_comm, w.parameters,
-                     sum(weights) + hw.layer_overhead_s, tp_weight)
+                     sum(weights) + hw.layer_overhead_s, tp_weight, w.expert_parameters)
 
 
 def _attention_core(work: Workload, hw: Hardware, flops: float) -> tuple[float, float]:
@@ -315,7 +315,7 @@ def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> f
     """The scheme's traffic once a step after the data-parallel reduction (2.5d: the weight
     gradients all-reduced over depth; ZeRO: this rank's shard of them), exposed."""
     lay = work.layout
-    weights = sum(c.parameters for c in own) / (lay.zero_shard_ranks if lay.zero else 1)
+    weights = zero_shard(lay, own) if lay.zero else sum(c.parameters for c in own)
     traffic = lay.scheme.step_traffic(lay.tp_grid, weights, GRAD_BYTES)
     if not traffic.total_bytes:
         return 0.0
@@ -323,13 +323,13 @@ def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> f
                          moved=traffic.total_bytes, span=lay.tp)
 
 
-def optimizer_time(work: Workload, hw: Hardware, params: float) -> float:
+def optimizer_time(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
     """Adam over this rank's parameters (its shard under ZeRO), bound by memory bandwidth.
     Offloaded: the gradient shard goes to the host and the parameters come back over the
     host link, Adam runs at host memory bandwidth, and under nvme each state is read and
     written once, overlapping the update (the slower of the two counts)."""
     lay = work.layout
-    shard = params / lay.zero_shard_ranks if lay.zero else params
+    shard = zero_shard(lay, own) if lay.zero else sum(c.parameters for c in own)
     if lay.offload_optimizer == "none":
         return _elementwise(hw, shard * OPTIMIZER_BYTES_PER_PARAMETER)
     link = shard * (GRAD_BYTES + work.element_bytes) / (hw.host_link_gbytes_per_s * 1e9)
