@@ -97,6 +97,24 @@ def test_model_states_follow_the_zero_formula(zero):
     assert one.gradients == (0.0 if zero >= 2 else p.memory.gradients)
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_shards_experts_over_their_own_data_parallel_ranks(zero):
+    """dp 8 x ep 4: each rank holds 2 of the 8 experts of every MoE layer, as do the edp =
+    8 / 4 = 2 ranks it shards them with (the runtime's expert reducer), the rest over all 8."""
+    moe = dataclasses.replace(GPT, moe_experts=8)
+    lay = ParallelPlan(dp=8, ep=4, micro_batch=1, zero=zero)
+    hw = BUILT_IN["a100-80g-selene"]
+    p = predict(moe, lay, hw, seq_len=1024, global_batch=8).memory
+    experts = moe.num_moe_layers() * 2 * moe.mlp_parameters(width=moe.expert_ffn_size)
+    dense = moe.num_parameters() - moe.num_moe_layers() * 8 * \
+        moe.mlp_parameters(width=moe.expert_ffn_size)
+    # bf16 parameters, no gradient shard at a one-micro-batch peak (stage 3), fp32 K = 12
+    per = {1: lambda n: 2 + 4 + 12 / n, 3: lambda n: (2 + 12) / n}[zero]
+    expected = dense * per(8) + experts * per(2)
+    states = p.parameters + p.gradients + p.optimizer_states
+    assert states == pytest.approx(expected, rel=0.01)  # norms and biases: counted per layer
+
+
 @pytest.mark.parametrize("precision,extra", [("fp32", 8), ("bf16", 4)])
 def test_2bw_holds_two_more_weight_versions(precision, extra):
     """PipeDream-2BW's optimizer steps fp32 weights apart from the model's (a bf16 run's masters

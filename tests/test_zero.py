@@ -12,7 +12,7 @@ from harness import LLAMA, raises_as_flags, run_on_ranks, worker_mesh
 from meshtrain.config.run_config import build_config, validate
 from meshtrain.memory import zero_formula_bytes
 from meshtrain.parallel import CommRecorder
-from meshtrain.parallel.runtime import zero
+from meshtrain.parallel.runtime import zero_stage
 from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer, run_training
 
@@ -175,7 +175,7 @@ def test_zero3_frees_the_head_unit_for_the_blocks_backward():
     block = max(blocks)
     assert len(seen) == len(blocks) and not any(resident for _, resident in seen), seen
     assert seen[0][0] <= unit0 + 2 * block, (seen, unit0, block)  # nothing in flight yet
-    assert all(tracked <= unit0 + (2 + zero._IN_FLIGHT_REDUCTIONS) * block
+    assert all(tracked <= unit0 + (2 + zero_stage._IN_FLIGHT_REDUCTIONS) * block
                for tracked, _ in seen), (seen, unit0, block)
 
 
@@ -228,7 +228,8 @@ def test_zero3_peak_is_bounded_by_the_units_it_gathers():
     at_head, peak, (unit0, *blocks) = run_on_ranks(2, _zero3_backward_memory)[0]
     assert at_head == unit0
     block = max(blocks)
-    assert 0 < peak <= 2 * unit0 + (3 + zero._IN_FLIGHT_REDUCTIONS) * block, (peak, unit0, block)
+    in_flight = zero_stage._IN_FLIGHT_REDUCTIONS
+    assert 0 < peak <= 2 * unit0 + (3 + in_flight) * block, (peak, unit0, block)
 
 
 def _offload_run(corpus, stage, offload):
@@ -358,3 +359,30 @@ def test_zero1_refuses_gradients_that_left_their_bucket():
     model.zero_grad()  # sets every .grad to None: backward would make fresh, unreduced ones
     with pytest.raises(RuntimeError, match="zero gradients with the reducer's zero_grad"):
         zero.wait()
+
+
+def _router_dtypes_and_rows(corpus, parallel):
+    cfg = _cfg(corpus, steps=3, model={"moe_experts": 4, "moe_capacity_factor": 0},
+               parallel={"ep": 2} | parallel, precision="bf16")
+    trainer = Trainer.build(cfg, worker_mesh(dp=2, ep=2))
+    routers = [m for m in trainer.model.modules() if type(m).__name__ == "Router"]
+    seen = []
+    for r in routers:
+        r.register_forward_pre_hook(lambda m, _a: seen.append(m.weight.dtype))
+    rows = [trainer.train_step(step) for step in range(cfg.train.steps)]
+    weights = {id(r.weight) for r in routers}
+    # an fp32 bucket steps its parameter shard itself: the master is no rounded copy
+    masters = {(b.dtype, b.master is b.param_shard) for reducer in trainer.sync.reducers
+               for b in reducer.buckets if any(id(p) in weights for p in b.params)}
+    return (len(routers), set(seen), masters,
+            [(r["loss"], r["grad_norm"]) for r in rows] + [trainer.evaluate()])
+
+
+def test_zero3_keeps_the_fp32_router_of_a_bf16_moe_model(corpus):
+    """A unit's parameters are bucketed by dtype: the router scores in fp32 under ZeRO-3 as
+    under ZeRO-1, whose run this one tracks (bf16 tolerance, as above)."""
+    zero1 = run_on_ranks(2, _router_dtypes_and_rows, corpus, {"zero": 1})[0]
+    zero3 = run_on_ranks(2, _router_dtypes_and_rows, corpus, {"zero": 3})[0]
+    for routers, seen, masters, _ in (zero1, zero3):
+        assert routers > 0 and seen == {torch.float32} and masters == {(torch.float32, True)}
+    _assert_same_trajectory(zero3[3], zero1[3], rel=2e-3, norm_rel=5e-2)

@@ -31,7 +31,12 @@ from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner import collectives as coll
 from meshtrain.planner.hardware import Hardware, model_tflops
-from meshtrain.planner.memory_model import MemoryBreakdown, peak_memory
+from meshtrain.planner.memory_model import (
+    MemoryBreakdown,
+    expert_shard_ranks,
+    peak_memory,
+    zero_shard,
+)
 from meshtrain.planner.pipeline_model import ChunkCost, rank_chunks, run_pipeline
 from meshtrain.planner.workload import (
     DEEPSPEED_REDUCE_BUCKET,
@@ -90,7 +95,7 @@ def predict(model: TransformerConfig, layout: ParallelPlan, hardware: Hardware, 
         own = [chunks[g] for g in pipe.chunks_of(rank)]
         sync = data_parallel_exposed(work, hardware, own) + depth_gradient_sync(work, hardware,
                                                                                  own)
-        optimizer = optimizer_time(work, hardware, sum(c.parameters for c in own))
+        optimizer = optimizer_time(work, hardware, own)
         totals.append((pipe.makespan + sync + optimizer, rank, sync, optimizer))
     step, rank, sync, optimizer = max(totals)
     scalars = _step_scalars(layout, hardware)
@@ -181,7 +186,7 @@ def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False
         backward += forward
         backward_comm += forward_comm
     return ChunkCost(forward, forward_comm, backward, backward_comm, w.parameters,
-                     sum(weights) + hw.layer_overhead_s, tp_weight)
+                     sum(weights) + hw.layer_overhead_s, tp_weight, w.expert_parameters)
 
 
 def _attention_core(work: Workload, hw: Hardware, flops: float) -> tuple[float, float]:
@@ -274,7 +279,8 @@ def _head_cost(work: Workload, hw: Hardware) -> ChunkCost:
 
 def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
     """Gradient sync over dp x cp (ZeRO: reduce-scatter, then all-gather the updated
-    parameters; stage 3 gathers each unit before its forward and backward instead). Hybrid
+    parameters; stage 3 gathers each unit before its forward and backward instead; the routed
+    experts' inside their edp groups, dp x cp / ep ranks, beside the dense ones'). Hybrid
     sharding (`dp_shard`): those inside the shard group, on the links its tp x cp x dp_shard
     consecutive ranks span, then the step's gradient shards all-reduced over the replicas,
     whose ranks span all of dp, exposed (the runtime reduces them once, after the backward)."""
@@ -286,37 +292,43 @@ def data_parallel_exposed(work: Workload, hw: Hardware, own: list[ChunkCost]) ->
     replicas = lay.dp * lay.cp // g
     across = coll.all_reduce(hw, params * GRAD_BYTES / g, replicas, lay.tp * lay.cp * lay.dp) \
         if replicas > 1 else 0.0
-    return across + _sharded_exposed(work, hw, own, params, g, lay.tp * g)
+    experts = sum(c.expert_parameters for c in own) if lay.zero else 0.0
+    groups = [(params - experts, g, lay.tp * g)]
+    if experts:  # (edp: every ep-th rank of dp x cp, spanning it all)
+        groups.append((experts, expert_shard_ranks(lay), lay.tp * lay.dp * lay.cp))
+    return across + _sharded_exposed(work, hw, own, groups)
 
 
-def _sharded_exposed(work: Workload, hw: Hardware, own: list[ChunkCost], params: float, g: int,
-                     span: int) -> float:
-    """The gradient sync inside a group of `g` ranks spanning `span` (ZeRO's shard group, or
-    all of dp x cp)."""
+def _sharded_exposed(work: Workload, hw: Hardware, own: list[ChunkCost],
+                     groups: list[tuple[float, int, int]]) -> float:
+    """The gradient sync of (parameters, inside a group of that many ranks, spanning that
+    many) - ZeRO's shard group, or all of dp x cp; experts' edp - the groups' collectives
+    back to back behind the same compute."""
     lay = work.layout
-    if g == 1:
-        return 0.0
-    grads, weights = params * GRAD_BYTES, params * work.element_bytes
+
+    def each(collective, per_parameter: float, parts: int = 1) -> float:
+        return sum(parts * collective(hw, params * per_parameter / parts, g, span)
+                   for params, g, span in groups)
+
+    params = sum(p for p, _, _ in groups)
     forward = sum(c.forward for c in own)
     backward = sum(c.backward for c in own)
-    last_bucket = min(1.0, 25 * 2**20 / max(grads, 1.0))
+    last_bucket = min(1.0, 25 * 2**20 / max(params * GRAD_BYTES, 1.0))
     units = work.model.num_layers // lay.pp + 1  # ZeRO-3 gathers: each layer, then the rest
     if lay.zero == 3 and lay.zero_impl == "deepspeed":
-        return work.micro_batches * _deepspeed_zero3(work, hw, params, units, backward,
-                                                     (g, span))
+        return work.micro_batches * sum(
+            _deepspeed_zero3(work, hw, p, units, backward, (g, span)) for p, g, span in groups)
     if lay.zero == 3:  # one gather per unit before forward and backward
-        gather = units * coll.all_gather(hw, weights / units, g, span)
-        scatter = units * coll.reduce_scatter(hw, grads / units, g, span)
+        gather = each(coll.all_gather, work.element_bytes, units)
+        scatter = each(coll.reduce_scatter, GRAD_BYTES, units)
         per_micro = max(coll.behind(hw, gather, forward), gather / units) \
             + max(coll.behind(hw, gather + scatter, backward), scatter / units)
         return work.micro_batches * per_micro
-    reduce = coll.all_reduce(hw, grads, g, span) if lay.zero == 0 \
-        else coll.reduce_scatter(hw, grads, g, span)
+    reduce = each(coll.all_reduce if lay.zero == 0 else coll.reduce_scatter, GRAD_BYTES)
     exposed = max(coll.behind(hw, reduce, backward), reduce * last_bucket)
     if lay.zero == 2:
         exposed *= work.micro_batches
-    return exposed + (coll.all_gather(hw, weights, g, span) if lay.zero else 0.0)
-
+    return exposed + (each(coll.all_gather, work.element_bytes) if lay.zero else 0.0)
 
 
 def _deepspeed_zero3(work: Workload, hw: Hardware, params: float, units: int,
@@ -337,7 +349,7 @@ def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> f
     """The scheme's traffic once a step after the data-parallel reduction (2.5d: the weight
     gradients all-reduced over depth; ZeRO: this rank's shard of them), exposed."""
     lay = work.layout
-    weights = sum(c.parameters for c in own) / (lay.zero_shard_ranks if lay.zero else 1)
+    weights = zero_shard(lay, own) if lay.zero else sum(c.parameters for c in own)
     traffic = lay.scheme.step_traffic(lay.tp_grid, weights, GRAD_BYTES)
     if not traffic.total_bytes:
         return 0.0
@@ -345,13 +357,13 @@ def depth_gradient_sync(work: Workload, hw: Hardware, own: list[ChunkCost]) -> f
                          moved=traffic.total_bytes, span=lay.tp)
 
 
-def optimizer_time(work: Workload, hw: Hardware, params: float) -> float:
+def optimizer_time(work: Workload, hw: Hardware, own: list[ChunkCost]) -> float:
     """Adam over this rank's parameters (its shard under ZeRO), bound by memory bandwidth.
     Offloaded: the gradient shard goes to the host and the parameters come back over the
     host link, Adam runs at host memory bandwidth, and under nvme each state is read and
     written once, overlapping the update (the slower of the two counts)."""
     lay = work.layout
-    shard = params / lay.zero_shard_ranks if lay.zero else params
+    shard = zero_shard(lay, own) if lay.zero else sum(c.parameters for c in own)
     if lay.offload_optimizer == "none":
         return _elementwise(hw, shard * OPTIMIZER_BYTES_PER_PARAMETER)
     link = shard * (GRAD_BYTES + work.element_bytes) / (hw.host_link_gbytes_per_s * 1e9)

@@ -4,11 +4,13 @@ Per pipeline rank (the busiest is reported): parameters p, gradients g = 4 (fp32
 optimizer states K = 8 (Adam moments) + 4 (fp32 master weights, 16-bit runs only) bytes per
 parameter (none on the device under `offload_optimizer`; PipeDream-2BW: + 4 for the previous weight
 version, + 4 more in fp32 for the weights the optimizer steps apart from the model's), divided over
-dp x cp by ZeRO (stage 1: K; 2: g + K; 3: everything: `memory.zero_formula_bytes`), of the
-parameters a rank holds (1/tp of a layer's, 1/q^2 under 2.5d's replication over depth:
-`Workload.weight_parts`; the first stage also GPT's position table); stages 2 and 3 hold no gradient
-shard at the peak of a one-micro-batch step (it is made after the backward). The gradients are the
-data-parallel buckets themselves (each `.grad` is a view into one), so a bucket costs nothing more.
+dp x cp by ZeRO (stage 1: K; 2: g + K; 3: everything: `memory.zero_formula_bytes`; the routed
+experts' over their own data-parallel ranks, dp x cp / ep, as the runtime's expert reducer shards
+them: `zero_shard`), of the parameters a rank holds (1/tp of a layer's, 1/q^2 under 2.5d's
+replication over depth: `Workload.weight_parts`; the first stage also GPT's position table); stages
+2 and 3 hold no gradient shard at the peak of a one-micro-batch step (it is made after the
+backward). The gradients are the data-parallel buckets themselves (each `.grad` is a view into
+one), so a bucket costs nothing more.
 Activations = the family's per-layer bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp,
 `Workload.layer_activation_bytes`) x the layers of each (micro-batch, chunk) the schedule keeps in
 flight (the simulator's peak, a split backward's counted until its `W`: ZB-H1 and ZB-V hold p
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshtrain.memory import zero_formula_bytes
+from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.planner.pipeline_model import ChunkCost, PipelineRun, held_boundaries
 from meshtrain.planner.workload import DEEPSPEED_REDUCE_BUCKET, GRAD_BYTES, Workload
 
@@ -79,8 +82,11 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
     # ZeRO 2/3 make the gradient shard at the step's first reduction: with one micro-batch
     # that is after the backward, where the peak is
     g = 0 if lay.zero >= 2 and work.micro_batches == 1 else GRAD_BYTES
-    parts = [zero_formula_bytes(params, param_bytes=pb, grad_bytes=gb, state_bytes=sb, dp=n,
-                                stage=lay.zero)
+    experts = sum(chunks[c].expert_parameters for c in own)
+    parts = [zero_formula_bytes(params - experts, param_bytes=pb, grad_bytes=gb, state_bytes=sb,
+                                dp=n, stage=lay.zero)
+             + zero_formula_bytes(experts, param_bytes=pb, grad_bytes=gb, state_bytes=sb,
+                                  dp=expert_shard_ranks(lay), stage=lay.zero)
              for pb, gb, sb in ((e, 0, 0), (0, g, 0), (0, 0, k))]
     layers_per_chunk = sum(len(ranges[c]) for c in own) / len(own)
     in_flight = pipe.peak_in_flight[rank]
@@ -93,6 +99,19 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
     heads = in_flight / len(own) if last else 0.0  # micro-batches in the last chunk
     buffers = _buffers(work, params, first, heads) + held * work.boundary_bytes
     return MemoryBreakdown(*parts, activations, buffers)
+
+
+def expert_shard_ranks(lay: ParallelPlan) -> int:
+    """The ranks ZeRO shards routed experts over: those holding the same experts (edp)."""
+    return lay.dp * lay.cp // lay.ep
+
+
+def zero_shard(lay: ParallelPlan, own: list[ChunkCost]) -> float:
+    """This rank's ZeRO shard of its chunks' parameters: the dense ones over the shard group,
+    the routed experts over edp."""
+    experts = sum(c.expert_parameters for c in own)
+    dense = sum(c.parameters for c in own) - experts
+    return dense / lay.zero_shard_ranks + experts / expert_shard_ranks(lay)
 
 
 def _buffers(work: Workload, params: float, first: bool, heads: float) -> float:

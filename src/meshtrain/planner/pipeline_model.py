@@ -39,6 +39,8 @@ class ChunkCost(NamedTuple):
     weight_grad_comm: float = 0.0
     """Of `backward_comm`: what a split backward runs at `W` (sequence parallelism's
     all-gathers of the inputs the weight gradients need)."""
+    expert_parameters: float = 0.0
+    """Of `parameters`: the routed experts' (`LayerWork.expert_parameters`)."""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ class LayerWork:
     eager unless the blocks are compiled) and an eager softmax read and write."""
     parameters: float
     """This rank's share of the layer's parameters."""
+    expert_parameters: float = 0.0
+    """Of `parameters`: this rank's routed experts' (E / ep of them), which ZeRO shards over
+    their own data-parallel ranks (edp = dp x cp / ep) rather than dp x cp."""
 
 
 @dataclass(frozen=True)
@@ -112,11 +115,14 @@ class Workload:
         attention = m.attention_parameters(weights_only=True)
         mlp = m.mlp_parameters(weights_only=True)
         parameters = m.attention_parameters() + m.mlp_parameters()
+        experts = 0
         if m.is_moe_layer(index):
             # this rank's experts, the router and shared expert; each token's k experts' rows
             # (dropless: every choice; the busiest rank's: `expert_load` x the mean)
             parameters = m.attention_parameters() \
                 + m.moe_mlp_parameters(experts=m.moe_experts // self.layout.ep)
+            experts = m.moe_experts // self.layout.ep \
+                * m.mlp_parameters(width=m.expert_ffn_size)
             mlp = m.moe_mlp_parameters(weights_only=True,
                                        experts=m.moe_top_k * self.expert_load)
         weight = tuple(2 * tokens * w / t for w in (attention * 3 / 4, attention / 4,
@@ -129,7 +135,8 @@ class Workload:
             fused=self.layout.compile)
         if m.attention == "eager" or ring:
             moved += 4 * m.num_heads / t * tokens * self.seq_len * self.element_bytes
-        return LayerWork(weight, core, moved, parameters / self.weight_parts)
+        return LayerWork(weight, core, moved, parameters / self.weight_parts,
+                         experts / self.weight_parts)
 
     def _keys_per_query(self, ring: bool) -> float:
         """Keys each query's scores are computed for: half the sequence for a causal fused

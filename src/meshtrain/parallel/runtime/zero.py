@@ -21,12 +21,12 @@ One optimizer step:
 - then the master pieces step, each rank copies its updated shard into its parameter shard, and
   stages 1 and 2 all-gather the buckets (stage 3 keeps only the shard).
 
-The pieces, each a concept of its own module: the bucket (`zero_bucket.py`), where the master
+The pieces, each a concept of its own module: the bucket (`zero_bucket.py`), what tells the
+stages apart - how gradients and parameters are kept (`zero_stage.py`) -, where the master
 shards and Adam moments live - beside the parameters, on the host or in files - behind one
 store interface (`zero_states.py`), stage 3's gathering of parameters around computation
 (`zero_gather.py`), and the states in and out of checkpoints (`zero_export.py`). This class
-is the gradient side: stage 1's one reduction per step against stages 2 and 3's per
-micro-batch reductions, and the step.
+is the flow: gradients into buckets, their reductions, the step.
 """
 
 from __future__ import annotations
@@ -40,18 +40,17 @@ from torch import nn
 from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis
 from meshtrain.parallel.communication import comm
-from meshtrain.parallel.runtime.data_parallel import check_grad_views, reverse_buckets
-from meshtrain.parallel.runtime.zero_bucket import BACKWARD, Bucket, shard_numel
+from meshtrain.parallel.runtime.data_parallel import check_grad_views
+from meshtrain.parallel.runtime.zero_bucket import Bucket, shard_numel
 from meshtrain.parallel.runtime.zero_export import export_states, load_states
-from meshtrain.parallel.runtime.zero_gather import ParameterGatherer, TransientBytes, release
+from meshtrain.parallel.runtime.zero_gather import ParameterGatherer, TransientBytes
+from meshtrain.parallel.runtime.zero_stage import stage_pieces
 from meshtrain.parallel.runtime.zero_states import state_store
 
 ZERO_STAGES = (0, 1, 2, 3)
 """The `zero` choices: nothing sharded, optimizer states, + gradients, + parameters."""
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 """The `offload_optimizer` choices."""
-
-_IN_FLIGHT_REDUCTIONS = 2  # stage 2/3: buckets whose reduce-scatter may still be running
 
 
 class ZeroDataParallel:
@@ -77,8 +76,9 @@ class ZeroDataParallel:
                  replicas: MeshAxis | None = None):
         if stage not in (1, 2, 3):
             raise SettingError(Code.CHOICE, f"`zero` must be 0, 1, 2 or 3, got {stage}")
-        self.axis, self.stage, self.scale = axis, stage, scale
-        self.replicas = replicas
+        self.axis, self.scale, self.replicas = axis, scale, replicas
+        self.transient = TransientBytes()
+        self.gradients, self.parameters = stage_pieces(stage, axis, self.transient)
         self._sync = True
         units = [[p for p in unit if p.requires_grad] for unit in units]
         self.params = [p for unit in units for p in unit]
@@ -90,31 +90,25 @@ class ZeroDataParallel:
         self.buckets = []
         self._pieces = {}
         for g in groups:
-            b = Bucket(g, axis, stage=stage, grad_dtype=grad_dtype, offload=self.states.on_host)
+            b = Bucket(g, axis, full_gradients=self.gradients.full,
+                       sharded_parameters=self.parameters.sharded, grad_dtype=grad_dtype,
+                       offload=self.states.on_host)
             self._pieces[id(b)] = [nn.Parameter(b.master[a:a + n]) for _, a, n in b.pieces]
             self.states.adopt(len(self.buckets), b, self._pieces[id(b)])
             self.buckets.append(b)
         self.deferred = next((b for b in self.buckets if deferred and b.params[0] is deferred[0]),
                              None)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._in_flight: list[Bucket] = []
-        self.transient = TransientBytes()
         self.gatherer: ParameterGatherer | None = None  # stage 3, once `attach`ed
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _group(self, units, bucket_bytes, grad_dtype, deferred) -> list[list[nn.Parameter]]:
-        """Stage 3: a bucket per unit; else size-closed buckets in reverse order, split by
-        dtype (a flat buffer has one; the MoE router stays fp32 in a 16-bit model). The
-        deferred parameter always has a bucket of its own."""
+        """The buckets' parameters as the stage's parameters piece groups them; the deferred
+        parameter always has a bucket of its own (after the others)."""
         rest = [[p for p in unit if p is not deferred] for unit in units]
-        if self.stage == 3:
-            groups = [unit for unit in rest if unit]
-        else:
-            itemsize = torch.empty((), dtype=grad_dtype).element_size()
-            groups = [same for group in reverse_buckets([p for unit in rest for p in unit],
-                                                        bucket_bytes, itemsize)
-                      for same in _by_dtype(group)]
+        itemsize = torch.empty((), dtype=grad_dtype).element_size()
+        groups = self.parameters.group(rest, bucket_bytes, itemsize)
         return groups + ([[deferred]] if deferred is not None else [])
 
     @property
@@ -126,7 +120,7 @@ class ZeroDataParallel:
         # stage 1 communicates once per step; stages 2 and 3 reduce every micro-batch (so no
         # full gradient outlives its backward). Set before each backward, so it also restarts
         # the count of gradients each bucket waits for.
-        self._sync = last_micro_batch or self.stage >= 2
+        self._sync = last_micro_batch or self.gradients.every_micro_batch
         for b in self.buckets:
             b.pending = len(b.params)
 
@@ -136,19 +130,11 @@ class ZeroDataParallel:
 
     def zero_grad(self) -> None:
         for b in self.buckets:
-            if self.stage == 1:
-                b.grad_flat.zero_()  # the shard is part of it
-            else:  # the step's first reduction makes the shard (a step skipped left one)
-                b.drop_grad_shard()
+            self.gradients.zero(b)
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         b = self._bucket_of[id(param)]
-        if b.grad_flat is None:  # stage 2/3: a fresh bucket for this micro-batch
-            if b.reduced is not None:  # the previous micro-batch's reduction must land first
-                self._in_flight.remove(b)
-                self._complete(b)
-            b.fresh_grad_flat()
-            self.transient.add(b.grad_flat.numel() * b.grad_flat.element_size())
+        self.gradients.prepare(b)
         if not b.as_grads:
             b.add_grad(param)
             param.grad = None
@@ -161,30 +147,8 @@ class ZeroDataParallel:
     def _reduce(self, b: Bucket) -> None:
         b.pending = len(b.params)
         b.launched = True
-        avg = dist.ReduceOp.AVG
-        if self.stage == 1:
-            b.work = comm.reduce_scatter_into(b.grad_shard, b.grad_flat, self.axis, op=avg,
-                                              async_op=True)
-            return
-        b.fill_unwritten()
-        # in place, into the bucket's own shard slice (gloo is markedly faster so than into a
-        # separate tensor); the slice is added to the persistent shard when it lands
-        b.reduced = b.grad_flat[b.lo:b.lo + b.shard_size]
-        b.work = comm.reduce_scatter_into(b.reduced, b.grad_flat, self.axis, op=avg,
-                                          async_op=True)
-        b.grad_flat, b.grad_views = None, {}  # the collective holds it until done
-        self._in_flight.append(b)
-        if self.stage == 3 and b.state == BACKWARD:
-            release(b, self.transient)
-        while len(self._in_flight) > _IN_FLIGHT_REDUCTIONS:
-            self._complete(self._in_flight.pop(0))
-
-    def _complete(self, b: Bucket) -> None:
-        if b.work is not None:
-            b.work.wait()
-        b.take_reduced(b.reduced)
-        self.transient.add(-b.padded * b.grad_shard.element_size())
-        b.work, b.reduced = None, None
+        self.gradients.launch(b)
+        self.parameters.reduced(b)
 
     def wait(self) -> None:
         """Finish the step's reductions (also of buckets backward did not complete)."""
@@ -195,20 +159,14 @@ class ZeroDataParallel:
             self.deferred.fill_unwritten()
             comm.all_reduce(self.deferred.grad_flat, self.deferred_axis)
         if self.sync:
-            for b in self.buckets:  # stage 1: not launched; 2, 3: a bucket not yet reduced
-                if b.grad_flat is not None and (self.stage > 1 or not b.launched):
+            for b in self.buckets:
+                if self.gradients.unreduced(b):
                     self._reduce(b)
+        self.gradients.settle(self.buckets)
         for b in self.buckets:
-            if self.stage == 1 and b.work is not None:
-                b.work.wait()
-                b.work = None
             b.launched = False
             b.pending = len(b.params)
-        while self._in_flight:
-            self._complete(self._in_flight.pop(0))
-        if self.stage == 3:  # a unit whose parameters got no gradient is still gathered
-            for b in self.buckets:
-                release(b, self.transient)
+        self.parameters.settle(self.buckets)
         for b in self.buckets:
             b.ensure_grad_shard()
             if self.sync and self.replicas is not None:  # hybrid: once per step, the shards
@@ -229,7 +187,7 @@ class ZeroDataParallel:
         them into the parameter shards and (stages 1, 2) gather the full parameters; in the
         order the states' store allows (`StateStore.step`)."""
         self.states.step(self.buckets, self._pieces, optimizer, self._give_grads, self._take)
-        self._gather_parameters()
+        self.parameters.after_step(self.buckets, self.axis)
 
     def _give_grads(self, b: Bucket) -> None:
         grad = b.grad_shard if b.grad_in_place else \
@@ -242,26 +200,13 @@ class ZeroDataParallel:
             piece.grad = None  # frees an fp32 gradient copy
         if b.master is not b.param_shard:
             b.param_shard.copy_(b.master)
-        if self.stage > 1:
-            b.drop_grad_shard()
-
-    def _gather_parameters(self) -> None:
-        works = []
-        for b in self.buckets:
-            if self.stage < 3:
-                works.append(comm.all_gather_into(b.param_flat, b.param_shard, self.axis,
-                                                  async_op=True))
-        for work in works:
-            if work is not None:
-                work.wait()
+        self.gradients.updated(b)
 
     # ------------------------------------------------------------------ stage 3 gathering
     def attach(self, units: list[nn.Module], *, root: bool = True) -> None:
         """Gather each unit's parameters around its computation (`ParameterGatherer`; `root`:
         unit 0 is the model itself)."""
-        assert self.stage == 3
-        self.gatherer = ParameterGatherer(self.buckets, self.axis, units, self.transient,
-                                          root=root)
+        self.gatherer = self.parameters.attach(self.buckets, self.axis, units, root=root)
 
     # ------------------------------------------------------------------ memory and state
     @property
@@ -281,10 +226,8 @@ class ZeroDataParallel:
         def nbytes(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
-        params = sum(nbytes(b.param_flat if self.stage < 3 else b.param_shard)
-                     for b in self.buckets)
-        grads = sum(nbytes(b.grad_flat) if self.stage == 1 else b.shard_size * b.grad_dtype.itemsize
-                    for b in self.buckets)
+        params = sum(self.parameters.nbytes(b) for b in self.buckets)
+        grads = sum(self.gradients.nbytes(b) for b in self.buckets)
         states = sum(nbytes(b.master) for b in self.buckets if b.master is not b.param_shard)
         pieces = [piece for b in self.buckets for piece in self._pieces[id(b)]]
         states += sum(nbytes(t) for piece in pieces
@@ -305,10 +248,3 @@ class ZeroDataParallel:
         """Take this rank's shard of full per-parameter values (and moments)."""
         load_states(self.buckets, self._pieces, self.states, optimizer, values, states, step)
 
-
-def _by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """`params` as groups of one dtype each, in order of first appearance."""
-    groups: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        groups.setdefault(p.dtype, []).append(p)
-    return list(groups.values())

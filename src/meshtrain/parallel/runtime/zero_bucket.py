@@ -21,8 +21,8 @@ def shard_numel(params: list[nn.Parameter], parts: int) -> int:
 class Bucket:
     """One flat bucket: its parameters, its shard of them, their gradients and master shard."""
 
-    def __init__(self, params: list[nn.Parameter], axis: MeshAxis, *, stage: int,
-                 grad_dtype: torch.dtype, offload: bool):
+    def __init__(self, params: list[nn.Parameter], axis: MeshAxis, *, full_gradients: bool,
+                 sharded_parameters: bool, grad_dtype: torch.dtype, offload: bool):
         self.params = params
         self.shapes = {id(p): p.shape for p in params}
         self.offsets: dict[int, int] = {}
@@ -42,8 +42,8 @@ class Bucket:
             end = min(self.offsets[id(p)] + p.numel(), self.lo + self.shard_size)
             if start < end:
                 self.pieces.append((p, start - self.lo, end - start))
-        self._flatten_parameters(stage)
-        self._make_gradients(stage)
+        self._flatten_parameters(sharded_parameters)
+        self._make_gradients(full_gradients)
         self.pending = len(params)
         self.work: dist.Work | None = None
         self.reduced: torch.Tensor | None = None  # stage 2/3: reduce-scatter output in flight
@@ -59,11 +59,11 @@ class Bucket:
         # step and freed after it
         self.grad_in_place = not offload and grad_dtype == torch.float32
 
-    def _flatten_parameters(self, stage: int) -> None:
-        """Parameters become views of the full flat buffer for good. Stage 3 frees it by
-        shrinking its storage to nothing and regathers into the same storage (FSDP's way):
-        views that autograd saved (a weight's transpose) then hold no memory while freed and see
-        the regathered values in backward."""
+    def _flatten_parameters(self, sharded: bool) -> None:
+        """Parameters become views of the full flat buffer for good. `sharded` (stage 3) frees
+        it by shrinking its storage to nothing and regathers into the same storage (FSDP's
+        way): views that autograd saved (a weight's transpose) then hold no memory while freed
+        and see the regathered values in backward."""
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         for p in self.params:
             self.param_view(flat, p).copy_(p.detach())
@@ -74,19 +74,19 @@ class Bucket:
         self.resident = True  # the full parameters are there
         self.gathering: dist.Work | None | bool = False  # in-flight gather (None at N = 1)
         self.state = FORWARD
-        if stage == 3:
+        if sharded:
             self.param_shard = self.param_shard.clone()
             flat.untyped_storage().resize_(0)
             self.resident, self.state = False, FREE
 
-    def _make_gradients(self, stage: int) -> None:
-        """Stage 1 keeps the full gradient bucket and reduces into its own shard; stages 2
-        and 3 keep only a shard (full buckets live during one reduction), and only from the
-        step's first reduction to its update (`take_reduced` .. `drop_grad_shard`): no
+    def _make_gradients(self, full: bool) -> None:
+        """`full` (stage 1) keeps the full gradient bucket and reduces into its own shard; else
+        (stages 2 and 3) only a shard is kept (full buckets live during one reduction), and
+        only from the step's first reduction to its update (`take_reduced` .. `drop_grad_shard`): no
         gradient memory through the forward, where the activations peak."""
-        self.as_grads = stage == 1 and self.dtype == self.grad_dtype
+        self.as_grads = full and self.dtype == self.grad_dtype
         self.grad_flat = torch.zeros(self.padded, dtype=self.grad_dtype, device=self.device) \
-            if stage == 1 else None
+            if full else None
         self.grad_views: dict[int, torch.Tensor] = {}
         self.grad_shard: torch.Tensor | None = None
         self.grad_pieces: dict[int, torch.Tensor] = {}
