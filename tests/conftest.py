@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import sys
@@ -26,6 +27,7 @@ _SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 sys.path.insert(0, _SRC)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_SRC, os.environ.get("PYTHONPATH")]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -68,3 +70,20 @@ def corpus_file(tmp_path_factory):
 def corpus(corpus_file) -> str:
     """The corpus the training tests share (layouts are compared on the same tokens)."""
     return corpus_file(60_000, seed=0)
+
+
+@pytest.fixture(scope="session")
+def documents_file(tmp_path_factory) -> str:
+    """A token file of byte documents, each ending with the end-of-document id 256
+    (packed-document tests)."""
+    text = bytes(np.frombuffer(b"the cat sat. a dog ran far away. birds sing", np.uint8))
+    g = np.random.default_rng(0)
+    tokens = []
+    while len(tokens) < 20_000:
+        start, length = g.integers(0, len(text) - 8), g.integers(3, 40)
+        tokens += list(text[start:start + length]) + [256]
+    path = tmp_path_factory.mktemp("docs") / "docs.bin"
+    np.asarray(tokens, dtype="<u2").tofile(path)
+    path.with_name("docs.bin.json").write_text(json.dumps(
+        {"dtype": "uint16", "vocab_size": 257, "eod_id": 256, "tokenizer": "bytes"}))
+    return str(path)

@@ -277,3 +277,20 @@ def word_level_tokenizer(folder, words: int, special: str):
     path = folder / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+def cp_core_errors(full: list, reference, mine, mesh, cp_mode: str, mask) -> float:
+    """Largest difference between this cp rank's attention core on its tokens `mine` (output
+    and q/k/v gradients, of the summed squared output) and the dense `reference` computed from
+    `full` (whose gradients the caller's backward filled)."""
+    from meshtrain.parallel.layers.attention import AttentionCore
+
+    local = [t.detach()[:, :, mine].clone().requires_grad_() for t in full]
+    core = AttentionCore(dropout=0.0, eager=False, cp_axis=mesh.cp, cp_mode=cp_mode,
+                         recompute=False)
+    out = core(*local, None, mask)
+    out.pow(2).sum().backward()
+    errors = [(out - reference[:, :, mine]).abs().max().item()]
+    errors += [(t.grad - f.grad[:, :, mine]).abs().max().item()
+               for t, f in zip(local, full, strict=True)]
+    return max(errors)

@@ -11,11 +11,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from harness import run_on_ranks, worker_mesh
+from harness import cp_core_errors, run_on_ranks, worker_mesh
 
 from meshtrain.config.run_config import build_config, validate
 from meshtrain.errors import Code, SettingError
-from meshtrain.parallel.layers.attention import AttentionCore
 from meshtrain.parallel.layers.context_parallel import ring_sub_blocks
 from meshtrain.parallel.layers.cp_balance import (
     TOLERANCE,
@@ -85,15 +84,7 @@ def _balanced_attention(cp_mode: str, window) -> float:
     reference = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ full[2]
     reference.pow(2).sum().backward()
     mine = layout.ranks[mesh.cp.rank]
-    local = [t.detach()[:, :, mine].clone().requires_grad_() for t in full]
-    core = AttentionCore(dropout=0.0, eager=False, cp_axis=mesh.cp, cp_mode=cp_mode,
-                         recompute=False)
-    out = core(*local, None, mask)
-    out.pow(2).sum().backward()
-    errors = [(out - reference[:, :, mine]).abs().max().item()]
-    errors += [(t.grad - f.grad[:, :, mine]).abs().max().item()
-               for t, f in zip(local, full, strict=True)]
-    return max(errors)
+    return cp_core_errors(full, reference, mine, mesh, cp_mode, mask)
 
 
 @pytest.mark.parametrize("cp_mode,window", [

@@ -4,10 +4,8 @@ documents) at cp 4 = 2 x 2, the mesh's two sub-axes, the bytes each part sends a
 formula, training against one process, the refusals, and the planner's price."""
 
 import dataclasses
-import json
 import math
 
-import numpy as np
 import pytest
 import torch
 from harness import run_on_ranks, worker_mesh
@@ -108,22 +106,6 @@ TRAIN = {"steps": 5, "global_batch": 2, "micro_batch": 2, "seq_len": 32, "seed":
 PACKED = {"document_mask": True, "reset_positions": True, "eod_mask_loss": True}
 FEW_HEADS = {"model": "llama-tiny", "num_layers": 2, "num_heads": 2, "num_kv_heads": 1}
 """Two query heads, one key/value head: cp 4 exceeds the heads a rank holds."""
-
-
-@pytest.fixture(scope="module")
-def documents_file(tmp_path_factory) -> str:
-    """A token file of byte documents of 3-40 tokens, each ending with the id 256."""
-    text = b"the cat sat. a dog ran far away. birds sing"
-    g = np.random.default_rng(1)
-    tokens = []
-    while len(tokens) < 20_000:
-        start, length = g.integers(0, len(text) - 8), g.integers(3, 40)
-        tokens += list(text[start:start + length]) + [EOD]
-    path = tmp_path_factory.mktemp("docs") / "docs.bin"
-    np.asarray(tokens, dtype="<u2").tofile(path)
-    path.with_name("docs.bin.json").write_text(json.dumps(
-        {"dtype": "uint16", "vocab_size": EOD + 1, "eod_id": EOD, "tokenizer": "bytes"}))
-    return str(path)
 
 
 def _trajectory(data: str, model: dict, degrees: dict, parallel: dict, packed: bool):

@@ -6,14 +6,13 @@ its document alone at tp 2, cp 2 (ring and all-to-all) and pp 2; refusals before
 
 import dataclasses
 import itertools
-import json
 import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_on_ranks, worker_mesh
+from harness import cp_core_errors, run_on_ranks, worker_mesh
 
 from meshtrain.config.run_config import build_config, check_packing, validate
 from meshtrain.errors import Code, SettingError
@@ -166,15 +165,7 @@ def _context_parallel(cp_mode: str, window, documents: bool):
     reference = _dense(*full, mask)
     reference.pow(2).sum().backward()
     mine = context_parallel_positions(16, 2, mesh.cp.rank)
-    local = [t.detach()[:, :, mine].clone().requires_grad_() for t in full]
-    core = AttentionCore(dropout=0.0, eager=False, cp_axis=mesh.cp, cp_mode=cp_mode,
-                         recompute=False)
-    out = core(*local, None, mask)
-    out.pow(2).sum().backward()
-    errors = [(out - reference[:, :, mine]).abs().max().item()]
-    errors += [(t.grad - f.grad[:, :, mine]).abs().max().item()
-               for t, f in zip(local, full, strict=True)]
-    return max(errors)
+    return cp_core_errors(full, reference, mine, mesh, cp_mode, mask)
 
 
 @pytest.mark.parametrize("window,documents", MASKS)
@@ -254,22 +245,6 @@ def test_a_packed_batch_gives_each_token_its_loss_alone(family, degrees, plan):
     for mine, losses in run_on_ranks(2, _per_token_losses, family, degrees, plan):
         packed[:, mine] = losses
     assert (packed - expected).abs().max().item() < 1e-6
-
-
-@pytest.fixture(scope="module")
-def documents_file(tmp_path_factory) -> str:
-    """A token file of byte documents, each ending with the end-of-document id 256."""
-    text = bytes(np.frombuffer(b"the cat sat. a dog ran far away. birds sing", np.uint8))
-    g = np.random.default_rng(0)
-    tokens = []
-    while len(tokens) < 20_000:
-        start, length = g.integers(0, len(text) - 8), g.integers(3, 40)
-        tokens += list(text[start:start + length]) + [EOD]
-    path = tmp_path_factory.mktemp("docs") / "docs.bin"
-    np.asarray(tokens, dtype="<u2").tofile(path)
-    path.with_name("docs.bin.json").write_text(json.dumps(
-        {"dtype": "uint16", "vocab_size": EOD + 1, "eod_id": EOD, "tokenizer": "bytes"}))
-    return str(path)
 
 
 PACKED = {"document_mask": True, "reset_positions": True, "eod_mask_loss": True}
