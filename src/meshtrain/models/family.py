@@ -19,18 +19,9 @@ from torch import nn
 from meshtrain.errors import Code, SettingError, alternatives
 from meshtrain.models.layer_pattern import LayerPattern
 from meshtrain.parallel.layers.attention import ATTENTION_KERNELS
+from meshtrain.parallel.layers.expert import SHARED_GATES
 from meshtrain.parallel.layers.grouped_matmul import GEMMS
-from meshtrain.parallel.layers.routing import RoutingRule
-
-MOE_SCORES = ("softmax", "sigmoid")
-"""The `moe_score` choices: how router logits become the scores experts are chosen by."""
-MOE_AUX_TOKENS = ("first", "all")
-"""The `moe_aux_loss_tokens` choices: the balancing loss counts first choices or all k."""
-MOE_AUX_SCOPES = ("micro-batch", "global")
-"""The `moe_aux_loss_scope` choices: whose expert fractions the balancing loss weighs."""
-MOE_SHARED_GATES = ("none", "sigmoid")
-"""How a shared expert's output joins the routed one: added as it is (DeepSeek), or scaled by
-sigmoid(Linear(h -> 1)(x)) per token (Qwen2-MoE's `shared_expert_gate`)."""
+from meshtrain.parallel.layers.routing import AUX_SCOPES, AUX_TOKENS, SCORES, RoutingRule
 
 
 def _setting(help: str, default: Any = MISSING, *, choices: tuple | None = None) -> Any:
@@ -87,7 +78,7 @@ class TransformerConfig(ABC):
     moe_shared_gate: str | None = _setting("how the shared expert joins: none (DeepSeek: added)"
                                            " or sigmoid (Qwen2-MoE: scaled by a learned"
                                            " per-token gate); required with a shared expert",
-                                           None, choices=MOE_SHARED_GATES)
+                                           None, choices=SHARED_GATES)
     moe_capacity_factor: float = _setting("expert capacity = ceil(factor x tokens x k /"
                                           " experts) per micro-batch and rank; excess choices"
                                           " are dropped (0: dropless, every choice kept)",
@@ -96,17 +87,17 @@ class TransformerConfig(ABC):
     moe_z_loss_coef: float = _setting("weight of the router z-loss (mean squared"
                                       " log-sum-exp of the router logits)", 0.0)
     moe_score: str = _setting("router scores: softmax over experts (Mixtral, Qwen) or a"
-                              " sigmoid each (DeepSeek-V3)", "softmax", choices=MOE_SCORES)
+                              " sigmoid each (DeepSeek-V3)", "softmax", choices=SCORES)
     moe_norm_topk_prob: bool | None = _setting("renormalise the k chosen scores to sum to 1"
                                                " (unset: only when moe_top_k >= 2)", None)
     moe_routed_scaling: float = _setting("factor on the combine weights of the routed"
                                          " experts (DeepSeek's routed_scaling_factor)", 1.0)
     moe_aux_loss_tokens: str = _setting("the balancing loss's expert fractions count first"
                                         " choices (Switch) or all k (transformers, Megatron)",
-                                        "first", choices=MOE_AUX_TOKENS)
+                                        "first", choices=AUX_TOKENS)
     moe_aux_loss_scope: str = _setting("the balancing loss weighs this micro-batch's fractions,"
                                        " or the previous step's whole global batch's (the same"
-                                       " at every layout)", "micro-batch", choices=MOE_AUX_SCOPES)
+                                       " at every layout)", "micro-batch", choices=AUX_SCOPES)
     moe_seq_aux_loss_coef: float = _setting("weight of DeepSeek's sequence-wise balancing loss"
                                             " (fractions and scores per sequence)", 0.0)
     moe_bias_rate: float = _setting("auxiliary-loss-free balancing: each step, an expert's"
@@ -232,9 +223,9 @@ class TransformerConfig(ABC):
             if getattr(self, name) < 0:
                 raise SettingError(Code.RANGE, (
                     f"`{name}` must be >= 0 (0: {zero}), got {getattr(self, name)}"))
-        if self.moe_shared_gate not in (None, *MOE_SHARED_GATES):
+        if self.moe_shared_gate not in (None, *SHARED_GATES):
             raise SettingError(Code.CHOICE, (
-                f"`moe_shared_gate` must be {alternatives(MOE_SHARED_GATES)}, got"
+                f"`moe_shared_gate` must be {alternatives(SHARED_GATES)}, got"
                 f" {self.moe_shared_gate!r}"))
         if self.moe_shared_ffn_size and self.moe_shared_gate is None:
             raise SettingError(Code.MOE_SHARED, (
@@ -253,11 +244,11 @@ class TransformerConfig(ABC):
         self._validate_routing()
 
     def _validate_routing(self) -> None:
-        for name, value, choices in (("moe_score", self.moe_score, MOE_SCORES),
+        for name, value, choices in (("moe_score", self.moe_score, SCORES),
                                      ("moe_aux_loss_tokens", self.moe_aux_loss_tokens,
-                                      MOE_AUX_TOKENS),
+                                      AUX_TOKENS),
                                      ("moe_aux_loss_scope", self.moe_aux_loss_scope,
-                                      MOE_AUX_SCOPES)):
+                                      AUX_SCOPES)):
             if value not in choices:
                 raise SettingError(Code.CHOICE, f"`{name}` must be {alternatives(choices)},"
                                                 f" got {value!r}")

@@ -43,6 +43,9 @@ from meshtrain.parallel.layers.linear_functions import DENSE
 from meshtrain.parallel.layers.routing import Router, RoutingRule, route
 from meshtrain.parallel.layers.tensor import ColumnParallelLinear, RowParallelLinear
 
+SHARED_GATES = ("none", "sigmoid")
+"""How a shared expert's output joins the routed one: added as it is (DeepSeek), or scaled by
+sigmoid(Linear(h -> 1)(x)) per token (Qwen2-MoE's `shared_expert_gate`)."""
 
 @dataclass
 class _Dispatch:

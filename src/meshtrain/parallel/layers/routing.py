@@ -23,6 +23,12 @@ from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.precision import wide_dtype
 
+SCORES = ("softmax", "sigmoid")
+"""The `moe_score` choices: how router logits become the scores experts are chosen by."""
+AUX_TOKENS = ("first", "all")
+"""The `moe_aux_loss_tokens` choices: the balancing loss counts first choices or all k."""
+AUX_SCOPES = ("micro-batch", "global")
+"""The `moe_aux_loss_scope` choices: whose expert fractions the balancing loss weighs."""
 
 @dataclass
 class Routing:

@@ -101,21 +101,7 @@ def init_parallel(
     grid = tp_grid(tp_scheme, tp, tp_depth)
     device = resolve_device(device)
     if not dist.is_initialized():
-        atexit.unregister(destroy_parallel)  # (once, however often a process starts a world)
-        atexit.register(destroy_parallel)  # a script that forgets it still exits cleanly
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
-        else:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{free_port()}",
-                rank=0,
-                world_size=1,
-                timeout=timeout,
-            )
+        _start_world(device, timeout)
     if device_mesh is not None and device_mesh.device_type != device.type:
         raise SettingError(Code.DEVICE_MESH_DIMS, f"the DeviceMesh is on {device_mesh.device_type}"
                            f" but `device` is {device.type}: use the mesh's device")
@@ -123,6 +109,20 @@ def init_parallel(
     return ParallelMesh(degrees, rank=dist.get_rank(), device=device, tp_scheme=tp_scheme,
                         tp_grid=grid, device_mesh=device_mesh, reused=reused, dp_shard=dp_shard,
                         cp_a2a=cp_a2a)
+
+
+def _start_world(device: torch.device, timeout: datetime.timedelta) -> None:
+    """The default process group: torchrun's world from its environment, else one rank."""
+    atexit.unregister(destroy_parallel)  # (once, however often a process starts a world)
+    atexit.register(destroy_parallel)  # a script that forgets it still exits cleanly
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1, timeout=timeout)
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dict:
