@@ -4,8 +4,7 @@
 Shape scaled to this CPU: hidden 512, 64 SwiGLU experts of width 128, top-8, dropless, softmax
 scores with the top-8 renormalised (transformers' `norm_topk_prob`, meshtrain's rule for k >= 2),
 4096 tokens, fp32. meshtrain's layer is the Llama family's MoE layer built from a preset with
-`ffn_hidden_size` 128 (the experts' width; an expert width of its own is another branch's field) and
-`moe_top_k` set to 8 on the built layer (the config accepts 1 or 2 on this branch).
+`moe_ffn_size` 128 (the experts' width) and `moe_top_k` 8.
 transformers' block runs under its default experts implementation (`grouped_mm`, what
 `PreTrainedModel` selects when it can) and its `eager` one (a loop over the hit experts).
 Outputs and input gradients are checked equal to transformers' before timing.
@@ -44,14 +43,12 @@ EP2 = f"meshtrain {EP2_GEMM}, ep 2"
 
 
 def meshtrain_layer(mesh: ParallelMesh, gemm: str, sizes=None) -> MoE:
-    """The Llama family's MoE layer (SwiGLU experts) on `mesh`, seed 0, top-k lifted on it."""
+    """The Llama family's MoE layer (SwiGLU experts) on `mesh`, seed 0."""
     h, e, k, f, _ = sizes or (HIDDEN, EXPERTS, TOP_K, WIDTH, TOKENS)
     cfg = preset("llama-tiny", num_layers=1, hidden_size=h, num_heads=8, num_kv_heads=8,
-                 ffn_hidden_size=f, moe_experts=e, moe_top_k=2, moe_capacity_factor=0.0,
+                 moe_ffn_size=f, moe_experts=e, moe_top_k=k, moe_capacity_factor=0.0,
                  moe_aux_loss_coef=0.0, moe_gemm=gemm)
-    layer = build_model(cfg, mesh, seed=0).layers["0"].mlp
-    layer.top_k = k
-    return layer
+    return build_model(cfg, mesh, seed=0).layers["0"].mlp
 
 
 def transformers_block(layer: MoE, implementation: str, sizes=None):

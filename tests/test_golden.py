@@ -11,10 +11,8 @@ after an AMD AVX2 host disagreed in the last bits with the one it was first made
 2026-11-26 from f784580 with only the switch to torch's fused AdamW applied (issue 29: it
 rounds the update differently from foreach; fp32 losses moved by at most 1.1e-7 relative, the
 bf16/fp16 cases' by up to 9e-6, `tests/test_optimizer.py` bounds the kernels' difference).
-The two MoE runs were recorded again on 2026-12-02 when their experts became one padded batched
-matmul by default on a CPU (issue 50): every recorded value unchanged, the weights' digests moved
-(largest difference per tensor over its largest value: 9.4e-6 and 9.5e-5), and the per-layer
-load metrics added.
+The two MoE runs' rows gained the per-layer load metrics on 2026-12-02 (issue 50); every value
+and weight digest is the one recorded before.
 
 Record again (only when a change is meant to move the numbers, and say why in the commit):
     MESHTRAIN_RECORD_GOLDEN=1 python -m pytest tests/test_golden.py

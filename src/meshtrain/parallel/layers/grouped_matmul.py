@@ -17,9 +17,9 @@ import torch.nn.functional as F
 GEMMS = ("auto", "loop", "padded", "grouped")
 """The `moe_gemm` choices."""
 
-# Measured (docs/benchmarks.md): on a CPU the padded batched matmul is the fastest, ahead of
-# transformers' grouped_mm experts; grouped matmul is the kernel GPUs have.
-_AUTO = {"cpu": "padded", "cuda": "grouped"}
+# Measured on a quiet host (docs/benchmarks.md): on a CPU the per-expert loop is the fastest
+# of the three (padded the slowest); grouped matmul is the kernel GPUs have.
+_AUTO = {"cpu": "loop", "cuda": "grouped"}
 _GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16),
                    "cuda": (torch.bfloat16,)}
 
