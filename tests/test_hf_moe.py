@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 import transformers
 from harness import run_cli, run_on_ranks, worker_mesh
@@ -57,7 +58,16 @@ def hf(tmp_path_factory) -> dict[str, Path]:
         torch.manual_seed(seed)
         paths[name] = root / name
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(paths[name])
+    (paths["mixtral"] / "tokenizer.json").write_text(_numbered_tokenizer())
     return paths
+
+
+def _numbered_tokenizer() -> str:
+    """A tokenizer.json whose token i is the word `t{i}`: text names ids exactly."""
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return tokenizer.to_str()
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +170,18 @@ def test_greedy_generation_equals_transformers(hf, variant):
     theirs = reference.generate(prompt, attention_mask=torch.ones_like(prompt),
                                 max_new_tokens=12, do_sample=False)
     assert torch.equal(meshtrain.load_model(hf[variant]).generate(prompt, 12), theirs)
+
+
+@pytest.mark.extended  # a 2-rank command: `load_model().generate` above is the default case
+def test_sample_command_is_greedy_generation_of_transformers_at_tp2(hf, imported):
+    prompt = IDS[:1, :6]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf["mixtral"]).eval()
+    theirs = reference.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                max_new_tokens=12, do_sample=False)
+    sample = run_cli("sample", str(imported["mixtral"]), "--prompt",
+                     " ".join(f"t{i}" for i in prompt[0].tolist()), "--top-k", "0",
+                     "--max-new-tokens", "12", "--nproc", "2", "--tp", "2", "--device", "cpu")
+    assert [int(word[1:]) for word in sample.stdout.split()] == theirs[0].tolist()
 
 
 def _logits_at(run: str, ids: torch.Tensor, degrees: dict):
