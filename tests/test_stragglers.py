@@ -193,6 +193,8 @@ def test_doctor_summarises_the_windows_of_metrics(tmp_path, capsys):
     rows = [{"step": 5, "loss": 3.0, "stragglers": [], "compute_max_over_median": 1.2},
             {"step": 10, "loss": 2.9, "stragglers": [3], "compute_max_over_median": 2.5},
             {"step": 12, "eval_loss": 3.0}, "not an object",
+            {"step": 13, "stragglers": ["x"], "compute_max_over_median": 9.0},
+            {"step": 14, "stragglers": [2], "compute_max_over_median": "9"},
             {"step": 15, "loss": 2.8, "stragglers": [1, 3], "compute_max_over_median": 4.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{")
     assert cli.main(["doctor", str(tmp_path)]) == 0

@@ -112,6 +112,16 @@ class StragglerDetector:
         return sorted(set(last[0]).intersection(*last[1:]))
 
 
+def _window_row(row) -> bool:
+    """Whether `row` (parsed JSON) is a metrics row of a compared window."""
+    def number(value) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    return isinstance(row, dict) and isinstance(row.get("step"), int) and \
+        number(row.get("compute_max_over_median")) and isinstance(row.get("stragglers"), list) \
+        and all(isinstance(rank, int) for rank in row["stragglers"])
+
+
 def summary(run_dir: Path) -> list[str]:
     """`meshtrain doctor`'s lines on stragglers, from the run's metrics.jsonl: each rank named,
     in how many windows and at which steps; none when the run compared no window."""
@@ -125,11 +135,11 @@ def summary(run_dir: Path) -> list[str]:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("stragglers"), list):
+        if _window_row(row):
             windows.append(row)
     if not windows:
         return []
-    worst = max(float(row.get("compute_max_over_median", 1.0)) for row in windows)
+    worst = max(row["compute_max_over_median"] for row in windows)
     head = (f"stragglers: {len(windows)} windows compared (steps up to {windows[-1]['step']});"
             f" the slowest rank's compute at most {worst:.2f}x its stage's median")
     named: dict[int, list[int]] = {}
