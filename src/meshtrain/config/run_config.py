@@ -362,6 +362,7 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                                        f" {MIN_COLLECTIVE_TIMEOUT_S:g} (below, a collective of a"
                                        f" healthy run times out), got {p.collective_timeout}")
     _validate_restarts(cfg)
+    _validate_stragglers(p)
     _validate_logging(cfg.logging, t.stop_at or t.steps)
     _validate_data(cfg.data)
     model = cfg.model_config(vocab_size=cfg.model.vocab_size or BYTE_VOCAB_SIZE)
@@ -379,6 +380,16 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
     if plan.fp8 != "none":  # the one plan setting that depends on the device
         check_fp8_device(resolve_device(p.device), plan.fp8)
     return plan
+
+
+def _validate_stragglers(p: ParallelSettings) -> None:
+    if p.straggler_window < 0:
+        raise SettingError(Code.RANGE, f"`straggler_window` must be >= 0 steps (0: off), got"
+                                       f" {p.straggler_window}")
+    if not 1.0 < p.straggler_threshold < float("inf"):
+        raise SettingError(Code.RANGE, f"`straggler_threshold` must be a number above 1 (a"
+                                       f" rank's compute over the median), got"
+                                       f" {p.straggler_threshold}")
 
 
 def _validate_logging(log: LoggingSettings, steps: int) -> None:

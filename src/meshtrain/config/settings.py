@@ -72,6 +72,15 @@ class ParallelSettings:
                                           " run is declared hung: the ranks dump their last"
                                           " collectives to --out/hang and the run exits with"
                                           " code 4 naming what diverged (meshtrain doctor OUT)")
+    straggler_window: int = _f(0, "every N steps compare each rank's compute time (its step"
+                                  " time less its time blocked in collectives) with the"
+                                  " median of the ranks of its pipeline stage, and name those"
+                                  " over --straggler-threshold times it in the progress output"
+                                  " and metrics.jsonl (`stragglers`); one all-gather of 3"
+                                  " floats per rank per window (0: off)")
+    straggler_threshold: float = _f(3.0, "with --straggler-window, a rank is a straggler when"
+                                         " its compute over a window is more than this many"
+                                         " times its stage's median")
     layout: str | None = _f(None, "let the planner choose the layout before the ranks start:"
                                   " auto searches every layout field, a spec such as"
                                   " tp=2,zero=1 (as for meshtrain plan) fixes the fields it"

@@ -8,7 +8,8 @@ The verdict rules, most specific first:
    interpreter); a peer that is itself waiting elsewhere is a consequence, not the cause;
 3. point-to-point calls (pipeline sends, ring attention) are matched by peer, not by number.
 Ranks are named by global rank (`rank N`). `meshtrain doctor RUN_DIR` prints the same verdict as
-the run did, with a short table of each rank's last collectives.
+the run did, with a short table of each rank's last collectives, then the ranks that straggler
+detection named (`stragglers.summary`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import math
 from pathlib import Path
 
+from meshtrain.operations.stragglers import summary
 from meshtrain.parallel.communication.flight_recorder import P2P_OPS
 
 SESSION_WINDOW_S = 60.0  # dumps of one hang are written within seconds of each other
@@ -206,8 +208,19 @@ def table(dumps: dict[int, dict], last: int = 4) -> list[str]:
 
 
 def doctor(run_dir: str | Path) -> tuple[int, list[str]]:
-    """(exit code, lines) of `meshtrain doctor RUN_DIR`: 0 with the verdict, 2 without dumps."""
-    run_dir, damaged = Path(run_dir), {}
+    """(exit code, lines) of `meshtrain doctor RUN_DIR`: 0 with the verdict and the stragglers
+    summary (`stragglers.summary`, from metrics.jsonl), 2 with neither to say."""
+    run_dir = Path(run_dir)
+    code, lines = _hang(run_dir)
+    stragglers = summary(run_dir)
+    if code and stragglers:  # no hang to diagnose: the stragglers alone
+        return 0, stragglers
+    return code, lines + stragglers
+
+
+def _hang(run_dir: Path) -> tuple[int, list[str]]:
+    """The hang's verdict and table (0), or the one line saying why there is none (2)."""
+    damaged = {}
     dumps = read_dumps(run_dir / "hang", damaged=damaged)
     skipped = "; ".join(f"{name}: {problem}" for name, problem in damaged.items())
     if not dumps and damaged:

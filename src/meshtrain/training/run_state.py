@@ -17,7 +17,9 @@ from meshtrain.data.tokenization import TOKENIZER_FILE
 from meshtrain.memory import PeakMemory, measure_peak
 from meshtrain.operations.failures import EXIT_NONFINITE, EXIT_STOPPED, RunFailure, writing
 from meshtrain.operations.stopping import SAVE_NOW, StopSignals, stop_signal
+from meshtrain.operations.stragglers import StragglerDetector
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.communication.flight_recorder import FlightRecorder
 from meshtrain.training.metrics import (
     MetricsLog,
     Progress,
@@ -35,8 +37,9 @@ class RunState:
     evaluation and checkpoint cadence, the pipeline trace."""
 
     def __init__(self, cfg: RunConfig, trainer, out: Path, start: int,
-                 stop: StopSignals | None = None):
-        """`trainer`: the rank's `training.trainer.Trainer` (that module imports this one)."""
+                 stop: StopSignals | None = None, recorder: FlightRecorder | None = None):
+        """`trainer`: the rank's `training.trainer.Trainer` (that module imports this one);
+        `recorder`: the rank's armed flight recorder, which keeps each step's totals."""
         t, mesh = cfg.train, trainer.mesh
         self.cfg, self.trainer, self.out, self.start = cfg, trainer, out, start
         self.signals, self.last_save = stop, time.monotonic()
@@ -74,6 +77,10 @@ class RunState:
             if cfg.logging.profile_steps else range(0)
         self.profiler = StepProfiler(window, out, mesh.rank, mesh.device)
         self.timer, self.rows = StepTimer(), []
+        self.recorder, self.stragglers = recorder, None
+        if recorder is not None and cfg.parallel.straggler_window:
+            self.stragglers = StragglerDetector(mesh, window=cfg.parallel.straggler_window,
+                                                threshold=cfg.parallel.straggler_threshold)
         self.nonfinite_run = 0  # consecutive steps with an inf/NaN loss or gradient norm
         self.first_step_s = 0.0  # `compile`: the step that compiled, reported after the next
 
@@ -84,9 +91,9 @@ class RunState:
         if step == self.peak_step:
             with measure_peak(trainer.mesh.device,
                               baseline={"parameters": trainer.model.parameters()}) as peak:
-                row = self._run_step(step)
+                row, totals = self._run_step(step)
         else:
-            row = self._run_step(step)
+            row, totals = self._run_step(step)
         if (trace := self.profiler.after(step + 1)) is not None:
             self.progress.write(f"meshtrain: profiled steps {self.profiler.window.start}-"
                                 f"{step + 1}: one trace per rank, e.g. {trace} (ui.perfetto.dev)")
@@ -101,7 +108,7 @@ class RunState:
             self.signals.longest_step = max(self.signals.longest_step, elapsed)
         tokens_per_s = t.global_batch * t.seq_len / elapsed
         row |= {"tokens_per_s": tokens_per_s, "step_time_s": elapsed,
-                **self.utilization.fields(tokens_per_s)}
+                **self.utilization.fields(tokens_per_s)} | self._compare(step, totals)
         if self.cfg.plan.compile and step <= self.start + 1:
             self._report_compile(step, elapsed)
         done = step + 1
@@ -149,8 +156,24 @@ class RunState:
                              f" {path.name} saved; continue with `resume` (or `auto_resume`)",
                              EXIT_STOPPED, agreed=True)
 
-    def _run_step(self, step: int) -> dict:
-        return self._traced(step) if step == self.traced else self.trainer.train_step(step)
+    def _run_step(self, step: int) -> tuple[dict, tuple[float, float] | None]:
+        """The step's row, and its (compute, blocked) seconds when a recorder is armed."""
+        if self.recorder is not None:
+            self.recorder.begin_step()
+        row = self._traced(step) if step == self.traced else self.trainer.train_step(step)
+        return row, None if self.recorder is None else self.recorder.end_step()
+
+    def _compare(self, step: int, totals: tuple[float, float] | None) -> dict:
+        """With straggler detection, at a window's end: the row's keys, and a line naming the
+        stragglers (collective over the world). The run's first step is left out."""
+        if self.stragglers is None:
+            return {}
+        window = self.stragglers.step(step + 1, totals if step > self.start else None)
+        if window is None:
+            return {}
+        if window.named:
+            self.progress.write(window.line())
+        return window.fields()
 
     def _stop_if_nonfinite(self, row: dict) -> None:
         """After `max_nonfinite_steps` consecutive inf/NaN steps, or at the last step inside

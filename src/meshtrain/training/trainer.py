@@ -39,6 +39,7 @@ from meshtrain.operations.run_lock import OffloadLock, RunLock, record_ranks
 from meshtrain.operations.stopping import StopSignals, failed_rank
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
 from meshtrain.parallel.communication import comm
+from meshtrain.parallel.communication.flight_recorder import FlightRecorder
 from meshtrain.parallel.runtime.executor import Packing
 from meshtrain.parallel.runtime.nvme_offload import OffloadFileChanged
 from meshtrain.parallel.runtime.optim import clip_grad_norm_
@@ -277,17 +278,18 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
         try:
             offload.acquire_agreed(mesh)
             record_ranks(cfg.checkpoint.out, mesh)
-            return _train(cfg, mesh, stop)
+            return _train(cfg, mesh, stop, watchdog.recorder)
         finally:
             offload.release()
             if lock is not None:
                 lock.release()
 
 
-def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None) -> list[dict]:
+def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None,
+           recorder: FlightRecorder) -> list[dict]:
     trainer = Trainer.build(cfg, mesh)
     try:
-        return _train_built(cfg, mesh, trainer, stop)
+        return _train_built(cfg, mesh, trainer, stop, recorder)
     except OffloadFileChanged as e:  # this rank's line; its peers stop as on a dead rank
         raise RunFailure(str(e), EXIT_BAD_INPUT) from None
     finally:
@@ -295,7 +297,7 @@ def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None) -> list
 
 
 def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
-                 stop: StopSignals | None) -> list[dict]:
+                 stop: StopSignals | None, recorder: FlightRecorder) -> list[dict]:
     out = Path(cfg.checkpoint.out)
     resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
     start = trainer.resume(out) if resuming else 0
@@ -304,7 +306,7 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
         _say_restart(mesh, restarts, start)
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
-    run = RunState(cfg, trainer, out, start, stop)
+    run = RunState(cfg, trainer, out, start, stop, recorder)
     if cfg.checkpoint.async_save:
         trainer.saver = AsyncSaver(mesh)
     try:

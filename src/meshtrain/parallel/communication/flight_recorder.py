@@ -7,6 +7,12 @@ where it is issued, so the compute between the two never counts as waiting. On C
 does not block in NCCL calls: an event recorded after the call ends the entry when the device
 passes it (`poll_device`).
 
+Beside the ring it keeps per-step totals (`begin_step`, `end_step`): the seconds this rank was
+blocked in collectives during a step, and the rest of the step's wall time, its compute. Compared
+across ranks they name a straggler (`operations.stragglers`): the slow rank computes longer, its
+peers wait longer. On CUDA the host does not block in NCCL calls, so there the totals see a slow
+host, not a slow device.
+
 Its methods that a training step calls run as plain Python even inside a compiled region
 (`_eager`): they read clocks and keep a ring, nothing for Dynamo to trace into a graph.
 
@@ -53,14 +59,18 @@ class Entry:
 
 
 class FlightRecorder:
-    """The last `capacity` collectives of this rank. Arm it for a region with `with recorder:`
-    (see `comm`); `waiting` is the entry the host is blocked in, if any."""
+    """The last `capacity` collectives of this rank, and its last `capacity` steps' totals. Arm
+    it for a region with `with recorder:` (see `comm`); `waiting` is the entry the host is
+    blocked in, if any."""
 
     def __init__(self, capacity: int = 128):
         self.entries: deque[Entry] = deque(maxlen=capacity)
         self.seq: dict[str, int] = {}  # axis name -> sequence number of its last collective
         self.axes: dict[str, tuple[int, ...]] = {}  # axis name -> its global ranks
         self.waiting: Entry | None = None
+        self.blocked_s = 0.0  # seconds the host spent blocked in collectives, all told
+        self.steps: deque[tuple[float, float]] = deque(maxlen=capacity)  # (compute, blocked)
+        self._step_start: tuple[float, float] | None = None  # (monotonic, blocked_s) at begin
 
     def __enter__(self) -> FlightRecorder:
         ARMED.append(self)
@@ -107,13 +117,29 @@ class FlightRecorder:
     @_eager
     def end(self, entry: Entry) -> None:
         """The host is past `entry`; on CUDA the device may still be in it."""
+        now = time.monotonic()
         if entry.event is None:
-            entry.ended = time.monotonic()
+            entry.ended = now
         else:  # recorded before `waiting` clears: the watchdog never queries an unrecorded event
             entry.event.record()
             if entry.blocked is None:
                 entry.blocked = entry.issued
+        if entry.blocked is not None:
+            self.blocked_s += now - entry.blocked
         self.waiting = None
+
+    def begin_step(self) -> None:
+        """A training step starts: its totals count from here."""
+        self._step_start = (time.monotonic(), self.blocked_s)
+
+    def end_step(self) -> tuple[float, float]:
+        """The step begun last ended: its (compute, blocked) seconds, also kept in `steps`."""
+        began, blocked_before = self._step_start
+        blocked = self.blocked_s - blocked_before
+        totals = (max(0.0, time.monotonic() - began - blocked), blocked)
+        self.steps.append(totals)
+        self._step_start = None
+        return totals
 
     def poll_device(self) -> None:
         """End the CUDA entries whose event the device has passed (watchdog thread)."""
@@ -143,7 +169,8 @@ class FlightRecorder:
                 "seq": dict(self.seq),
                 "waiting": None if waiting is None else
                 waiting[0].to_json(wall) | {"waited_s": round(waiting[1], 3)},
-                "entries": [entry.to_json(wall) for entry in entries]}
+                "entries": [entry.to_json(wall) for entry in entries],
+                "steps": [[round(c, 4), round(b, 4)] for c, b in list(self.steps)]}
 
 
 class TrackedWork:
