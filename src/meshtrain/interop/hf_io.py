@@ -35,7 +35,15 @@ from meshtrain.checkpointing.safetensors_stream import DTYPES, Planned, write_sa
 from meshtrain.checkpointing.verify import is_plain_name
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.errors import Code, SettingError
-from meshtrain.interop import hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3
+from meshtrain.interop import (
+    hf_gpt2,
+    hf_llama,
+    hf_mistral,
+    hf_mixtral,
+    hf_qwen2,
+    hf_qwen2_moe,
+    hf_qwen3,
+)
 from meshtrain.interop.hf_mapping import HFMapping, refused, shown
 from meshtrain.machine_fit import check_import_fits
 from meshtrain.models import (
@@ -51,7 +59,8 @@ _FLOATS = ("F32", "BF16", "F16", "F64")
 
 
 MAPPINGS: dict[str, HFMapping] = {mapping.family: mapping for mapping in (
-    hf_gpt2.MAPPING, hf_llama.MAPPING, hf_qwen2.MAPPING, hf_mistral.MAPPING, hf_qwen3.MAPPING)}
+    hf_gpt2.MAPPING, hf_llama.MAPPING, hf_qwen2.MAPPING, hf_mistral.MAPPING, hf_mixtral.MAPPING,
+    hf_qwen2_moe.MAPPING, hf_qwen3.MAPPING)}
 """Each family's Hugging Face mapping by family name: a family with a Hugging Face twin is one
 entry here, imported where import tools see it (models, drawn below interop, never name it)."""
 
