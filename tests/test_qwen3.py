@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from harness import run_on_ranks, worker_mesh
+from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors.torch import load_file
 
 import meshtrain
@@ -169,6 +169,37 @@ def test_greedy_generation_equals_transformers(hf, variant):
     theirs = _reference(hf[variant]).generate(prompt, attention_mask=torch.ones_like(prompt),
                                               max_new_tokens=12, do_sample=False)
     assert torch.equal(meshtrain.load_model(hf[variant]).generate(prompt, 12), theirs)
+
+
+def test_llama_reads_a_head_dim_apart_from_hidden_over_heads(tmp_path):
+    """Llama's mapping (and so Mistral's, Qwen2's) reads "head_dim" as `head_size` (Mistral
+    NeMo: 32 heads of 128 on a hidden size of 5120), and writes it back."""
+    torch.manual_seed(0)
+    llama = SMALL | {"head_dim": 16}
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama)).save_pretrained(tmp_path)
+    assert HFModelDirectory(tmp_path).cfg.head_size == 16
+    with torch.no_grad():
+        assert _max_difference(meshtrain.load_model(tmp_path)(IDS),
+                               _reference(tmp_path)(IDS).logits) < 1e-5
+
+
+@pytest.mark.extended  # 4 ranks; importing then training at tp 2 x dp 2 is the point
+def test_training_an_imported_qwen3_at_tp2_dp2_exports_to_transformers(imported, corpus,
+                                                                         tmp_path):
+    run, out, exported = imported["qwen3"], tmp_path / "run", tmp_path / "hf"
+    run_cli("train", "--init-from", str(run), "--nproc", "4", "--tp", "2", "--device", "cpu",
+            "--data", corpus, "--seq-len", "16", "--global-batch", "4", "--micro-batch", "1",
+            "--steps", "3", "--warmup-steps", "0", "--lr", "1e-2", "--eval-every", "0",
+            "--out", str(out))
+    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
+    trained = meshtrain.load_model(out)
+    with torch.no_grad():
+        ours = trained(IDS)
+        assert _max_difference(ours, _reference(exported)(IDS).logits) < 1e-5
+        assert _max_difference(ours, meshtrain.load_model(run)(IDS)) > 1e-3  # it trained
+    norms = {n: p for n, p in trained.lm.named_parameters() if n.endswith("q_norm.weight")}
+    first = meshtrain.load_model(run).lm.get_parameter("layers.0.attn.q_norm.weight")
+    assert not torch.equal(norms["layers.0.attn.q_norm.weight"], first)  # the norms trained
 
 
 def _write_config(path: Path, **fields) -> Path:
