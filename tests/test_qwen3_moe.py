@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from harness import run_on_ranks
+from harness import run_cli, run_on_ranks
 from safetensors.torch import load_file
 from test_hf_moe import _assert_same, _logits_at, _recorded
 from test_moe_layouts import (
@@ -157,6 +157,23 @@ def test_logits_and_chosen_experts_equal_transformers_across_ranks(hf, imported,
             assert torch.equal(experts, expected_chosen[layer]), (layout, rank, layer)
         seen |= chosen.keys()
     assert seen == expected_chosen.keys()
+
+
+@pytest.mark.extended  # 4 ranks: the import, the layouts and the export are default cases
+def test_training_an_imported_qwen3_moe_at_tp2_dp2_ep2_exports_to_transformers(imported, corpus,
+                                                                               tmp_path):
+    run, out, exported = imported["qwen3_moe"], tmp_path / "run", tmp_path / "hf"
+    run_cli("train", "--init-from", str(run), "--nproc", "4", "--tp", "2", "--ep", "2",
+            "--device", "cpu", "--data", corpus, "--seq-len", "16", "--global-batch", "4",
+            "--micro-batch", "1", "--steps", "3", "--warmup-steps", "0", "--lr", "1e-2",
+            "--eval-every", "0", "--out", str(out))
+    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
+    trained = meshtrain.load_model(out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        ours = trained(IDS)
+        assert (ours - theirs(IDS).logits).abs().max() < 1e-5
+        assert (ours - meshtrain.load_model(run)(IDS)).abs().max() > 1e-3  # it trained
 
 
 @pytest.mark.parametrize("fields,named", [
