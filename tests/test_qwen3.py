@@ -24,7 +24,7 @@ from meshtrain.checkpointing.checkpoint import (
 from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.errors import SettingError
-from meshtrain.interop.hf_io import HFModelDirectory
+from meshtrain.interop.hf_io import HFModelDirectory, hf_mapping
 from meshtrain.interop.hf_qwen3 import MAPPING
 from meshtrain.models import get_family, preset
 from meshtrain.models.qwen3 import Qwen3Config
@@ -181,6 +181,16 @@ def test_llama_reads_a_head_dim_apart_from_hidden_over_heads(tmp_path):
     with torch.no_grad():
         assert _max_difference(meshtrain.load_model(tmp_path)(IDS),
                                _reference(tmp_path)(IDS).logits) < 1e-5
+
+
+def test_exports_write_head_dim_where_transformers_reads_it():
+    """Qwen2's config.json leaves "head_dim" out unless `head_size` sets it; Qwen3's always has
+    it (its default is 128, not hidden / heads); a Llama of head norms is refused."""
+    assert "head_dim" not in hf_mapping("qwen2").config_to_hf(preset("qwen2-tiny"))
+    assert hf_mapping("qwen2").config_to_hf(preset("qwen2-tiny", head_size=16))["head_dim"] == 16
+    assert hf_mapping("qwen3").config_to_hf(preset("qwen3-0.6b"))["head_dim"] == 128
+    with pytest.raises(SettingError, match="`qk_norm`: LlamaForCausalLM has no query and key"):
+        hf_mapping("llama").config_to_hf(preset("llama-tiny", qk_norm=True))
 
 
 @pytest.mark.extended  # 4 ranks; importing then training at tp 2 x dp 2 is the point
