@@ -136,6 +136,9 @@ def test_configs_import_as_the_family_settings(hf):
     step = HFModelDirectory(hf["qwen2_moe_step"]).cfg
     assert (step.moe_every, step.moe_layer_indices(), step.moe_top_k) == (2, (1,), 3)
     assert qwen.moe_aux_loss_coef == 0.0  # transformers adds none without output_router_logits
+    unbiased = hf_mapping("qwen2_moe").config_from_hf(_hf_config("qwen2_moe", qkv_bias=False))
+    assert not unbiased.qkv_bias and hf_mapping("qwen2_moe").config_to_hf(unbiased)["qkv_bias"] \
+        is False
 
 
 @pytest.mark.parametrize("variant", list(CONFIGS))

@@ -41,7 +41,8 @@ class Qwen2MoeMapping(LlamaMapping):
     def config_fields(self, hf: dict) -> dict:
         layers = hf_size(hf, "num_hidden_layers")
         expect(hf, "use_sliding_window", (False,), False, "Qwen2-MoE slides its window on"
-               " alternate layers, and meshtrain windows the layers from one layer on")
+               " alternate layers, and meshtrain windows the layers from one layer on; set it"
+               " to false")
         expect(hf, "layer_types", (None, ["full_attention"] * layers), None,
                f"meshtrain's Qwen2-MoE attends in full: list full_attention {layers} times")
         pattern = layers_from_hf(hf)
