@@ -380,7 +380,7 @@ def _write_config(path: Path, base: str, **fields) -> Path:
     ("llama_gqa", {"hidden_act": "gelu"}, '"hidden_act"'),
     ("llama_gqa", {"attention_bias": True}, '"attention_bias"'),
     ("llama_gqa", {"mlp_bias": True}, '"mlp_bias"'),
-    ("llama_gqa", {"head_dim": 16}, '"head_dim": 16'),
+    ("llama_gqa", {"head_dim": 0}, '"head_dim": 0'),
     ("llama_gqa", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
      "\"rope_parameters\": rope type 'yarn'"),
     ("llama_gqa", {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},

@@ -236,7 +236,7 @@ def _hf_config(base: str, **fields) -> dict:
     ("mixtral", {"router_jitter_noise": 0.1}, '"router_jitter_noise": 0.1'),
     ("mixtral", {"num_experts_per_tok": 5}, '"num_experts_per_tok" 5 exceeds'),
     ("mixtral", {"num_local_experts": 0}, '"num_local_experts": 0'),
-    ("mixtral", {"head_dim": 16}, '"head_dim": 16'),
+    ("mixtral", {"head_dim": 0}, '"head_dim": 0'),  # (16 imports as `head_size`)
     ("qwen2_moe", {"use_sliding_window": True}, '"use_sliding_window": True'),
     ("qwen2_moe", {"layer_types": ["sliding_attention", "full_attention"]}, '"layer_types"'),
     ("qwen2_moe", {"mlp_only_layers": [0, 1]}, '"mlp_only_layers" [0, 1] leave no MoE layer'),

@@ -1,6 +1,7 @@
 """Activation memory per transformer layer, measured with saved-tensor hooks, against each
-family's formula (GPT: the seeds'; eager attention, fp32 on CPU where the dropout mask has the
-activation's dtype: e = mu = 4), with dropout on (masks saved) and off."""
+family's formula (GPT: the seeds'; Qwen3: head norms, heads wider than hidden / heads; eager
+attention, fp32 on CPU where the dropout mask has the activation's dtype: e = mu = 4), with
+dropout on (masks saved) and off."""
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def _check(tp, plan, name, dropout):
 
 
 @pytest.mark.parametrize("name,dropout", [("tiny", 0.1), ("llama-tiny", 0.1),
-                                          ("llama-tiny", 0.0)])
+                                          ("llama-tiny", 0.0), ("qwen3-tiny", 0.0)])
 @pytest.mark.parametrize("tp,plan", [
     (1, ParallelPlan()),
     (1, ParallelPlan(recompute="selective")),

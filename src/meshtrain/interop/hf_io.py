@@ -42,6 +42,8 @@ from meshtrain.interop import (
     hf_mixtral,
     hf_qwen2,
     hf_qwen2_moe,
+    hf_qwen3,
+    hf_qwen3_moe,
 )
 from meshtrain.interop.hf_mapping import HFMapping, refused, shown
 from meshtrain.machine_fit import check_import_fits
@@ -59,7 +61,8 @@ _FLOATS = ("F32", "BF16", "F16", "F64")
 
 MAPPINGS: dict[str, HFMapping] = {mapping.family: mapping for mapping in (
     hf_gpt2.MAPPING, hf_llama.MAPPING, hf_qwen2.MAPPING, hf_mistral.MAPPING, hf_mixtral.MAPPING,
-    hf_qwen2_moe.MAPPING)}
+    hf_qwen2_moe.MAPPING, hf_qwen3.MAPPING,
+    hf_qwen3_moe.MAPPING)}
 """Each family's Hugging Face mapping by family name: a family with a Hugging Face twin is one
 entry here, imported where import tools see it (models, drawn below interop, never name it)."""
 

@@ -8,9 +8,9 @@ Both use the half-split rotary convention, so no weight is permuted.
 Rotary settings are read in both forms: transformers 4's "rope_theta" and "rope_scaling" and
 transformers 5's "rope_parameters" (written on export). Refused: a rotary type other than
 default and llama3 (or a partial rotary factor), biases (Hugging Face's attention_bias also
-biases the output projection), another activation than silu, a "head_dim" other than
-hidden_size / num_attention_heads. A family built on Llama's blocks (Qwen2) extends this
-mapping. Token ids, dropout, the initializer
+biases the output projection), another activation than silu. "head_dim" (when it is not
+hidden_size / num_attention_heads) is our `head_size`. A family built on Llama's blocks (Qwen2,
+Qwen3) extends this mapping. Token ids, dropout, the initializer
 range, "pretraining_tp" and the like do not change the model and are not refused (an export
 takes its token ids from the run's tokenizer: see `hf_io.export_hf`).
 """
@@ -87,17 +87,15 @@ class LlamaMapping(HFMapping):
     qkv_biases = False
     """Whether the architecture can bias q, k and v alone (Llama's attention_bias also biases
     the output projection)."""
+    qk_norms = False
+    """Whether the architecture normalises each head's queries and keys (Qwen3)."""
     experts: ExpertNames | None = None
     """How the files name an MoE layer's tensors (`hf_experts`); None: no MoE layers."""
 
     def config_from_hf(self, hf: dict) -> LlamaConfig:
         expect(hf, "hidden_act", ("silu",), "silu", f"meshtrain's {self.family} uses SwiGLU"
                                                     " (silu)")
-        cfg = self.config_class(**self.config_fields(hf))
-        expect(hf, "head_dim", (cfg.head_dim,), cfg.head_dim,
-               f"meshtrain's {self.family} has heads of hidden_size / num_attention_heads ="
-               f" {cfg.head_dim}")
-        return cfg
+        return self.config_class(**self.config_fields(hf))
 
     def config_fields(self, hf: dict) -> dict:
         """Our config's fields from config.json's (refusing what the family cannot
@@ -106,13 +104,17 @@ class LlamaMapping(HFMapping):
             expect(hf, bias, (False,), False, "meshtrain's Llama has no biases")
         hidden, heads = hf_size(hf, "hidden_size"), hf_size(hf, "num_attention_heads")
         kv_heads = hf_size(hf, "num_key_value_heads", heads)
-        check_divides(("num_attention_heads", heads), ("hidden_size", hidden),
-                      "each head has hidden_size / num_attention_heads dimensions")
+        head_dim = hf_size(hf, "head_dim", None)
+        if head_dim is None:
+            check_divides(("num_attention_heads", heads), ("hidden_size", hidden),
+                          "without \"head_dim\" each head has hidden_size /"
+                          " num_attention_heads dimensions")
         check_divides(("num_key_value_heads", kv_heads), ("num_attention_heads", heads),
                       "each key/value head serves a group of query heads")
         return dict(
             num_layers=hf_size(hf, "num_hidden_layers"), hidden_size=hidden, num_heads=heads,
             num_kv_heads=kv_heads, vocab_size=hf_size(hf, "vocab_size"),
+            head_size=None if head_dim in (None, hidden / heads) else head_dim,
             max_seq_len=hf_size(hf, "max_position_embeddings", 2048),
             ffn_hidden_size=hf_size(hf, "intermediate_size"),
             rms_norm_eps=hf_number(hf, "rms_norm_eps", 1e-6),
@@ -128,6 +130,9 @@ class LlamaMapping(HFMapping):
             raise SettingError(Code.HF_EXPORT, f"`qkv_bias`: {self.architecture}'s attention_bias"
                                " also biases the output projection; export it with format"
                                " meshtrain")
+        if cfg.qk_norm and not self.qk_norms:
+            raise SettingError(Code.HF_EXPORT, f"`qk_norm`: {self.architecture} has no query"
+                               " and key norms; export it with format meshtrain")
         rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
         if cfg.rope_scaling:
             rope |= {theirs: getattr(cfg, ours) for ours, theirs in _LLAMA3.items()}
@@ -144,18 +149,22 @@ class LlamaMapping(HFMapping):
     def layer_tensors(self, cfg: LlamaConfig, layer: int
                       ) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """Layer `layer`'s tensors: (ours, theirs joined along the rows), q/k/v biases after
-        their weights where the config has them, an MoE layer's MLP as `experts` names it."""
+        their weights and the q/k head norms after the output projection where the config has
+        them, an MoE layer's MLP as `experts` names it."""
         tensors = _LAYER
         if cfg.is_moe_layer(layer):
             tensors = tuple(t for t in _LAYER if not t[0].startswith("mlp.")) \
                 + self.experts.layer_tensors(cfg)
-        if not cfg.qkv_bias:
-            return tensors
-        biases = {"attn.qkv.q.weight": ("attn.qkv.q.bias", ("self_attn.q_proj.bias",)),
-                  "attn.qkv.kv.weight": ("attn.qkv.kv.bias", ("self_attn.k_proj.bias",
-                                                              "self_attn.v_proj.bias"))}
+        after = {}
+        if cfg.qkv_bias:
+            after |= {"attn.qkv.q.weight": (("attn.qkv.q.bias", ("self_attn.q_proj.bias",)),),
+                      "attn.qkv.kv.weight": (("attn.qkv.kv.bias", ("self_attn.k_proj.bias",
+                                                                   "self_attn.v_proj.bias")),)}
+        if cfg.qk_norm:
+            after["attn.proj.weight"] = (("attn.q_norm.weight", ("self_attn.q_norm.weight",)),
+                                         ("attn.k_norm.weight", ("self_attn.k_norm.weight",)))
         return tuple(entry for ours, theirs in tensors
-                     for entry in ((ours, theirs), *([biases[ours]] if ours in biases else [])))
+                     for entry in ((ours, theirs), *after.get(ours, ())))
 
     def tensor_maps(self, cfg: LlamaConfig) -> list[TensorMap]:
         m = self.base_prefix

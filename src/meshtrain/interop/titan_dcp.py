@@ -92,10 +92,12 @@ def titan_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _check_family(family: str, cfg, where: str, fix: str) -> LlamaConfig:
-    """`cfg`, when it is a plain Llama (torchtitan's Llama 3 has no experts or biases)."""
-    if family != "llama" or type(cfg) is not LlamaConfig or cfg.moe_experts or cfg.qkv_bias:
-        extra = "" if family != "llama" else " with experts" if cfg.moe_experts else \
-            " with q/k/v biases"
+    """`cfg`, when it is a plain Llama (torchtitan's Llama 3 has no experts, biases or head
+    norms, and heads of dim / n_heads)."""
+    extras = {" with experts": cfg.moe_experts, " with q/k/v biases": cfg.qkv_bias,
+              " with q/k head norms": cfg.qk_norm, " with `head_size` set": cfg.head_size}
+    if family != "llama" or type(cfg) is not LlamaConfig or any(extras.values()):
+        extra = "" if family != "llama" else next(k for k, v in extras.items() if v)
         raise CheckpointError(f"DCP directories hold torchtitan's Llama 3; {where} holds a"
                               f" {family} model{extra}: {fix}")
     return cfg

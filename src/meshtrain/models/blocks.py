@@ -148,21 +148,25 @@ def split_grouped_qkv(projections: tuple[torch.Tensor, torch.Tensor], head_dim: 
 
 class Attention(nn.Module):
     """Causal self-attention over this rank's heads: project to q, k, v (`qkv`, cut into heads by
-    `split`), rotate q and k by their positions (rotary families), attend (the factory's core),
-    project back. Input and output are this rank's hidden states. With a layer's `cache`
-    (generation, `kv_cache.py`) the new keys and values are appended to it and the queries attend
-    over all of its tokens."""
+    `split`), normalise each head's q and k (`q_norm`, `k_norm`: Qwen3), rotate q and k by their
+    positions (rotary families), attend (the factory's core), project back. Input and output
+    are this rank's hidden states. With a layer's `cache` (generation, `kv_cache.py`) the new
+    keys and values are appended to it and the queries attend over all of its tokens."""
 
     def __init__(self, qkv: nn.Module, proj: nn.Module, core: nn.Module, *,
-                 split: Callable, head_dim: int, rotary: Rotary | None = None):
+                 split: Callable, head_dim: int, rotary: Rotary | None = None,
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
         super().__init__()
         self.qkv, self.proj, self.core, self.rotary = qkv, proj, core, rotary
         self.split, self.head_dim = split, head_dim
+        self.q_norm, self.k_norm = q_norm, k_norm
 
     def forward(self, x: torch.Tensor, rng: RNGTracker, positions: torch.Tensor | None,
                 cache: LayerCache | None = None, mask: AttentionMask = CAUSAL):
         # q, k, v cover the whole local sequence, also under sequence parallelism
         q, k, v = self.split(self.qkv(x), self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         k_start = 0

@@ -49,6 +49,11 @@ class TransformerConfig(ABC):
                                         " many as query heads)", None)
     qkv_bias: bool = False
     """Whether the query, key and value projections add a bias."""
+    head_size: int | None = _setting("dimensions of each attention head (unset: hidden_size /"
+                                     " num_heads; Qwen3 sets 128 at every size)", None)
+    qk_norm: bool = _setting("an RMSNorm over each head's queries and keys before rotary"
+                             " positions, one scale of head_dim shared by all heads (Qwen3)",
+                             False)
     tie_word_embeddings: bool = _setting("tie the output layer to the embedding (Llama"
                                          " presets; the Llama 3.2 ones are tied, GPT always"
                                          " is)", True)
@@ -111,7 +116,7 @@ class TransformerConfig(ABC):
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
         "moe_every", "moe_first_dense", "moe_layers", "expert_ffn_size", "moe_shared_ffn_size",
-        "moe_shared_gate", "kv_heads", "qkv_bias", "tie_embeddings")
+        "moe_shared_gate", "kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_embeddings")
     """What a checkpoint's tensors depend on (fields or their resolved properties): they must
     match to load it."""
     POSITIVE_FIELDS: ClassVar[tuple[str, ...]] = ("init_std",)
@@ -141,7 +146,8 @@ class TransformerConfig(ABC):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Dimensions of each head: `head_size`, or hidden_size / num_heads."""
+        return self.head_size or self.hidden_size // self.num_heads
 
     @property
     def kv_heads(self) -> int:
@@ -167,15 +173,15 @@ class TransformerConfig(ABC):
             if getattr(self, name) < 1:
                 raise SettingError(Code.RANGE, (
                     f"`{name}` must be positive, got {getattr(self, name)}"))
-        for name in ("ffn_hidden_size", "num_kv_heads"):  # (0 would read as unset)
+        for name in ("ffn_hidden_size", "num_kv_heads", "head_size"):  # (0 would read as unset)
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise SettingError(Code.RANGE, (
                     f"`{name}` must be positive (or unset for the family's default), got"
                     f" {getattr(self, name)}"))
-        if self.hidden_size % self.num_heads:
+        if self.head_size is None and self.hidden_size % self.num_heads:
             raise SettingError(Code.MODEL_SHAPE, (
                 f"hidden size {self.hidden_size} must be divisible by the number of"
-                f" heads {self.num_heads}"))
+                f" heads {self.num_heads} (or set `head_size`)"))
         if self.kv_heads < 1 or self.num_heads % self.kv_heads:
             raise SettingError(Code.MODEL_SHAPE, (
                 f"`num_kv_heads` ({self.kv_heads}) must divide the number of heads"

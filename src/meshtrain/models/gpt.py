@@ -50,6 +50,9 @@ class GPTConfig(TransformerConfig):
                 ("num_kv_heads", self.kv_heads != self.num_heads,
                  "its fused QKV projection has as many key/value heads as query heads"),
                 ("qkv_bias", not self.qkv_bias, "GPT-2 has a bias on every linear layer"),
+                ("head_size", self.head_size is not None,
+                 "its fused QKV projection has heads of hidden_size / num_heads"),
+                ("qk_norm", self.qk_norm, "GPT-2 has no query and key norms"),
                 ("tie_word_embeddings", not self.tie_word_embeddings,
                  "its output layer is the token embedding")):
             if value:

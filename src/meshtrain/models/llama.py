@@ -75,8 +75,8 @@ class LlamaConfig(TransformerConfig):
         super().validate()
         if self.head_dim % 2:
             raise SettingError(Code.MODEL_SHAPE, (
-                f"rotary embeddings need an even head dimension, got hidden"
-                f" {self.hidden_size} / {self.num_heads} heads = {self.head_dim}"))
+                f"rotary embeddings need an even head dimension, got {self.head_dim}"
+                f" (`head_size`, or hidden {self.hidden_size} / {self.num_heads} heads)"))
         if self.rope_scaling and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise SettingError(Code.RANGE, (
                 f"`rope_high_freq_factor` {self.rope_high_freq_factor} must exceed"
@@ -97,12 +97,13 @@ class LlamaConfig(TransformerConfig):
                 f" tp/kv ranks; choose a tp that divides {kv} or a multiple of it"))
 
     def attention_parameters(self, *, weights_only: bool = False) -> int:
-        """q and output projections of all heads, k and v of the key/value heads, and the q,
-        k and v biases where `qkv_bias`."""
+        """q and output projections of all heads, k and v of the key/value heads, the q, k
+        and v biases where `qkv_bias` and the q and k head norms where `qk_norm`."""
         h, d = self.hidden_size, self.head_dim
         weights = 2 * h * self.num_heads * d + 2 * h * self.kv_heads * d
         biases = (self.num_heads + 2 * self.kv_heads) * d if self.qkv_bias else 0
-        return weights + (0 if weights_only else biases)
+        norms = 2 * d if self.qk_norm else 0
+        return weights + (0 if weights_only else biases + norms)
 
     def mlp_parameters(self, *, weights_only: bool = False, width: int | None = None) -> int:
         return 3 * self.hidden_size * (width or self.ffn_size)  # gate, up, down
@@ -118,12 +119,16 @@ class LlamaConfig(TransformerConfig):
 
     def attention_shapes(self) -> dict[str, tuple[int, ...]]:
         """q of every head, k | v of the key/value heads (one tensor), their biases where
-        `qkv_bias`, and the output projection."""
+        `qkv_bias`, the output projection, and the q and k head norms where `qk_norm` (in the
+        order of the model's parameters)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         shapes = {"qkv.q.weight": (q, h), "qkv.kv.weight": (2 * kv, h)}
         if self.qkv_bias:
             shapes |= {"qkv.q.bias": (q,), "qkv.kv.bias": (2 * kv,)}
-        return shapes | {"proj.weight": (h, q)}
+        shapes["proj.weight"] = (h, q)
+        if self.qk_norm:
+            shapes |= {"q_norm.weight": (self.head_dim,), "k_norm.weight": (self.head_dim,)}
+        return shapes
 
     def mlp_shapes(self, width: int | None = None) -> dict[str, tuple[int, ...]]:
         h, f = self.hidden_size, width or self.ffn_size
@@ -135,14 +140,17 @@ class LlamaConfig(TransformerConfig):
         norm's six passes in fp32 (`_RMSNormFn`: widen, square, mean, scale, round, weight:
         4 e + 7 x 4 bytes an element), rotary's five (`Rotary`: x cos, negate, concatenate,
         x sin, add: 10 e), silu and the product (5 e of f), and the attention output's copy
-        back to [b, s, h]."""
+        back to [b, s, h]; with `qk_norm` the head norms' passes over the rotated q and k."""
         e, f = element_size, self.ffn_size / tp
         q = self.num_heads * self.head_dim / tp
         rotated = q + self.kv_heads * self.head_dim / tp
+        heads = 1 if self.qk_norm else 0
         if fused:
-            return 2 * 2 * e * hidden + 2 * 3 * e * hidden + 2 * e * rotated + 4 * e * f
+            return 2 * 2 * e * hidden + 2 * 3 * e * hidden + (2 + 2 * heads) * e * rotated \
+                + 4 * e * f
         norm = 4 * e + 7 * WIDE_BYTES
-        return hidden * (2 * norm + 2 * 3 * e) + 10 * e * rotated + 5 * e * f + 2 * e * q
+        return hidden * (2 * norm + 2 * 3 * e) + (10 * e + heads * norm) * rotated \
+            + 5 * e * f + 2 * e * q
 
     def activation_bytes(self, *, seq_len: int, micro_batch: int, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
@@ -155,25 +163,31 @@ class LlamaConfig(TransformerConfig):
 
         - replicated: both norms' inputs and outputs 4sbh e, their fp32 1/rms 8sb, residual
           dropout masks 2sbh mu (split by t under sequence parallelism);
-        - attention: q, k and v repeated to every query head, the output projection's input
-          4sbh e/t, and the probabilities as^2b e/t (dropout: a second as^2b e and its mask);
+        - attention, of query width w = a d (h unless `head_size`): q, k and v repeated to
+          every query head, the output projection's input 4sbw e/t, and the probabilities
+          as^2b e/t (dropout: a second as^2b e and its mask);
+        - head norms (`qk_norm`): their inputs, the q and k/v projection outputs (w/t + 2 kv
+          widths per rank) e, unless recompute keeps them anyway, and their fp32 1/rms;
         - SwiGLU: the gate-and-up output, silu(gate) and the product 4sbf e/t;
         - selective recompute keeps the core's inputs instead of its internals: q, the rotated
           k, and the joined q/k/v projection output (v is a view of it);
         - full recompute keeps only the layer input sbh e (/t under sequence parallelism).
         """
         s, b, h, a = seq_len, micro_batch, self.hidden_size, self.num_heads
-        e, mu, t = element_size, mask_size, tp
+        e, mu, t, w = element_size, mask_size, tp, self.num_heads * self.head_dim
         replicated_split = t if sequence_parallel else 1
         if recompute == "full":
             return s * b * h * e / replicated_split
         replicated = s * b * (h * (4 * e + (2 * mu if dropout else 0)) + 8)
         local_kv = max(self.kv_heads // t, 1) * self.head_dim  # key (or value) width per rank
         if recompute == "selective":
-            attention = s * b * (3 * h / t + 3 * local_kv) * e
+            attention = s * b * (3 * w / t + 3 * local_kv) * e
         else:
-            attention = (4 * s * b * h + a * s * s * b * (2 if dropout else 1)) * e / t \
+            attention = (4 * s * b * w + a * s * s * b * (2 if dropout else 1)) * e / t \
                 + (a * s * s * b * mu / t if dropout else 0)
+        if self.qk_norm:
+            inputs = 0 if recompute == "selective" else (w / t + 2 * local_kv) * e
+            attention += s * b * (inputs + (a / t + local_kv / self.head_dim) * WIDE_BYTES)
         return replicated / replicated_split + attention + 4 * s * b * self.ffn_size * e / t
 
     def mlp_activation_bytes(self, tokens: float, width: int, *, tp: int,
@@ -235,7 +249,10 @@ class Llama(CausalLM):
         proj = factory.row(init_linear(cfg.num_heads * d, h, self._out_std, gen, bias=False))
         core = factory.attention_core(dropout=cfg.dropout, eager=cfg.attention == "eager")
         rotary = Rotary(rope_frequencies(d, theta=cfg.rope_theta, scaling=cfg.rope))
-        attn = Attention(qkv, proj, core, split=split_grouped_qkv, head_dim=d, rotary=rotary)
+        q_norm, k_norm = (factory.head_norm(RMSNorm(d, eps=cfg.rms_norm_eps))
+                          for _ in range(2)) if cfg.qk_norm else (None, None)
+        attn = Attention(qkv, proj, core, split=split_grouped_qkv, head_dim=d, rotary=rotary,
+                         q_norm=q_norm, k_norm=k_norm)
         mlp = self.build_feed_forward(seed, index, gen)
         return Block(ln1=self._norm(), attn=attn, ln2=self._norm(), mlp=mlp,
                      dropout=cfg.dropout, stream=factory.hidden_stream)

@@ -1,6 +1,7 @@
-"""RMSNorm, and LayerNorm and RMSNorm over hidden states whose last dimension is split over a
-mesh axis (3D tensor parallelism holds `[b/q^2, s, h/q]`). One RMSNorm kernel serves both: on a
-whole row its statistics are local means, on a split row all-reduced sums.
+"""RMSNorm (also over each attention head), and LayerNorm and RMSNorm over hidden states whose
+last dimension is split over a mesh axis (3D tensor parallelism holds `[b/q^2, s, h/q]`). One
+RMSNorm kernel serves both: on a whole row its statistics are local means, on a split row
+all-reduced sums.
 
 Each rank normalises its slice of every row; the row statistics are local sums all-reduced over
 the hidden axis (forward: the mean, then the centred sum of squares, or the sum of squares;
@@ -104,6 +105,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _RMSNormFn.apply(x, self.weight, None, self.weight.shape[0], self.eps)
+
+
+class HeadNorm(RMSNorm):
+    """An RMSNorm over each attention head's dimension, one scale `[d]` shared by every head
+    (Qwen3's query and key norms). It is whole on every rank while each rank attends only its
+    own heads (and, in the grid schemes, its own batch chunk): its gradient is partial over the
+    `partial` axes (`partial_axes`)."""
+
+    def __init__(self, dense: RMSNorm, *, partial: tuple[str, ...]):
+        super().__init__(dense.weight.shape[0], eps=dense.eps)
+        with torch.no_grad():
+            self.weight.copy_(dense.weight)
+        self.partial_axes = {"weight": partial}
 
 
 class _SplitNorm(nn.Module):

@@ -21,6 +21,7 @@ from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.layers.attention import AttentionCore
+from meshtrain.parallel.layers.norms import HeadNorm, RMSNorm
 
 
 class LayerFactory(ABC):
@@ -69,6 +70,12 @@ class LayerFactory(ABC):
     @abstractmethod
     def norm(self, dense: nn.Module) -> nn.Module:
         """A LayerNorm or RMSNorm over the hidden size."""
+
+    def head_norm(self, dense: RMSNorm) -> nn.Module:
+        """An RMSNorm over each head's dimension, shared by all heads: whole on every rank, its
+        gradient summed over the TP block, whose ranks attend different heads or tokens (in
+        every scheme)."""
+        return HeadNorm(dense, partial=("tp",))
 
     def attention_core(self, *, dropout: float, eager: bool) -> nn.Module:
         """softmax(q k^T / sqrt(d)) v, causal, over this rank's heads: `core(q, k, v, rng)`

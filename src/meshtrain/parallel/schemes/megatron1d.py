@@ -15,6 +15,7 @@ from torch import nn
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.loss import vocab_parallel_cross_entropy
+from meshtrain.parallel.layers.norms import HeadNorm
 from meshtrain.parallel.layers.rng import REPLICATED, TENSOR_PARALLEL
 from meshtrain.parallel.layers.sharding import tensor_parallel_parameters
 from meshtrain.parallel.layers.tensor import (
@@ -112,18 +113,24 @@ class Megatron1D(LayerFactory):
 
     def partial_gradients(self, model: nn.Module,
                           exclude: set[int]) -> list[tuple[MeshAxis, list[nn.Parameter]]]:
-        """Replicated key/value projections: summed over the ranks sharing them. Under sequence
-        parallelism every parameter applied to s/tp tokens (norms, row-parallel biases,
-        positions): summed over TP."""
+        """Replicated key/value projections: summed over the ranks sharing them; head norms
+        (each rank normalises its own heads): summed over TP. Under sequence parallelism every
+        parameter applied to s/tp tokens (norms, row-parallel biases, positions) as well,
+        head norms among them: summed over TP."""
         groups: dict[int, list[nn.Parameter]] = {}
+        heads = []
         for module in model.modules():
             if isinstance(module, ColumnParallelLinear) and module.replicas > 1:
                 groups.setdefault(module.replicas, []).extend(module.parameters(recurse=False))
+            if isinstance(module, HeadNorm) and id(module.weight) not in exclude:
+                heads.append(module.weight)
         partial = [(self.mesh.tp_block(r), params) for r, params in sorted(groups.items())]
         if self.sequence_parallel:
             sharded = tensor_parallel_parameters(model)
             partial.append((self.mesh.tp, [p for p in model.parameters()
                                            if id(p) not in sharded and id(p) not in exclude]))
+        elif heads and self.mesh.tp.size > 1:
+            partial.append((self.mesh.tp, heads))
         return partial
 
 

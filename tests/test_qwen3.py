@@ -1,0 +1,302 @@
+"""The Qwen3 dense family (Llama's blocks with per-head query/key norms and heads of their own
+size): presets and refusals; Hugging Face interop against transformers' Qwen3ForCausalLM
+(logits at tp 1, tp 2 and pp 2, import then export bitwise, greedy generation with the
+key/value cache); the head norms' gradients under tp and sp; loss trajectories at tp 2 x dp 2,
+pp 2, cp 2 and 2d equal to one process's."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from harness import run_cli, run_on_ranks, worker_mesh
+from safetensors.torch import load_file
+
+import meshtrain
+from meshtrain.checkpointing.checkpoint import (
+    checkpoint_config,
+    load_checkpoint,
+    resolve_checkpoint,
+)
+from meshtrain.cli.main import main
+from meshtrain.config.run_config import build_config
+from meshtrain.errors import SettingError
+from meshtrain.interop.hf_io import HFModelDirectory, hf_mapping
+from meshtrain.interop.hf_qwen3 import MAPPING
+from meshtrain.models import get_family, preset
+from meshtrain.models.qwen3 import Qwen3Config
+from meshtrain.parallel.communication import comm
+from meshtrain.parallel.runtime.plan import ParallelPlan
+from meshtrain.parallelize import build_model, pipeline_stage
+from meshtrain.training.trainer import Trainer
+
+IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=64, initializer_range=0.1)
+"""Heads of 16 on a hidden size of 32 / 4 heads = 8: the head size is not hidden / heads."""
+CONFIGS = {
+    "qwen3": transformers.Qwen3Config(**SMALL),
+    "qwen3_tied": transformers.Qwen3Config(**SMALL, tie_word_embeddings=True,
+                                           rope_parameters={"rope_type": "default",
+                                                            "rope_theta": 1e6}),
+}
+
+
+def test_presets_have_the_published_shapes():
+    small = preset("qwen3-0.6b")
+    assert (small.num_layers, small.hidden_size, small.num_heads, small.kv_heads,
+            small.head_dim, small.ffn_size, small.vocab_size, small.tie_embeddings,
+            small.qk_norm, small.qkv_bias) == (28, 1024, 16, 8, 128, 3072, 151936, True, True,
+                                               False)
+    # Qwen3-0.6B: 0.6B parameters, 0.44B without the embedding
+    assert 0.59e9 < small.num_parameters() < 0.60e9
+    assert 0.43e9 < small.num_parameters() - 151936 * 1024 < 0.45e9
+    assert 8.1e9 < preset("qwen3-8b").num_parameters() < 8.3e9  # Qwen3-8B: 8.2B
+    assert get_family("qwen3").config is Qwen3Config
+    tiny = preset("qwen3-tiny")
+    shapes = tiny.parameter_shapes()
+    assert shapes["layers.0.attn.q_norm.weight"] == shapes["layers.0.attn.k_norm.weight"] == (16,)
+    assert shapes["layers.0.attn.qkv.q.weight"] == (8 * 16, 64)
+    assert sum(math.prod(s) for s in shapes.values()) == tiny.num_parameters()
+    model = build_model(tiny, meshtrain.ParallelMesh.local())
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == shapes
+
+
+def test_qk_norm_off_and_gpt_head_settings_are_refused():
+    for name, fields, setting in (("qwen3-tiny", {"qk_norm": False}, "qk_norm"),
+                                  ("tiny", {"qk_norm": True}, "qk_norm"),
+                                  ("tiny", {"head_size": 16}, "head_size"),
+                                  ("llama-tiny", {"head_size": 0}, "head_size")):
+        with pytest.raises(SettingError) as refused:
+            dataclasses.replace(preset(name), **fields)
+        assert refused.value.settings[0] == setting
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> dict[str, Path]:
+    """Each variant saved by transformers, its head norms moved off their initial ones."""
+    root = tmp_path_factory.mktemp("hf")
+    for seed, (name, config) in enumerate(CONFIGS.items()):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.add_(0.3 * torch.randn_like(param))
+        model.save_pretrained(root / name)
+    return {name: root / name for name in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def imported(hf, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    for name, path in hf.items():
+        assert main(["import-hf", str(path), "--out", str(root / name)]) == 0
+    return {name: root / name for name in hf}
+
+
+def _reference(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _max_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return (ours - theirs).abs().max().item()
+
+
+def test_import_maps_the_head_size_and_norms(hf, imported):
+    cfg = HFModelDirectory(hf["qwen3"]).cfg
+    assert (cfg.head_size, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == (16, 16, True, False)
+    assert checkpoint_config(resolve_checkpoint(str(imported["qwen3"]))) == cfg
+    with torch.no_grad():
+        for variant in CONFIGS:
+            expected = _reference(hf[variant])(IDS).logits
+            for source in (imported[variant], hf[variant]):
+                assert _max_difference(meshtrain.load_model(source)(IDS), expected) < 1e-5
+
+
+@pytest.mark.parametrize("variant", list(CONFIGS))
+def test_import_then_export_is_bitwise(hf, imported, variant, tmp_path):
+    out = tmp_path / "hf"
+    assert main(["export", str(imported[variant]), "--format", "hf", "--out", str(out)]) == 0
+    original, exported = (load_file(path / "model.safetensors") for path in (hf[variant], out))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[key], original[key]) for key in original)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["head_dim"]) == (["Qwen3ForCausalLM"], 16)
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        assert _max_difference(theirs.eval()(IDS).logits, _reference(hf[variant])(IDS).logits) \
+            < 1e-5
+
+
+def _logits_at(run: str, ids: torch.Tensor, degrees: dict) -> torch.Tensor | None:
+    """The whole model's logits at this layout (the last pipeline stage returns them)."""
+    mesh = worker_mesh(**degrees)
+    path = resolve_checkpoint(run)
+    cfg = checkpoint_config(path)
+    stage = pipeline_stage(cfg.num_layers, ParallelPlan(**degrees), mesh)
+    model = build_model(cfg, mesh, stage=stage).eval()
+    load_checkpoint(path, model=model, mesh=mesh)
+    with torch.no_grad():
+        if stage.has_embedding and stage.has_head:
+            return model.full_logits(model(ids))
+        if stage.has_embedding:
+            comm.send(model(ids), mesh.pp, 1).wait()
+            return None
+        hidden = torch.empty(*ids.shape, cfg.hidden_size)
+        comm.recv(hidden, mesh.pp, 0)
+        return model.full_logits(model(hidden, torch.arange(ids.shape[1])))
+
+
+@pytest.mark.parametrize("degrees", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_logits_equal_transformers_at_tp2_and_pp2(hf, imported, degrees):
+    with torch.no_grad():
+        expected = _reference(hf["qwen3"])(IDS).logits
+    results = run_on_ranks(2, _logits_at, str(imported["qwen3"]), IDS, degrees)
+    for logits in (r for r in results if r is not None):
+        assert _max_difference(logits, expected) < 1e-5
+
+
+@pytest.mark.parametrize("variant", list(CONFIGS))
+def test_greedy_generation_equals_transformers(hf, variant):
+    """`generate` runs with the key/value cache: keys enter it normalised and rotated."""
+    prompt = IDS[:, :6]
+    theirs = _reference(hf[variant]).generate(prompt, attention_mask=torch.ones_like(prompt),
+                                              max_new_tokens=12, do_sample=False)
+    assert torch.equal(meshtrain.load_model(hf[variant]).generate(prompt, 12), theirs)
+
+
+def test_llama_reads_a_head_dim_apart_from_hidden_over_heads(tmp_path):
+    """Llama's mapping (and so Mistral's, Qwen2's) reads "head_dim" as `head_size` (Mistral
+    NeMo: 32 heads of 128 on a hidden size of 5120), and writes it back."""
+    torch.manual_seed(0)
+    llama = SMALL | {"head_dim": 16}
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama)).save_pretrained(tmp_path)
+    assert HFModelDirectory(tmp_path).cfg.head_size == 16
+    with torch.no_grad():
+        assert _max_difference(meshtrain.load_model(tmp_path)(IDS),
+                               _reference(tmp_path)(IDS).logits) < 1e-5
+
+
+def test_exports_write_head_dim_where_transformers_reads_it():
+    """Qwen2's config.json leaves "head_dim" out unless `head_size` sets it; Qwen3's always has
+    it (its default is 128, not hidden / heads); a Llama of head norms is refused."""
+    assert "head_dim" not in hf_mapping("qwen2").config_to_hf(preset("qwen2-tiny"))
+    assert hf_mapping("qwen2").config_to_hf(preset("qwen2-tiny", head_size=16))["head_dim"] == 16
+    assert hf_mapping("qwen3").config_to_hf(preset("qwen3-0.6b"))["head_dim"] == 128
+    with pytest.raises(SettingError, match="`qk_norm`: LlamaForCausalLM has no query and key"):
+        hf_mapping("llama").config_to_hf(preset("llama-tiny", qk_norm=True))
+
+
+@pytest.mark.extended  # 4 ranks; importing then training at tp 2 x dp 2 is the point
+def test_training_an_imported_qwen3_at_tp2_dp2_exports_to_transformers(imported, corpus,
+                                                                         tmp_path):
+    run, out, exported = imported["qwen3"], tmp_path / "run", tmp_path / "hf"
+    run_cli("train", "--init-from", str(run), "--nproc", "4", "--tp", "2", "--device", "cpu",
+            "--data", corpus, "--seq-len", "16", "--global-batch", "4", "--micro-batch", "1",
+            "--steps", "3", "--warmup-steps", "0", "--lr", "1e-2", "--eval-every", "0",
+            "--out", str(out))
+    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
+    trained = meshtrain.load_model(out)
+    with torch.no_grad():
+        ours = trained(IDS)
+        assert _max_difference(ours, _reference(exported)(IDS).logits) < 1e-5
+        assert _max_difference(ours, meshtrain.load_model(run)(IDS)) > 1e-3  # it trained
+    norms = {n: p for n, p in trained.lm.named_parameters() if n.endswith("q_norm.weight")}
+    first = meshtrain.load_model(run).lm.get_parameter("layers.0.attn.q_norm.weight")
+    assert not torch.equal(norms["layers.0.attn.q_norm.weight"], first)  # the norms trained
+
+
+def _write_config(path: Path, **fields) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(CONFIGS["qwen3"].to_dict() | fields))
+    return path
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"attention_bias": True}, '"attention_bias"'),
+    ({"hidden_act": "gelu"}, '"hidden_act"'),
+    ({"head_dim": 0}, '"head_dim": 0'),
+    ({"use_sliding_window": True, "sliding_window": 8,
+      "layer_types": ["sliding_attention", "full_attention"]}, '"layer_types"'),
+    ({"layer_types": ["full_attention", "linear_attention"]}, '"layer_types"'),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
+], ids=["attention_bias", "hidden_act", "head_dim", "interleaved", "unknown_type", "yarn"])
+def test_unsupported_configs_are_one_line_errors(fields, named, tmp_path, capsys):
+    source = _write_config(tmp_path / "hf", **fields)
+    assert main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_window_from_one_layer_on_imports_and_exports():
+    cfg = Qwen3Config(num_layers=2, hidden_size=32, num_heads=4, head_size=16, vocab_size=256)
+    hf = CONFIGS["qwen3"].to_dict() | {"use_sliding_window": True, "sliding_window": 8,
+                                       "max_window_layers": 1, "layer_types": None}
+    windowed = MAPPING.config_from_hf(hf)
+    assert (windowed.sliding_window, windowed.window_start_layer) == (8, 1)
+    assert MAPPING.window_to_hf(cfg)["layer_types"] == ["full_attention"] * 2
+
+
+QWEN = {"model": "qwen3-tiny"}
+
+
+def _losses(corpus, steps: int, degrees: dict, plan: dict) -> tuple[list[float], dict]:
+    """Losses of `steps` steps, and the sums of this rank's trained head norm weights (they
+    decide the losses only through small differences)."""
+    cfg = build_config({}, {"model": QWEN, "train": {
+        "steps": steps, "global_batch": 8, "micro_batch": 2, "seq_len": 32, "seed": 5,
+        "eval_every": 0, "warmup_steps": 0}, "parallel": {"device": "cpu"} | {
+            key: value for key, value in plan.items() if key in ("cp", "cp_mode")},
+        "data": {"data": corpus}, "checkpoint": {"out": "/nonexistent"}})
+    cfg.plan = dataclasses.replace(cfg.plan, **plan)
+    trainer = Trainer.build(cfg, worker_mesh(**degrees))
+    losses = [trainer.train_step(step)["loss"] for step in range(steps)]
+    values, _, _ = trainer.sync.export()
+    return losses, {n: v.sum().item() for n, v in values.items()
+                    if n.endswith(("q_norm.weight", "k_norm.weight"))}
+
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def reference(corpus) -> tuple[list[float], dict]:
+    return run_on_ranks(1, _losses, corpus, STEPS, {"dp": 1}, {})[0]
+
+
+def _check_parity(corpus, reference, degrees, plan):
+    ranks = math.prod(degrees.get(axis, 1) for axis in ("tp", "pp", "dp", "cp"))
+    results = run_on_ranks(ranks, _losses, corpus, STEPS, degrees, plan)
+    losses = results[-1][0]  # the last rank holds the last pipeline stage
+    norms = {name: value for _, held in results for name, value in held.items()}
+    assert norms.keys() == reference[1].keys()
+    rel = max(abs(a - b) / abs(b) for a, b in zip(
+        losses + [norms[n] for n in sorted(norms)],
+        reference[0] + [reference[1][n] for n in sorted(norms)], strict=True))
+    assert rel < 1e-5, rel
+
+
+def test_tp2_x_dp2_trains_as_one_process(corpus, reference):
+    """The head norms are whole on each rank, which normalises its own heads: their gradients
+    are summed over tp (checked through their trained weights)."""
+    _check_parity(corpus, reference, {"tp": 2, "dp": 2}, {})
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("degrees,plan", [
+    ({"tp": 2, "dp": 1}, {"sequence_parallel": True}),
+    ({"tp": 2, "dp": 1}, {"recompute": "full"}),
+    ({"tp": 2, "dp": 1}, {"recompute": "selective", "zero": 3}),
+    ({"pp": 2, "dp": 1}, {}),
+    ({"cp": 2, "dp": 1}, {"cp": 2, "cp_mode": "ring"}),
+    ({"tp": 4, "dp": 1, "tp_scheme": "2d"}, {"tp_scheme": "2d"}),
+], ids=["tp2-sp", "tp2-full-recompute", "tp2-selective-zero3", "pp2", "cp2", "2d"])
+def test_loss_trajectory_equals_one_process(corpus, reference, degrees, plan):
+    _check_parity(corpus, reference, degrees, plan)
