@@ -188,6 +188,9 @@ def test_exports_write_head_dim_where_transformers_reads_it():
     it (its default is 128, not hidden / heads); a Llama of head norms is refused."""
     assert "head_dim" not in hf_mapping("qwen2").config_to_hf(preset("qwen2-tiny"))
     assert hf_mapping("qwen2").config_to_hf(preset("qwen2-tiny", head_size=16))["head_dim"] == 16
+    assert "head_dim" not in hf_mapping("qwen2_moe").config_to_hf(preset("qwen2-moe-tiny"))
+    wide = preset("qwen2-moe-tiny", head_size=32)
+    assert hf_mapping("qwen2_moe").config_to_hf(wide)["head_dim"] == 32
     assert hf_mapping("qwen3").config_to_hf(preset("qwen3-0.6b"))["head_dim"] == 128
     with pytest.raises(SettingError, match="`qk_norm`: LlamaForCausalLM has no query and key"):
         hf_mapping("llama").config_to_hf(preset("llama-tiny", qk_norm=True))

@@ -60,8 +60,9 @@ class Qwen2MoeMapping(LlamaMapping):
                                f" (`moe_shared_gate`): {self.architecture} always has one;"
                                " export it with format meshtrain")
         hf = super().config_to_hf(cfg)
-        for llama_only in ("attention_bias", "mlp_bias", "head_dim"):
-            del hf[llama_only]
+        llama_only = ("attention_bias", "mlp_bias") + ("head_dim",) * (cfg.head_size is None)
+        for name in llama_only:  # (transformers' Qwen2-MoE reads "head_dim" where it is written)
+            del hf[name]
         return hf | layers_to_hf(cfg) | routing_to_hf(cfg, self.architecture,
                                                       experts_field="num_experts") | {
             "qkv_bias": cfg.qkv_bias, "moe_intermediate_size": cfg.expert_ffn_size,
