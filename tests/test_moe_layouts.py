@@ -160,8 +160,14 @@ LAYOUTS = {  # name: (degrees, plan settings)
     "sp-tp2xep2-zero1": ({"tp": 2, "dp": 2, "ep": 2}, {"sequence_parallel": True, "zero": 1}),
     "cp2xdp2xep2-zero2": ({"cp": 2, "dp": 2, "ep": 2}, {"cp_mode": "ring", "zero": 2}),
     "zero3-ep2xdp4": ({"dp": 4, "ep": 2}, {"zero": 3}),
+    "tp2xep4-etp1": ({"tp": 2, "dp": 2, "ep": 4, "etp": 1}, {}),
+    "tp2xdp2xep2-etp1": ({"tp": 2, "dp": 2, "ep": 2, "etp": 1}, {}),
+    "sp-tp2xep4-etp1-zero1": ({"tp": 2, "dp": 2, "ep": 4, "etp": 1},
+                              {"sequence_parallel": True, "zero": 1}),
+    "tp2xep2-etp1": ({"tp": 2, "ep": 2, "etp": 1}, {}),
 }
 DEFAULT = "cp2xep2"  # the default tier's layout: context parallelism's token split
+DEFAULT_ETP = "tp2xep2-etp1"  # and whole experts spread over the tp ranks (etp 1)
 
 
 def _world(degrees: dict) -> int:
@@ -172,7 +178,8 @@ def _world(degrees: dict) -> int:
 
 
 @pytest.mark.parametrize("layout,steps", [
-    (DEFAULT, 2),  # the default tier's one case: 2 steps (the other cases, 5)
+    (DEFAULT, 2),  # the default tier's cases: 2 steps (the other cases, 5)
+    (DEFAULT_ETP, 2),
     *(pytest.param(name, STEPS, marks=pytest.mark.extended) for name in LAYOUTS)])
 def test_dropless_layout_trains_one_process_trajectory_and_choices(corpus, reference, layout,
                                                                    steps):
