@@ -24,6 +24,15 @@ bytes. Routing locally instead would trade that all-gather for uneven all-gather
 reduce-scatters of the dispatched rows over TP, which gloo cannot run and which take a second
 expert path; one gather keeps one path and even collectives.
 
+Whole experts (etp 1, Megatron's MoE parallel folding): the experts are not split over TP and
+the EP axis spans TP ranks too (`mesh.py`). Every TP rank still routes all its tokens alike,
+but dispatches only its own s/tp positions of each sequence, so no token is computed twice:
+without sp the replicated input is split over TP (its gradient all-gathered) and the combined
+output all-gathered back (its gradient: the rank's own part); with sp the rank's own tokens are
+dispatched as they are, not gathered (only the router's logits are, as above). The combine
+weights leave the replicated routing through the same split, so every TP rank's router gets the
+full gradient. No TP collective runs inside the experts.
+
 Context parallelism (dropless only): each CP rank routes its own tokens; routing is per token,
 so the choices are those of one process. The load-balancing loss's expert fractions are summed
 over CP, so the CP ranks' losses average to the loss of the whole micro-batch.
