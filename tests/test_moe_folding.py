@@ -22,7 +22,7 @@ from meshtrain.parallel.runtime.optim import clip_grad_norm_
 from meshtrain.training.trainer import Trainer
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-EXPERTS, GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN = 4, 8, 2, 16
+EXPERTS, GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN = 4, 4, 2, 16
 MODEL = {"moe_experts": EXPERTS, "moe_top_k": 2, "moe_every": 2, "moe_capacity_factor": 1.0,
          "moe_z_loss_coef": 0.001}
 
