@@ -2,7 +2,8 @@
 5-step trajectory, and every token goes to the same experts at every step and MoE layer, at
 ep x dp, tp x ep, pp x ep under zb-v and zb-h1, sequence parallelism x ep, cp x ep (ring and
 all2all), with ZeRO 1, 2 and 3, and with whole experts spread over the tp ranks too (`etp` 1:
-tp 2 x ep 4 on 4 ranks, tp 2 x dp 2 x ep 2, with sequence parallelism and ZeRO 1); a run saved
+tp 2 x ep 4 on 4 ranks, tp 2 x dp 2 x ep 2, with sequence parallelism and ZeRO 1, with ZeRO 3,
+pp 2 under zb-h1, cp 2); a run saved
 at one layout resumes at another on the same trajectory (between etp 1 and etp = tp too).
 
 The choices are recorded by a test-only wrap of the MoE layer's `route`, keyed by global token
@@ -166,6 +167,9 @@ LAYOUTS = {  # name: (degrees, plan settings)
     "sp-tp2xep4-etp1-zero1": ({"tp": 2, "dp": 2, "ep": 4, "etp": 1},
                               {"sequence_parallel": True, "zero": 1}),
     "tp2xep2-etp1": ({"tp": 2, "ep": 2, "etp": 1}, {}),
+    "zero3-tp2xdp2xep2-etp1": ({"tp": 2, "dp": 2, "ep": 2, "etp": 1}, {"zero": 3}),
+    "pp2xtp2xep2-etp1": ({"pp": 2, "tp": 2, "ep": 2, "etp": 1}, {"pp_schedule": "zb-h1"}),
+    "cp2xtp2xep4-etp1": ({"cp": 2, "tp": 2, "ep": 4, "etp": 1}, {"cp_mode": "ring"}),
 }
 DEFAULT = "cp2xep2"  # the default tier's layout: context parallelism's token split
 DEFAULT_ETP = "tp2xep2-etp1"  # and whole experts spread over the tp ranks (etp 1)
