@@ -2,7 +2,8 @@
 every rank, ep carved out of dp x cp x tp. One training step against one process (loss,
 gradient norm, every gradient, the experts gathered from their owners), the ep and edp groups,
 and the dispatch all-to-all's bytes against the formula taken from the reference's own
-per-token choices (with capacity: dropped choices are not sent). The refusals are in
+per-token choices (with capacity: dropped choices are not sent); their DTensor state dict
+through torch.distributed.checkpoint into one process. The refusals are in
 test_cli.py and test_mesh.py; trajectories, choices and resharding in test_moe_layouts.py."""
 
 import dataclasses
@@ -119,3 +120,37 @@ def _check_step(corpus, degrees: dict) -> None:
 def test_whole_experts_match_one_process_and_send_the_formula_bytes(corpus, degrees):
     world = degrees["tp"] * degrees.get("dp", 1)
     run_on_ranks(world, _check_step, corpus, degrees)
+
+
+def _save_dtensors(corpus, out: str) -> dict:
+    """One step at tp 2 x ep 2 with whole experts, its DTensor state saved by dcp; every
+    parameter whole, experts gathered from their owners."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshtrain.checkpointing.dtensor_state import dtensor_state_dict
+
+    degrees = {"tp": 2, "ep": 2, "etp": 1}
+    mesh = worker_mesh(**degrees)
+    trainer = Trainer.build(_cfg(corpus, degrees), mesh)
+    trainer.train_step(0)
+    dcp.save({"model": dtensor_state_dict(trainer.model, mesh)}, checkpoint_id=f"{out}/dcp")
+    full = {}
+    for part in all_gather_objects(dict(named_full_tensors(trainer.model)), mesh.ep):
+        full.update(part)
+    return full
+
+
+@pytest.mark.extended
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_whole_experts_save_as_dtensors_that_load_into_one_process(corpus, tmp_path):
+    """Whole experts are `Replicate()` DTensors of their rank: dcp joins both ranks' experts
+    and loads every parameter into a one-process model's tensors, bitwise."""
+    import torch.distributed.checkpoint as dcp
+
+    full = run_on_ranks(2, _save_dtensors, corpus, str(tmp_path))[0]
+    dense = dense_reference(_cfg(corpus, {}))
+    state = {"model": {n: torch.zeros_like(p) for n, p in dense.named_parameters()}}
+    dcp.load(state, checkpoint_id=f"{tmp_path}/dcp", no_dist=True)
+    assert set(state["model"]) == set(full)
+    for name, tensor in state["model"].items():
+        assert torch.equal(tensor, full[name]), name
