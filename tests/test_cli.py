@@ -152,6 +152,11 @@ def _error(capsys, argv) -> str:
     (["--nproc", "2", "--tp", "1", "--pp", "2", "--pp-schedule", "interleaved",
       "--virtual-stages", "2", "--pp-layers", "2,2"], "--pp-layers 2,2 has 2 entries"),
     (["--seq-len", "64", "--max-seq-len", "32"], "--seq-len 64 exceeds --max-seq-len 32"),
+    (["--nproc", "2", "--tp", "2", "--etp", "3", "--moe-experts", "4"],
+     "--etp 3 must be 1 (whole experts) or --tp 2"),
+    (["--nproc", "4", "--tp", "2", "--ep", "8", "--etp", "1", "--moe-experts", "8"],
+     "--ep x --etp = 8 x 1 must divide tp x dp x cp = 2 x 2 x 1 = 4"),
+    (["--nproc", "2", "--tp", "2", "--etp", "1"], "--etp 1 keeps MoE experts whole: it needs"),
     (["--bucket-mb", "1e-9"], "--bucket-mb must be positive"),
 ])
 def test_bad_input_is_one_line(capsys, corpus, tmp_path, flags, needle):

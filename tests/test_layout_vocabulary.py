@@ -68,8 +68,8 @@ def test_a_spec_is_a_view_of_the_plan():
             plan, f.name) != getattr(ParallelPlan(), f.name))}
     assert ParallelPlan(**parse_spec(plan.spec())) == plan
     view = plan.searched_view()  # `meshtrain plan --json`'s layout keys
-    assert list(view) == ["tp", "pp", "dp", "cp", "ep", "vp", "mb", "zero", "sp", "recompute",
-                          "schedule", "scheme", "depth"]
+    assert list(view) == ["tp", "pp", "dp", "cp", "ep", "etp", "vp", "mb", "zero", "sp",
+                          "recompute", "schedule", "scheme", "depth"]
     assert set(SPEC_FIELDS) >= set(view)
 
 

@@ -18,10 +18,18 @@ def test_resolve_degrees_derives_dp():
     (dict(tp=2, dp=2), r"pp x dp x cp x tp = 1 x 2 x 1 x 2 = 4 does not equal the world size 8"),
     (dict(tp=0), r"--tp must be a positive integer"),
     (dict(tp=2, ep=3), r"ep=3 must divide dp x cp = 4 x 1 = 4"),
+    (dict(tp=2, ep=8), r"ep=8 must divide dp x cp = 4 x 1 = 4.*or set --etp 1"),
+    (dict(tp=2, ep=16, etp=1), r"--ep x --etp = 16 x 1 must divide tp x dp x cp = 2 x 4 x 1"),
+    (dict(tp=2, etp=4), r"--etp 4 must be 1 \(whole experts\) or --tp 2"),
 ])
 def test_resolve_degrees_rejects(kwargs, match):
     with raises_as_flags(match):
         resolve_degrees(8, **kwargs)
+
+
+def test_whole_experts_let_ep_span_tp():
+    assert resolve_degrees(8, tp=2, ep=8, etp=1)["dp"] == 4  # ep x etp = 8 divides 2 x 4
+    assert resolve_degrees(8, tp=2, ep=4, etp=2)["ep"] == 4  # etp = tp: today's rule
 
 
 def test_axis_order_puts_tp_innermost():

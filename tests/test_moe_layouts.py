@@ -1,8 +1,10 @@
 """Dropless MoE at every layout against one process: a top-2-of-8 fp32 model trains the same
 5-step trajectory, and every token goes to the same experts at every step and MoE layer, at
 ep x dp, tp x ep, pp x ep under zb-v and zb-h1, sequence parallelism x ep, cp x ep (ring and
-all2all) and with ZeRO 1, 2 and 3; a run saved at one layout resumes at another on the same
-trajectory.
+all2all), with ZeRO 1, 2 and 3, and with whole experts spread over the tp ranks too (`etp` 1:
+tp 2 x ep 4 on 4 ranks, tp 2 x dp 2 x ep 2, with sequence parallelism and ZeRO 1, with ZeRO 3,
+pp 2 under zb-h1, cp 2); a run saved
+at one layout resumes at another on the same trajectory (between etp 1 and etp = tp too).
 
 The choices are recorded by a test-only wrap of the MoE layer's `route`, keyed by global token
 (step, micro-batch of the global batch, layer, sequence, position in the sequence); a context
@@ -160,8 +162,17 @@ LAYOUTS = {  # name: (degrees, plan settings)
     "sp-tp2xep2-zero1": ({"tp": 2, "dp": 2, "ep": 2}, {"sequence_parallel": True, "zero": 1}),
     "cp2xdp2xep2-zero2": ({"cp": 2, "dp": 2, "ep": 2}, {"cp_mode": "ring", "zero": 2}),
     "zero3-ep2xdp4": ({"dp": 4, "ep": 2}, {"zero": 3}),
+    "tp2xep4-etp1": ({"tp": 2, "dp": 2, "ep": 4, "etp": 1}, {}),
+    "tp2xdp2xep2-etp1": ({"tp": 2, "dp": 2, "ep": 2, "etp": 1}, {}),
+    "sp-tp2xep4-etp1-zero1": ({"tp": 2, "dp": 2, "ep": 4, "etp": 1},
+                              {"sequence_parallel": True, "zero": 1}),
+    "tp2xep2-etp1": ({"tp": 2, "ep": 2, "etp": 1}, {}),
+    "zero3-tp2xdp2xep2-etp1": ({"tp": 2, "dp": 2, "ep": 2, "etp": 1}, {"zero": 3}),
+    "pp2xtp2xep2-etp1": ({"pp": 2, "tp": 2, "ep": 2, "etp": 1}, {"pp_schedule": "zb-h1"}),
+    "cp2xtp2xep4-etp1": ({"cp": 2, "tp": 2, "ep": 4, "etp": 1}, {"cp_mode": "ring"}),
 }
 DEFAULT = "cp2xep2"  # the default tier's layout: context parallelism's token split
+DEFAULT_ETP = "tp2xep2-etp1"  # and whole experts spread over the tp ranks (etp 1)
 
 
 def _world(degrees: dict) -> int:
@@ -172,7 +183,8 @@ def _world(degrees: dict) -> int:
 
 
 @pytest.mark.parametrize("layout,steps", [
-    (DEFAULT, 2),  # the default tier's one case: 2 steps (the other cases, 5)
+    (DEFAULT, 2),  # the default tier's cases: 2 steps (the other cases, 5)
+    (DEFAULT_ETP, 2),
     *(pytest.param(name, STEPS, marks=pytest.mark.extended) for name in LAYOUTS)])
 def test_dropless_layout_trains_one_process_trajectory_and_choices(corpus, reference, layout,
                                                                    steps):
@@ -186,11 +198,15 @@ def test_dropless_layout_trains_one_process_trajectory_and_choices(corpus, refer
 
 
 @pytest.mark.extended
-def test_resume_at_another_layout_continues_the_trajectory(corpus, reference, tmp_path):
-    """Saved after 3 steps at ep 2 x dp 2, resumed at tp 2 x ep 2."""
-    first = run_on_ranks(4, _run, corpus, *LAYOUTS["ep2xdp2"], stop=3, save=tmp_path,
-                         timeout=300)
-    second = run_on_ranks(4, _run, corpus, *LAYOUTS["tp2xep2"], resume=tmp_path, timeout=300)
+@pytest.mark.parametrize("saved,resumed", [
+    ("ep2xdp2", "tp2xep2"),
+    ("tp2xep4-etp1", "tp2xep2"),  # whole experts -> experts split over tp
+    ("tp2xep2", "tp2xdp2xep2-etp1")])  # and back
+def test_resume_at_another_layout_continues_the_trajectory(corpus, reference, tmp_path, saved,
+                                                           resumed):
+    """Saved after 3 steps at one layout, resumed at another."""
+    first = run_on_ranks(4, _run, corpus, *LAYOUTS[saved], stop=3, save=tmp_path, timeout=300)
+    second = run_on_ranks(4, _run, corpus, *LAYOUTS[resumed], resume=tmp_path, timeout=300)
     _assert_same_trajectory("resumed", first[0][0] + second[0][0], reference[0])
     _assert_same_choices("resumed", [a[1] | b[1] for a, b in zip(first, second, strict=True)],
                          reference[1])

@@ -2,7 +2,9 @@
 
 World size = pp x dp x cp x tp with axis order outer -> inner (pp, dp, cp, tp), so the TP group
 is made of consecutive ranks (inside one node when ranks fill nodes in order). Experts (ep) are
-carved out of the flattened dp x cp group. The tensor-parallel block is arranged as its
+carved out of the flattened dp x cp group, split over tp like the dense MLP (etp = tp); at
+expert tensor parallelism 1 (etp 1, Megatron's "MoE parallel folding") they are whole and ep is
+carved out of the flattened dp x cp x tp group instead. The tensor-parallel block is arranged as its
 scheme's grid (named axes and sizes, given by the scheme: `parallel/schemes/`). The mesh owns
 every process group; it is passed to whatever communicates and never stored in a module global.
 `parallel/runtime/process_groups.init_parallel` builds one from a plan's degrees and scheme.
@@ -39,7 +41,8 @@ class MeshAxis:
 
 
 def resolve_degrees(
-    world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int = 1
+    world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, ep: int = 1,
+    etp: int | None = None,
 ) -> dict[str, int]:
     """Check the degrees against the world size and derive dp when omitted.
 
@@ -66,13 +69,26 @@ def resolve_degrees(
             f"pp x dp x cp x tp = {pp} x {dp} x {cp} x {tp} = {pp * dp * cp * tp} does not equal"
             f" the world size {world_size}: change the degrees or the number of ranks (`nproc`)"
         )
-    if (dp * cp) % ep:
+    _check_expert_degrees(tp=tp, dp=dp, cp=cp, ep=ep, etp=tp if etp is None else etp)
+    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
+
+
+def _check_expert_degrees(*, tp: int, dp: int, cp: int, ep: int, etp: int) -> None:
+    """etp is 1 or tp, and ep x etp divides tp x dp x cp (at etp = tp: ep divides dp x cp)."""
+    if etp not in (1, tp):
+        raise SettingError(Code.ETP_DEGREE, (
+            f"`etp` {etp} must be 1 (whole experts) or `tp` {tp} (experts split like the dense"
+            " MLP)"))
+    if etp == tp and (dp * cp) % ep:
         raise SettingError(
             Code.EP_DEGREE,
             f"ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp}: experts are spread over the"
-            " data/context-parallel ranks"
+            " data/context-parallel ranks (or set `etp` 1 to spread them over tp too)"
         )
-    return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
+    if (tp * dp * cp) % (ep * etp):
+        raise SettingError(Code.EP_DEGREE, (
+            f"`ep` x `etp` = {ep} x {etp} must divide tp x dp x cp = {tp} x {dp} x {cp} ="
+            f" {tp * dp * cp}: whole experts (`etp` 1) are spread over those ranks"))
 
 
 def grid_coords(tp_rank: int, grid: dict[str, int]) -> dict[str, int]:
@@ -112,24 +128,26 @@ class ParallelMesh:
     """Process groups and coordinates of this rank on every parallel axis.
 
     Axes: pp, dp, cp, tp; embed (first and last pipeline stage); pp_grad (the pp groups again,
-    for the pipeline's backward traffic); dp_cp (dp x cp flattened:
-    where replicated gradients are averaged);
-    ep (expert parallel, consecutive blocks of dp_cp) and edp (the dp_cp ranks holding the same
-    experts); zero_shard (the ranks ZeRO shards over: consecutive blocks of `dp_shard` x cp of
-    dp_cp, all of dp_cp without hybrid sharding) and zero_replica (the ranks at the same place
-    of each block: replicas of one shard); `tp_block(size)` for each size dividing tp; the
-    grid axes of the tensor-parallel scheme `tp_scheme` (`tp_grid`: tp_row and tp_col for 2d,
-    ...: `TPScheme.grid`), each the ranks of one TP block that differ only in that grid
-    coordinate; under hybrid context parallelism (`cp_a2a`) the cp axis's two sub-axes:
-    cp_a2a (cp_a2a consecutive cp ranks, innermost after tp: the all-to-all inside a node) and
-    cp_ring (the cp ranks at the same place of each cp_a2a block: the ring, possibly across
-    nodes), cp rank = cp_ring rank x cp_a2a + cp_a2a rank. Build it with `init_parallel`.
+    for the pipeline's backward traffic); dp_cp (dp x cp flattened: where replicated gradients
+    are averaged); ep (expert parallel, consecutive blocks of dp_cp; at `etp` 1 of dp x cp x
+    tp) and edp (the ranks of that group holding the same experts); etp (the axis experts are
+    split over: tp, or one rank at `etp` 1); zero_shard (the ranks ZeRO shards over:
+    consecutive blocks of `dp_shard` x cp of dp_cp, all of dp_cp without hybrid sharding) and
+    zero_replica (the ranks at the same place of each block: replicas of one shard);
+    `tp_block(size)` for each size dividing tp; the grid axes of the tensor-parallel scheme
+    `tp_scheme` (`tp_grid`: tp_row and tp_col for 2d, ...: `TPScheme.grid`), each the ranks of
+    one TP block that differ only in that grid coordinate; under hybrid context parallelism
+    (`cp_a2a`) the cp axis's two sub-axes: cp_a2a (cp_a2a consecutive cp ranks, innermost
+    after tp: the all-to-all inside a node) and cp_ring (the cp ranks at the same place of
+    each cp_a2a block: the ring, possibly across nodes), cp rank = cp_ring rank x cp_a2a +
+    cp_a2a rank. Build it with `init_parallel`.
     """
 
     def __init__(self, degrees: dict[str, int], *, rank: int, device: torch.device,
                  tp_scheme: str = "1d", tp_grid: dict[str, int] | None = None,
                  device_mesh=None, reused: dict[str, dist.ProcessGroup] | None = None,
-                 dp_shard: int | None = None, cp_a2a: int | None = None):
+                 dp_shard: int | None = None, cp_a2a: int | None = None,
+                 etp: int | None = None):
         self.degrees = dict(degrees)
         # A torch DeviceMesh laid out as these axes (given, or built on first use), and the
         # groups of its dims that serve as axes here (`parallel/runtime/device_mesh.py`).
@@ -147,9 +165,7 @@ class ParallelMesh:
             self._add_axis(name, _axis_groups(degrees, (name,)))
         dp_cp_groups = _axis_groups(degrees, ("dp", "cp"))
         self._add_axis("dp_cp", dp_cp_groups)
-        ep = degrees["ep"]
-        self._add_axis("ep", [g[i : i + ep] for g in dp_cp_groups for i in range(0, len(g), ep)])
-        self._add_axis("edp", [g[i::ep] for g in dp_cp_groups for i in range(ep)])
+        self._add_expert_axes(dp_cp_groups, etp)
         self._add_zero_axes(dp_cp_groups, dp_shard)
         if cp_a2a is not None:
             cp_groups = _axis_groups(degrees, ("cp",))
@@ -199,6 +215,24 @@ class ParallelMesh:
         assert mine is not None, f"rank {self.rank} is in no {name} group"
         self._axes[name] = mine
 
+    def _add_expert_axes(self, dp_cp_groups: list[list[int]], etp: int | None) -> None:
+        """ep and edp carved out of dp x cp (experts split over tp: etp = tp), or at etp 1
+        (whole experts) out of dp x cp x tp, whose ranks are consecutive, so an ep group fills
+        the tp ranks of one dp x cp rank first."""
+        self.etp = self.degrees["tp"] if etp is None else etp
+        groups = dp_cp_groups if not self.whole_experts \
+            else _axis_groups(self.degrees, ("dp", "cp", "tp"))
+        ep = self.degrees["ep"]
+        self._add_axis("ep", [g[i : i + ep] for g in groups for i in range(0, len(g), ep)])
+        self._add_axis("edp", [g[i::ep] for g in groups for i in range(ep)])
+        self._axes["etp"] = MeshAxis("etp", 1, 0, (self.rank,), None) if self.whole_experts \
+            else self._axes["tp"]
+
+    @property
+    def whole_experts(self) -> bool:
+        """Whether experts are whole on each rank while the rest is split over tp (etp 1)."""
+        return self.etp == 1 and self.degrees["tp"] > 1
+
     def _add_zero_axes(self, dp_cp_groups: list[list[int]], dp_shard: int | None) -> None:
         """Hybrid sharding's two axes; without it (or at dp_shard = dp) ZeRO's shard axis is
         dp_cp itself and the replica axis has size 1 (no new groups)."""
@@ -242,9 +276,10 @@ class ParallelMesh:
     def layout(self) -> dict:
         """The degrees, and the tensor-parallel grid when it is not 1D (checkpoints record
         it: RNG streams are restored only into the same layout)."""
+        degrees = self.degrees | ({"etp": 1} if self.whole_experts else {})
         if tuple(self.tp_grid) == ("tp",):
-            return dict(self.degrees)
-        return self.degrees | {"tp_scheme": self.tp_scheme, "tp_grid": dict(self.tp_grid)}
+            return degrees
+        return degrees | {"tp_scheme": self.tp_scheme, "tp_grid": dict(self.tp_grid)}
 
     def axis(self, name: str) -> MeshAxis:
         return self._axes[name]

@@ -43,7 +43,7 @@ from meshtrain.checkpointing.verify import (
 from meshtrain.checkpointing.verify import checkpoint_config as checkpoint_config
 from meshtrain.checkpointing.verify import latest_checkpoint as latest_checkpoint
 from meshtrain.checkpointing.verify import resolve_checkpoint as resolve_checkpoint
-from meshtrain.mesh import ParallelMesh
+from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.routing import Router
 from meshtrain.parallel.layers.sharding import (
@@ -71,12 +71,13 @@ def _fsync_write(path: Path, text: str) -> None:
 
 
 def _owned_pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None, replica_rank: int,
-                  mesh: ParallelMesh):
+                  mesh: ParallelMesh | MeshAxis):
     """(key suffix, piece tensor, entry) for what this rank writes of a logical tensor: only
     the first of its data-parallel replicas (`replica_rank` 0) and of its TP copies writes.
     A tensor split along several dimensions (2D/3D schemes) is first gathered along all but
     the first, so that every piece is a slab of one dimension (collectives over those splits'
-    grid axes, inside the TP block, whose ranks share `replica_rank`)."""
+    grid axes, inside the TP block, whose ranks share `replica_rank`). `mesh`: what the split
+    is relative to (`split_homes`)."""
     if replica_rank != 0:
         return
     if len(splits(spec)) > 1:
@@ -94,6 +95,14 @@ def _owned_pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None, repli
     for i, (local, start, length) in enumerate(shard_pieces(spec, position)):
         piece = tensor.narrow(spec.dim, local, length)
         yield f"{name}#{i}", piece, {"dim": spec.dim, "offset": start, "length": length}
+
+
+def split_homes(model: nn.Module, mesh: ParallelMesh) -> dict[str, ParallelMesh | MeshAxis]:
+    """What each parameter's split is relative to: the mesh, or for whole experts (`etp` 1)
+    the one-rank `etp` axis, so every tp rank holds, writes and reads its experts whole."""
+    experts = model.roles().experts if mesh.whole_experts else set()
+    return {name: mesh.axis("etp") if id(p) in experts else mesh
+            for name, p in model.named_parameters()}
 
 
 def routing_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
@@ -269,7 +278,7 @@ def _rank_pieces(sources, model: nn.Module, mesh: ParallelMesh,
     """The pieces this rank writes of each (logical name, local tensor, parameter name), and
     the manifest entries describing them. Experts are replicated over edp, the rest over
     dp x cp; only the first replica writes."""
-    shards = parameter_shards(model)
+    shards, homes = parameter_shards(model), split_homes(model, mesh)
     experts = model.roles().experts
     replica = {n: mesh.axis("edp").rank if id(p) in experts else mesh.dp_cp.rank
                for n, p in model.named_parameters()}
@@ -280,7 +289,8 @@ def _rank_pieces(sources, model: nn.Module, mesh: ParallelMesh,
         entries.setdefault(name, {"shape": _logical_shape(tensor, shard),
                                   "dtype": str(tensor.dtype).removeprefix("torch."),
                                   "pieces": []})
-        for key, piece, where in _owned_pieces(name, tensor, shard, replica[param_name], mesh):
+        for key, piece, where in _owned_pieces(name, tensor, shard, replica[param_name],
+                                               homes[param_name]):
             tensors[key] = piece.contiguous().cpu()
             entries[name]["pieces"].append({"file": file_name, "key": key, **where})
     return tensors, entries
@@ -366,11 +376,11 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
     path = Path(path)
     manifest = read_manifest(path, model.cfg)
     reader = Reader(path, manifest, mesh.device)
-    shards = parameter_shards(model)
+    shards, homes = parameter_shards(model), split_homes(model, mesh)
 
-    def local(name: str, spec: ShardSpec | None) -> torch.Tensor:
-        full = reader.full(name)
-        return full if spec is None else shard_tensor(full, spec, mesh)
+    def local(name: str, param_name: str) -> torch.Tensor:
+        full, spec = reader.full(name), shards[param_name]
+        return full if spec is None else shard_tensor(full, spec, homes[param_name])
 
     for name, param in model.named_parameters():  # every shape, before anything is copied
         entry = manifest["tensors"].get("model/" + name)
@@ -381,7 +391,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
                                   " here: it is from a different model; use its model settings")
 
     names = [name for name, _ in model.named_parameters()]
-    values = {name: local("model/" + name, shards[name]) for name in names}
+    values = {name: local("model/" + name, name) for name in names}
     if load_states is None:
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -390,9 +400,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, mesh: ParallelMesh,
         states, step = None, None
         if "optim/step" in manifest["tensors"]:  # else: saved before any step
             step = reader.full("optim/step")
-            states = {name: {s: local(f"optim/{s}/{name}", shards[name])
+            states = {name: {s: local(f"optim/{s}/{name}", name)
                              for s in ADAMW_MOMENTS} for name in names}
-        previous = {name: local("previous/" + name, shards[name]) for name in names} \
+        previous = {name: local("previous/" + name, name) for name in names} \
             if "previous/" + names[0] in manifest["tensors"] else None
         load_states(values, states, step, previous=previous)
     _load_routing(model, reader)

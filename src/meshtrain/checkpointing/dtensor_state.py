@@ -3,7 +3,8 @@
 
 Each tensor is keyed by its parameter's name and holds this rank's local data with the placements
 that describe it on `mesh.device_mesh` (dims pp, dp..., cp, tp; pp left out, see below):
-- a parameter no TP layer splits (norms, biases of row-parallel layers): `Replicate()` everywhere;
+- a parameter no TP layer splits (norms, biases of row-parallel layers; experts at `etp` 1,
+  whole on every tp rank): `Replicate()` everywhere;
 - one split along a dimension as one block without replicas (column-parallel weights `Shard(0)`,
   row-parallel weights `Shard(1)`, the vocabulary `Shard(0)`): that `Shard` on the tp dim,
   `Replicate()` on the others. The DTensor has the logical shape: the vocabulary's padding (to a
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 
 from meshtrain.errors import Code, SettingError
-from meshtrain.mesh import ParallelMesh
+from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.layers.sharding import (
     GridPosition,
     Shard,
@@ -107,7 +108,10 @@ def _parameter_homes(model: nn.Module) -> dict[str, tuple[ShardSpec | None, obje
         for name, _ in module.named_parameters(recurse=False):
             full_name = f"{module_name}.{name}" if module_name else name
             spec = shards.get(name)
-            homes[full_name] = (spec, tensor_parallel_home(module) if spec is not None else None)
+            home = tensor_parallel_home(module) if spec is not None else None
+            if isinstance(home, MeshAxis) and home.name == "etp" and home.size == 1:
+                spec = home = None  # a whole expert (etp 1) on a tp > 1 mesh
+            homes[full_name] = (spec, home)
     return homes
 
 

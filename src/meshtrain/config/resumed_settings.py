@@ -31,7 +31,7 @@ NOT_CARRIED = {("checkpoint", "out"), ("checkpoint", "resume"), ("checkpoint", "
                ("checkpoint", "init_from"), ("train", "stop_at"), ("parallel", "nproc"),
                ("parallel", "layout"), ("parallel", "max_restarts")}
 """How this invocation runs, never what the run is: always the command's own."""
-DEGREES = ("nproc", "tp", "pp", "dp", "cp", "ep", "tp_depth", "virtual_stages")
+DEGREES = ("nproc", "tp", "pp", "dp", "cp", "ep", "etp", "tp_depth", "virtual_stages")
 """Given any of these, the saved layout ([parallel]'s plan settings) is not carried."""
 
 

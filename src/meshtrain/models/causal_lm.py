@@ -88,7 +88,7 @@ class CausalLM(nn.Module, ABC):
         router = init_linear(cfg.hidden_size, cfg.moe_experts, cfg.init_std, gen, bias=False)
         per_rank = cfg.moe_experts // mesh.ep.size
         first = mesh.ep.rank * per_rank
-        with self.factory.whole_sequence():  # experts see tokens gathered over sp
+        with self.factory.expert_layers():  # rows of tokens; whole at etp 1
             experts = {e: self.build_mlp(generator(seed, 10_000 * (1 + index) + 1 + e),
                                          cfg.expert_ffn_size)
                        for e in range(first, first + per_rank)}

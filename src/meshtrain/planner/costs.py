@@ -178,8 +178,9 @@ def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False
         weights=weights, split=split)
     cp_forward, cp_backward = _context_parallel_comm(work, hw, core)
     ep_forward, ep_backward = _expert_comm(work, hw, index)
-    forward_comm = tp_forward + cp_forward + ep_forward
-    backward_comm = tp_backward + cp_backward + ep_backward
+    xf, xb = _expert_tp_comm(work, hw, index, (tp_forward, tp_backward))
+    forward_comm = tp_forward + cp_forward + ep_forward + xf
+    backward_comm = tp_backward + cp_backward + ep_backward + xb
     if lay.recompute == "selective":
         backward += core
     elif lay.recompute == "full":
@@ -247,11 +248,37 @@ def _expert_comm(work: Workload, hw: Hardware, index: int) -> tuple[float, float
     lay, m = work.layout, work.model
     if lay.ep == 1 or not m.is_moe_layer(index):
         return 0.0, 0.0
-    span = lay.tp * lay.cp * lay.ep
-    rows = work.local_tokens * m.moe_top_k * work.expert_load * m.hidden_size \
+    # whole experts (etp 1): each tp rank sends its s/tp tokens' rows to ep consecutive ranks
+    whole = lay.tp if lay.whole_experts else 1
+    span = lay.ep if lay.whole_experts else lay.tp * lay.cp * lay.ep
+    rows = work.local_tokens / whole * m.moe_top_k * work.expert_load * m.hidden_size \
         * work.element_bytes
     exchange = coll.all_to_all(hw, rows, lay.ep, span)
     return 2 * exchange + coll.all_to_all(hw, 8 * m.moe_experts, lay.ep, span), 2 * exchange
+
+
+def _expert_tp_comm(work: Workload, hw: Hardware, index: int,
+                    scheme: tuple[float, float]) -> tuple[float, float]:
+    """An MoE layer's tensor-parallel communication beyond what the scheme priced for its MLP
+    (`scheme`: the layer's, half of it the MLP's; kept where a shared expert, split over tp
+    like a dense MLP, still spends it). Experts split over tp (etp = tp) all-reduce their
+    k x `expert_load` rows per token each way, and under sp the layer's tokens are gathered
+    forward and their gradient backward; whole experts (etp 1) all-gather the layer's output
+    forward and its input's gradient backward without sp, and spend nothing with sp (each
+    rank dispatches the tokens it holds)."""
+    lay, m = work.layout, work.model
+    if lay.tp == 1 or not m.is_moe_layer(index):
+        return 0.0, 0.0
+    tokens = work.activation_bytes  # [b, s/cp, h]
+    gather = coll.all_gather(hw, tokens, lay.tp, lay.tp)
+    if lay.whole_experts:
+        spent = 0.0 if lay.sequence_parallel else gather
+    else:
+        rows = tokens * m.moe_top_k * work.expert_load
+        spent = coll.all_reduce(hw, rows, lay.tp, lay.tp) + \
+            (gather if lay.sequence_parallel else 0.0)
+    kept = 0.0 if m.moe_shared_ffn_size else 0.5
+    return spent - kept * scheme[0], spent - kept * scheme[1]
 
 
 def _embedding_cost(work: Workload, hw: Hardware) -> ChunkCost:

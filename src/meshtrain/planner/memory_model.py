@@ -102,8 +102,9 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
 
 
 def expert_shard_ranks(lay: ParallelPlan) -> int:
-    """The ranks ZeRO shards routed experts over: those holding the same experts (edp)."""
-    return lay.dp * lay.cp // lay.ep
+    """The ranks ZeRO shards routed experts over: those holding the same experts (edp; at
+    `etp` 1 the ep group spans tp too)."""
+    return lay.dp * lay.cp * (lay.tp if lay.whole_experts else 1) // lay.ep
 
 
 def zero_shard(lay: ParallelPlan, own: list[ChunkCost]) -> float:

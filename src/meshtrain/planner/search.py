@@ -3,7 +3,8 @@
 The space (a field fixed by `--layout` takes only its value): tp powers of two up to a node; pp
 divisors of the devices up to MAX_PP (deeper pipelines are slow to simulate: fix pp to try one);
 cp divisors while every rank keeps CP_MIN_TOKENS of the sequence (shorter ring blocks only add
-latency); dp the rest; ep (MoE models) divisors of dp x cp that divide the experts; micro-batch
+latency); dp the rest; ep (MoE models) divisors of dp x cp that divide the experts, and with
+experts whole (`etp` 1, tp > 1) divisors of dp x cp x tp that do; micro-batch
 divisors of the per-dp batch up to MAX_MICRO_BATCH; schedules 1f1b and interleaved, virtual
 stages the divisors of layers / pp from 2 to MAX_VIRTUAL_STAGES, and zb-h1 and zb-v where they
 run (1d tensor parallelism; zb-v: 2 x pp layers at least); gpipe only when fixed (it does
@@ -259,6 +260,10 @@ class _Search:
             "recompute": self.choices("recompute", RECOMPUTE),
             "ep": self.choices("ep", [e for e in _divisors(dp * cp) if experts % e == 0]
                                if experts else [1]),
+            # whole experts (etp 1): ep over dp x cp x tp (`fit_experts`)
+            "etp": self.choices("etp", [None, 1] if experts and tp > 1 else [None]),
+            "ep_whole": self.choices("ep", [e for e in _divisors(dp * cp * tp)
+                                            if experts and experts % e == 0] or [1]),
         }
 
     def schedule_choices(self, pp: int, scheme: str, vps: list[int]) -> list[str]:
@@ -289,6 +294,9 @@ class _Search:
         if len(combos) != 1:
             return None
         choices = self.execution_choices(combos[0])
+        whole = choices.pop("ep_whole")
+        if choices["etp"] == [1]:
+            choices["ep"] = whole
         choices["virtual_stages"] = self.vp_for(choices["pp_schedule"][0], choices)
         if any(len(values) != 1 for values in choices.values()):
             return None
@@ -357,7 +365,8 @@ class _Search:
         bases = [self.layout(combo, micro_batch=choices["micro_batch"][0], pp_schedule=schedule,
                              sequence_parallel=sp, virtual_stages=self.vp_for(schedule,
                                                                               choices)[0],
-                             ep=choices["ep"][-1], zero=choices["zero"][0],
+                             ep=choices["ep"][-1], etp=choices["etp"][0],
+                             zero=choices["zero"][0],
                              recompute=choices["recompute"][0])
                  for sp in choices["sequence_parallel"]]
         base = next((b for b in bases if self.validate(b)), None)
@@ -410,7 +419,8 @@ class _Search:
                 for vp in self.vp_for(schedule, choices):
                     base = self.layout(combo, micro_batch=choices["micro_batch"][0],
                                        pp_schedule=schedule, virtual_stages=vp,
-                                       sequence_parallel=sp, ep=choices["ep"][-1])
+                                       sequence_parallel=sp, ep=choices["ep"][-1],
+                                       etp=choices["etp"][0])
                     fastest = min(self.sweep(base, choices["zero"], choices), default=None)
                     if fastest is None or last is not None and fastest > last:
                         break
@@ -430,10 +440,10 @@ class _Search:
                 layout = replace(base, zero=zero, recompute=recomputes[i])
                 if not self.validate(layout):
                     break  # recompute does not change validity
-                fitting = self.fit_experts(layout, choices["ep"])
-                if fitting is not None:
-                    found += [fitting, *self.fit_hybrid(fitting.layout),
-                              *self.fit_context(fitting.layout)]
+                fitting = self.fit_experts(layout, choices)
+                for fit in fitting:
+                    found += [fit, *self.fit_hybrid(fit.layout), *self.fit_context(fit.layout)]
+                if fitting:
                     fit_at[zero] = i
                     break
             start[zero] = fit_at.get(zero, max(limit, start.get(zero, 0)))
@@ -469,10 +479,14 @@ class _Search:
                   if 1 < a < layout.cp and a <= node]
         return [self.seen[t] for t in trials if self.runnable(t) and self.fits(t)]
 
-    def fit_experts(self, layout: ParallelPlan, eps: list[int]) -> Prediction | None:
-        """The smallest expert-parallel degree (from the fewest all-to-all peers) that fits."""
-        for ep in eps:
-            trial = replace(layout, ep=ep)
-            if (trial == layout or self.validate(trial)) and self.fits(trial):
-                return self.seen[trial]
-        return None
+    def fit_experts(self, layout: ParallelPlan, choices: dict[str, list]) -> list[Prediction]:
+        """For each expert tensor-parallel degree (tp, then 1: whole experts, ep over dp x cp
+        x tp), the smallest expert-parallel degree (the fewest all-to-all peers) that fits."""
+        found = []
+        for etp in choices["etp"]:
+            for ep in choices["ep_whole" if etp == 1 else "ep"]:
+                trial = replace(layout, ep=ep, etp=etp)
+                if (trial == layout or self.validate(trial)) and self.fits(trial):
+                    found.append(self.seen[trial])
+                    break
+        return found

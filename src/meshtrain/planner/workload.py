@@ -49,8 +49,9 @@ class LayerWork:
     parameters: float
     """This rank's share of the layer's parameters."""
     expert_parameters: float = 0.0
-    """Of `parameters`: this rank's routed experts' (E / ep of them), which ZeRO shards over
-    their own data-parallel ranks (edp = dp x cp / ep) rather than dp x cp."""
+    """Of `parameters`: this rank's routed experts' (E / ep of them; split over tp, or whole at
+    `etp` 1), which ZeRO shards over their own data-parallel ranks (edp = dp x cp / ep, or
+    dp x cp x tp / ep at `etp` 1) rather than dp x cp."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,13 @@ class Workload:
             fused=self.layout.compile)
         if m.attention == "eager" or ring:
             moved += 4 * m.num_heads / t * tokens * self.seq_len * self.element_bytes
-        return LayerWork(weight, core, moved, parameters / self.weight_parts,
-                         experts / self.weight_parts)
+        # whole experts (etp 1): not split over tp; each rank's k rows of its s/tp tokens
+        # at the whole width cost the same FLOPs as k rows of all tokens at 1/tp of it
+        parts = self.weight_parts
+        if self.layout.whole_experts:
+            return LayerWork(weight, core, moved, (parameters - experts) / parts + experts,
+                             experts)
+        return LayerWork(weight, core, moved, parameters / parts, experts / parts)
 
     def _keys_per_query(self, ring: bool) -> float:
         """Keys each query's scores are computed for: half the sequence for a causal fused
@@ -206,7 +212,10 @@ class Workload:
         share = m.num_moe_layers() / m.num_layers
         tokens = lay.micro_batch * self.seq_len // lay.cp
         rows = m.moe_top_k * self.expert_load * tokens
-        hidden = sum(m.mlp_activation_bytes(n, width, tp=lay.tp, element_size=e)
-                     for n, width in ((rows, m.expert_ffn_size),
-                                      (tokens, m.moe_shared_ffn_size), (-tokens, m.ffn_size)))
-        return share * (2 * rows * m.hidden_size * e + hidden)
+        # whole experts (etp 1): each tp rank's rows are those of its s/tp tokens, unsplit
+        whole = lay.tp if lay.whole_experts else 1
+        hidden = sum(m.mlp_activation_bytes(n, width, tp=t, element_size=e)
+                     for n, width, t in ((rows / whole, m.expert_ffn_size, lay.tp // whole),
+                                         (tokens, m.moe_shared_ffn_size, lay.tp),
+                                         (-tokens, m.ffn_size, lay.tp)))
+        return share * (2 * rows / whole * m.hidden_size * e + hidden)

@@ -269,6 +269,7 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
                       timeout=timeout, out=cfg.checkpoint.out) as watchdog:
         with watchdog.rendezvous():
             mesh = init_parallel(**plan.degrees, dp_shard=plan.dp_shard, cp_a2a=plan.cp_a2a,
+                                 etp=plan.etp,
                                  tp_scheme=plan.tp_scheme, tp_depth=plan.tp_depth,
                                  device=cfg.parallel.device,
                                  timeout=process_group_timeout(timeout))

@@ -24,6 +24,15 @@ bytes. Routing locally instead would trade that all-gather for uneven all-gather
 reduce-scatters of the dispatched rows over TP, which gloo cannot run and which take a second
 expert path; one gather keeps one path and even collectives.
 
+Whole experts (etp 1, Megatron's MoE parallel folding): the experts are not split over TP and
+the EP axis spans TP ranks too (`mesh.py`). Every TP rank still routes all its tokens alike,
+but dispatches only its own s/tp positions of each sequence, so no token is computed twice:
+without sp the replicated input is split over TP (its gradient all-gathered) and the combined
+output all-gathered back (its gradient: the rank's own part); with sp the rank's own tokens are
+dispatched as they are, not gathered (only the router's logits are, as above). The combine
+weights leave the replicated routing through the same split, so every TP rank's router gets the
+full gradient. No TP collective runs inside the experts.
+
 Context parallelism (dropless only): each CP rank routes its own tokens; routing is per token,
 so the choices are those of one process. The load-balancing loss's expert fractions are summed
 over CP, so the CP ranks' losses average to the loss of the whole micro-batch.
@@ -31,6 +40,7 @@ over CP, so the CP ranks' losses average to the loss of the whole micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +98,8 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.seq_aux_loss_coef = seq_aux_loss_coef
         self.ep_axis, self.cp_axis, self.sequence_axis = mesh.ep, mesh.cp, sequence_axis
+        # etp 1: each tp rank dispatches its own s/tp positions of every sequence
+        self.token_axis = mesh.tp if mesh.whole_experts else None
         self.num_local = num_experts // mesh.ep.size
         self.first_local = mesh.ep.rank * self.num_local
         self.gemm = gemm  # a `grouped_matmul.GEMMS` choice
@@ -96,20 +108,15 @@ class MoE(nn.Module):
         shared = None if self.shared_expert is None else self._shared(x)
         logits = self.router(x)  # on this rank's own tokens (see the module doc)
         if self.sequence_axis is not None:  # [b, s/tp, .] -> [b, s, .]
-            logits, x = (regions.gather_sequence_alike(t, self.sequence_axis) for t in (logits, x))
-        b, s, h = x.shape
-        tokens = x.reshape(b * s, h)
+            logits = regions.gather_sequence_alike(logits, self.sequence_axis)
+            if self.token_axis is None:
+                x = regions.gather_sequence_alike(x, self.sequence_axis)
+        elif self.token_axis is not None:  # [b, s, h] alike on every tp rank -> its [b, s/tp, h]
+            x = regions.split_sequence(x, self.token_axis)
+        b, s = logits.shape[:2]
         routing = self._route(logits.reshape(b * s, -1), b)
-        dispatch = self._dispatch(routing.tokens_per_expert)
-        kept = torch.nonzero_static(routing.kept, size=dispatch.num_kept)  # [N, 2], token-major
-        experts = routing.experts[kept[:, 0], kept[:, 1]]
-        slots = routing.slots[kept[:, 0], kept[:, 1]]
-        # Send order: by expert, then by slot (the order the capacity rule placed them).
-        order = torch.argsort(experts * (b * s * self.top_k) + slots)
-        token_idx, choice_idx = kept[order, 0], kept[order, 1]
-        outputs = self._run_experts(tokens[token_idx], dispatch)  # [N, h] in send order
-        weights = routing.weights[token_idx, choice_idx].unsqueeze(-1).to(outputs.dtype)
-        combined = torch.zeros_like(tokens).index_add(0, token_idx, outputs * weights)
+        own = routing if self.token_axis is None else self._own_rows(routing, b, s)
+        combined = self._combine(x.reshape(-1, x.shape[-1]), own, b * s * self.top_k)
         aux.loss = aux.loss + self.aux_loss_coef * routing.aux_loss
         if self.z_loss_coef:
             aux.loss = aux.loss + self.z_loss_coef * routing.z_loss
@@ -123,10 +130,45 @@ class MoE(nn.Module):
             "kept": routing.kept.sum(), "assigned": routing.kept.numel(),
             "aux_loss": routing.aux_loss.detach(),
             "bias": None if bias is None else bias.detach().clone()})
-        out = combined.view(b, s, h)
-        if self.sequence_axis is not None:
+        out = combined.view(x.shape)
+        if self.token_axis is not None and self.sequence_axis is None:
+            out = regions.gather_sequence_alike(out, self.token_axis)
+        elif self.sequence_axis is not None and self.token_axis is None:
             out = regions.split_sequence(out, self.sequence_axis)
         return out if shared is None else out + shared
+
+    def _combine(self, tokens: torch.Tensor, routing, stride: int) -> torch.Tensor:
+        """Tokens `[T, h]` -> the weighted sum of their kept choices' expert outputs `[T, h]`
+        (`routing` of these T tokens; `stride` exceeds every slot)."""
+        dispatch = self._dispatch(routing.tokens_per_expert)
+        kept = torch.nonzero_static(routing.kept, size=dispatch.num_kept)  # [N, 2], token-major
+        experts = routing.experts[kept[:, 0], kept[:, 1]]
+        slots = routing.slots[kept[:, 0], kept[:, 1]]
+        # Send order: by expert, then by slot (the order the capacity rule placed them).
+        order = torch.argsort(experts * stride + slots)
+        token_idx, choice_idx = kept[order, 0], kept[order, 1]
+        outputs = self._run_experts(tokens[token_idx], dispatch)  # [N, h] in send order
+        weights = routing.weights[token_idx, choice_idx].unsqueeze(-1).to(outputs.dtype)
+        return torch.zeros_like(tokens).index_add(0, token_idx, outputs * weights)
+
+    def _own_rows(self, routing, b: int, s: int):
+        """At etp 1, the routing of this tp rank's s/tp positions of each of the b sequences
+        (the tokens it dispatches; its kept choices per expert recounted). The combine
+        weights leave the routing every tp rank computed alike through `split_sequence`, so
+        their gradient is all-gathered back into that computation's."""
+        axis = self.token_axis
+        part = s // axis.size
+
+        def own(t: torch.Tensor) -> torch.Tensor:  # [b s, k] -> [b s/tp, k]
+            return t.view(b, s, -1).narrow(1, axis.rank * part, part).reshape(b * part, -1)
+
+        weights = regions.split_sequence(routing.weights.view(b, s, -1), axis)
+        experts, kept = own(routing.experts), own(routing.kept)
+        counts = torch.zeros_like(routing.tokens_per_expert).index_add_(
+            0, experts.flatten(), kept.flatten().long())
+        return dataclasses.replace(routing, experts=experts, kept=kept, slots=own(routing.slots),
+                                   weights=weights.reshape(b * part, -1),
+                                   tokens_per_expert=counts)
 
     def _route(self, logits: torch.Tensor, sequences: int):
         """This micro-batch's routing (`routing.route`) by the router's fp32 logits `[T, E]`,

@@ -72,6 +72,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("ep", "ep", lambda p, m: p.ep > 1,
             {"dp": 2, "ep": 2, "moe_experts": 4, "moe_capacity_factor": 0.0},
             scheme_refusal=_GRID_SPLIT),
+    Feature("etp", "etp", lambda p, m: p.whole_experts,
+            {"tp": 2, "ep": 2, "etp": 1, "moe_experts": 4, "moe_capacity_factor": 0.0},
+            scheme_refusal=_GRID_SPLIT),
     Feature("moe", "moe_experts", lambda p, m: bool(m.moe_experts),
             {"moe_experts": 4, "moe_capacity_factor": 0.0}, scheme_refusal=_GRID_SPLIT),
     Feature("moe_capacity", "moe_capacity_factor",
@@ -171,6 +174,9 @@ RULES: tuple[Rule, ...] = (
     _excludes("moe_seq_aux", "cp", Code.MOE_SEQ_AUX_SPLIT, _SEQ_AUX_SPLIT),
     _excludes("moe_capacity", "sequence_parallel", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
     _excludes("moe_capacity", "cp", Code.MOE_SEQUENCE_SPLIT, _MOE_SPLIT),
+    _needs("etp", "moe", Code.ETP_WITHOUT_MOE, (
+        "`etp` 1 keeps MoE experts whole: it needs an MoE model (set `moe_experts`) or drop"
+        " `etp`")),
     _excludes("compile", "moe", Code.COMPILE_MOE, (
         "`compile` with `moe_experts` is not supported: routing sizes each expert's batch by"
         " counts read on the host, so every step would compile again; train MoE models without"

@@ -217,8 +217,11 @@ def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, layout: GradientLayout
     over PP. DP replicas hold the same averaged gradient, so nothing is summed over DP unless
     the layout is `sharded` (then ZeRO's shard axis for dense parameters - dp x cp unless
     hybrid - and edp for experts); `experts` are
-    summed over EP but not over their replicas (edp)."""
+    summed over EP but not over their replicas (edp); at `etp` 1 they are whole on every tp
+    rank and their ep group spans tp, so each counts on its rank and is not summed over tp."""
     counted = primary_parameters(model, mesh)
+    if mesh.whole_experts:
+        counted |= layout.experts
     first = next(model.parameters())
     dtype = wide_dtype(first.dtype)
     dense = torch.zeros((), dtype=dtype, device=first.device)
@@ -236,8 +239,12 @@ def clip_grad_norm_(model: nn.Module, mesh: ParallelMesh, layout: GradientLayout
         comm.all_reduce(dense, mesh.axis("zero_shard"))  # (its replicas hold the same)
         comm.all_reduce(expert, mesh.axis("edp"))
     comm.all_reduce(expert, mesh.ep)  # EP ranks hold different experts
-    total = dense + expert
-    comm.all_reduce(total, mesh.tp)
+    if mesh.whole_experts:  # every rank now holds all experts' sum
+        comm.all_reduce(dense, mesh.tp)
+        total = dense + expert
+    else:
+        total = dense + expert
+        comm.all_reduce(total, mesh.tp)
     comm.all_reduce(total, mesh.pp)
     norm = total.sqrt()
     if max_norm > 0:

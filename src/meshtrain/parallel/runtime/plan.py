@@ -75,7 +75,11 @@ class ParallelPlan:
     cp: int = _layout(1, "context-parallel degree: each rank holds 1/cp of every sequence",
                       spec="cp", searched=True)
     ep: int = _layout(1, "expert-parallel degree: experts spread over this many of the dp"
-                         " ranks", spec="ep", searched=True)
+                         " ranks (dp x cp x tp ranks at etp 1)", spec="ep", searched=True)
+    etp: int | None = _layout(None, "expert tensor-parallel degree: tp (default; each expert"
+                                    " split over tp like the dense MLP) or 1 (experts whole,"
+                                    " ep spread over tp x dp x cp: Megatron's MoE parallel"
+                                    " folding)", spec="etp", searched=True)
     virtual_stages: int = _layout(1, "model chunks per pipeline rank (pp schedule"
                                      " interleaved)", spec="vp", searched=True)
     micro_batch: int = _layout(1, "sequences per forward/backward on one rank", spec="mb",
@@ -190,8 +194,13 @@ class ParallelPlan:
     def resolved(self, world_size: int) -> ParallelPlan:
         """This plan with dp derived from the world size (degrees checked)."""
         degrees = resolve_degrees(world_size, tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp,
-                                  ep=self.ep)
+                                  ep=self.ep, etp=self.etp)
         return dataclasses.replace(self, dp=degrees["dp"])
+
+    @property
+    def whole_experts(self) -> bool:
+        """Experts whole on each rank while the rest is split over tp (`etp` 1, tp > 1)."""
+        return self.etp == 1 and self.tp > 1
 
     @property
     def scheme(self) -> TPScheme:

@@ -72,6 +72,7 @@ def init_parallel(
     device_mesh: DeviceMesh | None = None,
     dp_shard: int | None = None,
     cp_a2a: int | None = None,
+    etp: int | None = None,
 ) -> ParallelMesh:
     """Create (if needed) the default process group from torchrun's environment and the mesh.
 
@@ -79,7 +80,8 @@ def init_parallel(
     (`device`: auto, cpu or cuda): NCCL on CUDA, gloo on CPU. Degrees left out are 1 (dp: the
     rest of the world). `dp_shard`: hybrid sharding's group of data-parallel ranks (a divisor
     of dp; default all of them). `cp_a2a`: hybrid context parallelism's all-to-all group
-    (a divisor of cp; the mesh gains its cp_a2a and cp_ring sub-axes).
+    (a divisor of cp; the mesh gains its cp_a2a and cp_ring sub-axes). `etp`: the expert
+    tensor-parallel degree, 1 or tp (default tp; at 1 ep spans dp x cp x tp).
 
     `device_mesh`: a torch DeviceMesh with named dims (pp, dp_replicate, dp_shard or dp, cp,
     tp, in that order, row-major over the world) gives the degrees and its groups for pp, dp,
@@ -97,7 +99,7 @@ def init_parallel(
         world_size = dist.get_world_size()
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    degrees = resolve_degrees(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    degrees = resolve_degrees(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp)
     grid = tp_grid(tp_scheme, tp, tp_depth)
     device = resolve_device(device)
     if not dist.is_initialized():
@@ -108,7 +110,7 @@ def init_parallel(
     reused = reused_groups(device_mesh) if device_mesh is not None else None
     return ParallelMesh(degrees, rank=dist.get_rank(), device=device, tp_scheme=tp_scheme,
                         tp_grid=grid, device_mesh=device_mesh, reused=reused, dp_shard=dp_shard,
-                        cp_a2a=cp_a2a)
+                        cp_a2a=cp_a2a, etp=etp)
 
 
 def _start_world(device: torch.device, timeout: datetime.timedelta) -> None:

@@ -144,7 +144,7 @@ class ReplicatedSync(GradientSync):
         super().__init__(model, roles, mesh, partial)
         # Dense parameters are replicated over dp x cp, experts only over their edp replicas.
         # An expert's gradient already sums the losses of all ep ranks whose tokens it served;
-        # averaging over edp and 1/ep gives the mean over dp x cp.
+        # averaging over edp and edp / (dp x cp) gives the mean over dp x cp (1/ep at etp = tp).
         params, experts = list(model.parameters()), roles.experts
         self.reducers = [GradientReducer([p for p in params if id(p) not in experts],
                                          mesh.dp_cp, bucket_bytes=bucket_bytes,
@@ -152,7 +152,7 @@ class ReplicatedSync(GradientSync):
         if experts:
             self.reducers.append(GradientReducer(
                 [p for p in params if id(p) in experts], mesh.axis("edp"),
-                bucket_bytes=bucket_bytes, grad_dtype=grad_dtype, scale=1.0 / mesh.ep.size))
+                bucket_bytes=bucket_bytes, grad_dtype=grad_dtype, scale=expert_scale(mesh)))
         self.tied = roles.tied
         self.masters = MasterWeights(params) if masters else None
         self.write_back = write_back
@@ -214,6 +214,14 @@ class ReplicatedSync(GradientSync):
             optimizer=self.optimizer, masters=self.masters.params if self.masters else ())
 
 
+def expert_scale(mesh: ParallelMesh) -> float:
+    """What experts' gradients averaged over edp are multiplied by for the mean over dp x cp:
+    an expert's gradient sums the tokens of its ep group, which spans dp x cp / edp data
+    ranks' batches (1/ep at etp = tp; tp / ep at etp 1, whose ep group also spans tp ranks
+    that dispatch disjoint parts of the same batch)."""
+    return mesh.axis("edp").size / mesh.dp_cp.size
+
+
 class ZeroSync(GradientSync):
     """ZeRO over dp x cp for dense parameters and over edp for experts (see `zero.py`)."""
 
@@ -243,7 +251,7 @@ class ZeroSync(GradientSync):
                             for module, params in roles.units]
             expert_units = [(module, params) for module, params in expert_units if params]
             reducer = ZeroDataParallel([params for _, params in expert_units],
-                                       mesh.axis("edp"), **common, scale=1.0 / mesh.ep.size,
+                                       mesh.axis("edp"), **common, scale=expert_scale(mesh),
                                        offload_dir=folder("experts"))
             if stage == 3:  # each block's experts gathered over edp around the block
                 reducer.attach([module for module, _ in expert_units], root=False)

@@ -45,7 +45,7 @@ class PipelineSchedule(ABC):
     """Whether Megatron-LM has it (what a published Megatron run may have used)."""
     supports: frozenset[str] = frozenset({
         "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "cp_hybrid",
-        "cp_a2a", "ep", "moe",
+        "cp_a2a", "ep", "etp", "moe",
         "moe_seq_aux", "moe_capacity", "dropout", "compile", "fp8", "half", "fp64", "zero",
         "zero_gradients", "zero_parameters", "offload", "hybrid"})
     """The layout features (`runtime/capabilities.FEATURES`) it runs: every one that is not a

@@ -121,9 +121,10 @@ class LayerFactory(ABC):
         parallelism), or None."""
         return None
 
-    def whole_sequence(self) -> contextlib.AbstractContextManager:
-        """Inside it, layers are built for whole-sequence inputs even where the hidden states
-        are split over `sequence_axis` (MoE experts see tokens gathered over it)."""
+    def expert_layers(self) -> contextlib.AbstractContextManager:
+        """Inside it, layers are built as MoE experts: for inputs of whole sequences even where
+        the hidden states are split over `sequence_axis` (experts see rows of tokens, not
+        sequences), and split over the mesh's `etp` axis (tp, or none at `etp` 1)."""
         return contextlib.nullcontext()
 
     @property

@@ -44,11 +44,12 @@ class Megatron1D(LayerFactory):
         super().__init__(plan, mesh)
         self.sequence_parallel = plan.sequence_parallel and mesh.tp.size > 1
         self.tp_overlap = plan.tp_overlap and self.sequence_parallel
+        self._linear_home: ParallelMesh | MeshAxis = mesh  # what linears split over
 
     def column(self, dense: nn.Linear, *, blocks: int = 1, heads: int | None = None) -> nn.Module:
         # heads fewer than the TP ranks: each is held whole by tp / heads consecutive ranks
         replicas = max(1, self.mesh.tp.size // heads) if heads else 1
-        return ColumnParallelLinear.from_dense(dense, mesh=self.mesh, output_blocks=blocks,
+        return ColumnParallelLinear.from_dense(dense, mesh=self._linear_home, output_blocks=blocks,
                                                sequence_parallel=self.sequence_parallel,
                                                replicas=replicas, tp_overlap=self.tp_overlap)
 
@@ -56,7 +57,7 @@ class Megatron1D(LayerFactory):
         return ColumnParallelGroup(**layers)
 
     def row(self, dense: nn.Linear) -> nn.Module:
-        return RowParallelLinear.from_dense(dense, mesh=self.mesh, input_is_parallel=True,
+        return RowParallelLinear.from_dense(dense, mesh=self._linear_home, input_is_parallel=True,
                                             sequence_parallel=self.sequence_parallel,
                                             tp_overlap=self.tp_overlap)
 
@@ -100,13 +101,15 @@ class Megatron1D(LayerFactory):
         return self.mesh.tp if self.sequence_parallel else None
 
     @contextlib.contextmanager
-    def whole_sequence(self):
-        split = self.sequence_parallel, self.tp_overlap
+    def expert_layers(self):
+        split = self.sequence_parallel, self.tp_overlap, self._linear_home
         self.sequence_parallel = self.tp_overlap = False
+        if self.mesh.whole_experts:
+            self._linear_home = self.mesh.axis("etp")
         try:
             yield
         finally:
-            self.sequence_parallel, self.tp_overlap = split
+            self.sequence_parallel, self.tp_overlap, self._linear_home = split
 
     def hidden_shape(self, batch: int, tokens: int, hidden: int) -> tuple[int, ...]:
         return (batch, tokens // (self.mesh.tp.size if self.sequence_parallel else 1), hidden)
@@ -145,7 +148,7 @@ class MegatronScheme(TPScheme):
     name = "1d"
     supports = frozenset({
         "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "cp_hybrid",
-        "cp_a2a", "ep", "moe",
+        "cp_a2a", "ep", "etp", "moe",
         "moe_seq_aux", "moe_capacity", "dropout", "compile", "fp8", "half", "fp64", "zero",
         "zero_gradients", "zero_parameters", "offload", "hybrid", "virtual_stages",
         "split_backward", "two_weight_versions"})
