@@ -39,8 +39,8 @@ REL = 1e-5  # fp32 trajectories within this of one process's
 METRICS = ("loss", "grad_norm", "moe_aux_loss")
 
 
-def _cfg(corpus: str, degrees: dict, parallel: dict):
-    cfg = build_config({}, {"model": MODEL, "train": TRAIN,
+def _cfg(corpus: str, degrees: dict, parallel: dict, model: dict):
+    cfg = build_config({}, {"model": model, "train": TRAIN,
                             "parallel": {"device": "cpu", **degrees, **parallel},
                             "data": {"data": corpus}, "checkpoint": {"out": "/nonexistent"}})
     cfg.plan = dataclasses.replace(cfg.plan, **degrees)
@@ -97,10 +97,11 @@ def _metrics(row: dict) -> dict:
 
 
 def _run(corpus: str, degrees: dict, parallel: dict, *, stop: int = STEPS, save=None,
-         resume=None) -> tuple[list[dict], dict]:
-    """Steps up to `stop` at a layout (from a checkpoint in `resume`; saving in `save`): each
-    step's metrics and this rank's routing choices."""
-    cfg = _cfg(corpus, degrees, parallel)
+         resume=None, model: dict = MODEL) -> tuple[list[dict], dict]:
+    """Steps up to `stop` at a layout (from a checkpoint in `resume`; saving in `save`) of
+    `model`'s settings (test_deepseek_v3 passes its own): each step's metrics and this rank's
+    routing choices."""
+    cfg = _cfg(corpus, degrees, parallel, model)
     trainer = Trainer.build(cfg, worker_mesh(**degrees) if degrees else ParallelMesh.local())
     start = trainer.resume(resume) if resume else 0
     choices = _Choices(trainer.model, trainer.mesh, cfg, start)
@@ -113,8 +114,8 @@ def _run(corpus: str, degrees: dict, parallel: dict, *, stop: int = STEPS, save=
     return rows, choices.records
 
 
-def _reference(corpus: str) -> tuple[list[dict], dict]:
-    rows, choices = _run(corpus, {}, {})  # in this process
+def _reference(corpus: str, model: dict = MODEL) -> tuple[list[dict], dict]:
+    rows, choices = _run(corpus, {}, {}, model=model)  # in this process
     gap = min(g for _, g in choices.values())
     print(f"smallest reference gap between routing scores: {gap:.3e}")
     assert gap > MIN_GAP, f"a reference choice is within {gap:.1e} of a tie: change the seed"

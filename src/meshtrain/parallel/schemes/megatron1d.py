@@ -147,7 +147,7 @@ class MegatronScheme(TPScheme):
     supports = frozenset({
         "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "cp_hybrid",
         "cp_a2a", "ep", "moe",
-        "moe_seq_aux", "moe_capacity", "dropout", "compile", "fp8", "half", "fp64", "zero",
+        "moe_seq_aux", "moe_capacity", "mla", "dropout", "compile", "fp8", "half", "fp64", "zero",
         "zero_gradients", "zero_parameters", "offload", "hybrid", "virtual_stages",
         "split_backward", "two_weight_versions"})
     axes = ("tp",)
