@@ -5,11 +5,13 @@ greedy generation token for token with and without the latent cache; training pa
 deepseek-v3-tiny at several layouts (test_moe_layouts' machinery: trajectory and every routing
 choice); bad MLA settings refused in one line. Tiny random models are built offline."""
 
+import json
+
 import pytest
 import torch
 import transformers
 from harness import run_on_ranks, worker_mesh
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_moe_layouts import (
     _assert_same_choices,
     _assert_same_trajectory,
@@ -58,11 +60,27 @@ def hf(tmp_path_factory):
                 tensor.add_(0.1 * torch.randn_like(tensor))
     root = tmp_path_factory.mktemp("deepseek")
     model.save_pretrained(root / "hf")
+    _add_multi_token_prediction(root / "hf")
     assert main(["import-hf", str(root / "hf"), "--out", str(root / "run")]) == 0
     return model, root / "hf", root / "run"
 
 
+MTP = {"model.layers.3.eh_proj.weight": (64, 128), "model.layers.3.enorm.weight": (64,),
+       "model.layers.3.self_attn.kv_a_layernorm.weight": (16,)}
+"""Some of a multi-token-prediction layer's tensors (transformers builds none of them)."""
+
+
+def _add_multi_token_prediction(path) -> None:
+    """The checkpoint as DeepSeek releases it: one MTP layer after the model's layers."""
+    tensors = load_file(path / "model.safetensors") | {
+        name: torch.randn(shape) for name, shape in MTP.items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+
+
 def test_logits_equal_transformers_and_export_is_bitwise(hf, tmp_path):
+    """Also the multi-token-prediction tensors, kept by the import and written back."""
     model, hf_dir, run = hf
     with torch.no_grad():
         expected = model(IDS).logits
@@ -70,8 +88,10 @@ def test_logits_equal_transformers_and_export_is_bitwise(hf, tmp_path):
     assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "out")]) == 0
     original, exported = load_file(hf_dir / "model.safetensors"), \
         load_file(tmp_path / "out" / "model.safetensors")
-    assert exported.keys() == original.keys()
+    assert exported.keys() == original.keys() and set(MTP) <= original.keys()
     assert all(torch.equal(exported[key], original[key]) for key in original)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert (theirs(IDS).logits - expected).abs().max() < 1e-5

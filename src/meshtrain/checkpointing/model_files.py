@@ -25,6 +25,7 @@ from meshtrain.checkpointing.checkpoint import (
 )
 from meshtrain.checkpointing.retention import remove_leftovers
 from meshtrain.checkpointing.safetensors_stream import Planned, write_safetensors
+from meshtrain.checkpointing.verify import KEPT
 from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import TransformerConfig
@@ -35,15 +36,16 @@ checkpoint keeps such names as they are, every other name under "model/"."""
 
 
 def _stored(name: str) -> str:
-    return name if name.startswith(ROUTING) else "model/" + name
+    return name if name.startswith((ROUTING, KEPT)) else "model/" + name
 
 
 def model_entries(manifest: dict, *, routing: bool = False) -> list[Planned]:
     """(name, dtype, shape) of each model tensor of a checkpoint, in manifest order; with
-    `routing`, the routers' state too (named `routing/...`)."""
+    `routing`, the routers' state and the tensors an import kept (`verify.KEPT`) too, under
+    their prefixed names (what a Hugging Face export writes back)."""
     return [(name.removeprefix("model/"), getattr(torch, entry["dtype"]), tuple(entry["shape"]))
             for name, entry in manifest["tensors"].items()
-            if name.startswith("model/") or (routing and name.startswith(ROUTING))]
+            if name.startswith("model/") or (routing and name.startswith((ROUTING, KEPT)))]
 
 
 def model_tensors(path: str | Path, manifest: dict, *,

@@ -25,8 +25,9 @@ config.json, field by field (mapped, ignored as not changing the model, or refus
 - n_group, topk_group: only topk_group = n_group (no group limit) is imported: group-limited
   routing is not built on this branch.
 - hidden_act: must be silu; attention_bias: must be false.
-- num_nextn_predict_layers (the multi-token-prediction layers, model.layers.{n + i}.*):
-  refused when their tensors are in the files: meshtrain does not keep or train them yet.
+- num_nextn_predict_layers (the multi-token-prediction layers, model.layers.{n + i}.*): their
+  tensors are kept as they are (`verify.KEPT`) and written back by export; meshtrain does not
+  build or train them (a checkpoint saved by training has none).
 - aux_loss_alpha, seq_aux, use_cache, output_router_logits, attention_dropout, ep_size,
   pretraining_tp, token ids, torch_dtype/dtype, quantization_config (refused when present:
   fp8 block-quantized weights are not imported): ignored unless said otherwise.
@@ -88,6 +89,22 @@ class DeepseekV3Mapping(LlamaMapping):
     architecture = "DeepseekV3ForCausalLM"
     model_type = "deepseek_v3"
     config_class = DeepseekV3Config
+
+    kept_note = ("meshtrain: kept {count} multi-token-prediction tensors as they are (export"
+                 " writes them back); meshtrain does not train them")
+
+    def kept(self, name: str, hf: dict, cfg: DeepseekV3Config) -> bool:
+        """The multi-token-prediction layers: model.layers.{n + i}.* for i below
+        "num_nextn_predict_layers"."""
+        extra = hf.get("num_nextn_predict_layers") or 0
+        layer = name.removeprefix(self.base_prefix + "layers.").split(".", 1)[0]
+        return type(extra) is int and name.startswith(self.base_prefix + "layers.") \
+            and layer.isdigit() and cfg.num_layers <= int(layer) < cfg.num_layers + extra
+
+    def kept_config(self, names: list[str]) -> dict:
+        layers = {name.removeprefix(self.base_prefix + "layers.").split(".", 1)[0]
+                  for name in names}
+        return {"num_nextn_predict_layers": len(layers)}
 
     def config_from_hf(self, hf: dict) -> DeepseekV3Config:
         expect(hf, "hidden_act", ("silu",), "silu", "meshtrain's deepseek-v3 uses SwiGLU (silu)")
@@ -167,7 +184,7 @@ class DeepseekV3Mapping(LlamaMapping):
                 "first_k_dense_replace": cfg.moe_first_dense, "n_group": 1, "topk_group": 1,
                 "norm_topk_prob": bool(cfg.moe_norm_topk_prob),
                 "routed_scaling_factor": cfg.moe_routed_scaling, "scoring_func": "sigmoid",
-                "topk_method": "noaux_tc"}
+                "topk_method": "noaux_tc", "num_nextn_predict_layers": 0}
 
     def tensor_maps(self, cfg: DeepseekV3Config) -> list[TensorMap]:
         m = self.base_prefix

@@ -33,11 +33,11 @@ from meshtrain.checkpointing.model_files import (
     write_model_checkpoint,
 )
 from meshtrain.checkpointing.safetensors_stream import DTYPES, Planned, write_safetensors
-from meshtrain.checkpointing.verify import is_plain_name
+from meshtrain.checkpointing.verify import KEPT, is_plain_name
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.errors import Code, SettingError
 from meshtrain.interop import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_qwen2
-from meshtrain.interop.hf_mapping import HFMapping, refused, shown
+from meshtrain.interop.hf_mapping import HFMapping, TensorMap, refused, shown
 from meshtrain.machine_fit import check_import_fits
 from meshtrain.models import (
     FAMILIES,
@@ -123,7 +123,10 @@ class HFModelDirectory:
         self._open: dict[str, object] = {}
         self.files = self._weight_files()
         shapes = self._checked_shapes()
-        self.maps = self.mapping.tensor_maps(self.cfg)
+        self.kept = sorted(key for key in self.files
+                           if self.mapping.kept(key, self.hf_config, self.cfg))
+        self.maps = self.mapping.tensor_maps(self.cfg) + [
+            TensorMap(KEPT + key, (key,)) for key in self.kept]
         self._planned = self._plan(shapes)
 
     def _refuse(self, message: str, code: Code = Code.HF_WEIGHTS) -> SettingError:
@@ -190,6 +193,8 @@ class HFModelDirectory:
             ROUTING + name: shape for name, shape in self.cfg.routing_state_shapes().items()}
         held = sum(math.prod(self._file(file).get_slice(key).get_shape())
                    for key, file in self.files.items())
+        shapes |= {KEPT + key: tuple(self._file(self.files[key]).get_slice(key).get_shape())
+                   for key in self.files if self.mapping.kept(key, self.hf_config, self.cfg)}
         name, shape = max(shapes.items(), key=lambda item: math.prod(item[1]))
         if math.prod(shape) > held:
             raise self._refuse(f"config.json makes meshtrain's {name} {list(shape)}, more than"
@@ -269,11 +274,12 @@ class HFModelDirectory:
         params = dict(model.named_parameters()) | {
             ROUTING + name: buffer for name, buffer, _ in routing_buffers(model)}
         for name, _, shape in self.planned():
-            if tuple(params[name].shape) != shape:
+            if not name.startswith(KEPT) and tuple(params[name].shape) != shape:
                 raise self._refuse(f"{name} has shape {shape} there and"
                                    f" {tuple(params[name].shape)} in its config's model")
         for name, tensor in self.tensors():
-            params[name].copy_(tensor)
+            if not name.startswith(KEPT):
+                params[name].copy_(tensor)
 
 
 def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
@@ -315,6 +321,8 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Path:
         (tmp / "checkpoints").rename(run_dir / "checkpoints")  # last: the run appears whole
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if source.kept:
+        print(source.mapping.kept_note.format(count=len(source.kept)))
     return run_dir / "checkpoints" / written.name
 
 
@@ -334,8 +342,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
     manifest = read_manifest(checkpoint)
     mapping = hf_mapping(manifest["family"])
     cfg = config_from_dict(manifest["family"], manifest["model"])
-    maps = {tensor_map.ours: tensor_map for tensor_map in mapping.tensor_maps(cfg)}
     entries = model_entries(manifest, routing=True)
+    maps = {tensor_map.ours: tensor_map for tensor_map in mapping.tensor_maps(cfg)} | {
+        name: TensorMap(name, (name.removeprefix(KEPT),)) for name, _, _ in entries
+        if name.startswith(KEPT)}
     if set(maps) != {name for name, _, _ in entries}:
         raise CheckpointError(f"checkpoint {checkpoint} does not hold the tensors of a"
                               f" {mapping.architecture}; export it with format meshtrain")
@@ -348,7 +358,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
     token_ids = {"bos_token_id": tokenizer.bos_id if tokenizer else None,
                  "eos_token_id": tokenizer.eod_id if tokenizer else None}
     dtype = str(entries[0][1]).removeprefix("torch.")
-    hf_config = mapping.config_to_hf(cfg) | mapping.window_to_hf(cfg) | token_ids | {"dtype": dtype}
+    kept = [name.removeprefix(KEPT) for name, _, _ in entries if name.startswith(KEPT)]
+    hf_config = mapping.config_to_hf(cfg) | mapping.window_to_hf(cfg) | token_ids \
+        | (mapping.kept_config(kept) if kept else {}) | {"dtype": dtype}
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
