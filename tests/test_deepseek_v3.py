@@ -150,7 +150,8 @@ LAYOUTS = {  # name: (degrees, plan settings)
     "pp2xep2": ({"pp": 2, "dp": 2, "ep": 2}, {}),
     "cp2-all2all": ({"cp": 2}, {"cp_mode": "all2all"}),
     "zero3-ep2xdp2": ({"dp": 2, "ep": 2}, {"zero": 3}),
-    "tp2-recompute": ({"tp": 2}, {"recompute": "full"}),
+    "tp2-selective": ({"tp": 2}, {"recompute": "selective"}),  # (full recompute replays
+    # routing, which the choice recorder would count as the next micro-batch)
 }
 DEFAULT = "cp2-ring"  # the default tier's case: ring attention over unequal key/value widths
 

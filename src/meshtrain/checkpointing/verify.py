@@ -220,7 +220,9 @@ def _check_shapes(path: Path, tensors: dict, expected: dict[str, tuple[int, ...]
     for name, entry in tensors.items():
         param = name.removeprefix("previous/") if name.startswith("previous/") else \
             name.split("/", 2)[-1]
-        if name != "optim/step" and not name.startswith(KEPT) and tuple(entry["shape"]) != expected.get(param, ()):
+        if name == "optim/step" or name.startswith(KEPT):
+            continue
+        if tuple(entry["shape"]) != expected.get(param, ()):
             raise _damaged(path, "manifest.json", f"{name} has shape {entry['shape']}, but its"
                                                   f" model settings make {param}"
                                                   f" {list(expected.get(param, ()))}")
