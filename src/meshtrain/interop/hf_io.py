@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest
+from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest, routing_buffers
 from meshtrain.checkpointing.model_files import (
+    ROUTING,
     model_entries,
     model_tensors,
     unwritable,
@@ -35,7 +36,7 @@ from meshtrain.checkpointing.safetensors_stream import DTYPES, Planned, write_sa
 from meshtrain.checkpointing.verify import is_plain_name
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.errors import Code, SettingError
-from meshtrain.interop import hf_gpt2, hf_llama, hf_mistral, hf_qwen2
+from meshtrain.interop import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_qwen2
 from meshtrain.interop.hf_mapping import HFMapping, refused, shown
 from meshtrain.machine_fit import check_import_fits
 from meshtrain.models import (
@@ -51,7 +52,8 @@ _FLOATS = ("F32", "BF16", "F16", "F64")
 
 
 MAPPINGS: dict[str, HFMapping] = {mapping.family: mapping for mapping in (
-    hf_gpt2.MAPPING, hf_llama.MAPPING, hf_qwen2.MAPPING, hf_mistral.MAPPING)}
+    hf_gpt2.MAPPING, hf_llama.MAPPING, hf_qwen2.MAPPING, hf_mistral.MAPPING,
+    hf_deepseek_v3.MAPPING)}
 """Each family's Hugging Face mapping by family name: a family with a Hugging Face twin is one
 entry here, imported where import tools see it (models, drawn below interop, never name it)."""
 
@@ -184,7 +186,8 @@ class HFModelDirectory:
             raise self._refuse(f"config.json describes {self.cfg.num_layers:,} layers, its"
                                f" safetensors files hold {len(self.files)} tensors: config.json"
                                " is not these weights' config; use the model's own config.json")
-        shapes = self.cfg.parameter_shapes()
+        shapes = self.cfg.parameter_shapes() | {
+            ROUTING + name: shape for name, shape in self.cfg.routing_state_shapes().items()}
         held = sum(math.prod(self._file(file).get_slice(key).get_shape())
                    for key, file in self.files.items())
         name, shape = max(shapes.items(), key=lambda item: math.prod(item[1]))
@@ -263,7 +266,8 @@ class HFModelDirectory:
     @torch.no_grad()
     def load_into(self, model: CausalLM) -> None:
         """Copy the weights into a dense (one-rank) model of this config."""
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters()) | {
+            ROUTING + name: buffer for name, buffer, _ in routing_buffers(model)}
         for name, _, shape in self.planned():
             if tuple(params[name].shape) != shape:
                 raise self._refuse(f"{name} has shape {shape} there and"
@@ -275,7 +279,8 @@ class HFModelDirectory:
 def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """A dense (one-rank) model's weights under Hugging Face's names, as its files hold them
     (a tied output layer is the embedding alone)."""
-    params = {name: param.detach() for name, param in model.named_parameters()}
+    params = {name: param.detach() for name, param in model.named_parameters()} | {
+        ROUTING + name: buffer for name, buffer, _ in routing_buffers(model)}
     mapping = hf_mapping(family_of(model.cfg).name)
     return {name: part for tensor_map in mapping.tensor_maps(model.cfg)
             for name, part in tensor_map.to_theirs(params[tensor_map.ours])}
@@ -330,14 +335,14 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
     mapping = hf_mapping(manifest["family"])
     cfg = config_from_dict(manifest["family"], manifest["model"])
     maps = {tensor_map.ours: tensor_map for tensor_map in mapping.tensor_maps(cfg)}
-    entries = model_entries(manifest)
+    entries = model_entries(manifest, routing=True)
     if set(maps) != {name for name, _, _ in entries}:
         raise CheckpointError(f"checkpoint {checkpoint} does not hold the tensors of a"
                               f" {mapping.architecture}; export it with format meshtrain")
     planned = [(name, part.dtype, tuple(part.shape)) for ours, dtype, shape in entries
                for name, part in maps[ours].to_theirs(torch.empty(shape, dtype=dtype,
                                                                   device="meta"))]
-    tensors = (pair for ours, full in model_tensors(checkpoint, manifest)
+    tensors = (pair for ours, full in model_tensors(checkpoint, manifest, routing=True)
                for pair in maps[ours].to_theirs(full))
     tokenizer = checkpoint_tokenizer(checkpoint, cfg.vocab_size, required=False)
     token_ids = {"bos_token_id": tokenizer.bos_id if tokenizer else None,

@@ -63,6 +63,16 @@ class TransformerConfig(ABC):
     attention: str = _setting("attention kernel: sdpa (torch's fused kernel) or eager"
                               " (explicit softmax(QK^T)V, saving the s x s scores)", "sdpa",
                               choices=ATTENTION_KERNELS)
+    q_lora_rank: int = _setting("multi-head latent attention (deepseek-v3): the queries' latent"
+                                " rank (0: one full query projection)", 0)
+    kv_lora_rank: int = _setting("multi-head latent attention: the keys' and values' latent"
+                                 " rank, cached per token with the shared rotary key (0: no"
+                                 " MLA, which the deepseek-v3 family needs)", 0)
+    qk_rope_head_dim: int = _setting("MLA: rotary dimensions of each query/key head", 0)
+    qk_nope_head_dim: int = _setting("MLA: non-rotary dimensions of each query/key head", 0)
+    v_head_dim: int = _setting("MLA: dimensions of each value head", 0)
+    rope_interleave: bool = _setting("MLA: rotary pairs are adjacent dimensions (transformers'"
+                                     " rope_interleave) rather than halves", True)
     moe_experts: int = _setting("experts per MoE layer (0: dense MLPs only)", 0)
     moe_top_k: int = _setting("experts per token, 1 .. moe_experts (1: Switch, 2: GShard)", 1)
     moe_every: int = _setting("every n-th MLP is an MoE layer (layers n-1, 2n-1, ...)", 1)
@@ -110,7 +120,10 @@ class TransformerConfig(ABC):
                              " matmul) or grouped (torch's grouped matmul)", "auto",
                              choices=GEMMS)
 
+    LATENT_ATTENTION: ClassVar[bool] = False
+    """Whether the family's attention is multi-head latent attention (the MLA settings)."""
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
         "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
         "moe_every", "moe_first_dense", "moe_layers", "expert_ffn_size", "moe_shared_ffn_size",
         "moe_shared_gate", "kv_heads", "qkv_bias", "tie_embeddings")
@@ -144,6 +157,12 @@ class TransformerConfig(ABC):
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def core_width(self) -> float:
+        """Per-token width of the attention core's two matmuls on average (scores over the
+        query/key head dimension, values over the value one): heads x head dimension."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -204,6 +223,12 @@ class TransformerConfig(ABC):
         if self.moe_gemm not in GEMMS:
             raise SettingError(Code.CHOICE, f"`moe_gemm` must be {alternatives(GEMMS)},"
                                             f" got {self.moe_gemm!r}")
+        latent = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                  "v_head_dim")
+        if not self.LATENT_ATTENTION and any(getattr(self, name) for name in latent):
+            raise SettingError(Code.MODEL_UNSUPPORTED, (
+                f"`{next(n for n in latent if getattr(self, n))}` shapes multi-head latent"
+                " attention, which this family has not: use a deepseek-v3 model or unset it"))
         if self.moe_experts < 0:
             raise SettingError(Code.RANGE, f"`moe_experts` must be >= 0, got {self.moe_experts}")
         if self.moe_experts:
@@ -437,7 +462,7 @@ class TransformerConfig(ABC):
             - self.moe_experts * self.hidden_size if self.moe_experts \
             else self.mlp_parameters(weights_only=True)  # (without the router's, as always)
         weights = self.attention_parameters(weights_only=True) + mlp
-        attention = 2 * self.attended_keys(seq_len) * self.num_heads * self.head_dim
+        attention = 2 * self.attended_keys(seq_len) * self.core_width
         return self.vocab_size * self.hidden_size / weights, attention / weights
 
     def layer_window(self, index: int) -> int | None:
@@ -471,8 +496,7 @@ class TransformerConfig(ABC):
         convention of Megatron-LM (Narayanan et al. 2021): 6 x the weights each token multiplies,
         plus 12 x layers x `attention_span` x attention width for the scores and their use of
         the values (the causal mask's skipped half is counted, as there)."""
-        attention = 12 * self.num_layers * self.attention_span(seq_len) * self.num_heads \
-            * self.head_dim
+        attention = 12 * self.num_layers * self.attention_span(seq_len) * self.core_width
         return 6 * self.matmul_parameters_per_token() + attention
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
-from meshtrain.parallel.communication import comm
+from meshtrain.parallel.communication import comm, regions
 from meshtrain.parallel.layers.loss import vocab_parallel_cross_entropy
 from meshtrain.parallel.layers.rng import REPLICATED, TENSOR_PARALLEL
 from meshtrain.parallel.layers.sharding import tensor_parallel_parameters
@@ -71,6 +71,14 @@ class Megatron1D(LayerFactory):
 
     def norm(self, dense: nn.Module) -> nn.Module:
         return dense
+
+    def replicated(self, dense: nn.Module) -> nn.Module:
+        return dense  # (under sp its gradient is summed over tp by `partial_gradients`)
+
+    def into_heads(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return regions.gather_from_sequence_parallel_region(x, self.mesh.tp)
+        return regions.copy_to_tensor_parallel_region(x, self.mesh.tp)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, *,
              ignore_index: int) -> torch.Tensor:
