@@ -12,6 +12,7 @@ import torch
 import transformers
 from harness import run_on_ranks, worker_mesh
 from safetensors.torch import load_file, save_file
+from test_moe_layouts import MODEL as MOE_MODEL
 from test_moe_layouts import (
     _assert_same_choices,
     _assert_same_trajectory,
@@ -38,7 +39,7 @@ IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
 HF = transformers.DeepseekV3Config(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-    n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
     routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
     qk_nope_head_dim=8, v_head_dim=12, max_position_embeddings=64, initializer_range=0.1,
     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -140,9 +141,11 @@ def test_logits_equal_transformers_at_other_layouts(hf, degrees):
             assert (logits - expected).abs().max() < 1e-5, degrees
 
 
-MODEL = {"model": "deepseek-v3-tiny"}
-"""deepseek-v3-tiny as its preset has it: dropless sigmoid top-2 of 8, the choice bias updated
-after every step (rate 0.001), a shared expert, layer 0 dense."""
+_TINY = preset("deepseek-v3-tiny")
+MODEL = {"model": "deepseek-v3-tiny", **{name: getattr(_TINY, name) for name in MOE_MODEL}}
+"""deepseek-v3-tiny as its preset has it (over test_moe_layouts' settings): dropless sigmoid
+top-2 of 8 from the best 2 of 4 groups, the choice bias updated after every step (rate 0.001), a
+shared expert added, layer 0 dense."""
 LAYOUTS = {  # name: (degrees, plan settings)
     "cp2-ring": ({"cp": 2}, {"cp_mode": "ring"}),
     "tp2xep2": ({"tp": 2, "dp": 2, "ep": 2}, {}),

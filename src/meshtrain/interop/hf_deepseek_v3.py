@@ -22,8 +22,8 @@ config.json, field by field (mapped, ignored as not changing the model, or refus
   none); first_k_dense_replace: `moe_first_dense`; moe_layer_freq: must be 1.
 - norm_topk_prob, routed_scaling_factor: `moe_norm_topk_prob`, `moe_routed_scaling`.
 - scoring_func: must be sigmoid; topk_method: must be noaux_tc (the bias-corrected choice).
-- n_group, topk_group: only topk_group = n_group (no group limit) is imported: group-limited
-  routing is not built on this branch.
+- n_group, topk_group: `moe_groups`, `moe_topk_groups` (group-limited routing; their checks,
+  e.g. topk_group above n_group, are the config's).
 - hidden_act: must be silu; attention_bias: must be false.
 - num_nextn_predict_layers (the multi-token-prediction layers, model.layers.{n + i}.*): their
   tensors are kept as they are (`verify.KEPT`) and written back by export; meshtrain does not
@@ -141,9 +141,6 @@ class DeepseekV3Mapping(LlamaMapping):
         expect(hf, "topk_method", ("noaux_tc",), "noaux_tc", "meshtrain's deepseek-v3 chooses"
                                                              " by the bias-corrected scores")
         expect(hf, "moe_layer_freq", (1,), 1, "every layer after the dense ones is MoE")
-        groups = hf_size(hf, "n_group", 1)
-        expect(hf, "topk_group", (groups,), groups, "group-limited routing is not built yet;"
-                                                    " only topk_group = n_group imports")
         experts, width = hf_size(hf, "n_routed_experts"), hf_size(hf, "moe_intermediate_size")
         shared = hf_field(hf, "n_shared_experts", 0)
         if type(shared) is not int or shared < 0:
@@ -154,6 +151,8 @@ class DeepseekV3Mapping(LlamaMapping):
             raise refused(f'config.json "first_k_dense_replace": {dense!r} is not an integer'
                           " >= 0; fix the field")
         return dict(moe_experts=experts, moe_top_k=hf_size(hf, "num_experts_per_tok"),
+                    moe_groups=hf_size(hf, "n_group", 1),
+                    moe_topk_groups=hf_size(hf, "topk_group", 1),
                     moe_ffn_size=width, moe_shared_ffn_size=shared * width,
                     moe_shared_gate="none" if shared else None, moe_first_dense=dense,
                     moe_score="sigmoid", moe_norm_topk_prob=hf_flag(hf, "norm_topk_prob", True),
@@ -181,7 +180,8 @@ class DeepseekV3Mapping(LlamaMapping):
                 "n_routed_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
                 "moe_intermediate_size": width,
                 "n_shared_experts": cfg.moe_shared_ffn_size // width,
-                "first_k_dense_replace": cfg.moe_first_dense, "n_group": 1, "topk_group": 1,
+                "first_k_dense_replace": cfg.moe_first_dense, "n_group": cfg.moe_groups,
+                "topk_group": cfg.moe_topk_groups,
                 "norm_topk_prob": bool(cfg.moe_norm_topk_prob),
                 "routed_scaling_factor": cfg.moe_routed_scaling, "scoring_func": "sigmoid",
                 "topk_method": "noaux_tc", "num_nextn_predict_layers": 0}

@@ -2,7 +2,8 @@
 blocks (RMSNorm in fp32, SwiGLU, no biases, untied output layer) with multi-head latent
 attention (`latent_attention.py`), YaRN rotary scaling, and MoE layers after the first
 `moe_first_dense` dense ones: sigmoid router scores with a choice bias trained by its update
-rule (`moe_bias_rate`), `moe_top_k` of many narrow experts, combine weights renormalised and
+rule (`moe_bias_rate`), `moe_top_k` of many narrow experts from the best `moe_topk_groups` of
+`moe_groups` groups, combine weights renormalised and
 scaled (`moe_routed_scaling`), plus a shared expert added unchanged.
 
 Parameter counts are of the main model: the multi-token-prediction module of DeepSeek-V3's
@@ -166,12 +167,13 @@ def _deepseek(layers: int, hidden: int, heads: int, ffn: int, experts: int, top_
 
 
 PRESETS: dict[str, DeepseekV3Config] = {
-    # 4 layers (the first dense), 8 heads, a query latent, 8 experts of which 2 are chosen:
+    # 4 layers (the first dense), 8 heads, a query latent, 8 experts in 4 groups of which a
+    # token's 2 come from the best 2:
     # tp 1/2/4, ep 2/4, pp 2 and cp 2 all divide it.
     "deepseek-v3-tiny": _deepseek(4, 64, 8, 128, 8, 2, 32, moe_first_dense=1, vocab_size=256,
                                   max_seq_len=256, q_lora_rank=32, kv_lora_rank=16,
                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                                  moe_routed_scaling=2.5),
+                                  moe_routed_scaling=2.5, moe_groups=4, moe_topk_groups=2),
     # Published shapes (the models' config.json): Moonlight-16B-A3B (moonshotai), and
     # DeepSeek-V3 (its 671B main model; YaRN to 160k positions).
     "moonlight-16b-a3b": _deepseek(27, 2048, 16, 11264, 64, 6, 1408, 2, moe_first_dense=1,
@@ -182,7 +184,8 @@ PRESETS: dict[str, DeepseekV3Config] = {
     "deepseek-v3": _deepseek(61, 7168, 128, 18432, 256, 8, 2048, moe_first_dense=3,
                              max_seq_len=163840, q_lora_rank=1536, kv_lora_rank=512,
                              qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                             moe_routed_scaling=2.5, rope_scaling="yarn", rope_factor=40.0,
+                             moe_routed_scaling=2.5, moe_groups=8, moe_topk_groups=4,
+                             rope_scaling="yarn", rope_factor=40.0,
                              rope_original_max_positions=4096, rope_mscale=1.0,
                              rope_mscale_all_dim=1.0),
 }

@@ -102,6 +102,8 @@ class TransformerConfig(ABC):
                                                " (unset: only when moe_top_k >= 2)", None)
     moe_routed_scaling: float = _setting("factor on the combine weights of the routed"
                                          " experts (DeepSeek's routed_scaling_factor)", 1.0)
+    moe_groups: int = _setting("expert groups of group-limited routing (DeepSeek's n_group)", 1)
+    moe_topk_groups: int = _setting("the best groups a token's experts come from (topk_group)", 1)
     moe_aux_loss_tokens: str = _setting("the balancing loss's expert fractions count first"
                                         " choices (Switch) or all k (transformers, Megatron)",
                                         "first", choices=AUX_TOKENS)
@@ -243,6 +245,7 @@ class TransformerConfig(ABC):
             raise SettingError(Code.MOE_TOP_K, (
                 f"`moe_top_k` {self.moe_top_k} exceeds `moe_experts`"
                 f" {self.moe_experts}: use more experts or a smaller k"))
+        self.routing_rule().check_groups(self.moe_experts)
         self.moe_pattern.validate(self.num_layers)
         for name, zero in (("moe_ffn_size", "`ffn_size`"), ("moe_shared_ffn_size", "none")):
             if getattr(self, name) < 0:
@@ -269,12 +272,9 @@ class TransformerConfig(ABC):
         self._validate_routing()
 
     def _validate_routing(self) -> None:
-        for name, value, choices in (("moe_score", self.moe_score, SCORES),
-                                     ("moe_aux_loss_tokens", self.moe_aux_loss_tokens,
-                                      AUX_TOKENS),
-                                     ("moe_aux_loss_scope", self.moe_aux_loss_scope,
-                                      AUX_SCOPES)):
-            if value not in choices:
+        for name, choices in (("moe_score", SCORES), ("moe_aux_loss_tokens", AUX_TOKENS),
+                              ("moe_aux_loss_scope", AUX_SCOPES)):
+            if (value := getattr(self, name)) not in choices:
                 raise SettingError(Code.CHOICE, f"`{name}` must be {alternatives(choices)},"
                                                 f" got {value!r}")
         for name in ("moe_bias_rate", "moe_seq_aux_loss_coef"):
@@ -292,7 +292,8 @@ class TransformerConfig(ABC):
         return RoutingRule(top_k=self.moe_top_k, capacity_factor=self.moe_capacity_factor,
                            score=self.moe_score, norm_topk_prob=self.moe_norm_topk_prob,
                            routed_scaling=self.moe_routed_scaling,
-                           aux_tokens=self.moe_aux_loss_tokens)
+                           aux_tokens=self.moe_aux_loss_tokens, groups=self.moe_groups,
+                           topk_groups=self.moe_topk_groups)
 
     def routing_state_shapes(self) -> dict[str, tuple[int, ...]]:
         """The MoE routers' balancing state a checkpoint holds (as `routing/<name>`): the
