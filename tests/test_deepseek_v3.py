@@ -144,7 +144,7 @@ def test_logits_equal_transformers_at_other_layouts(hf, degrees):
 _TINY = preset("deepseek-v3-tiny")
 MODEL = {"model": "deepseek-v3-tiny", **{name: getattr(_TINY, name) for name in MOE_MODEL}}
 """deepseek-v3-tiny as its preset has it (over test_moe_layouts' settings): dropless sigmoid
-top-2 of 8 from the best 2 of 4 groups, the choice bias updated after every step (rate 0.001), a
+top-2 of 8 from the better of 2 groups, the choice bias updated after every step (rate 0.001), a
 shared expert added, layer 0 dense."""
 LAYOUTS = {  # name: (degrees, plan settings)
     "cp2-ring": ({"cp": 2}, {"cp_mode": "ring"}),

@@ -33,7 +33,7 @@ MODEL = {"num_layers": 4, "moe_experts": 8, "moe_top_k": 2, "moe_every": 2,
          "moe_shared_ffn_size": 32, "moe_shared_gate": "sigmoid", "moe_bias_rate": 0.002}
 """The model settings of every run: dropless top-2 of 8 experts beside a gated shared expert,
 balanced by the routing bias (updated after every step) as well as the loss."""
-GROUPED = {"moe_score": "sigmoid", "moe_groups": 4, "moe_topk_groups": 2,
+GROUPED = MODEL | {"moe_score": "sigmoid", "moe_groups": 4, "moe_topk_groups": 2,
            "moe_norm_topk_prob": True, "moe_routed_scaling": 1.5, "moe_shared_gate": "none"}
 """DeepSeek-V3's routing on that model: 4 groups of 2 experts, each token's 2 experts from its
 best 2 groups (ranked with the bias), scaled sigmoid weights, an ungated shared expert."""
@@ -45,8 +45,8 @@ REL = 1e-5  # fp32 trajectories within this of one process's
 METRICS = ("loss", "grad_norm", "moe_aux_loss")
 
 
-def _cfg(corpus: str, degrees: dict, parallel: dict, model: dict | None = None):
-    cfg = build_config({}, {"model": MODEL | (model or {}), "train": TRAIN,
+def _cfg(corpus: str, degrees: dict, parallel: dict, model: dict = MODEL):
+    cfg = build_config({}, {"model": model, "train": TRAIN,
                             "parallel": {"device": "cpu", **degrees, **parallel},
                             "data": {"data": corpus}, "checkpoint": {"out": "/nonexistent"}})
     cfg.plan = dataclasses.replace(cfg.plan, **degrees)
@@ -112,9 +112,9 @@ def _metrics(row: dict) -> dict:
 
 
 def _run(corpus: str, degrees: dict, parallel: dict, *, stop: int = STEPS, save=None,
-         resume=None, model: dict | None = None) -> tuple[list[dict], dict]:
-    """Steps up to `stop` at a layout (from a checkpoint in `resume`; saving in `save`; `model`
-    settings over `MODEL`): each step's metrics and this rank's routing choices."""
+         resume=None, model: dict = MODEL) -> tuple[list[dict], dict]:
+    """Steps up to `stop` at a layout (from a checkpoint in `resume`; saving in `save`) of
+    `model`'s settings: each step's metrics and this rank's routing choices."""
     cfg = _cfg(corpus, degrees, parallel, model)
     trainer = Trainer.build(cfg, worker_mesh(**degrees) if degrees else ParallelMesh.local())
     start = trainer.resume(resume) if resume else 0
@@ -128,7 +128,7 @@ def _run(corpus: str, degrees: dict, parallel: dict, *, stop: int = STEPS, save=
     return rows, choices.records
 
 
-def _reference(corpus: str, model: dict | None = None, stop: int = STEPS
+def _reference(corpus: str, model: dict = MODEL, stop: int = STEPS
                ) -> tuple[list[dict], dict]:
     rows, choices = _run(corpus, {}, {}, model=model, stop=stop)  # in this process
     gap = min(g for _, g in choices.values())

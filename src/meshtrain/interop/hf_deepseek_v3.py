@@ -3,10 +3,10 @@
 Names: Llama's for the embedding, norms, dense MLPs and output layer; the attention's q_proj
 (or q_a_proj, q_a_layernorm, q_b_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj and
 o_proj are our q (q_down, q_norm, q_up), kv_down, kv_norm, kv_up and proj, unpermuted (both
-rotate interleaved pairs by `rope_interleave`); mlp.gate is our router, mlp.experts.{e} (as the
-released checkpoints and `save_pretrained` name them: gate_proj | up_proj, down_proj) our
-experts, mlp.shared_experts our shared expert, and mlp.gate.e_score_correction_bias our
-router's choice bias, kept in the checkpoint's routing state (`routing/...expert_bias`).
+rotate interleaved pairs by `rope_interleave`); an MoE layer's router, experts and shared
+expert are `hf_experts.ExpertNames`' (its shared expert named shared_experts), and
+mlp.gate.e_score_correction_bias is our router's choice bias, kept in the checkpoint's routing
+state (`routing/...expert_bias`).
 
 config.json, field by field (mapped, ignored as not changing the model, or refused):
 - vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
@@ -38,6 +38,7 @@ DeepseekV2ForCausalLM (softmax scores, greedy routing) is refused by `hf_io.mapp
 from __future__ import annotations
 
 from meshtrain.checkpointing.model_files import ROUTING
+from meshtrain.interop.hf_experts import ExpertNames
 from meshtrain.interop.hf_llama import _LAYER as _LLAMA_LAYER
 from meshtrain.interop.hf_llama import LlamaMapping, _rope_parameters
 from meshtrain.interop.hf_mapping import (
@@ -89,6 +90,7 @@ class DeepseekV3Mapping(LlamaMapping):
     architecture = "DeepseekV3ForCausalLM"
     model_type = "deepseek_v3"
     config_class = DeepseekV3Config
+    experts = ExpertNames(shared="shared_experts")
 
     kept_note = ("meshtrain: kept {count} multi-token-prediction tensors as they are (export"
                  " writes them back); meshtrain does not train them")
@@ -209,18 +211,10 @@ class DeepseekV3Mapping(LlamaMapping):
         if not cfg.is_moe_layer(i):
             return pairs + [(ours, theirs) for ours, theirs in _LLAMA_LAYER
                             if ours.startswith("mlp.")]
-        pairs.append(("mlp.router.weight", ("mlp.gate.weight",)))
+        pairs += self.experts.layer_tensors(cfg)
         if cfg.moe_bias_rate:
             pairs.append((f"{ROUTING}layers.{i}.mlp.router.expert_bias",
                           ("mlp.gate.e_score_correction_bias",)))
-        for e in range(cfg.moe_experts):
-            pairs += [(f"mlp.experts.{e}.fc.weight", (f"mlp.experts.{e}.gate_proj.weight",
-                                                      f"mlp.experts.{e}.up_proj.weight")),
-                      (f"mlp.experts.{e}.proj.weight", (f"mlp.experts.{e}.down_proj.weight",))]
-        if cfg.moe_shared_ffn_size:
-            pairs += [("mlp.shared_expert.fc.weight", ("mlp.shared_experts.gate_proj.weight",
-                                                       "mlp.shared_experts.up_proj.weight")),
-                      ("mlp.shared_expert.proj.weight", ("mlp.shared_experts.down_proj.weight",))]
         return pairs
 
 

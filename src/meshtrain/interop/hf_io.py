@@ -36,7 +36,15 @@ from meshtrain.checkpointing.safetensors_stream import DTYPES, Planned, write_sa
 from meshtrain.checkpointing.verify import KEPT, is_plain_name
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.errors import Code, SettingError
-from meshtrain.interop import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mistral, hf_qwen2
+from meshtrain.interop import (
+    hf_deepseek_v3,
+    hf_gpt2,
+    hf_llama,
+    hf_mistral,
+    hf_mixtral,
+    hf_qwen2,
+    hf_qwen2_moe,
+)
 from meshtrain.interop.hf_mapping import HFMapping, TensorMap, refused, shown
 from meshtrain.machine_fit import check_import_fits
 from meshtrain.models import (
@@ -52,8 +60,8 @@ _FLOATS = ("F32", "BF16", "F16", "F64")
 
 
 MAPPINGS: dict[str, HFMapping] = {mapping.family: mapping for mapping in (
-    hf_gpt2.MAPPING, hf_llama.MAPPING, hf_qwen2.MAPPING, hf_mistral.MAPPING,
-    hf_deepseek_v3.MAPPING)}
+    hf_gpt2.MAPPING, hf_llama.MAPPING, hf_qwen2.MAPPING, hf_mistral.MAPPING, hf_mixtral.MAPPING,
+    hf_qwen2_moe.MAPPING, hf_deepseek_v3.MAPPING)}
 """Each family's Hugging Face mapping by family name: a family with a Hugging Face twin is one
 entry here, imported where import tools see it (models, drawn below interop, never name it)."""
 

@@ -18,6 +18,7 @@ takes its token ids from the run's tokenizer: see `hf_io.export_hf`).
 from __future__ import annotations
 
 from meshtrain.errors import Code, SettingError
+from meshtrain.interop.hf_experts import ExpertNames
 from meshtrain.interop.hf_mapping import (
     HFMapping,
     TensorMap,
@@ -92,6 +93,8 @@ class LlamaMapping(HFMapping):
     qkv_biases = False
     """Whether the architecture can bias q, k and v alone (Llama's attention_bias also biases
     the output projection)."""
+    experts: ExpertNames | None = None
+    """How the files name an MoE layer's tensors (`hf_experts`); None: no MoE layers."""
 
     def config_from_hf(self, hf: dict) -> LlamaConfig:
         expect(hf, "hidden_act", ("silu",), "silu", f"meshtrain's {self.family} uses SwiGLU"
@@ -123,7 +126,7 @@ class LlamaMapping(HFMapping):
             init_std=hf_number(hf, "initializer_range", 0.02, positive=False), **_rope(hf))
 
     def config_to_hf(self, cfg: LlamaConfig) -> dict:
-        if cfg.moe_experts:
+        if cfg.moe_experts and self.experts is None:
             raise SettingError(Code.HF_EXPORT, f"`moe_experts` {cfg.moe_experts}:"
                                f" {self.architecture} has no experts; export it with format"
                                " meshtrain")
@@ -144,15 +147,20 @@ class LlamaMapping(HFMapping):
                 "tie_word_embeddings": cfg.tie_word_embeddings,
                 "initializer_range": cfg.init_std, "rope_parameters": rope}
 
-    def layer_tensors(self, cfg: LlamaConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """A layer's tensors: (ours, theirs joined along the rows), q/k/v biases after their
-        weights where the config has them."""
+    def layer_tensors(self, cfg: LlamaConfig, layer: int
+                      ) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Layer `layer`'s tensors: (ours, theirs joined along the rows), q/k/v biases after
+        their weights where the config has them, an MoE layer's MLP as `experts` names it."""
+        tensors = _LAYER
+        if cfg.is_moe_layer(layer):
+            tensors = tuple(t for t in _LAYER if not t[0].startswith("mlp.")) \
+                + self.experts.layer_tensors(cfg)
         if not cfg.qkv_bias:
-            return _LAYER
+            return tensors
         biases = {"attn.qkv.q.weight": ("attn.qkv.q.bias", ("self_attn.q_proj.bias",)),
                   "attn.qkv.kv.weight": ("attn.qkv.kv.bias", ("self_attn.k_proj.bias",
                                                               "self_attn.v_proj.bias"))}
-        return tuple(entry for ours, theirs in _LAYER
+        return tuple(entry for ours, theirs in tensors
                      for entry in ((ours, theirs), *([biases[ours]] if ours in biases else [])))
 
     def tensor_maps(self, cfg: LlamaConfig) -> list[TensorMap]:
@@ -161,7 +169,7 @@ class LlamaMapping(HFMapping):
         for i in range(cfg.num_layers):
             maps += [TensorMap(f"layers.{i}.{ours}",
                                tuple(f"{m}layers.{i}.{name}" for name in theirs))
-                     for ours, theirs in self.layer_tensors(cfg)]
+                     for ours, theirs in self.layer_tensors(cfg, i)]
         maps.append(TensorMap("final_norm.weight", (m + "norm.weight",)))
         if not cfg.tie_word_embeddings:
             maps.append(TensorMap("head.weight", ("lm_head.weight",)))

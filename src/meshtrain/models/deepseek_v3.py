@@ -167,13 +167,13 @@ def _deepseek(layers: int, hidden: int, heads: int, ffn: int, experts: int, top_
 
 
 PRESETS: dict[str, DeepseekV3Config] = {
-    # 4 layers (the first dense), 8 heads, a query latent, 8 experts in 4 groups of which a
-    # token's 2 come from the best 2:
+    # 4 layers (the first dense), 8 heads, a query latent, 8 experts in 2 groups, a token's 2
+    # from the better group:
     # tp 1/2/4, ep 2/4, pp 2 and cp 2 all divide it.
     "deepseek-v3-tiny": _deepseek(4, 64, 8, 128, 8, 2, 32, moe_first_dense=1, vocab_size=256,
                                   max_seq_len=256, q_lora_rank=32, kv_lora_rank=16,
                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                                  moe_routed_scaling=2.5, moe_groups=4, moe_topk_groups=2),
+                                  moe_routed_scaling=2.5, moe_groups=2, moe_topk_groups=1),
     # Published shapes (the models' config.json): Moonlight-16B-A3B (moonshotai), and
     # DeepSeek-V3 (its 671B main model; YaRN to 160k positions).
     "moonlight-16b-a3b": _deepseek(27, 2048, 16, 11264, 64, 6, 1408, 2, moe_first_dense=1,
