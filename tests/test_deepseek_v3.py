@@ -200,3 +200,25 @@ def test_an_unsupported_rope_scaling_is_refused():
         preset("deepseek-v3-tiny", rope_scaling="llama3")
     with pytest.raises(SettingError, match="kv_lora_rank"):
         preset("llama-tiny", kv_lora_rank=16)
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"},
+     "DeepseekV2ForCausalLM"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     "rope_parameters"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank"),
+    ({"topk_group": 5}, "topk_group")])
+def test_bad_configs_are_refused_in_one_line(hf, tmp_path, capsys, fields, named):
+    """DeepSeek-V2 (softmax scores, greedy routing), an unsupported rotary type, a latent of 0
+    and more groups chosen than there are: exit 2, one line naming the field, nothing written."""
+    _, hf_dir, _ = hf
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").symlink_to(hf_dir / "model.safetensors")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | fields))
+    assert main(["import-hf", str(bad), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+    assert not (tmp_path / "run").exists()
