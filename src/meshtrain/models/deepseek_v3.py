@@ -136,8 +136,9 @@ class DeepseekV3Config(LlamaConfig):
         """Llama's count (`LlamaConfig.activation_bytes`) with MLA's projections in place of
         grouped-query attention's: the latents (the down-projections' outputs and the norms'
         outputs, split by t under sequence parallelism, like the hidden states) and per head
-        the queries, keys and values (selective: what the core keeps) and the output
-        projection's input; the probabilities are counted as there."""
+        the queries, keys and values (selective: what the core keeps, and the queries' rotated
+        part) and the output projection's input; the probabilities are counted as there
+        (tests/test_memory.py measures it within 10%)."""
         s, b, a, e, t = seq_len, micro_batch, self.num_heads, element_size, tp
         dense = super().activation_bytes(seq_len=s, micro_batch=b, tp=t,
                                          sequence_parallel=sequence_parallel,
@@ -150,7 +151,8 @@ class DeepseekV3Config(LlamaConfig):
                            + self.qk_rope_head_dim) * e / (t if sequence_parallel else 1)
         if recompute == "selective":
             gqa = s * b * (3 * self.hidden_size / t + 3 * max(self.kv_heads // t, 1) * qk) * e
-            return dense - gqa + latents + s * b * a * (2 * qk + v) * e / t
+            return dense - gqa + latents \
+                + s * b * a * (2 * qk + 2 * v + self.qk_rope_head_dim) * e / t
         gqa = 4 * s * b * self.hidden_size * e / t
         return dense - gqa + latents + s * b * a * (2 * qk + 2 * v) * e / t
 
