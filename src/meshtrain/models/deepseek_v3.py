@@ -21,7 +21,7 @@ from torch import nn
 
 from meshtrain.errors import Code, SettingError
 from meshtrain.models.blocks import Block, Rotary, generator, init_linear, rope_frequencies
-from meshtrain.models.family import ModelFamily
+from meshtrain.models.family import WIDE_BYTES, ModelFamily
 from meshtrain.models.latent_attention import LatentAttention, yarn_frequencies, yarn_mscale
 from meshtrain.models.llama import Llama, LlamaConfig
 from meshtrain.parallel.layers.norms import RMSNorm
@@ -123,6 +123,23 @@ class DeepseekV3Config(LlamaConfig):
         return q | {"kv_down.weight": (r + self.qk_rope_head_dim, h), "kv_norm.weight": (r,),
                     "kv_up.weight": (a * (self.qk_nope_head_dim + self.v_head_dim), r),
                     "proj.weight": (h, a * self.v_head_dim)}
+
+    def pointwise_bytes(self, *, hidden: float, tp: int, element_size: int,
+                        fused: bool) -> float:
+        """Llama's kernels (two norms, residual adds, SwiGLU) with MLA's in place of its rotary
+        positions: the two latent norms (whole, as the hidden ones: fp32 passes when eager), the
+        rotary part of this rank's queries and of the shared key, and the copies joining each
+        head's non-rotary and rotary parts (queries, keys)."""
+        e, a, rope = element_size, self.num_heads / tp, self.qk_rope_head_dim
+        latents = self.q_lora_rank + self.kv_lora_rank
+        rotated = a * rope + rope
+        joined = 2 * a * self.head_dim
+        base = super().pointwise_bytes(hidden=hidden, tp=tp, element_size=e, fused=fused)
+        llama_rotary = (2 if fused else 10) * e * 2 * self.num_heads * self.head_dim / tp
+        if fused:
+            return base - llama_rotary + 2 * 2 * e * latents + 2 * e * rotated + 2 * e * joined
+        norm = 4 * e + 7 * WIDE_BYTES
+        return base - llama_rotary + latents * norm + 12 * e * rotated + 2 * e * joined
 
     def cached_bytes_per_token(self, element_size: int = 2) -> int:
         """What a key/value cache holds per token: each layer's latent and shared rotary key
