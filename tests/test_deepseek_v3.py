@@ -22,6 +22,7 @@ from test_moe_layouts import (
 )
 
 import meshtrain
+import meshtrain.parallel.layers.expert as expert_layer
 from meshtrain.checkpointing.checkpoint import (
     checkpoint_config,
     load_checkpoint,
@@ -96,6 +97,28 @@ def test_logits_equal_transformers_and_export_is_bitwise(hf, tmp_path):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert (theirs(IDS).logits - expected).abs().max() < 1e-5
+
+
+def test_every_token_chooses_the_experts_transformers_chooses(hf, monkeypatch):
+    """Each MoE layer's chosen experts per token (as sets: both pick the top k unsorted)."""
+    model, _, run = hf
+    theirs, ours = [], []
+    for layer in model.model.layers[HF.first_k_dense_replace:]:
+        layer.mlp.gate.register_forward_hook(
+            lambda _m, _args, out: theirs.append(out[2].sort(dim=-1).values))
+    route = expert_layer.route
+
+    def recorded(*args, **kwargs):
+        routing = route(*args, **kwargs)
+        ours.append(routing.experts.sort(dim=-1).values)
+        return routing
+
+    monkeypatch.setattr(expert_layer, "route", recorded)
+    with torch.no_grad():
+        model(IDS)
+        meshtrain.load_model(run)(IDS)
+    assert len(ours) == len(theirs) == HF.num_hidden_layers - HF.first_k_dense_replace
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 def test_greedy_generation_equals_transformers_with_and_without_the_cache(hf):
