@@ -60,6 +60,10 @@ class DeepseekV3Config(LlamaConfig):
     def core_width(self) -> float:
         return self.num_heads * (self.head_dim + self.v_head_dim) / 2
 
+    def kv_width(self, tp: int) -> float:
+        """Every head has its key (`head_dim`) and value (`v_head_dim`)."""
+        return self.num_heads / tp * (self.head_dim + self.v_head_dim) / 2
+
     def validate(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
             if getattr(self, name) < 1:

@@ -164,6 +164,11 @@ class TransformerConfig(ABC):
         query/key head dimension, values over the value one): heads x head dimension."""
         return self.num_heads * self.head_dim
 
+    def kv_width(self, tp: int) -> float:
+        """Per token, the width of this rank's keys and of its values on average (what ring
+        attention passes): its key/value heads (at least one) x head dimension."""
+        return max(self.kv_heads // tp, 1) * self.head_dim
+
     @property
     def kv_heads(self) -> int:
         """Key/value heads (grouped-query attention has fewer than query heads)."""
