@@ -31,6 +31,7 @@ from meshtrain.checkpointing.checkpoint import (
 from meshtrain.cli.main import main
 from meshtrain.errors import SettingError
 from meshtrain.inference.generate import generate
+from meshtrain.mesh import ParallelMesh
 from meshtrain.models import preset
 from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.plan import ParallelPlan
@@ -245,3 +246,33 @@ def test_bad_configs_are_refused_in_one_line(hf, tmp_path, capsys, fields, named
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def _cached_pieces(tp: int) -> torch.Tensor:
+    """deepseek-v3-tiny's logits of a prompt fed through one cache in pieces (5 tokens, 3, then
+    one at a time) against one forward, each rank caching the whole latent and rotary key;
+    then greedy generation with the cache against without it. Returns the generated tokens."""
+    mesh = worker_mesh(tp=tp) if tp > 1 else ParallelMesh.local()
+    cfg = preset("deepseek-v3-tiny", max_seq_len=16, init_std=0.2)
+    model = build_model(cfg, mesh, seed=0).eval()
+    ids = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(ids)
+        cache = model.kv_cache(16)
+        pieces = [model(ids[:, a:b], cache=cache) for a, b in
+                  [(0, 5), (5, 8), *((i, i + 1) for i in range(8, 12))]]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), expected, rtol=1e-5, atol=1e-5)
+    assert cache[0].keys.shape == (3, 1, 16, cfg.kv_lora_rank)
+    assert cache[0].values.shape == (3, 1, 16, cfg.qk_rope_head_dim)
+    tokens = generate(model, ids[:, :5], max_new_tokens=20)
+    assert torch.equal(tokens, generate(model, ids[:, :5], max_new_tokens=20, use_cache=False))
+    return tokens
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.extended)])
+def test_the_latent_cache_gives_the_uncached_logits_and_tokens(tp):
+    if tp == 1:
+        _cached_pieces(1)
+        return
+    first, second = run_on_ranks(2, _cached_pieces, 2)
+    assert torch.equal(first, second)
