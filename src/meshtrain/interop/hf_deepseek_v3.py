@@ -15,8 +15,8 @@ config.json, field by field (mapped, ignored as not changing the model, or refus
 - q_lora_rank (null: 0), kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim,
   rope_interleave: the MLA settings of the same names.
 - rope_parameters / rope_scaling: default or yarn (factor, original_max_position_embeddings,
-  beta_fast, beta_slow, mscale, mscale_all_dim); another type or an explicit attention_factor
-  refused.
+  beta_fast, beta_slow, mscale, mscale_all_dim); another type, an explicit attention_factor or
+  truncate false refused.
 - n_routed_experts, num_experts_per_tok, moe_intermediate_size: `moe_experts`, `moe_top_k`,
   `moe_ffn_size`; n_shared_experts: `moe_shared_ffn_size` = it x moe_intermediate_size (0:
   none); first_k_dense_replace: `moe_first_dense`; moe_layer_freq: must be 1.
@@ -28,7 +28,9 @@ config.json, field by field (mapped, ignored as not changing the model, or refus
 - num_nextn_predict_layers (the multi-token-prediction layers, model.layers.{n + i}.*): their
   tensors are kept as they are (`verify.KEPT`) and written back by export; meshtrain does not
   build or train them (a checkpoint saved by training has none).
-- aux_loss_alpha, seq_aux, use_cache, output_router_logits, attention_dropout, ep_size,
+- aux_loss_alpha, seq_aux (DeepSeek's sequence-wise balancing loss in training; transformers
+  computes none, and the import leaves `moe_seq_aux_loss_coef` 0: set it to train with one),
+  use_cache, output_router_logits, attention_dropout, ep_size,
   pretraining_tp, token ids, torch_dtype/dtype, quantization_config (refused when present:
   fp8 block-quantized weights are not imported): ignored unless said otherwise.
 Imported routing trains its bias at DeepSeek's rate 0.001 (`moe_bias_rate`), dropless.
@@ -76,6 +78,7 @@ def _yarn(hf: dict) -> dict:
         return {"rope_theta": theta}
     expect(params, "attention_factor", (None,), None, "meshtrain derives YaRN's attention"
                                                       " factor from mscale and mscale_all_dim")
+    expect(params, "truncate", (True,), True, "meshtrain's YaRN ramp has whole-dimension bounds")
     return {"rope_theta": theta, "rope_scaling": "yarn",
             "rope_original_max_positions": hf_size(params, "original_max_position_embeddings"),
             **{ours: hf_number(params, theirs, _YARN_DEFAULTS.get(theirs),
