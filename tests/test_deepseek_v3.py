@@ -201,6 +201,19 @@ def test_layout_trains_one_process_trajectory_and_choices(corpus, reference, lay
                          {key: value for key, value in choices.items() if key[0] < steps})
 
 
+@pytest.mark.extended
+def test_resume_at_another_layout_continues_the_trajectory(corpus, reference, tmp_path):
+    """Saved after 3 steps at pp 2 x ep 2 (the choice bias in the checkpoint), resumed at
+    tp 2 x ep 2 with sequence parallelism."""
+    first = run_on_ranks(4, _run, corpus, *LAYOUTS["pp2xep2"], stop=3, save=tmp_path,
+                         model=MODEL, timeout=300)
+    second = run_on_ranks(4, _run, corpus, *LAYOUTS["sp-tp2xep2"], resume=tmp_path,
+                          model=MODEL, timeout=300)
+    _assert_same_trajectory("resumed", first[0][0] + second[0][0], reference[0])
+    _assert_same_choices("resumed", [a[1] | b[1] for a, b in zip(first, second, strict=True)],
+                         reference[1])
+
+
 def test_latent_cache_is_smaller_than_grouped_query_attention():
     """Per token and layer: the latent and the rotary key (576 numbers in DeepSeek-V3), against
     the keys and values of 8 grouped heads (8 x (192 + 128)); benchmarks/bench_mla_cache.py."""
