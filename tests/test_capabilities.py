@@ -60,8 +60,9 @@ def _merged(first: dict, second: dict) -> dict:
 
 def _layout(settings: dict) -> tuple[ParallelPlan, object, int, int]:
     """(plan, model, world size, global batch) of some settings on the tiny model."""
-    model = dataclasses.replace(TINY, **{k: v for k, v in settings.items()
-                                         if k not in PLAN_FIELDS})
+    base = preset(settings["model"]) if "model" in settings else TINY  # (mla: a model's own)
+    model = dataclasses.replace(base, **{k: v for k, v in settings.items()
+                                         if k not in PLAN_FIELDS and k != "model"})
     plan = ParallelPlan(**{k: v for k, v in settings.items() if k in PLAN_FIELDS} | {
         "dp": settings.get("dp", 1)})
     world = plan.tp * plan.pp * plan.cp * plan.dp

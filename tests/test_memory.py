@@ -49,7 +49,8 @@ def _check(tp, plan, name, dropout):
 
 
 @pytest.mark.parametrize("name,dropout", [("tiny", 0.1), ("llama-tiny", 0.1),
-                                          ("llama-tiny", 0.0), ("qwen3-tiny", 0.0)])
+                                          ("llama-tiny", 0.0), ("qwen3-tiny", 0.0),
+                                          ("deepseek-v3-tiny", 0.0)])
 @pytest.mark.parametrize("tp,plan", [
     (1, ParallelPlan()),
     (1, ParallelPlan(recompute="selective")),

@@ -16,8 +16,10 @@ reference is within `MIN_GAP` of a tie (the smallest gap is printed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
+import torch
 from harness import run_on_ranks, worker_mesh
 
 import meshtrain.parallel.layers.expert as expert_layer
@@ -25,7 +27,7 @@ from meshtrain import ParallelMesh
 from meshtrain.config.run_config import build_config
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
 from meshtrain.parallel.layers.expert import MoE
-from meshtrain.parallel.layers.routing import scores_of
+from meshtrain.parallel.layers.routing import choice_keys, scores_of
 from meshtrain.training.trainer import Trainer
 
 MODEL = {"num_layers": 4, "moe_experts": 8, "moe_top_k": 2, "moe_every": 2,
@@ -33,6 +35,10 @@ MODEL = {"num_layers": 4, "moe_experts": 8, "moe_top_k": 2, "moe_every": 2,
          "moe_shared_ffn_size": 32, "moe_shared_gate": "sigmoid", "moe_bias_rate": 0.002}
 """The model settings of every run: dropless top-2 of 8 experts beside a gated shared expert,
 balanced by the routing bias (updated after every step) as well as the loss."""
+GROUPED = MODEL | {"moe_score": "sigmoid", "moe_groups": 4, "moe_topk_groups": 2,
+           "moe_norm_topk_prob": True, "moe_routed_scaling": 1.5, "moe_shared_gate": "none"}
+"""DeepSeek-V3's routing on that model: 4 groups of 2 experts, each token's 2 experts from its
+best 2 groups (ranked with the bias), scaled sigmoid weights, an ungated shared expert."""
 TRAIN = {"steps": 5, "global_batch": 8, "micro_batch": 2, "seq_len": 16, "seed": 3,
          "clip_grad": 0.0, "eval_every": 0}
 STEPS = TRAIN["steps"]
@@ -51,8 +57,9 @@ def _cfg(corpus: str, degrees: dict, parallel: dict, model: dict = MODEL):
 
 class _Choices:
     """This rank's routing choices while installed: {(step, micro-batch, layer, sequence,
-    position): (experts, gap)}, the gap the smallest difference of adjacent sorted scores among
-    the top k + 1 (what a choice and its order turn on). Each MoE layer's forwards run its
+    position): (experts, gap)}, the gap the smallest difference of adjacent sorted keys among
+    the top k + 1 (what a choice and its order turn on; with groups, also the gap between the
+    last chosen group's rank and the next's). Each MoE layer's forwards run its
     micro-batches in order, so a layer's n-th forward is local micro-batch n % m."""
 
     def __init__(self, model, mesh, cfg, first_step: int):
@@ -74,12 +81,7 @@ class _Choices:
         n = self.calls[self.layer] = self.calls.get(self.layer, 0) + 1
         step, local = self.first_step + (n - 1) // self.m, (n - 1) % self.m
         micro_batch = self.mesh.dp.rank * self.m + local
-        k = routing.experts.shape[1]
-        scores = scores_of(logits.detach().float(), rule.score)[0]
-        if kwargs.get("bias") is not None:
-            scores = scores + kwargs["bias"]  # what the choice ranks
-        scores = scores.sort(dim=-1, descending=True).values
-        gaps = (scores[:, :k] - scores[:, 1:k + 1]).min(dim=-1).values
+        gaps = _gaps(logits, rule, kwargs.get("bias"))
         per_sequence = len(self.positions)
         for t, (experts, gap) in enumerate(zip(routing.experts.tolist(), gaps.tolist(),
                                                strict=True)):
@@ -92,6 +94,19 @@ class _Choices:
         expert_layer.route = self.route
         for hook in self.hooks:
             hook.remove()
+
+
+def _gaps(logits, rule, bias) -> torch.Tensor:
+    """Per token, how far the routing's choice is from a tie (`_Choices`)."""
+    scores = scores_of(logits.detach().float(), rule.score)[0]
+    keys = choice_keys(scores, rule, bias).sort(dim=-1, descending=True).values
+    gaps = (keys[:, :rule.top_k] - keys[:, 1:rule.top_k + 1]).min(dim=-1).values
+    if rule.topk_groups < rule.groups:
+        biased = scores if bias is None else scores + bias
+        ranked = biased.unflatten(-1, (rule.groups, -1)).topk(2, dim=-1).values.sum(dim=-1)
+        ranked = ranked.sort(dim=-1, descending=True).values
+        gaps = torch.minimum(gaps, ranked[:, rule.topk_groups - 1] - ranked[:, rule.topk_groups])
+    return gaps
 
 
 def _metrics(row: dict) -> dict:
@@ -115,8 +130,9 @@ def _run(corpus: str, degrees: dict, parallel: dict, *, stop: int = STEPS, save=
     return rows, choices.records
 
 
-def _reference(corpus: str, model: dict = MODEL) -> tuple[list[dict], dict]:
-    rows, choices = _run(corpus, {}, {}, model=model)  # in this process
+def _reference(corpus: str, model: dict = MODEL, stop: int = STEPS
+               ) -> tuple[list[dict], dict]:
+    rows, choices = _run(corpus, {}, {}, model=model, stop=stop)  # in this process
     gap = min(g for _, g in choices.values())
     print(f"smallest reference gap between routing scores: {gap:.3e}")
     assert gap > MIN_GAP, f"a reference choice is within {gap:.1e} of a tie: change the seed"
@@ -126,6 +142,12 @@ def _reference(corpus: str, model: dict = MODEL) -> tuple[list[dict], dict]:
 @pytest.fixture(scope="module")
 def reference(corpus):
     return _reference(corpus)
+
+
+@pytest.fixture(scope="module")
+def grouped_reference(corpus):
+    """The group-limited model's one-process run of a number of steps (each length once)."""
+    return functools.cache(lambda steps: _reference(corpus, GROUPED, steps))
 
 
 def _assert_same_choices(layout: str, per_rank: list[dict], reference: dict) -> None:
@@ -210,3 +232,19 @@ def test_resume_at_another_layout_continues_the_trajectory(corpus, reference, tm
     _assert_same_trajectory("resumed", first[0][0] + second[0][0], reference[0])
     _assert_same_choices("resumed", [a[1] | b[1] for a, b in zip(first, second, strict=True)],
                          reference[1])
+
+
+@pytest.mark.parametrize("layout,steps", [
+    ("ep2xdp1", 2),  # the default tier's one case: 2 ranks, 2 steps
+    *(pytest.param(name, STEPS, marks=pytest.mark.extended) for name in ("ep2xdp2", "tp2xep2"))])
+def test_group_limited_routing_trains_one_process_trajectory_and_choices(
+        corpus, grouped_reference, layout, steps):
+    """DeepSeek-V3's group-limited routing, its bias moving every step: the same trajectory and
+    expert choices as one process."""
+    degrees, parallel = ({"dp": 2, "ep": 2}, {}) if layout == "ep2xdp1" else LAYOUTS[layout]
+    results = run_on_ranks(_world(degrees), _run, corpus, degrees, parallel, stop=steps,
+                           model=GROUPED, timeout=300)
+    rows, choices = grouped_reference(steps)
+    _assert_same_trajectory(layout, results[0][0], rows[:steps])
+    _assert_same_choices(layout, [choices for _, choices in results],
+                         {key: value for key, value in choices.items() if key[0] < steps})

@@ -6,8 +6,10 @@ import dataclasses
 import pytest
 import torch
 import torch.utils.checkpoint
+import transformers
 from harness import run_on_ranks, worker_mesh
 from torch.testing import assert_close
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from meshtrain import ParallelMesh, preset
 from meshtrain.checkpointing.checkpoint import latest_checkpoint, load_checkpoint
@@ -222,4 +224,46 @@ def test_cli_refuses_top_k_above_the_experts(corpus, tmp_path, capsys):
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "--moe-top-k 5 exceeds --moe-experts 4: use more experts or a smaller k")
+    assert not (tmp_path / "run").exists()
+
+
+def test_group_limited_routing_equals_transformers_deepseek_v3_router():
+    """DeepSeek-V3's group-limited choice with a correction bias, sigmoid scores, renormalised
+    and scaled weights: the same experts and weights as transformers' router (fp32)."""
+    config = transformers.DeepseekV3Config(
+        hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5)
+    gate = DeepseekV3TopkRouter(config)
+    gen = torch.Generator().manual_seed(1)
+    gate.weight.data = torch.randn(16, 16, generator=gen)
+    gate.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=gen))
+    x = torch.randn(64, 16, generator=gen)
+    with torch.no_grad():
+        logits, hf_weights, hf_experts = gate(x)
+    rule = RoutingRule(top_k=4, capacity_factor=0.0, score="sigmoid", norm_topk_prob=True,
+                       routed_scaling=2.5, groups=4, topk_groups=2)
+    r = route(logits, rule, bias=gate.e_score_correction_bias)
+    order, hf_order = r.experts.argsort(dim=-1), hf_experts.argsort(dim=-1)  # hf: unsorted
+    assert torch.equal(r.experts.gather(1, order), hf_experts.gather(1, hf_order))
+    assert_close(r.weights.gather(1, order), hf_weights.gather(1, hf_order))
+    ungrouped = route(logits, dataclasses.replace(rule, groups=1, topk_groups=1),
+                      bias=gate.e_score_correction_bias)
+    assert not torch.equal(ungrouped.experts, r.experts)  # the group limit moved choices
+    every_group = route(logits, dataclasses.replace(rule, topk_groups=4),
+                        bias=gate.e_score_correction_bias)
+    assert torch.equal(every_group.experts, ungrouped.experts)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--moe-groups", "2", "--moe-topk-groups", "3"],
+     "--moe-topk-groups 3 must be 1 .. --moe-groups 2"),
+    (["--moe-groups", "3"], "--moe-groups 3 must divide --moe-experts 8 into groups"),
+    (["--moe-groups", "4", "--moe-top-k", "3"],
+     "--moe-top-k 3 exceeds the 2 experts of --moe-topk-groups 1 of 4 groups")], ids=str)
+def test_cli_refuses_groups_that_cannot_route(corpus, tmp_path, capsys, flags, message):
+    code = main(["train", "--device", "cpu", "--moe-experts", "8", *flags,
+                 "--data", corpus, "--out", str(tmp_path / "run"), "--steps", "1"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "run").exists()

@@ -110,6 +110,7 @@ class Code(Enum):
     MODEL_UNSUPPORTED = "model feature not implemented"
     MODEL_MEMORY = "model states exceed the machine's memory"
     MOE_TOP_K = "MoE top-k exceeds the experts"
+    MOE_GROUPS = "MoE expert groups that do not split the experts or hold the top-k"
     LAYER_PATTERN = "a per-layer pattern that lists no valid layers"
     MOE_SHARED = "a shared expert without its gate style, or without experts"
     MODEL_FIELDS = "model fields not the family's settings"

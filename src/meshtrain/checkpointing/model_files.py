@@ -25,23 +25,36 @@ from meshtrain.checkpointing.checkpoint import (
 )
 from meshtrain.checkpointing.retention import remove_leftovers
 from meshtrain.checkpointing.safetensors_stream import Planned, write_safetensors
+from meshtrain.checkpointing.verify import KEPT
 from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import ParallelMesh
 from meshtrain.models import TransformerConfig
 
+ROUTING = "routing/"
+"""The prefix of the MoE routers' balancing state (`checkpoint.routing_buffers`): a model-only
+checkpoint keeps such names as they are, every other name under "model/"."""
 
-def model_entries(manifest: dict) -> list[Planned]:
-    """(name, dtype, shape) of each model tensor of a checkpoint, in manifest order."""
+
+def _stored(name: str) -> str:
+    return name if name.startswith((ROUTING, KEPT)) else "model/" + name
+
+
+def model_entries(manifest: dict, *, routing: bool = False) -> list[Planned]:
+    """(name, dtype, shape) of each model tensor of a checkpoint, in manifest order; with
+    `routing`, the routers' state and the tensors an import kept (`verify.KEPT`) too, under
+    their prefixed names (what a Hugging Face export writes back)."""
     return [(name.removeprefix("model/"), getattr(torch, entry["dtype"]), tuple(entry["shape"]))
-            for name, entry in manifest["tensors"].items() if name.startswith("model/")]
+            for name, entry in manifest["tensors"].items()
+            if name.startswith("model/") or (routing and name.startswith((ROUTING, KEPT)))]
 
 
-def model_tensors(path: str | Path, manifest: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def model_tensors(path: str | Path, manifest: dict, *,
+                  routing: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of each model tensor of a verified checkpoint, assembled one at a
     time in `model_entries` order."""
     reader = Reader(Path(path), manifest, torch.device("cpu"))
-    for name, _, _ in model_entries(manifest):
-        yield name, reader.full("model/" + name)
+    for name, _, _ in model_entries(manifest, routing=routing):
+        yield name, reader.full(_stored(name))
 
 
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}  # a write that began, then failed
@@ -92,16 +105,16 @@ def write_model_checkpoint(root: str | Path, *, family: str, cfg: TransformerCon
     root = Path(root)
     final, tmp = free_step_dir(root, 0), root / f".tmp_{step_dir(root, 0).name}"
     file_name = "rank_00000.safetensors"
-    entries = {"model/" + name: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
-                                 "pieces": [{"file": file_name, "key": "model/" + name, "dim": 0,
-                                             "offset": 0, "length": shape[0] if shape else 1}]}
+    entries = {_stored(name): {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
+                               "pieces": [{"file": file_name, "key": _stored(name), "dim": 0,
+                                           "offset": 0, "length": shape[0] if shape else 1}]}
                for name, dtype, shape in planned}
     try:
         remove_leftovers(root)
         tmp.mkdir(parents=True)
         digest = write_safetensors(tmp / file_name,
-                                   [("model/" + n, dtype, shape) for n, dtype, shape in planned],
-                                   (("model/" + name, tensor) for name, tensor in tensors))
+                                   [(_stored(n), dtype, shape) for n, dtype, shape in planned],
+                                   ((_stored(name), tensor) for name, tensor in tensors))
         manifest = {"format": FORMAT, "step": 0, "layout": ParallelMesh.local().degrees,
                     "device": "cpu", "family": family, "model": dataclasses.asdict(cfg),
                     "files": {file_name: digest}, "tensors": entries}

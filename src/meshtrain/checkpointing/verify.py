@@ -200,6 +200,11 @@ def _model_config(path: Path, manifest: dict) -> TransformerConfig:
     return cfg
 
 
+KEPT = "kept/"
+"""The prefix of tensors an imported model holds that meshtrain does not build (DeepSeek's
+multi-token-prediction layers): kept under their Hugging Face names for export, never loaded."""
+
+
 def _check_shapes(path: Path, tensors: dict, expected: dict[str, tuple[int, ...]],
                   routing: dict[str, tuple[int, ...]]) -> None:
     """Each model tensor, each optimizer state or earlier weight version of one, and each
@@ -215,7 +220,9 @@ def _check_shapes(path: Path, tensors: dict, expected: dict[str, tuple[int, ...]
     for name, entry in tensors.items():
         param = name.removeprefix("previous/") if name.startswith("previous/") else \
             name.split("/", 2)[-1]
-        if name != "optim/step" and tuple(entry["shape"]) != expected.get(param, ()):
+        if name == "optim/step" or name.startswith(KEPT):
+            continue
+        if tuple(entry["shape"]) != expected.get(param, ()):
             raise _damaged(path, "manifest.json", f"{name} has shape {entry['shape']}, but its"
                                                   f" model settings make {param}"
                                                   f" {list(expected.get(param, ()))}")

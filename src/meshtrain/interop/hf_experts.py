@@ -37,6 +37,8 @@ class ExpertNames:
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    shared: str = "shared_expert"
+    """The shared expert's name (DeepSeek: shared_experts)."""
 
     def layer_tensors(self, cfg: TransformerConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """An MoE layer's MLP tensors (ours, theirs joined along the rows), in the order of our
@@ -45,7 +47,7 @@ class ExpertNames:
         b = self.block
         tensors = [("mlp.router.weight", (f"{b}.{self.router}.weight",))]
         if cfg.moe_shared_ffn_size:
-            tensors += self._mlp("mlp.shared_expert", f"{b}.shared_expert")
+            tensors += self._mlp("mlp.shared_expert", f"{b}.{self.shared}")
         if cfg.moe_shared_gate == "sigmoid":
             tensors.append(("mlp.shared_expert_gate.weight", (f"{b}.shared_expert_gate.weight",)))
         for e in range(cfg.moe_experts):

@@ -24,18 +24,20 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest
+from meshtrain.checkpointing.checkpoint import CheckpointError, read_manifest, routing_buffers
 from meshtrain.checkpointing.model_files import (
+    ROUTING,
     model_entries,
     model_tensors,
     unwritable,
     write_model_checkpoint,
 )
 from meshtrain.checkpointing.safetensors_stream import DTYPES, Planned, write_safetensors
-from meshtrain.checkpointing.verify import is_plain_name
+from meshtrain.checkpointing.verify import KEPT, is_plain_name
 from meshtrain.data.tokenization import TOKENIZER_FILE, HFTokenizer, checkpoint_tokenizer
 from meshtrain.errors import Code, SettingError
 from meshtrain.interop import (
+    hf_deepseek_v3,
     hf_gpt2,
     hf_llama,
     hf_mistral,
@@ -45,7 +47,7 @@ from meshtrain.interop import (
     hf_qwen3,
     hf_qwen3_moe,
 )
-from meshtrain.interop.hf_mapping import HFMapping, refused, shown
+from meshtrain.interop.hf_mapping import HFMapping, TensorMap, refused, shown
 from meshtrain.machine_fit import check_import_fits
 from meshtrain.models import (
     FAMILIES,
@@ -61,8 +63,7 @@ _FLOATS = ("F32", "BF16", "F16", "F64")
 
 MAPPINGS: dict[str, HFMapping] = {mapping.family: mapping for mapping in (
     hf_gpt2.MAPPING, hf_llama.MAPPING, hf_qwen2.MAPPING, hf_mistral.MAPPING, hf_mixtral.MAPPING,
-    hf_qwen2_moe.MAPPING, hf_qwen3.MAPPING,
-    hf_qwen3_moe.MAPPING)}
+    hf_qwen2_moe.MAPPING, hf_qwen3.MAPPING, hf_qwen3_moe.MAPPING, hf_deepseek_v3.MAPPING)}
 """Each family's Hugging Face mapping by family name: a family with a Hugging Face twin is one
 entry here, imported where import tools see it (models, drawn below interop, never name it)."""
 
@@ -132,7 +133,10 @@ class HFModelDirectory:
         self._open: dict[str, object] = {}
         self.files = self._weight_files()
         shapes = self._checked_shapes()
-        self.maps = self.mapping.tensor_maps(self.cfg)
+        self.kept = sorted(key for key in self.files
+                           if self.mapping.kept(key, self.hf_config, self.cfg))
+        self.maps = self.mapping.tensor_maps(self.cfg) + [
+            TensorMap(KEPT + key, (key,)) for key in self.kept]
         self._planned = self._plan(shapes)
 
     def _refuse(self, message: str, code: Code = Code.HF_WEIGHTS) -> SettingError:
@@ -195,9 +199,12 @@ class HFModelDirectory:
             raise self._refuse(f"config.json describes {self.cfg.num_layers:,} layers, its"
                                f" safetensors files hold {len(self.files)} tensors: config.json"
                                " is not these weights' config; use the model's own config.json")
-        shapes = self.cfg.parameter_shapes()
+        shapes = self.cfg.parameter_shapes() | {
+            ROUTING + name: shape for name, shape in self.cfg.routing_state_shapes().items()}
         held = sum(math.prod(self._file(file).get_slice(key).get_shape())
                    for key, file in self.files.items())
+        shapes |= {KEPT + key: tuple(self._file(self.files[key]).get_slice(key).get_shape())
+                   for key in self.files if self.mapping.kept(key, self.hf_config, self.cfg)}
         name, shape = max(shapes.items(), key=lambda item: math.prod(item[1]))
         if math.prod(shape) > held:
             raise self._refuse(f"config.json makes meshtrain's {name} {list(shape)}, more than"
@@ -274,19 +281,22 @@ class HFModelDirectory:
     @torch.no_grad()
     def load_into(self, model: CausalLM) -> None:
         """Copy the weights into a dense (one-rank) model of this config."""
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters()) | {
+            ROUTING + name: buffer for name, buffer, _ in routing_buffers(model)}
         for name, _, shape in self.planned():
-            if tuple(params[name].shape) != shape:
+            if not name.startswith(KEPT) and tuple(params[name].shape) != shape:
                 raise self._refuse(f"{name} has shape {shape} there and"
                                    f" {tuple(params[name].shape)} in its config's model")
         for name, tensor in self.tensors():
-            params[name].copy_(tensor)
+            if not name.startswith(KEPT):
+                params[name].copy_(tensor)
 
 
 def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """A dense (one-rank) model's weights under Hugging Face's names, as its files hold them
     (a tied output layer is the embedding alone)."""
-    params = {name: param.detach() for name, param in model.named_parameters()}
+    params = {name: param.detach() for name, param in model.named_parameters()} | {
+        ROUTING + name: buffer for name, buffer, _ in routing_buffers(model)}
     mapping = hf_mapping(family_of(model.cfg).name)
     return {name: part for tensor_map in mapping.tensor_maps(model.cfg)
             for name, part in tensor_map.to_theirs(params[tensor_map.ours])}
@@ -321,6 +331,8 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path) -> Path:
         (tmp / "checkpoints").rename(run_dir / "checkpoints")  # last: the run appears whole
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if source.kept:
+        print(source.mapping.kept_note.format(count=len(source.kept)))
     return run_dir / "checkpoints" / written.name
 
 
@@ -340,21 +352,25 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> int:
     manifest = read_manifest(checkpoint)
     mapping = hf_mapping(manifest["family"])
     cfg = config_from_dict(manifest["family"], manifest["model"])
-    maps = {tensor_map.ours: tensor_map for tensor_map in mapping.tensor_maps(cfg)}
-    entries = model_entries(manifest)
+    entries = model_entries(manifest, routing=True)
+    maps = {tensor_map.ours: tensor_map for tensor_map in mapping.tensor_maps(cfg)} | {
+        name: TensorMap(name, (name.removeprefix(KEPT),)) for name, _, _ in entries
+        if name.startswith(KEPT)}
     if set(maps) != {name for name, _, _ in entries}:
         raise CheckpointError(f"checkpoint {checkpoint} does not hold the tensors of a"
                               f" {mapping.architecture}; export it with format meshtrain")
     planned = [(name, part.dtype, tuple(part.shape)) for ours, dtype, shape in entries
                for name, part in maps[ours].to_theirs(torch.empty(shape, dtype=dtype,
                                                                   device="meta"))]
-    tensors = (pair for ours, full in model_tensors(checkpoint, manifest)
+    tensors = (pair for ours, full in model_tensors(checkpoint, manifest, routing=True)
                for pair in maps[ours].to_theirs(full))
     tokenizer = checkpoint_tokenizer(checkpoint, cfg.vocab_size, required=False)
     token_ids = {"bos_token_id": tokenizer.bos_id if tokenizer else None,
                  "eos_token_id": tokenizer.eod_id if tokenizer else None}
     dtype = str(entries[0][1]).removeprefix("torch.")
-    hf_config = mapping.config_to_hf(cfg) | mapping.window_to_hf(cfg) | token_ids | {"dtype": dtype}
+    kept = [name.removeprefix(KEPT) for name, _, _ in entries if name.startswith(KEPT)]
+    hf_config = mapping.config_to_hf(cfg) | mapping.window_to_hf(cfg) | token_ids \
+        | (mapping.kept_config(kept) if kept else {}) | {"dtype": dtype}
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)

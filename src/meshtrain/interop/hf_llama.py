@@ -47,15 +47,21 @@ _LLAMA3 = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
 _DEFAULT_THETA = 10000.0
 
 
-def _rope(hf: dict) -> dict:
-    """Our rotary fields from either form of config.json (transformers 5's "rope_parameters"
-    wins, as there; the original context defaults to "max_position_embeddings", as there)."""
+def _rope_parameters(hf: dict) -> tuple[str, dict]:
+    """The rotary settings' field and a copy of its object, from either form of config.json
+    (transformers 5's "rope_parameters" wins, as there)."""
     field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     params = hf.get(field) or {}
     if not isinstance(params, dict):
         raise refused(f'config.json "{field}": {shown(params)} is not an object of rotary'
                       " settings; fix the field")
-    params = dict(params)
+    return field, dict(params)
+
+
+def _rope(hf: dict) -> dict:
+    """Our rotary fields from either form of config.json (the original context defaults to
+    "max_position_embeddings", as there)."""
+    field, params = _rope_parameters(hf)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "llama3"):
         raise refused(f'config.json "{field}": rope type {shown(kind)} cannot be imported:'

@@ -83,6 +83,18 @@ class HFMapping(ABC):
     def tensor_maps(self, cfg: TransformerConfig) -> list[TensorMap]:
         """Every tensor of the model, in the order of our parameters."""
 
+    def kept(self, name: str, hf: dict, cfg: TransformerConfig) -> bool:
+        """A Hugging Face tensor of a part meshtrain does not build, kept as it is in an
+        import's checkpoint and written back by export (DeepSeek's multi-token prediction)."""
+        return False
+
+    def kept_config(self, names: list[str]) -> dict:
+        """config.json's fields for the kept tensors `names` an export writes back."""
+        return {}
+
+    kept_note = ""
+    """The line an import prints when it kept tensors (`{count}`: how many)."""
+
     def is_ignored(self, name: str, cfg: TransformerConfig) -> bool:
         """A Hugging Face tensor that is no weight of ours: a buffer, or a tied output layer
         (the embedding)."""

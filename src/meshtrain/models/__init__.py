@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.errors import Code, SettingError
-from meshtrain.models import gpt, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from meshtrain.models import (deepseek_v3, gpt, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
+                              qwen3_moe)
 from meshtrain.models.causal_lm import CausalLM
 from meshtrain.models.family import ModelFamily, TransformerConfig
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (
     gpt.FAMILY, llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY,
-    qwen3.FAMILY, qwen3_moe.FAMILY)}
+    qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY)}
 
 PRESETS: dict[str, TransformerConfig] = {
     name: cfg for family in FAMILIES.values() for name, cfg in family.presets.items()}

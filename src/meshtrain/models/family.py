@@ -68,6 +68,16 @@ class TransformerConfig(ABC):
     attention: str = _setting("attention kernel: sdpa (torch's fused kernel) or eager"
                               " (explicit softmax(QK^T)V, saving the s x s scores)", "sdpa",
                               choices=ATTENTION_KERNELS)
+    q_lora_rank: int = _setting("multi-head latent attention (deepseek-v3): the queries' latent"
+                                " rank (0: one full query projection)", 0)
+    kv_lora_rank: int = _setting("multi-head latent attention: the keys' and values' latent"
+                                 " rank, cached per token with the shared rotary key (0: no"
+                                 " MLA, which the deepseek-v3 family needs)", 0)
+    qk_rope_head_dim: int = _setting("MLA: rotary dimensions of each query/key head", 0)
+    qk_nope_head_dim: int = _setting("MLA: non-rotary dimensions of each query/key head", 0)
+    v_head_dim: int = _setting("MLA: dimensions of each value head", 0)
+    rope_interleave: bool = _setting("MLA: rotary pairs are adjacent dimensions (transformers'"
+                                     " rope_interleave) rather than halves", True)
     moe_experts: int = _setting("experts per MoE layer (0: dense MLPs only)", 0)
     moe_top_k: int = _setting("experts per token, 1 .. moe_experts (1: Switch, 2: GShard)", 1)
     moe_every: int = _setting("every n-th MLP is an MoE layer (layers n-1, 2n-1, ...)", 1)
@@ -97,6 +107,8 @@ class TransformerConfig(ABC):
                                                " (unset: only when moe_top_k >= 2)", None)
     moe_routed_scaling: float = _setting("factor on the combine weights of the routed"
                                          " experts (DeepSeek's routed_scaling_factor)", 1.0)
+    moe_groups: int = _setting("expert groups of group-limited routing (DeepSeek's n_group)", 1)
+    moe_topk_groups: int = _setting("the best groups a token's experts come from (topk_group)", 1)
     moe_aux_loss_tokens: str = _setting("the balancing loss's expert fractions count first"
                                         " choices (Switch) or all k (transformers, Megatron)",
                                         "first", choices=AUX_TOKENS)
@@ -113,7 +125,10 @@ class TransformerConfig(ABC):
                              " matmul) or grouped (torch's grouped matmul)", "auto",
                              choices=GEMMS)
 
+    LATENT_ATTENTION: ClassVar[bool] = False
+    """Whether the family's attention is multi-head latent attention (the MLA settings)."""
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
         "num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "moe_experts",
         "moe_every", "moe_first_dense", "moe_layers", "expert_ffn_size", "moe_shared_ffn_size",
         "moe_shared_gate", "kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_embeddings")
@@ -148,6 +163,17 @@ class TransformerConfig(ABC):
     def head_dim(self) -> int:
         """Dimensions of each head: `head_size`, or hidden_size / num_heads."""
         return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def core_width(self) -> float:
+        """Per-token width of the attention core's two matmuls on average (scores over the
+        query/key head dimension, values over the value one): heads x head dimension."""
+        return self.num_heads * self.head_dim
+
+    def kv_width(self, tp: int) -> float:
+        """Per token, the width of this rank's keys and of its values on average (what ring
+        attention passes): its key/value heads (at least one) x head dimension."""
+        return max(self.kv_heads // tp, 1) * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -208,6 +234,12 @@ class TransformerConfig(ABC):
         if self.moe_gemm not in GEMMS:
             raise SettingError(Code.CHOICE, f"`moe_gemm` must be {alternatives(GEMMS)},"
                                             f" got {self.moe_gemm!r}")
+        latent = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                  "v_head_dim")
+        if not self.LATENT_ATTENTION and any(getattr(self, name) for name in latent):
+            raise SettingError(Code.MODEL_UNSUPPORTED, (
+                f"`{next(n for n in latent if getattr(self, n))}` shapes multi-head latent"
+                " attention, which this family has not: use a deepseek-v3 model or unset it"))
         if self.moe_experts < 0:
             raise SettingError(Code.RANGE, f"`moe_experts` must be >= 0, got {self.moe_experts}")
         if self.moe_experts:
@@ -224,6 +256,7 @@ class TransformerConfig(ABC):
             raise SettingError(Code.MOE_TOP_K, (
                 f"`moe_top_k` {self.moe_top_k} exceeds `moe_experts`"
                 f" {self.moe_experts}: use more experts or a smaller k"))
+        self.routing_rule().check_groups(self.moe_experts)
         self.moe_pattern.validate(self.num_layers)
         for name, zero in (("moe_ffn_size", "`ffn_size`"), ("moe_shared_ffn_size", "none")):
             if getattr(self, name) < 0:
@@ -250,12 +283,9 @@ class TransformerConfig(ABC):
         self._validate_routing()
 
     def _validate_routing(self) -> None:
-        for name, value, choices in (("moe_score", self.moe_score, SCORES),
-                                     ("moe_aux_loss_tokens", self.moe_aux_loss_tokens,
-                                      AUX_TOKENS),
-                                     ("moe_aux_loss_scope", self.moe_aux_loss_scope,
-                                      AUX_SCOPES)):
-            if value not in choices:
+        for name, choices in (("moe_score", SCORES), ("moe_aux_loss_tokens", AUX_TOKENS),
+                              ("moe_aux_loss_scope", AUX_SCOPES)):
+            if (value := getattr(self, name)) not in choices:
                 raise SettingError(Code.CHOICE, f"`{name}` must be {alternatives(choices)},"
                                                 f" got {value!r}")
         for name in ("moe_bias_rate", "moe_seq_aux_loss_coef"):
@@ -273,7 +303,8 @@ class TransformerConfig(ABC):
         return RoutingRule(top_k=self.moe_top_k, capacity_factor=self.moe_capacity_factor,
                            score=self.moe_score, norm_topk_prob=self.moe_norm_topk_prob,
                            routed_scaling=self.moe_routed_scaling,
-                           aux_tokens=self.moe_aux_loss_tokens)
+                           aux_tokens=self.moe_aux_loss_tokens, groups=self.moe_groups,
+                           topk_groups=self.moe_topk_groups)
 
     def routing_state_shapes(self) -> dict[str, tuple[int, ...]]:
         """The MoE routers' balancing state a checkpoint holds (as `routing/<name>`): the
@@ -442,7 +473,7 @@ class TransformerConfig(ABC):
             - self.moe_experts * self.hidden_size if self.moe_experts \
             else self.mlp_parameters(weights_only=True)  # (without the router's, as always)
         weights = self.attention_parameters(weights_only=True) + mlp
-        attention = 2 * self.attended_keys(seq_len) * self.num_heads * self.head_dim
+        attention = 2 * self.attended_keys(seq_len) * self.core_width
         return self.vocab_size * self.hidden_size / weights, attention / weights
 
     def layer_window(self, index: int) -> int | None:
@@ -476,8 +507,7 @@ class TransformerConfig(ABC):
         convention of Megatron-LM (Narayanan et al. 2021): 6 x the weights each token multiplies,
         plus 12 x layers x `attention_span` x attention width for the scores and their use of
         the values (the causal mask's skipped half is counted, as there)."""
-        attention = 12 * self.num_layers * self.attention_span(seq_len) * self.num_heads \
-            * self.head_dim
+        attention = 12 * self.num_layers * self.attention_span(seq_len) * self.core_width
         return 6 * self.matmul_parameters_per_token() + attention
 
 

@@ -23,7 +23,8 @@ from meshtrain.errors import Code, SettingError
 
 
 class LayerCache:
-    """One layer's keys and values `[b, kv heads/tp, t, d]`, in buffers of `capacity` tokens
+    """One layer's keys and values `[b, kv heads/tp, t, d]` (multi-head latent attention: its
+    latent `[b, 1, t, r]` and shared rotary key `[b, 1, t, rope]`), in buffers of `capacity` tokens
     that the first `extend` allocates (so they take the layer's dtype, device and heads). With
     a sliding `window` it keeps only the last `window - 1` tokens, all a later query can see."""
 
@@ -44,8 +45,8 @@ class LayerCache:
         if self.window is not None:
             return self._extend_window(k, v, end)
         if self.keys is None:
-            shape = (*k.shape[:2], self.capacity, k.shape[-1])
-            self.keys, self.values = k.new_empty(shape), v.new_empty(shape)
+            self.keys = k.new_empty((*k.shape[:2], self.capacity, k.shape[-1]))
+            self.values = v.new_empty((*v.shape[:2], self.capacity, v.shape[-1]))
         self.keys[:, :, self.length:end] = k
         self.values[:, :, self.length:end] = v
         self.length = end

@@ -77,6 +77,10 @@ class LlamaConfig(TransformerConfig):
             raise SettingError(Code.MODEL_SHAPE, (
                 f"rotary embeddings need an even head dimension, got {self.head_dim}"
                 f" (`head_size`, or hidden {self.hidden_size} / {self.num_heads} heads)"))
+        self._validate_rope()
+
+    def _validate_rope(self) -> None:
+        """The `llama3` scaling's settings."""
         if self.rope_scaling and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise SettingError(Code.RANGE, (
                 f"`rope_high_freq_factor` {self.rope_high_freq_factor} must exceed"

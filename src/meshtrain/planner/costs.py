@@ -214,8 +214,7 @@ def _context_parallel_comm(work: Workload, hw: Hardware, core: float) -> tuple[f
         return 0.0, 0.0
     if lay.cp_mode == "hybrid":
         return _hybrid_comm(work, hw, core)
-    kv_width = max(m.kv_heads // lay.tp, 1) * m.head_dim
-    block = 2 * work.local_tokens * kv_width * work.element_bytes
+    block = 2 * work.local_tokens * m.kv_width(lay.tp) * work.element_bytes
     step = coll.send(hw, block, span)
     forward = (c - 1) * coll.behind(hw, step, core / c)
     return forward, (c - 1) * coll.behind(hw, 2 * step, 2 * core / c) + step

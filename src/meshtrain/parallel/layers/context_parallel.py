@@ -118,13 +118,14 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         planned, positions = _ring_positions(seq_len, axis, mask, q.device)
         q_pos = positions[axis.rank]
-        out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-        kv = torch.cat([k, v])
+        # k and v side by side: their widths differ in multi-head latent attention
+        kv, widths = torch.cat([k, v], dim=-1), [k.shape[-1], v.shape[-1]]
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         for step in range(axis.size):
             source = (axis.rank - step) % axis.size
             k_pos = positions[source]
-            k_blk, v_blk = kv.chunk(2)
+            k_blk, v_blk = kv.split(widths, dim=-1)
             for rows, cols in planned[step]:
                 out[:, :, rows], lse[:, :, rows] = _merge_block(
                     q[:, :, rows], k_blk[:, :, cols], v_blk[:, :, cols], q_pos[rows],
@@ -145,13 +146,13 @@ class _RingAttention(torch.autograd.Function):
         q_pos = positions[axis.rank]
         delta = (grad_out * out).sum(dim=-1, keepdim=True)  # [b, a, n, 1]
         grad_q = torch.zeros_like(q)
-        kv = torch.cat([k, v])
+        kv, widths = torch.cat([k, v], dim=-1), [k.shape[-1], v.shape[-1]]
         grad_kv = torch.zeros_like(kv)
         for step in range(axis.size):
             source = (axis.rank - step) % axis.size
             k_pos = positions[source]
-            k_blk, v_blk = kv.chunk(2)
-            grad_k, grad_v = grad_kv.chunk(2)  # views: the sums land in grad_kv
+            k_blk, v_blk = kv.split(widths, dim=-1)
+            grad_k, grad_v = grad_kv.split(widths, dim=-1)  # views: the sums land in grad_kv
             for rows, cols in planned[step]:
                 probs = torch.exp(_block_scores(q[:, :, rows], k_blk[:, :, cols], q_pos[rows],
                                                 k_pos[cols], scale, mask)
@@ -165,7 +166,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = comm.ring_shift(kv, axis)
             # the gradient travels with its block; the last shift brings it home
             grad_kv = comm.ring_shift(grad_kv, axis)
-        grad_k, grad_v = (g.to(ctx.dtype) for g in grad_kv.chunk(2))
+        grad_k, grad_v = (g.to(ctx.dtype) for g in grad_kv.split(widths, dim=-1))
         return grad_q.to(ctx.dtype), grad_k, grad_v, None, None, None
 
 

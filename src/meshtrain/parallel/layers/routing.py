@@ -3,8 +3,10 @@ capacity rule, the balancing losses, and the routing statistics of an optimizer 
 
 Routing is computed in fp32 (the wide dtype) whatever the training precision. Top-k (Switch for
 k=1: the weight is the top probability; GShard for k=2: the two weights renormalised to sum to
-1; no random routing). Expert capacity C = ceil(c * T * k / E) with T the tokens of this
-micro-batch on this rank; a capacity factor of 0 means dropless (every choice kept). Token
+1; no random routing), optionally group-limited (DeepSeek-V3: the experts are split into equal
+groups, each token keeps its best groups, ranked by the sum of their two best biased scores, and
+chooses its k experts inside them). Expert capacity C = ceil(c * T * k / E) with T the tokens
+of this micro-batch on this rank; a capacity factor of 0 means dropless (every choice kept). Token
 dropping is deterministic: every token's first choice is placed before any second choice, and
 within one choice tokens are placed in position order; a choice past its expert's capacity is
 dropped (its token still passes through the residual connection).
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.errors import Code, SettingError
 from meshtrain.mesh import MeshAxis, ParallelMesh
 from meshtrain.parallel.communication import comm
 from meshtrain.precision import wide_dtype
@@ -56,6 +59,27 @@ class RoutingRule:
     norm_topk_prob: bool | None = None  # None: renormalise for k >= 2 only
     routed_scaling: float = 1.0
     aux_tokens: str = "first"  # the balancing loss's fractions: "first" choices or "all" k
+    groups: int = 1  # expert groups of group-limited routing (1: none)
+    topk_groups: int = 1  # the groups each token chooses its experts from
+
+    def check_groups(self, num_experts: int) -> None:
+        """Refuse group-limited routing that cannot be built: the groups must split the experts
+        evenly, two or more in each (a group is ranked by its two best), and the chosen groups
+        must hold the k experts."""
+        groups, chosen = self.groups, self.topk_groups
+        if groups < 1 or not 1 <= chosen <= groups:
+            raise SettingError(Code.MOE_GROUPS, (
+                f"`moe_topk_groups` {chosen} must be 1 .. `moe_groups` {groups} (and"
+                " `moe_groups` >= 1): choose fewer groups per token"))
+        if groups > 1 and (num_experts % groups or num_experts // groups < 2):
+            raise SettingError(Code.MOE_GROUPS, (
+                f"`moe_groups` {groups} must divide `moe_experts` {num_experts} into groups of"
+                " two or more experts (a group is ranked by its two best)"))
+        if self.top_k > chosen * (num_experts // groups):
+            raise SettingError(Code.MOE_GROUPS, (
+                f"`moe_top_k` {self.top_k} exceeds the {chosen * (num_experts // groups)}"
+                f" experts of `moe_topk_groups` {chosen} of {groups} groups: choose more groups"
+                " per token or a smaller k"))
 
 
 def capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -76,15 +100,28 @@ def scores_of(logits: torch.Tensor, score: str) -> tuple[torch.Tensor, torch.Ten
     return scores, scores / scores.sum(dim=-1, keepdim=True)
 
 
+def choice_keys(scores: torch.Tensor, rule: RoutingRule, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """What each token's experts are ranked by `[T, E]`: the scores plus the bias `[E]`, and
+    with groups -inf outside each token's `topk_groups` best groups (ranked by the sum of their
+    two best keys, as DeepSeek-V3 does)."""
+    keys = scores if bias is None else scores + bias
+    if rule.groups == 1:
+        return keys
+    grouped = keys.unflatten(-1, (rule.groups, -1))  # [T, G, E/G]
+    ranked = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    chosen = ranked.topk(rule.topk_groups, dim=-1).indices
+    kept = torch.zeros_like(ranked, dtype=torch.bool).scatter_(-1, chosen, True)
+    return grouped.masked_fill(~kept.unsqueeze(-1), -math.inf).flatten(-2)
+
+
 def choose(scores: torch.Tensor, rule: RoutingRule, bias: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's k experts and combine weights `[T, k]`. A bias `[E]` moves the choice
-    only: the weights are the unbiased scores of the chosen experts."""
-    if bias is None:
-        weights, experts = scores.topk(rule.top_k, dim=-1)
-    else:
-        experts = (scores + bias).topk(rule.top_k, dim=-1).indices
-        weights = scores.gather(-1, experts)
+    """Each token's k experts (by `choice_keys`, best first) and combine weights `[T, k]`. A
+    bias `[E]` and groups move the choice only: the weights are the unbiased scores of the
+    chosen experts."""
+    experts = choice_keys(scores, rule, bias).topk(rule.top_k, dim=-1).indices
+    weights = scores.gather(-1, experts)
     norm = rule.top_k > 1 if rule.norm_topk_prob is None else rule.norm_topk_prob
     if norm:
         weights = weights / weights.sum(dim=-1, keepdim=True)

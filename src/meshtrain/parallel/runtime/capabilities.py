@@ -83,6 +83,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("moe_seq_aux", "moe_seq_aux_loss_coef",
             lambda p, m: bool(m.moe_experts and m.moe_seq_aux_loss_coef),
             {"moe_experts": 4, "moe_seq_aux_loss_coef": 0.01}, scheme_refusal=_GRID_SPLIT),
+    Feature("mla", "kv_lora_rank", lambda p, m: m.LATENT_ATTENTION, {"model": "deepseek-v3-tiny"},
+            scheme_refusal=(Code.SCHEME_COMBINATION, (
+                "multi-head latent attention (`{feature.setting}`) keeps its down-projections"
+                " whole on hidden states `tp_scheme` {plan.tp_scheme} splits along the hidden"
+                " size: use `tp_scheme` {supporters}"))),
     Feature("dropout", "dropout", lambda p, m: m.dropout > 0, {"dropout": 0.1}),
     Feature("compile", "compile", lambda p, m: p.compile, {"compile": True},
             scheme_refusal=(Code.COMPILE_SCHEME, (

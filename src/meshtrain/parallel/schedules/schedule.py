@@ -46,7 +46,7 @@ class PipelineSchedule(ABC):
     supports: frozenset[str] = frozenset({
         "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "cp_hybrid",
         "cp_a2a", "ep", "etp", "moe",
-        "moe_seq_aux", "moe_capacity", "dropout", "compile", "fp8", "half", "fp64", "zero",
+        "moe_seq_aux", "moe_capacity", "mla", "dropout", "compile", "fp8", "half", "fp64", "zero",
         "zero_gradients", "zero_parameters", "offload", "hybrid"})
     """The layout features (`runtime/capabilities.FEATURES`) it runs: every one that is not a
     schedule's own; a schedule adds its own (virtual stages, a split backward, two weight

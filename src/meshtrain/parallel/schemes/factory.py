@@ -53,6 +53,17 @@ class LayerFactory(ABC):
     def vocab_embedding(self, dense: nn.Embedding) -> nn.Module:
         """Token ids -> hidden states; its `logits(hidden)` serves as a tied output layer."""
 
+    def replicated(self, dense: nn.Module) -> nn.Module:
+        """A layer every tensor-parallel rank holds whole, applied to this rank's hidden states
+        (multi-head latent attention's down-projections and their norms); schemes whose hidden
+        states are split along the hidden size have none (`capabilities` refuses MLA there)."""
+        raise TypeError(f"{type(self).__name__} has no whole layers on split hidden states")
+
+    def into_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """A `replicated` layer's output `[b, s, n]` entering the heads' region as a
+        column-parallel layer's input would: whole sequence, gradient summed over the ranks."""
+        raise TypeError(f"{type(self).__name__} has no whole layers on split hidden states")
+
     def position_embedding(self, dense: nn.Embedding) -> nn.Module:
         """A learned position table: positions -> their embeddings, in the layout of the hidden
         states' last dimension (whole under 1D)."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from meshtrain.mesh import MeshAxis, ParallelMesh
-from meshtrain.parallel.communication import comm
+from meshtrain.parallel.communication import comm, regions
 from meshtrain.parallel.layers.loss import vocab_parallel_cross_entropy
 from meshtrain.parallel.layers.norms import HeadNorm
 from meshtrain.parallel.layers.rng import REPLICATED, TENSOR_PARALLEL
@@ -73,6 +73,14 @@ class Megatron1D(LayerFactory):
 
     def norm(self, dense: nn.Module) -> nn.Module:
         return dense
+
+    def replicated(self, dense: nn.Module) -> nn.Module:
+        return dense  # (under sp its gradient is summed over tp by `partial_gradients`)
+
+    def into_heads(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return regions.gather_from_sequence_parallel_region(x, self.mesh.tp)
+        return regions.copy_to_tensor_parallel_region(x, self.mesh.tp)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, *,
              ignore_index: int) -> torch.Tensor:
@@ -149,7 +157,7 @@ class MegatronScheme(TPScheme):
     supports = frozenset({
         "tp", "pp", "tp_overlap", "sequence_parallel", "cp", "cp_all2all", "cp_hybrid",
         "cp_a2a", "ep", "etp", "moe",
-        "moe_seq_aux", "moe_capacity", "dropout", "compile", "fp8", "half", "fp64", "zero",
+        "moe_seq_aux", "moe_capacity", "mla", "dropout", "compile", "fp8", "half", "fp64", "zero",
         "zero_gradients", "zero_parameters", "offload", "hybrid", "virtual_stages",
         "split_backward", "two_weight_versions"})
     axes = ("tp",)
