@@ -86,8 +86,8 @@ DIAGNOSES = (
      " all-to-alls, exposed as meshtrain runs them, are 37.6 s: twice Megatron's bytes. The"
      " rows kept for backward then put those layouts at 107 and 115 GiB a GPU, over the 80"
      " GiB, so the search falls back to full recompute, which replays every layer's forward"
-     " and its all-to-alls; Megatron fits by recomputing only its MLA up-projections"
-     " (mla_up_proj), a granularity meshtrain's recompute does not have"),
+     " and its all-to-alls; the 1024-GPU recipe fits recomputing only its MLA"
+     " up-projections (mla_up_proj), a granularity meshtrain's recompute does not have"),
 )
 """Why rows are off, by id prefix (printed only for rows off by more than EXPLAIN_ABOVE)."""
 
@@ -238,7 +238,8 @@ def _layout_text(row: dict, lay: ParallelPlan) -> str:
     """The layout in short; fields the search chose carry a `*`."""
     def mark(key: str, text: str) -> str:
         return text if key in row else text + "*"
-    parts = [f"tp{lay.tp} pp{lay.pp} dp{lay.dp}", mark("micro_batch", f"mb{lay.micro_batch}")]
+    parts = [f"tp{lay.tp} pp{lay.pp} dp{lay.dp}", f"ep{lay.ep}" if lay.ep > 1 else "",
+             mark("micro_batch", f"mb{lay.micro_batch}")]
     if lay.pp > 1:
         parts.append(mark("schedule", lay.pp_schedule))
         if lay.schedule.takes_virtual_stages:
