@@ -171,7 +171,7 @@ def test_activations_are_the_formula_times_what_1f1b_keeps_in_flight():
     work = Workload(small_vocab, lay, 1024, 16, "bf16")
     p = predict(small_vocab, lay, BUILT_IN["a100-80g-selene"], seq_len=1024, global_batch=16)
     # the first stage, the busiest, holds p micro-batches of its num_layers / p layers
-    assert p.memory.activations == pytest.approx(4 * 2 * work.layer_activation_bytes())
+    assert p.memory.activations == pytest.approx(4 * 2 * work.layer_activation_bytes(0))
 
 
 def test_pipeline_buffers_do_not_grow_with_the_micro_batches_but_gpipes_outputs_do():
@@ -310,7 +310,7 @@ def test_moe_activations_follow_the_expert_and_shared_widths():
     moe = dataclasses.replace(llama, moe_experts=8, moe_top_k=4, moe_ffn_size=f // 4,
                               moe_shared_ffn_size=f, moe_shared_gate="none")
     lay = ParallelPlan(dp=8, ep=2, micro_batch=2)
-    dense, sparse = (Workload(m, lay, 512, 16, "bf16").layer_activation_bytes()
+    dense, sparse = (Workload(m, lay, 512, 16, "bf16").layer_activation_bytes(0)
                      for m in (llama, moe))
     tokens, e = 2 * 512, 2
     expected = 2 * 4 * tokens * llama.hidden_size * e + 4 * tokens * e * (4 * f // 4 + f - f)
@@ -321,13 +321,45 @@ def test_moe_activations_follow_the_expert_and_shared_widths():
 def test_moe_layers_keep_their_expert_rows_and_outputs_for_backward(top_k, every):
     moe = dataclasses.replace(GPT, moe_experts=8, moe_top_k=top_k, moe_every=every)
     lay = ParallelPlan(dp=8, ep=2, micro_batch=2)
-    dense, sparse = (Workload(m, lay, 1024, 16, "bf16").layer_activation_bytes()
+    dense, sparse = (Workload(m, lay, 1024, 16, "bf16").layer_activation_bytes(every - 1)
                      for m in (GPT, moe))
     rows = 2 * 1024 * GPT.hidden_size * 2  # a micro-batch's tokens x h, bf16
     # k expert rows in and out, and k rows of GeLU's input and output at the expert width in
     # place of the dense MLP's one
     hidden = 2 * (2 * 1024) * GPT.ffn_size * 2
-    assert sparse - dense == pytest.approx((2 * top_k * rows + (top_k - 1) * hidden) / every)
+    assert sparse - dense == pytest.approx(2 * top_k * rows + (top_k - 1) * hidden)
+    if every == 2:  # its dense layers keep a dense layer's
+        assert Workload(moe, lay, 1024, 16, "bf16").layer_activation_bytes(0) == dense
     full = dataclasses.replace(lay, recompute="full")
-    assert Workload(moe, full, 1024, 16, "bf16").layer_activation_bytes() == \
-        Workload(GPT, full, 1024, 16, "bf16").layer_activation_bytes()
+    assert Workload(moe, full, 1024, 16, "bf16").layer_activation_bytes(every - 1) == \
+        Workload(GPT, full, 1024, 16, "bf16").layer_activation_bytes(every - 1)
+
+
+def test_dense_first_layers_and_the_shared_expert_are_priced_by_hand():
+    """DeepSeek's shape: the first layer a dense MLP of the model's width, the others top-2 of
+    8 narrow experts (4 a rank at ep 2) beside an ungated shared expert twice as wide. Each
+    layer's weight-matmul FLOPs, parameters and saved bytes by hand: a dense first layer is
+    priced as a dense model's layer, an MoE layer as its router, shared expert and k experts."""
+    llama = preset("llama-tiny")
+    h, f, w, e = llama.hidden_size, llama.ffn_size, 32, 2
+    moe = dataclasses.replace(llama, moe_experts=8, moe_top_k=2, moe_ffn_size=w,
+                              moe_shared_ffn_size=2 * w, moe_shared_gate="none",
+                              moe_first_dense=1)
+    lay = ParallelPlan(dp=4, ep=2, micro_batch=2)
+    work, plain = (Workload(m, lay, 256, 8, "bf16") for m in (moe, llama))
+    tokens, attention = 2 * 256, moe.attention_parameters()
+    dense, sparse = work.layer(0), work.layer(1)
+    assert sum(dense.weight_matmuls) == pytest.approx(2 * tokens * (attention + 3 * h * f))
+    assert sum(sparse.weight_matmuls) == pytest.approx(
+        2 * tokens * (attention + 8 * h + 3 * h * 2 * w + 2 * 3 * h * w))
+    assert dense.parameters == attention + 3 * h * f and dense.expert_parameters == 0
+    assert sparse.expert_parameters == 4 * 3 * h * w
+    assert sparse.parameters == attention + 8 * h + 3 * h * 2 * w + 4 * 3 * h * w
+    # saved: 2 rows of h in and out per choice, SwiGLU's 4 x width per row at the expert and
+    # shared widths in place of the dense MLP's
+    extra = 2 * 2 * tokens * h * e + 4 * e * (2 * tokens * w + tokens * 2 * w - tokens * f)
+    assert work.layer_activation_bytes(0) == plain.layer_activation_bytes(0)
+    assert work.layer_activation_bytes(1) == pytest.approx(plain.layer_activation_bytes(1)
+                                                           + extra)
+    assert work.layers_activation_bytes(range(moe.num_layers)) == pytest.approx(
+        moe.num_layers * plain.layer_activation_bytes(0) + (moe.num_layers - 1) * extra)

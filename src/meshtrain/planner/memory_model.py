@@ -11,15 +11,16 @@ replication over depth: `Workload.weight_parts`; the first stage also GPT's posi
 2 and 3 hold no gradient shard at the peak of a one-micro-batch step (it is made after the
 backward). The gradients are the data-parallel buckets themselves (each `.grad` is a view into
 one), so a bucket costs nothing more.
-Activations = the family's per-layer bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp,
-`Workload.layer_activation_bytes`) x the layers of each (micro-batch, chunk) the schedule keeps in
-flight (the simulator's peak, a split backward's counted until its `W`: ZB-H1 and ZB-V hold p
-stages' worth on every rank, 1F1B's on its first; what a pending `W` keeps, its linear layers'
-inputs and output gradients, is taken as the activations it replaces), chunks where the schedule
-places them (zb-v: rank 0 holds the embedding and the output layer). Buffers (`_buffers`): the
-larger of the loss's and the backward's working sets, ZeRO-3's two gathered layers (and a tied
-embedding's gathered tables) and the pipeline's boundary tensors (`held_boundaries`: outputs,
-received gradients and sends not yet waited, bounded by pp and the schedule).
+Activations = the family's per-layer bytes (1d; a 2d/2.5d/3d grid: the dense layer's / tp; an
+MoE layer's expert rows besides: `Workload.layers_activation_bytes`) of the layers of each
+(micro-batch, chunk) the schedule keeps in flight (the simulator's peak, a split backward's
+counted until its `W`: ZB-H1 and ZB-V hold p stages' worth on every rank, 1F1B's on its first;
+what a pending `W` keeps, its linear layers' inputs and output gradients, is taken as the
+activations it replaces), chunks where the schedule places them (zb-v: rank 0 holds the
+embedding and the output layer). Buffers (`_buffers`): the larger of the loss's and the
+backward's working sets, ZeRO-3's two gathered layers (and a tied embedding's gathered tables)
+and the pipeline's boundary tensors (`held_boundaries`: outputs, received gradients and sends
+not yet waited, bounded by pp and the schedule).
 Measured against `train --peak-memory` on every layout of `benchmarks/plan_memory_vs_measured.py`.
 """
 
@@ -88,9 +89,9 @@ def _rank_memory(work: Workload, chunks: list[ChunkCost], pipe: PipelineRun,
              + zero_formula_bytes(experts, param_bytes=pb, grad_bytes=gb, state_bytes=sb,
                                   dp=expert_shard_ranks(lay), stage=lay.zero)
              for pb, gb, sb in ((e, 0, 0), (0, g, 0), (0, 0, k))]
-    layers_per_chunk = sum(len(ranges[c]) for c in own) / len(own)
-    in_flight = pipe.peak_in_flight[rank]
-    activations = in_flight * layers_per_chunk * work.layer_activation_bytes()
+    in_flight = pipe.peak_in_flight[rank]  # (micro-batch, chunk) pairs: each chunk's mean
+    activations = in_flight * sum(work.layers_activation_bytes(ranges[c]) for c in own) \
+        / len(own)
     # the boundary tensors the runtime holds at once: forward outputs until their backward, a
     # received gradient until used, each send until the schedule proves it taken (bounded by
     # pp and the schedule, not by the micro-batches, but for GPipe's outputs)
@@ -130,7 +131,8 @@ def _buffers(work: Workload, params: float, first: bool, heads: float) -> float:
     forward = saved + (work.logits_bytes() if heads else 0.0)
     backward = max(saved, _layer_backward(work)) + _fresh_gradients(work, params, first)
     if lay.recompute == "full":
-        backward += replace(work, layout=replace(lay, recompute="none")).layer_activation_bytes()
+        backward += replace(work, layout=replace(lay, recompute="none")
+                            ).largest_layer_activation_bytes()
     buffers = max(forward, backward)
     if lay.zero == 3:
         buffers += 2 * _largest_layer(work) * work.element_bytes

@@ -16,6 +16,7 @@ cost model (`costs.py`) turns them into seconds on a `Hardware`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshtrain.models.family import TransformerConfig, window_keys
@@ -186,30 +187,41 @@ class Workload:
         parts = lay.scheme.hidden_size_parts(lay.tp_grid)
         return sum(math.prod(shape) for shape in self.model.embedding_shapes().values()) / parts
 
-    def layer_activation_bytes(self) -> float:
-        """Bytes one layer saves for backward per micro-batch (the family's tested formula;
-        sdpa saves no s x s probabilities, which the eager form without them equals), split
-        as the scheme splits it (`TPScheme.layer_saved_bytes`)."""
+    def layer_activation_bytes(self, index: int) -> float:
+        """Bytes layer `index` saves for backward per micro-batch (`layers_activation_bytes`)."""
+        return self.layers_activation_bytes([index])
+
+    def layers_activation_bytes(self, layers: Iterable[int]) -> float:
+        """Bytes the `layers` save for backward per micro-batch: each the family's tested
+        formula (sdpa saves no s x s probabilities, which the eager form without them equals),
+        split as the scheme splits it (`TPScheme.layer_saved_bytes`), and an MoE layer its
+        expert rows besides (`_expert_rows_bytes`): dense layers, DeepSeek's first ones among
+        them, keep a dense layer's."""
         lay, m = self.layout, self.model
+        layers = list(layers)
         recompute = "selective" if lay.recompute == "none" and m.attention == "sdpa" \
             else lay.recompute
         saved = lay.scheme.layer_saved_bytes(lay, m, seq_len=self.seq_len // lay.cp,
                                              micro_batch=lay.micro_batch, recompute=recompute,
                                              element_size=self.element_bytes,
                                              dropout=m.dropout > 0)
-        return saved + self._expert_rows_bytes(recompute)
+        moe = sum(m.is_moe_layer(i) for i in layers)
+        return len(layers) * saved + moe * self._expert_rows_bytes(recompute)
+
+    def largest_layer_activation_bytes(self) -> float:
+        """What the largest layer saves (an MoE layer's where the model has one)."""
+        moe = self.model.moe_layer_indices()
+        return self.layer_activation_bytes(moe[0] if moe else 0)
 
     def _expert_rows_bytes(self, recompute: str) -> float:
-        """What an MoE layer keeps beyond a dense MLP's, averaged over the layers: its experts'
-        input rows (a gathered copy of the routed tokens, or what the all-to-all delivered)
-        and their outputs until the combine's backward, k rows of h per token each, on every
-        TP rank (measured on CPU: `benchmarks/plan_memory_vs_measured.py`); and the hidden
-        activations of k expert rows per token at the expert width plus the shared expert's,
-        in place of the dense MLP's."""
+        """What an MoE layer keeps beyond a dense MLP's: its experts' input rows (a gathered
+        copy of the routed tokens, or what the all-to-all delivered) and their outputs until
+        the combine's backward, k rows of h per token each, on every TP rank (measured on CPU:
+        `benchmarks/plan_memory_vs_measured.py`); and the hidden activations of k expert rows
+        per token at the expert width plus the shared expert's, in place of the dense MLP's."""
         m, lay, e = self.model, self.layout, self.element_bytes
-        if not m.moe_experts or recompute == "full":
+        if recompute == "full":
             return 0.0
-        share = m.num_moe_layers() / m.num_layers
         tokens = lay.micro_batch * self.seq_len // lay.cp
         rows = m.moe_top_k * self.expert_load * tokens
         # whole experts (etp 1): each tp rank's rows are those of its s/tp tokens, unsplit
@@ -218,4 +230,4 @@ class Workload:
                      for n, width, t in ((rows / whole, m.expert_ffn_size, lay.tp // whole),
                                          (tokens, m.moe_shared_ffn_size, lay.tp),
                                          (-tokens, m.ffn_size, lay.tp)))
-        return share * (2 * rows / whole * m.hidden_size * e + hidden)
+        return 2 * rows / whole * m.hidden_size * e + hidden
