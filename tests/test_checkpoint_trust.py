@@ -447,8 +447,8 @@ def test_export_out_is_checked(made_run, tmp_path, capsys, monkeypatch):
             _export(capsys, run, "--format", fmt, "--out", str(tmp_path / "file" / "sub"))
     assert (tmp_path / "file").read_text() == "mine"
 
-    def disk_full_midway(path, manifest):
-        yield from list(real(path, manifest))[:3]
+    def disk_full_midway(path, manifest, **options):
+        yield from list(real(path, manifest, **options))[:3]
         raise OSError(28, "No space left on device")
 
     from meshtrain.checkpointing import model_files

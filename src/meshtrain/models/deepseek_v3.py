@@ -175,11 +175,12 @@ class DeepseekV3Config(LlamaConfig):
         qk, v = self.head_dim, self.v_head_dim
         latents = s * b * (2 * (self.q_lora_rank + self.kv_lora_rank)
                            + self.qk_rope_head_dim) * e / (t if sequence_parallel else 1)
+        w = a * qk  # the query width Llama's count uses (its heads are `head_dim` wide)
         if recompute == "selective":
-            gqa = s * b * (3 * self.hidden_size / t + 3 * max(self.kv_heads // t, 1) * qk) * e
+            gqa = s * b * (3 * w / t + 3 * max(self.kv_heads // t, 1) * qk) * e
             return dense - gqa + latents \
                 + s * b * a * (2 * qk + 2 * v + self.qk_rope_head_dim) * e / t
-        gqa = 4 * s * b * self.hidden_size * e / t
+        gqa = 4 * s * b * w * e / t
         return dense - gqa + latents + s * b * a * (2 * qk + 2 * v) * e / t
 
 
