@@ -257,6 +257,7 @@ def _layout_text(row: dict, lay: ParallelPlan) -> str:
     def mark(key: str, text: str) -> str:
         return text if key in row else text + "*"
     parts = [f"tp{lay.tp} pp{lay.pp} dp{lay.dp}", f"ep{lay.ep}" if lay.ep > 1 else "",
+             "etp1" if lay.whole_experts else "", "fp8" if lay.fp8 != "none" else "",
              mark("micro_batch", f"mb{lay.micro_batch}")]
     if lay.pp > 1:
         parts.append(mark("schedule", lay.pp_schedule))
@@ -268,14 +269,14 @@ def _layout_text(row: dict, lay: ParallelPlan) -> str:
 
 
 def _table(results: list[RowResult]) -> list[str]:
-    head = (f"{'row':34} {'hardware':15} {'layout (* = searched)':56} {'published':>9}"
+    head = (f"{'row':38} {'hardware':9} {'layout (* = searched)':62} {'published':>9}"
             f" {'predicted':>9} {'error':>7}  compute/comm/bubble s")
     lines = [head, "-" * len(head)]
     for r in results:
         p = r.prediction
         split = f"{p.compute_s:.2f}/{p.exposed_comm_s:.2f}/{p.bubble_s:.2f}"
-        lines.append(f"{r.row['id']:34} {r.row['hardware']:15}"
-                     f" {_layout_text(r.row, p.layout):56} {r.published:9.1f} {r.predicted:9.1f}"
+        lines.append(f"{r.row['id']:38} {r.row['hardware']:9}"
+                     f" {_layout_text(r.row, p.layout):62} {r.published:9.1f} {r.predicted:9.1f}"
                      f" {r.error:+7.1%}  {split}")
     return lines
 
