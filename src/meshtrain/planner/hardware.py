@@ -52,9 +52,8 @@ class Hardware:
     """fp16 matmul peak per device where it differs from bf16's (0: `peak_tflops`; a CPU
     without fp16 units measures its own)."""
     fp8_peak_tflops: float = 0.0
-    """Dense FP8 tensor-core matmul peak per device (0: twice the 16-bit peak, as the H100's and
-    B200's data sheets give it; a device without FP8 units is never priced at it: `fp8` runs
-    refuse such devices)."""
+    """Dense FP8 tensor-core matmul peak per device, where an `fp8` layout's float8 matmuls run
+    (0: no FP8 units, so the 16-bit peak; `fp8` training refuses such devices anyway)."""
     hbm_gbytes_per_s: float = 2000.0
     """Device memory bandwidth (elementwise work: norms, softmax, dropout, optimizer)."""
     matmul_efficiency: float = 0.7
@@ -108,7 +107,7 @@ class Hardware:
         """Matmul peak TFLOP/s in a precision (fp32, bf16, fp16; fp8: an `fp8` layout's float8
         matmuls)."""
         if precision == "fp8":
-            return self.fp8_peak_tflops or 2 * self.peak_tflops
+            return self.fp8_peak_tflops or self.peak_tflops
         if precision == "fp32":
             return self.fp32_peak_tflops or self.peak_tflops / 2
         if precision == "fp16":
@@ -199,12 +198,12 @@ BUILT_IN: dict[str, Hardware] = {
     # Not fitted (UNFITTED): data-sheet peaks with the H100's efficiencies, until measured runs
     # on them are in published_rows.json. Dense (not sparse) tensor-core rates; NVLink and
     # Infinity Fabric one direction per device; 400 Gb/s (50 GB/s) of InfiniBand per device.
-    # H200 SXM (NVIDIA H200 Tensor Core GPU data sheet): BF16 989 TFLOPS, TF32 494, 141 GB
+    # H200 SXM (NVIDIA H200 Tensor Core GPU data sheet): BF16 989 TFLOPS, TF32 494, FP8 1979, 141 GB
     # HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way).
     "h200": Hardware(
         name="h200", peak_tflops=989.0, hbm_gib=141, gpus_per_node=8,
         intra_node_gbytes_per_s=450.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=494.0,
-        hbm_gbytes_per_s=4800.0, **_H100_FIT),
+        fp8_peak_tflops=1979.0, hbm_gbytes_per_s=4800.0, **_H100_FIT),
     # B200 (NVIDIA HGX B200 data sheet, per GPU of eight): BF16 2.25 PFLOPS, TF32 1.1 PFLOPS,
     # FP8 4.5 PFLOPS (half the sparse 4.5, 2.2 and 9), 180 GB HBM3e at 8 TB/s, NVLink 5
     # 1.8 TB/s (900 each way).
