@@ -11,7 +11,7 @@ from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.schedules.catalog import pipeline_schedule
 from meshtrain.parallel.schedules.interleaved import interleaved
 from meshtrain.parallel.schedules.simulator import simulate
-from meshtrain.planner.costs import chunk_costs, predict
+from meshtrain.planner.costs import _head_cost, _layer_cost, _matmul, chunk_costs, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.pipeline_model import ChunkCost, held_boundaries, run_pipeline
 from meshtrain.planner.search import search
@@ -363,3 +363,28 @@ def test_dense_first_layers_and_the_shared_expert_are_priced_by_hand():
                                                            + extra)
     assert work.layers_activation_bytes(range(moe.num_layers)) == pytest.approx(
         moe.num_layers * plain.layer_activation_bytes(0) + (moe.num_layers - 1) * extra)
+
+
+def test_fp8_prices_its_float8_matmuls_at_the_fp8_peak_and_the_experts_in_bf16():
+    """`fp8` (parallel/layers/fp8.py) runs the attention projections and a dense MLP in float8:
+    those matmuls at the data sheet's FP8 peak (twice bf16's on the H100 and B200), an MoE
+    layer's experts, the output layer and the attention core in bf16, as before."""
+    h100, b200 = BUILT_IN["h100-80g"], BUILT_IN["b200"]
+    assert (h100.peak_for("fp8"), b200.peak_for("fp8")) == (1979.0, 4500.0)
+    # a profile without FP8 units (A100: none on its data sheet) prices them at 16 bits
+    assert BUILT_IN["a100-40g"].peak_for("fp8") == BUILT_IN["a100-40g"].peak_tflops
+    model = dataclasses.replace(preset("qwen3-moe-tiny"), moe_first_dense=1)
+    dense, moe = 0, 1
+    assert not model.is_moe_layer(dense) and model.is_moe_layer(moe)
+    costs = {}
+    for fp8 in ("none", "tensorwise"):
+        work = Workload(model, ParallelPlan(precision="bf16", fp8=fp8), 128, 8, "bf16")
+        costs[fp8] = {i: _layer_cost(work, h100, i).weight_grad for i in (dense, moe)}
+        costs[fp8]["head"] = _head_cost(work, h100).forward
+    assert costs["tensorwise"]["head"] == costs["none"]["head"]
+    assert costs["tensorwise"][dense] < costs["none"][dense]
+    # the MoE layer saves only its attention projections' share
+    w = Workload(model, ParallelPlan(precision="bf16"), 128, 8, "bf16").layer(moe)
+    attention = sum(_matmul(h100, f, "bf16") - _matmul(h100, f, "fp8")
+                    for f in w.weight_matmuls[:2])
+    assert costs["none"][moe] - costs["tensorwise"][moe] == pytest.approx(attention)

@@ -136,41 +136,79 @@ MOE_ROWS = {row["id"]: row for row in load_rows("moe_rows")}
 
 def test_moe_rows_count_their_sources_flops_for_the_preset():
     """Each MoE row's tokens/s agree with its step time, and its source's FLOPs a token
-    (TFLOP/s over tokens/s) are the deepseek-v3 preset's count with the causal mask's skipped
-    half of the attention left out (Megatron-Core's count; the rest is its multi-token
-    prediction layer where trained): the rows are of the preset's model."""
-    model = row_model(next(iter(MOE_ROWS.values())))
-    assert model.num_parameters() == pytest.approx(671e9, rel=1e-3)
+    (TFLOP/s over tokens/s) are its preset's count with the causal mask's skipped half of the
+    attention left out (Megatron-Core's count; DeepSeek-V3's 4% more is its multi-token
+    prediction layer where trained): the rows are of the presets' models."""
+    sizes = {"deepseek-v3": 671e9, "qwen3-30b-a3b": 30.53e9, "qwen3-235b-a22b": 235.1e9}
     for row in MOE_ROWS.values():
-        assert row_model(row) == model
+        model = row_model(row)
+        assert model.num_parameters() == pytest.approx(sizes[row["model"]], rel=1e-3)
         tokens = row["seq"] * row["global_batch"] / (row["iter_s"] * row["gpus"])
         assert tokens == pytest.approx(row["tokens_per_s_per_gpu"], rel=2e-3), row["id"]
         attention = 12 * model.num_layers * row["seq"] * model.core_width
         counted = model.flops_per_token(row["seq"]) - attention / 2
         source = row["tflops_per_gpu"] * 1e12 / row["tokens_per_s_per_gpu"]
-        assert source == pytest.approx(counted, rel=0.05), row["id"]
+        assert source == pytest.approx(counted, rel=0.05 if "dsv3" in row["id"] else 0.01)
         # at the published step time the convention gives back the published column
         assert tflops_in_convention(row, row["iter_s"]) == pytest.approx(row["tflops_per_gpu"])
 
 
-def test_moe_rows_within_the_goal_or_explained_and_fp8_rows_listed():
+def test_moe_rows_keep_their_expert_layout_and_fp8_recipe():
+    """Megatron's ep spans tp x dp with whole experts (etp 1): fixed as stated, not folded into
+    dp; per-tensor FP8 rows run meshtrain's tensorwise fp8, uneven pipelines their split."""
+    for row in MOE_ROWS.values():
+        fixed = fixed_fields(row)
+        assert (fixed["ep"], fixed["etp"]) == (row["ep"], 1)
+        assert fixed.get("fp8", "none") == {"fp8": "tensorwise", "fp8-cs": "tensorwise"}.get(
+            row["precision"], "none")
+        if "pp_layers" in row:
+            assert sum(row["pp_layers"]) == row_model(row).num_layers
+            assert len(row["pp_layers"]) == row["pp"] * row["virtual_stages"]
+
+
+def test_qwen3_30b_rows_at_their_layouts_with_the_diagnosis():
+    """The 16-GPU Qwen3-30B-A3B rows predicted at their stated layouts (cheap: one layout
+    each), with their error and why (format_moe_report)."""
+    rows = [r for r in MOE_ROWS.values() if r["model"] == "qwen3-30b-a3b"]
+    assert len(rows) == 2
+    results = []
+    for row in rows:
+        best = best_prediction(row, BUILT_IN["h100-80g"])
+        lay = best.layout
+        assert (lay.tp, lay.pp, lay.dp, lay.ep, lay.virtual_stages, lay.micro_batch) == (
+            row["tp"], row["pp"], row["dp"], row["ep"], row["virtual_stages"],
+            row["micro_batch"])
+        assert lay.fp8 == "tensorwise" and best.memory_gib <= 80
+        results.append(published.RowResult(row, row["tflops_per_gpu"],
+                                           tflops_in_convention(row, best.step_time_s), best))
+    assert [round(r.error, 2) for r in results] == [1.25, 0.62]  # as the diagnosis says
+    text = published.format_moe_report(results)
+    assert "expert imbalance priced: 1.0" in text and "no diagnosis" not in text
+    assert "goal every MoE row within 20% or explained: met" in text
+
+
+@pytest.mark.extended
+def test_moe_rows_within_the_goal_or_explained_and_the_rest_listed():
     moe = validate(kind="moe_rows")
-    priced = [r for r in MOE_ROWS.values() if r["precision"] == "bf16"]
-    assert [r.row["id"] for r in moe] == [r["id"] for r in priced] and len(moe) == 2
+    priced = [r for r in MOE_ROWS.values() if r["precision"] in published.PRICED_PRECISIONS]
+    assert [r.row["id"] for r in moe] == [r["id"] for r in priced] and len(moe) == 8
     for r in moe:
         layout = r.prediction.layout
         assert (layout.tp, layout.pp, layout.dp) == (r.row["tp"], r.row["pp"], r.row["dp"])
-        assert layout.ep == r.row["dp"] < r.row["ep"]  # ep over dp: experts split over tp
-        assert r.prediction.memory_gib <= 80
+        assert (layout.ep, layout.etp) == (r.row["ep"], 1)  # whole experts, ep over tp x dp
+        assert r.prediction.memory_gib <= 80 or r.row["hardware"] == "b200"
+    errors = {r.row["id"]: round(r.error, 3) for r in moe}
+    assert errors["dgxc-dsv3-h100-1024-bf16"] == -0.110  # -41% before etp 1
+    assert errors["dgxc-dsv3-h100-512-bf16"] == -0.157  # -44% before etp 1
     text = published.format_moe_report(moe)
     assert "goal every MoE row within 20% or explained: met" in text
     assert "no diagnosis" not in text
     listed = text.split("Not predicted")[-1]
     assert all(row_id in listed for row_id, row in MOE_ROWS.items() if row not in priced)
-    # the diagnosis's numbers: each row's layout at selective recompute
+    # the diagnosis's numbers: the DeepSeek-V3 BF16 layouts without recompute
     hw = BUILT_IN["h100-80g"]
-    for r, step, gib in zip(moe, (62.6, 62.3), (107, 115), strict=True):
-        selective = published.predict_layout(
-            r.row, dataclasses.replace(r.prediction.layout, recompute="selective"), hw)
-        assert selective.step_time_s == pytest.approx(step, abs=0.05)
-        assert selective.memory_gib == pytest.approx(gib, abs=0.5)
+    for r, step, gib in zip(moe[:2], (41.5, 41.2), (98.5, 107.3), strict=True):
+        none = published.predict_layout(
+            r.row, dataclasses.replace(r.prediction.layout, recompute="none"), hw)
+        assert none.step_time_s == pytest.approx(step, abs=0.05)
+        assert none.memory_gib == pytest.approx(gib, abs=0.5)

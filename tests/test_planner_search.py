@@ -233,6 +233,20 @@ def test_plan_json_is_one_object_best_first(capsys):
     assert "rejected" not in report
 
 
+def test_plan_precision_fp8_is_bf16_with_float8_matmuls(capsys):
+    """`--precision fp8` plans bf16 layouts with `fp8` tensorwise, and they come out faster."""
+    steps = {}
+    for precision in ("bf16", "fp8"):
+        code, out, _ = _run(capsys, "--gpus", "8", "--json", "--top", "1",
+                            "--layout", "tp=1,pp=1,mb=8", "--precision", precision,
+                            "--hardware", "h100-80g")
+        best = json.loads(out)["layouts"][0]
+        steps[precision] = best["step_time_s"]
+        assert code == 0 and "--precision bf16" in best["command"]
+        assert ("--fp8 tensorwise" in best["command"]) == (precision == "fp8")
+    assert steps["fp8"] < steps["bf16"]
+
+
 def _parsed(command: str):
     """The layout and config a printed command trains with, and the words before `train`."""
     words = shlex.split(command)

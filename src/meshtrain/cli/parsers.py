@@ -155,7 +155,9 @@ def _plan_parser(sub) -> None:
                    help=f"a built-in profile ({', '.join(BUILT_IN)}) or a TOML file from"
                         " `plan calibrate` (default: this machine's: its CUDA device's"
                         " profile, else cpu-gloo; the header says which)")
-    p.add_argument("--precision", default=None, help="fp32, bf16 or fp16 (default: the hardware's)")
+    p.add_argument("--precision", default=None,
+                   help="fp32, bf16 or fp16 (default: the hardware's), or fp8: bf16 with float8"
+                        " matmuls (`fp8=tensorwise` in the layout unless it names a recipe)")
     p.add_argument("--layout", metavar="SPEC", default="",
                    help="fix fields, e.g. tp=8,pp=8,vp=3,mb=1,zero=1,sp=1,recompute=selective,"
                         "schedule=interleaved; the others are searched (2bw only when"

@@ -71,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = search(request.model, request.hardware, gpus=request.gpus,
                     seq_len=request.seq_len, global_batch=request.global_batch,
-                    precision=request.precision, fixed=parse_spec(args.layout),
+                    precision=request.precision, fixed=_fixed(args),
                     cost=functools.partial(predict, moe_imbalance=request.moe_imbalance
                                            or MOE_IMBALANCE))
     seconds = time.perf_counter() - started
@@ -131,12 +131,23 @@ def _request(args: argparse.Namespace) -> Request:
     hardware = load_hardware(args.hardware) if args.hardware is not None else \
         default_hardware("auto", args.gpus)
     precision = args.precision if args.precision is not None else hardware.default_precision
+    if precision == "fp8":  # bf16 parameters, float8 matmuls (`_fixed`)
+        precision = "bf16"
     if precision not in ELEMENT_BYTES:
         raise SettingError(Code.CHOICE,
-                           f"`precision` must be one of {', '.join(ELEMENT_BYTES)}, got"
+                           f"`precision` must be one of {', '.join(ELEMENT_BYTES)} or fp8, got"
                            f" {precision!r}")
     return Request(model, _model_flags(given, model), hardware, bool(args.hardware), args.gpus,
                    seq_len, args.global_batch, precision, _moe_imbalance(args, model))
+
+
+def _fixed(args: argparse.Namespace) -> dict[str, object]:
+    """The `--layout` spec's fields; `--precision fp8` is bf16 with `fp8` tensorwise unless the
+    spec names a recipe (the planner prices float8 matmuls through the layout's `fp8`)."""
+    fixed = parse_spec(args.layout)
+    if args.precision == "fp8":
+        fixed.setdefault("fp8", "tensorwise")
+    return fixed
 
 
 def _moe_imbalance(args: argparse.Namespace, model: TransformerConfig) -> float | None:

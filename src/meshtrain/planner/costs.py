@@ -166,9 +166,10 @@ def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False
     """One layer; its weight half (`weight_grad`): one matmul per weight matmul of the
     forward, and one layer's host overhead of the backward's two. `split`: the layer defers
     its weight gradients (the scheme's `layer_comm` says what that exposes)."""
-    lay, p = work.layout, work.precision
+    lay = work.layout
     w = work.layer(index)
-    weights = [_matmul(hw, f, p) for f in w.weight_matmuls]
+    weights = [_matmul(hw, f, p)
+               for f, p in zip(w.weight_matmuls, _matmul_precisions(work, index), strict=True)]
     core, ratio = _attention_core(work, hw, w.core_matmuls)
     forward = sum(weights) + core + _elementwise(hw, w.elementwise_bytes) + hw.layer_overhead_s
     backward = 2 * (forward - hw.layer_overhead_s - core) + ratio * core \
@@ -188,6 +189,17 @@ def _layer_cost(work: Workload, hw: Hardware, index: int, *, split: bool = False
         backward_comm += forward_comm
     return ChunkCost(forward, forward_comm, backward, backward_comm, w.parameters,
                      sum(weights) + hw.layer_overhead_s, tp_weight, w.expert_parameters)
+
+
+def _matmul_precisions(work: Workload, index: int) -> tuple[str, ...]:
+    """Each weight matmul's rate: an `fp8` layout's float8 ones (`parallel/layers/fp8.py`: the
+    attention projections and a dense layer's MLP; never an MoE layer's experts, router or
+    shared expert, the output layer or the attention core) at the FP8 peak, the rest in the
+    run's precision. Same efficiency as 16 bits (assumed, not fitted)."""
+    p = work.precision
+    if work.layout.fp8 == "none":
+        return (p,) * 4
+    return ("fp8", "fp8") + ((p, p) if work.model.is_moe_layer(index) else ("fp8", "fp8"))
 
 
 def _attention_core(work: Workload, hw: Hardware, flops: float) -> tuple[float, float]:

@@ -51,6 +51,9 @@ class Hardware:
     fp16_peak_tflops: float = 0.0
     """fp16 matmul peak per device where it differs from bf16's (0: `peak_tflops`; a CPU
     without fp16 units measures its own)."""
+    fp8_peak_tflops: float = 0.0
+    """Dense FP8 tensor-core matmul peak per device, where an `fp8` layout's float8 matmuls run
+    (0: no FP8 units, so the 16-bit peak; `fp8` training refuses such devices anyway)."""
     hbm_gbytes_per_s: float = 2000.0
     """Device memory bandwidth (elementwise work: norms, softmax, dropout, optimizer)."""
     matmul_efficiency: float = 0.7
@@ -101,7 +104,10 @@ class Hardware:
     share to the busy ones (`simulator.simulate`), so bubbles cost less than their length."""
 
     def peak_for(self, precision: str) -> float:
-        """Matmul peak TFLOP/s in a precision (fp32, bf16, fp16)."""
+        """Matmul peak TFLOP/s in a precision (fp32, bf16, fp16; fp8: an `fp8` layout's float8
+        matmuls)."""
+        if precision == "fp8":
+            return self.fp8_peak_tflops or self.peak_tflops
         if precision == "fp32":
             return self.fp32_peak_tflops or self.peak_tflops / 2
         if precision == "fp16":
@@ -118,7 +124,8 @@ class Hardware:
         scale = cores_per_rank * self.oversubscription
         return dataclasses.replace(self, peak_tflops=self.peak_tflops * scale,
                                    fp32_peak_tflops=self.fp32_peak_tflops * scale,
-                                   fp16_peak_tflops=self.fp16_peak_tflops * scale)
+                                   fp16_peak_tflops=self.fp16_peak_tflops * scale,
+                                   fp8_peak_tflops=self.fp8_peak_tflops * scale)
 
     def for_ranks(self, ranks: int) -> Hardware:
         """A CPU profile measured with more one-thread ranks than cores (`oversubscription` >
@@ -183,25 +190,27 @@ BUILT_IN: dict[str, Hardware] = {
         name="a100-80g-selene", peak_tflops=312.0, hbm_gib=80, gpus_per_node=8,
         intra_node_gbytes_per_s=300.0, inter_node_gbytes_per_s=25.0, fp32_peak_tflops=156.0,
         hbm_gbytes_per_s=2039.0, **_A100_FIT),
+    # H100 SXM data sheet: FP8 1979 TFLOPS dense (3958 with sparsity), twice BF16's 989.
     "h100-80g": Hardware(
         name="h100-80g", peak_tflops=989.0, hbm_gib=80, gpus_per_node=8,
         intra_node_gbytes_per_s=450.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=494.0,
-        hbm_gbytes_per_s=3350.0, **_H100_FIT),
+        fp8_peak_tflops=1979.0, hbm_gbytes_per_s=3350.0, **_H100_FIT),
     # Not fitted (UNFITTED): data-sheet peaks with the H100's efficiencies, until measured runs
     # on them are in published_rows.json. Dense (not sparse) tensor-core rates; NVLink and
     # Infinity Fabric one direction per device; 400 Gb/s (50 GB/s) of InfiniBand per device.
-    # H200 SXM (NVIDIA H200 Tensor Core GPU data sheet): BF16 989 TFLOPS, TF32 494, 141 GB
+    # H200 SXM (NVIDIA H200 Tensor Core GPU data sheet): BF16 989 TFLOPS, TF32 494, FP8 1979, 141 GB
     # HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way).
     "h200": Hardware(
         name="h200", peak_tflops=989.0, hbm_gib=141, gpus_per_node=8,
         intra_node_gbytes_per_s=450.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=494.0,
-        hbm_gbytes_per_s=4800.0, **_H100_FIT),
-    # B200 (NVIDIA HGX B200 data sheet, per GPU of eight): BF16 2.25 PFLOPS, TF32 1.1 PFLOPS
-    # (half the sparse 4.5 and 2.2), 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way).
+        fp8_peak_tflops=1979.0, hbm_gbytes_per_s=4800.0, **_H100_FIT),
+    # B200 (NVIDIA HGX B200 data sheet, per GPU of eight): BF16 2.25 PFLOPS, TF32 1.1 PFLOPS,
+    # FP8 4.5 PFLOPS (half the sparse 4.5, 2.2 and 9), 180 GB HBM3e at 8 TB/s, NVLink 5
+    # 1.8 TB/s (900 each way).
     "b200": Hardware(
         name="b200", peak_tflops=2250.0, hbm_gib=180, gpus_per_node=8,
         intra_node_gbytes_per_s=900.0, inter_node_gbytes_per_s=50.0, fp32_peak_tflops=1100.0,
-        hbm_gbytes_per_s=8000.0, **_H100_FIT),
+        fp8_peak_tflops=4500.0, hbm_gbytes_per_s=8000.0, **_H100_FIT),
     # MI300X (AMD Instinct MI300X data sheet): BF16 1307.4 TFLOPS, TF32 653.7, 192 GB HBM3 at
     # 5.3 TB/s; seven Infinity Fabric links of 64 GB/s each way to the node's other GPUs
     # (448 GB/s each way in all).
@@ -324,7 +333,8 @@ _RANGES = {  # field: (low, high, low included); a NaN is in no range
                      "inter_node_gbytes_per_s", "hbm_gbytes_per_s",
                      "attention_backward_ratio", "matmul_efficiency",
                      "memory_efficiency", "network_efficiency"), _POSITIVE),
-    **dict.fromkeys(("fp32_peak_tflops", "fp16_peak_tflops", "collective_latency_s",
+    **dict.fromkeys(("fp32_peak_tflops", "fp16_peak_tflops", "fp8_peak_tflops",
+                     "collective_latency_s",
                      "layer_overhead_s", "calibrated_ranks",
                      "matmul_half_gflop", "attention_efficiency"),
                     (0.0, math.inf, True)),

@@ -9,10 +9,13 @@ GPU are then the row's own FLOP convention over that time, so the two sides coun
 Nothing is fitted per row: the hardware profiles' efficiencies are fitted once per profile
 (`benchmarks/plan_vs_published.py --fit`).
 
-Its `moe_rows` are DeepSeek-V3 runs (a family preset, `model`), compared in a section of their
-own, outside the fit and the dense goals: each within `GOAL_WORST` or explained. They count
-FLOPs as their source does (`source`: its TFLOP/s over its time), so the comparison is of step
-times; rows in a precision the planner does not price (FP8) are listed, not predicted.
+Its `moe_rows` are DeepSeek-V3 and Qwen3-MoE runs (a family preset, `model`), compared in a
+section of their own, outside the fit and the dense goals: each within `GOAL_WORST` or
+explained, at expert imbalance 1 (the runs force-balance their experts). They count FLOPs as
+their source does (`source`: its TFLOP/s over its time), so the comparison is of step times.
+FP8 rows with per-tensor scaling are priced as meshtrain's `fp8` tensorwise (its float8
+matmuls at the profile's FP8 peak, same efficiency: `costs._matmul_precisions`); MXFP8 and
+blockwise rows are listed, not predicted.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from meshtrain.parallel.schedules.catalog import MEGATRON_SCHEDULES
 from meshtrain.planner.costs import Prediction, predict
 from meshtrain.planner.hardware import BUILT_IN, Hardware
 from meshtrain.planner.search import search
+from meshtrain.planner.workload import MOE_IMBALANCE
 
 GOAL_MEDIAN = 0.07
 GOAL_WORST = 0.20
@@ -78,22 +82,40 @@ DIAGNOSES = (
      " bounds), so the deep-pipeline rows, mostly compute, come out fast. Their"
      " --tp-comm-overlap is priced (`tp_overlap`)"),
     (("dgxc-dsv3-h100",),
-     "meshtrain has no expert tensor parallelism of 1: each expert is split over tp, so both tp"
-     " ranks exchange and keep every routed row of a micro-batch, where Megatron's ep 64 spans"
-     " tp x dp and each rank sends its sequence-parallel half (meshtrain's layout: ep = dp, the"
-     " same experts a rank). At the rows' own layouts with selective recompute the prediction"
-     " is 62.6 s a step at 1024 GPUs (-17%) and 62.3 s at 512 (-21%), of which the expert"
-     " all-to-alls, exposed as meshtrain runs them, are 37.6 s: twice Megatron's bytes. The"
-     " rows kept for backward then put those layouts at 107 and 115 GiB a GPU, over the 80"
-     " GiB, so the search falls back to full recompute, which replays every layer's forward"
-     " and its all-to-alls; the 1024-GPU recipe fits recomputing only its MLA"
-     " up-projections (mla_up_proj), a granularity meshtrain's recompute does not have"),
+     "with expert tensor parallelism 1 (etp) ep 64 spans tp x dp as Megatron's does, each rank"
+     " sending its sequence-parallel half of the routed rows (-41%/-44% before, when ep could"
+     " only span dp). What is left: the rows kept for backward put these layouts at 98 and 107"
+     " GiB a GPU without recompute, over the 80 GiB, so the search falls back to full"
+     " recompute (18 and 33 GiB), which replays every layer's forward and its all-to-alls;"
+     " the 1024-GPU recipe fits by recomputing only its MLA up-projections (mla_up_proj), a"
+     " granularity meshtrain's recompute does not have. Without recompute the prediction is"
+     " 41.5 s (+25%) and 41.2 s (+19%)"),
+    (("mbridge2509-dsv3-h100", "mbridge2602-qwen3-235b", "mbridge2511-qwen3-235b"),
+     "predicted slow: ep spans 4 (Qwen3-235B, ep 32) or 8 (DeepSeek-V3, ep 64) nodes, and"
+     " meshtrain runs the expert all-to-alls exposed, over InfiniBand: 63 of 112 s (Qwen3-235B,"
+     " 26.02) and 16 of 38 s (DeepSeek-V3) at recompute none. Megatron-Core can hide them"
+     " (its EP all-to-all overlap in the interleaved 1F1B, DeepEP/HybridEP dispatchers); the"
+     " sources do not say which these runs used. Without recompute the layouts need 85 and"
+     " 120 GiB a GPU, so the search recomputes everything, replaying the forward and its"
+     " all-to-alls (-50%, -53%); Megatron keeps FP8 activations and recomputes chosen modules."
+     " meshtrain's fp8 leaves the experts in bf16 (priced so), Megatron's runs them in FP8"),
+    (("mbridge2602-qwen3-30b", "mbridge2511-qwen3-30b"),
+     "predicted fast: these runs reach 118-121 model TFLOP/s, 12% of the H100's bf16 peak"
+     " (DeepSeek-V3's reach 338), where the planner prices the 128 narrow experts (768 wide,"
+     " h 2048) as one large matmul at the efficiency fitted on dense rows. A small MoE layer's"
+     " router, token permutation and unpermutation, per-expert grouped GEMM tiles and kernel"
+     " launches (48 MoE layers, 8 experts a token) are not priced per expert. 25.11's"
+     " micro-batch 2 needs full recompute to fit 80 GiB (108 GiB without), which narrows its"
+     " gap (+62%, +109% without recompute)"),
 )
 """Why rows are off, by id prefix (printed only for rows off by more than EXPLAIN_ABOVE)."""
 
 
-PRICED_PRECISIONS = ("bf16",)
-"""Row precisions the planner predicts; an FP8 row is listed beside them (no FP8 matmul rates)."""
+FP8_RECIPE_OF_PRECISION = {"fp8": "tensorwise", "fp8-cs": "tensorwise"}
+"""FP8 rows' precision -> the `fp8` recipe they are priced as: Megatron's per-tensor (current)
+scaling is meshtrain's tensorwise; blockwise and MXFP8 rows are not predicted."""
+PRICED_PRECISIONS = ("bf16", *FP8_RECIPE_OF_PRECISION)
+"""Row precisions the planner predicts; other rows are listed beside them."""
 
 
 def load_rows(kind: str = "rows") -> list[dict]:
@@ -159,17 +181,13 @@ def fixed_fields(row: dict) -> dict[str, object]:
                                 "zero_impl": ZERO_IMPL_OF_SYSTEM[row["system"]],
                                 "tp_overlap": sp and row["id"].startswith(TP_COMM_OVERLAP_SOURCES)}
     fixed.update({field: row[key] for key, field in SEARCHED.items() if key in row})
-    if "ep" in row:
-        fixed["ep"] = expert_parallel(row)
+    if "ep" in row:  # etp 1: whole experts, ep spanning tp x dp as Megatron's
+        fixed.update(ep=row["ep"], etp=row.get("etp", row["tp"]))
+    if "pp_layers" in row:  # an uneven split (layers not divisible by pp x vp)
+        fixed["pp_layers"] = tuple(row["pp_layers"])
+    if row.get("precision") in FP8_RECIPE_OF_PRECISION:
+        fixed["fp8"] = FP8_RECIPE_OF_PRECISION[row["precision"]]
     return fixed
-
-
-def expert_parallel(row: dict) -> int:
-    """The row's expert parallelism as meshtrain's: Megatron's with expert tensor parallelism
-    1 (`etp`) may span tp x dp (DeepSeek-V3's ep 64 at tp 2 x dp 32), meshtrain's spans dp x cp
-    with each expert split over tp, so such a row runs at ep = dp: the same experts' weights on
-    a rank, every tp rank exchanging and keeping all its tokens' rows (MOE_DIAGNOSES)."""
-    return min(row["ep"], row["dp"])
 
 
 def predict_layout(row: dict, layout: ParallelPlan, hardware: Hardware) -> Prediction:
@@ -239,6 +257,7 @@ def _layout_text(row: dict, lay: ParallelPlan) -> str:
     def mark(key: str, text: str) -> str:
         return text if key in row else text + "*"
     parts = [f"tp{lay.tp} pp{lay.pp} dp{lay.dp}", f"ep{lay.ep}" if lay.ep > 1 else "",
+             "etp1" if lay.whole_experts else "", "fp8" if lay.fp8 != "none" else "",
              mark("micro_batch", f"mb{lay.micro_batch}")]
     if lay.pp > 1:
         parts.append(mark("schedule", lay.pp_schedule))
@@ -250,14 +269,14 @@ def _layout_text(row: dict, lay: ParallelPlan) -> str:
 
 
 def _table(results: list[RowResult]) -> list[str]:
-    head = (f"{'row':34} {'hardware':15} {'layout (* = searched)':56} {'published':>9}"
+    head = (f"{'row':38} {'hardware':9} {'layout (* = searched)':62} {'published':>9}"
             f" {'predicted':>9} {'error':>7}  compute/comm/bubble s")
     lines = [head, "-" * len(head)]
     for r in results:
         p = r.prediction
         split = f"{p.compute_s:.2f}/{p.exposed_comm_s:.2f}/{p.bubble_s:.2f}"
-        lines.append(f"{r.row['id']:34} {r.row['hardware']:15}"
-                     f" {_layout_text(r.row, p.layout):56} {r.published:9.1f} {r.predicted:9.1f}"
+        lines.append(f"{r.row['id']:38} {r.row['hardware']:9}"
+                     f" {_layout_text(r.row, p.layout):62} {r.published:9.1f} {r.predicted:9.1f}"
                      f" {r.error:+7.1%}  {split}")
     return lines
 
@@ -294,11 +313,13 @@ def format_moe_report(results: list[RowResult]) -> str:
               for r in results)
     lines = ["MoE rows (outside the fit and the goals above; TFLOP/s as each source counts them,"
              " so the errors compare step times):", *_table(results),
+             f"expert imbalance priced: {MOE_IMBALANCE} (the runs force-balance their experts)",
              f"goal every MoE row within {GOAL_WORST:.0%} or explained:"
              f" {'met' if met else 'NOT met'}", *_explained(results)]
     noted = [row for row in load_rows("moe_rows") if row["precision"] not in PRICED_PRECISIONS]
     if noted:
-        lines += ["", "Not predicted (the planner prices 16-bit matmuls, not FP8):"]
+        lines += ["", "Not predicted (the planner prices FP8 with per-tensor scaling, not"
+                  " MXFP8 or blockwise):"]
     lines += [f"  {row['id']:34} {row['hardware']:10} {row['precision']:6} tp{row['tp']} pp"
               f"{row['pp']} dp{row['dp']} ep{row['ep']}: {row['tflops_per_gpu']} TFLOP/s,"
               f" {row['tokens_per_s_per_gpu']} tokens/s per GPU" for row in noted]
