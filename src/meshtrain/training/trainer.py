@@ -44,6 +44,7 @@ from meshtrain.parallel.runtime.nvme_offload import OffloadFileChanged
 from meshtrain.parallel.runtime.optim import clip_grad_norm_
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import init_parallel
+from meshtrain.parallel.runtime.replica_groups import ReplicaGroups, check_fingerprint
 from meshtrain.parallelize import ParallelModel, parallelize
 from meshtrain.precision import LossScaler, nonfinite
 from meshtrain.training.metrics import read_scalars
@@ -51,6 +52,10 @@ from meshtrain.training.pipeline_trace import gather_timeline, write_trace
 from meshtrain.training.run_state import RunState
 
 STATE_KEYS = ("parameters", "gradients", "optimizer_states")
+# Settings of one process, one group or its launch: replica groups may differ in them.
+_PER_GROUP = frozenset({"nproc", "threads", "max_restarts", "device", "collective_timeout",
+                        "layout", "hardware", "trace", "replica_group_id", "lighthouse",
+                        "stop_at", "eval_every", "eval_batches", "log_every"})
 
 
 def corpus_of(cfg: RunConfig) -> Blend:
@@ -74,6 +79,7 @@ class Trainer:
     # This rank's request for the step (a stop or a timed save, `stopping`); None: no flag.
     requests: Callable[[], float] | None = None
     saver: AsyncSaver | None = None  # the background writer (`async_save`)
+    replicas: ReplicaGroups | None = None  # `fault_tolerance`: this rank's group among the others
 
     @property
     def model(self):
@@ -113,8 +119,13 @@ class Trainer:
         return cls(cfg, mesh, plan, parallel, train_data, eval_data, scaler, corpus.tokenizer)
 
     def _micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.train_data.micro_batches(step, dp_rank=self.mesh.dp.rank,
-                                             dp_size=self.mesh.dp.size)
+        """This rank's share of the global batch; replica group g takes the g-th of the
+        groups' equal parts (a group absent from a step leaves its part untrained)."""
+        dp_rank, dp_size = self.mesh.dp.rank, self.mesh.dp.size
+        if self.replicas is not None:
+            dp_rank += self.replicas.group_id * dp_size
+            dp_size *= self.replicas.num_groups
+        return self.train_data.micro_batches(step, dp_rank=dp_rank, dp_size=dp_size)
 
     def train_step(self, step: int, *, timeline: list | None = None) -> dict:
         """One optimizer step (0-based index `step`); returns its metrics. `timeline` collects
@@ -130,6 +141,9 @@ class Trainer:
         result = self.executor.forward_backward(step, self._micro_batches, sync,
                                                 loss_scale=self.scaler.scale, timeline=timeline)
         layout = sync.wait()
+        if self.replicas is not None:
+            self.replicas.reduce(layout.grads.values() if layout.grads is not None else
+                                 [p.grad for p in self.model.parameters() if p.grad is not None])
         scalars = {}
         if self.scaler.enabled:
             scalars["overflow"] = self.scaler.unscale_(layout.grads.values(), functools.partial(
@@ -140,11 +154,15 @@ class Trainer:
         if self.requests is not None:  # every rank reads the same stop/save decision
             scalars["request"] = torch.full((), self.requests(), device=mesh.device)
             comm.all_reduce(scalars["request"], mesh.world, op=torch.distributed.ReduceOp.MAX)
+        if self.replicas is not None:
+            scalars["loss"] = self.replicas.reduce_scalars(result.loss, scalars.get("request"))
+            if not self.replicas.commit():  # a group failed in the step: every group drops it
+                return {"step": step + 1, "discarded": True}
         if self.model.cfg.moe_experts:
             micro_batches = self.plan.micro_batches_per_step(t.global_batch)
             scalars |= result.routing.summary(mesh, micro_batches,
                                               self.model.cfg.moe_layer_indices())
-        row = {"step": step + 1}
+        row = {"step": step + 1} | (self.replicas.row() if self.replicas is not None else {})
         if self.scaler.decides_first(t.max_nonfinite_steps):
             values = read_scalars(scalars)
             row |= self.scaler.settle(values)
@@ -244,6 +262,30 @@ class Trainer:
         self.sync.load(values, states, step)
         self.executor.load_state(previous)
 
+    def fingerprint(self) -> dict[str, str]:
+        """What replica groups must share to average their gradients and heal one another:
+        the resolved settings but those of one process or one group's files and launch."""
+        tables = self.cfg.resolved(self.model.cfg, self.plan).to_dict()
+        return {f"{section}.{name}": repr(value) for section, values in tables.items()
+                if section not in ("checkpoint", "logging") for name, value in values.items()
+                if name not in _PER_GROUP}
+
+    def live_state(self) -> dict:
+        """What a healing replica group takes from this rank's peer: weights, optimizer state,
+        the 2BW weights, the loss scale and the RNG state (the data position is the step,
+        which torchft carries), with the fingerprint they belong to."""
+        values, states, optimizer_step = self.sync.export()
+        return {"values": values, "states": states, "optimizer_step": optimizer_step,
+                "previous": self.executor.saved_state(), "scaler": self.scaler.state_dict(),
+                "rng": torch.get_rng_state(), "fingerprint": self.fingerprint()}
+
+    def take_live_state(self, state: dict) -> None:
+        check_fingerprint(self.replicas.group_id, self.fingerprint(), state["fingerprint"])
+        self._load_states(state["values"], state["states"], state["optimizer_step"],
+                          previous=state["previous"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])
+
     def start_from(self, path: str | Path) -> None:
         """Take the model weights of a checkpoint (any layout; a run's latest) as this new
         run's: the optimizer starts fresh, and the step, loss scale and RNG streams stay this
@@ -287,20 +329,45 @@ def run_training(cfg: RunConfig, plan: ParallelPlan | None = None, *,
 def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None) -> list[dict]:
     trainer = Trainer.build(cfg, mesh)
     try:
+        if cfg.parallel.fault_tolerance:  # last, so the lighthouse waits for no build
+            trainer.replicas = _join_replica_groups(cfg, mesh, trainer)
         return _train_built(cfg, mesh, trainer, stop)
     except OffloadFileChanged as e:  # this rank's line; its peers stop as on a dead rank
         raise RunFailure(str(e), EXIT_BAD_INPUT) from None
     finally:
         trainer.sync.close()
+        if trainer.replicas is not None:
+            trainer.replicas.close()
+
+
+def _join_replica_groups(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer) -> ReplicaGroups:
+    p = cfg.parallel
+    return ReplicaGroups(mesh, group_id=p.replica_group_id, num_groups=p.replica_groups,
+                         lighthouse=p.lighthouse, min_groups=p.min_replica_groups,
+                         quorum_timeout=p.collective_timeout, fingerprint=trainer.fingerprint(),
+                         state=trainer.live_state, load=trainer.take_live_state)
+
+
+def _steps(trainer: Trainer, start: int, stop: int):
+    """The steps to take: `start` .. `stop` - 1; with replica groups, each the groups' count
+    of committed steps at the step's quorum (a discarded step comes again, a healed group
+    jumps to its peers' step)."""
+    if trainer.replicas is None:
+        yield from range(start, stop)
+        return
+    trainer.replicas.resume_at(start)
+    while (step := trainer.replicas.start_step()) < stop:
+        yield step
 
 
 def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
                  stop: StopSignals | None) -> list[dict]:
     out = Path(cfg.checkpoint.out)
-    resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
-    start = trainer.resume(out) if resuming else 0
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts:  # the agent restarted every rank after one failed: say which, once
+    healing = restarts and trainer.replicas is not None  # from a live group, not a checkpoint
+    resuming = (cfg.checkpoint.resume or cfg.checkpoint.auto_resume) and not healing
+    start = trainer.resume(out) if resuming else 0
+    if restarts and not healing:  # the agent restarted every rank after one failed: say which
         _say_restart(mesh, restarts, start)
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
@@ -308,7 +375,7 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
     if cfg.checkpoint.async_save:
         trainer.saver = AsyncSaver(mesh)
     try:
-        for step in range(start, run.stop):
+        for step in _steps(trainer, start, run.stop):
             run.step(step)
     finally:
         run.flush()  # the rows of the steps done, even when one fails
