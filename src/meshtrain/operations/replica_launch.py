@@ -18,14 +18,18 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from meshtrain.errors import Code, SettingError
-from meshtrain.operations.failures import EXIT_OK, EXIT_STOPPED
+from meshtrain.mesh import ParallelMesh
+from meshtrain.operations.failures import EXIT_FAILED, EXIT_OK, EXIT_STOPPED, RunFailure
+from meshtrain.parallel.communication import comm
 from meshtrain.parallel.runtime.replica_groups import torchft_module
 
 LIGHTHOUSE_WAIT_S = 10.0  # how long a group waits for the lighthouse to answer
 HEARTBEAT_TIMEOUT_MS = 2000  # a group silent this long leaves the next quorum
-JOIN_TIMEOUT_MS = 1000  # how long a quorum waits for a heartbeating group to ask to join
+JOIN_TIMEOUT_MS = 3000  # how long a quorum waits for a heartbeating group to ask to join
 GROUPS_PARENT = "MESHTRAIN_REPLICA_GROUPS_PARENT"  # set in the launchers of the groups
 
 
@@ -41,7 +45,6 @@ def group_world(cfg, world: int, *, under_torchrun: bool) -> int:
             raise SettingError(Code.FT_SETTING, f"`{given[0]}` needs `fault_tolerance`: add it"
                                                 f" or drop `{given[0]}`")
         return world
-    torchft_module()
     groups = p.replica_groups
     if groups < 1:
         raise SettingError(Code.RANGE, f"`replica_groups` must be positive, got {groups}")
@@ -58,11 +61,12 @@ def group_world(cfg, world: int, *, under_torchrun: bool) -> int:
             raise SettingError(Code.REPLICA_GROUPS,
                                f"`replica_groups` {groups} does not divide the {world} ranks"
                                " (`nproc`): give a multiple of it")
-        return world // groups
-    if p.replica_group_id is None or not 0 <= p.replica_group_id < groups or not p.lighthouse:
+        world //= groups
+    elif p.replica_group_id is None or not 0 <= p.replica_group_id < groups or not p.lighthouse:
         raise SettingError(Code.REPLICA_GROUP_ID,
                            f"a replica group started alone needs `replica_group_id` (0 to"
                            f" {groups - 1}) and `lighthouse` HOST:PORT")
+    torchft_module()  # last: the numbers are refused without the package too
     return world
 
 
@@ -128,6 +132,25 @@ def _end_with_parent() -> None:
     """In a group's launcher (before exec): SIGTERM when the process that started it dies."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def wait_for_groups(folder: Path, *, group_id: int, num_groups: int, timeout: float,
+                    mesh: ParallelMesh) -> None:
+    """The start of a run: every group's rank 0 marks `folder` (OUT/replica_groups/start.RUN_ID)
+    and waits for all groups' marks, so that no group trains alone ahead of one still
+    starting (a group restarted later heals instead)."""
+    waited = None
+    if mesh.world.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"group{group_id}").touch()
+        deadline = time.monotonic() + timeout
+        while len(list(folder.glob("group*"))) < num_groups and time.monotonic() < deadline:
+            time.sleep(0.05)
+        waited = len(list(folder.glob("group*")))
+    if comm.all_gather_objects(waited, mesh.world)[0] < num_groups:
+        raise RunFailure(f"replica group {group_id}: not every one of the {num_groups} groups"
+                         f" started within {timeout:g} s (`collective_timeout`): start them all",
+                         EXIT_FAILED, agreed=True)
 
 
 def _http(address: str) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import sys
 import time
@@ -35,6 +37,7 @@ from meshtrain.data.corpus import BatchSampler
 from meshtrain.interop.checkpoint_formats import checkpoint_format
 from meshtrain.mesh import ParallelMesh
 from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_FAILED, RunFailure
+from meshtrain.operations.replica_launch import wait_for_groups
 from meshtrain.operations.run_lock import OffloadLock, RunLock, record_ranks
 from meshtrain.operations.stopping import StopSignals, failed_rank
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
@@ -341,11 +344,20 @@ def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None) -> list
 
 
 def _join_replica_groups(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer) -> ReplicaGroups:
+    """This rank's torchft manager. At a group's first start (not an agent's restart) every
+    group waits for all to be there, heartbeating, so the first quorum holds them all."""
     p = cfg.parallel
-    return ReplicaGroups(mesh, group_id=p.replica_group_id, num_groups=p.replica_groups,
-                         lighthouse=p.lighthouse, min_groups=p.min_replica_groups,
-                         quorum_timeout=p.collective_timeout, fingerprint=trainer.fingerprint(),
-                         state=trainer.live_state, load=trainer.take_live_state)
+    replicas = ReplicaGroups(mesh, group_id=p.replica_group_id, num_groups=p.replica_groups,
+                             lighthouse=p.lighthouse, min_groups=p.min_replica_groups,
+                             quorum_timeout=p.collective_timeout,
+                             fingerprint=trainer.fingerprint(), state=trainer.live_state,
+                             load=trainer.take_live_state)
+    if not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        wait_for_groups(Path(cfg.checkpoint.out) / "replica_groups" / f"start.{run_id}",
+                        group_id=p.replica_group_id, num_groups=p.replica_groups,
+                        timeout=p.collective_timeout, mesh=mesh)
+    return replicas
 
 
 def _steps(trainer: Trainer, start: int, stop: int):
@@ -355,8 +367,15 @@ def _steps(trainer: Trainer, start: int, stop: int):
     if trainer.replicas is None:
         yield from range(start, stop)
         return
-    trainer.replicas.resume_at(start)
-    while (step := trainer.replicas.start_step()) < stop:
+    replicas = trainer.replicas
+    replicas.resume_at(start)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    while (step := replicas.start_step()) < stop:
+        if restarted and step == 0 and replicas.manager.num_participants() == 1:
+            raise RunFailure(f"replica group {replicas.group_id} restarted, but no group is left"
+                             " to heal from: continue the run from its latest checkpoint with"
+                             " `auto_resume`", EXIT_FAILED, agreed=True)
+        restarted = False
         yield step
 
 
@@ -377,11 +396,32 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
     try:
         for step in _steps(trainer, start, run.stop):
             run.step(step)
+        if trainer.replicas is not None:
+            _write_weights_digest(trainer, out)
     finally:
         run.flush()  # the rows of the steps done, even when one fails
         if trainer.saver is not None:
             trainer.saver.wait()  # the process ends only after its writer
     return run.finish()
+
+
+def _write_weights_digest(trainer: Trainer, out: Path) -> None:
+    """Replica groups: group K's rank 0 writes OUT/replica_groups/groupK.json, the step and a
+    digest of the group's weights (every rank's, in rank order), which every group that
+    finished the run in step with the others shares bitwise."""
+    mine = hashlib.sha256()
+    for name, param in trainer.model.named_parameters():
+        mine.update(name.encode())
+        mine.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digests = comm.all_gather_objects(mine.hexdigest(), trainer.mesh.world)
+    if trainer.mesh.rank == 0:
+        replicas = trainer.replicas
+        folder = out / "replica_groups"
+        folder.mkdir(parents=True, exist_ok=True)
+        whole = hashlib.sha256("".join(digests).encode()).hexdigest()
+        (folder / f"group{replicas.group_id}.json").write_text(json.dumps(
+            {"step": replicas.manager.current_step(), "weights_sha256": whole,
+             "discarded_steps": replicas.discarded}))
 
 
 def _say_restart(mesh: ParallelMesh, restarts: int, start: int) -> None:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import http.server
+import logging
 import os
 import socket
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -30,7 +33,9 @@ FT_TIMEOUT = datetime.timedelta(seconds=30)  # one cross-group collective or a s
 
 
 def torchft_module():
-    """torchft, or a refusal naming the extra that installs it."""
+    """torchft, or a refusal naming the extra that installs it. Its Rust side logs warnings
+    and worse only (RUST_LOG, unless set)."""
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft
     except ImportError:
@@ -61,6 +66,7 @@ class ReplicaGroups:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+        _quiet_torchft()
         self.group_id, self.num_groups = group_id, num_groups
         self.device = mesh.device
         self._store, host, port = _group_store(mesh)
@@ -79,6 +85,7 @@ class ReplicaGroups:
         self._hashes = torch.tensor([_hash(f"{key}={fingerprint[key]}") for key in self.fields],
                                     dtype=torch.float64, device=mesh.device)
         self.committed = 0  # steps this process took part in
+        self.discarded = 0  # steps this process saw dropped
 
     def resume_at(self, step: int) -> None:
         """Count from a checkpoint's step (a group with more steps still heals the others)."""
@@ -91,10 +98,20 @@ class ReplicaGroups:
         return self.manager.current_step()
 
     def reduce(self, grads) -> None:
-        """Average this rank's gradients with the same rank of every participating group."""
-        works = [self.manager.allreduce(grad) for grad in grads]
+        """Average this rank's gradients with the same rank of every participating group: one
+        flat buffer per dtype, so a step costs one torchft reduction, not one per tensor."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        flats = {dtype: torch.cat([g.reshape(-1) for g in group])
+                 for dtype, group in by_dtype.items()}
+        works = [self.manager.allreduce(flat) for flat in flats.values()]
         for work in works:
             work.wait()
+        for dtype, group in by_dtype.items():
+            for grad, piece in zip(group, flats[dtype].split([g.numel() for g in group]),
+                                   strict=True):
+                grad.copy_(piece.view_as(grad))
 
     def reduce_scalars(self, loss: torch.Tensor, request: torch.Tensor | None) -> torch.Tensor:
         """The loss averaged over the participating groups (and `request`, the stop/save
@@ -136,6 +153,7 @@ class ReplicaGroups:
         and at least `min_replica_groups` took part (else every group discards it)."""
         committed = self.manager.should_commit()
         self.committed += committed
+        self.discarded += not committed
         return committed
 
     @property
@@ -169,6 +187,14 @@ def _mismatch(group_id: int, key: str) -> str:
 
 def _hash(text: str) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:5], 16)
+
+
+def _quiet_torchft() -> None:
+    """torchft's per-quorum info and warnings, the checkpoint server's access lines and torch's
+    note on the read-only buffers it receives are no news to a user: errors only."""
+    logging.getLogger("torchft").setLevel(logging.ERROR)
+    http.server.BaseHTTPRequestHandler.log_message = lambda self, *args: None
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 def _http(address: str) -> str:
