@@ -14,7 +14,9 @@ import pytest
 from harness import start_cli
 
 from meshtrain.cli.main import main
+from meshtrain.errors import SettingError
 from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_STOPPED
+from meshtrain.parallel.runtime.replica_groups import check_fingerprint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--seq-len", "16",
@@ -33,7 +35,8 @@ def test_replica_group_settings_are_refused_in_one_line_before_anything_starts(
         capsys, corpus, tmp_path, monkeypatch):
     """Each bad input named in one line, exit 2, nothing written: groups not dividing the
     ranks, a quorum above the groups, a group setting without fault tolerance, a group started
-    alone without its id, and fault tolerance without the torchft package."""
+    alone without its id, and fault tolerance without the torchft package; and a healing group
+    refuses a live state of other settings, naming the first that differs."""
     run = ["--data", corpus, "--out", str(tmp_path / "run"), "--fault-tolerance"]
     cases = [
         (["--nproc", "4", "--replica-groups", "3", "--global-batch", "12"],
@@ -47,11 +50,21 @@ def test_replica_group_settings_are_refused_in_one_line_before_anything_starts(
         assert _refused(capsys, *run, *flags).startswith(f"meshtrain: error: {line}")
     assert "needs --fault-tolerance" in _refused(capsys, "--data", corpus, "--out",
                                                  str(tmp_path / "run"), "--replica-groups", "2")
+    with monkeypatch.context() as under_torchrun:
+        under_torchrun.setenv("RANK", "0")
+        under_torchrun.setenv("WORLD_SIZE", "2")
+        assert "needs --replica-group-id (0 to 1) and --lighthouse" in _refused(
+            capsys, *run, "--replica-groups", "2")
     monkeypatch.setitem(sys.modules, "torchft", None)  # the extra not installed
     assert _refused(capsys, *run, "--nproc", "4", "--replica-groups", "2") == (
         "meshtrain: error: --fault-tolerance needs the torchft package: pip install"
         " 'meshtrain[ft]'")
     assert not (tmp_path / "run").exists()
+    mine = {"model.num_layers": "2", "parallel.tp": "1", "train.seed": "0"}
+    check_fingerprint(1, mine, dict(mine))  # the same settings: healed from
+    with pytest.raises(SettingError, match=r"replica group 1: `parallel.tp` differs from the"
+                                           r" running groups'"):
+        check_fingerprint(1, mine, mine | {"parallel.tp": "2", "train.seed": "1"})
 
 
 @pytest.mark.extended

@@ -47,6 +47,7 @@ from meshtrain.operations.failures import (
 from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES, check_offload_dir
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import check_local_devices, resolve_device
+from meshtrain.parallel.runtime.replica_groups import torchft_module
 from meshtrain.planner.hardware import load_hardware
 
 
@@ -244,6 +245,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     world = config_mod.world_size_of(cfg, env_world)
     p = cfg.parallel
     world = replica_launch.group_world(cfg, world, under_torchrun=env_world is not None)
+    if p.fault_tolerance:
+        torchft_module()  # the extra, named when it is missing
     if p.fault_tolerance and p.lighthouse and env_world is None:  # (ranks: their launcher did)
         replica_launch.check_lighthouse(p.lighthouse)
     if cfg.parallel.layout:

@@ -35,7 +35,8 @@ GROUPS_PARENT = "MESHTRAIN_REPLICA_GROUPS_PARENT"  # set in the launchers of the
 
 def group_world(cfg, world: int, *, under_torchrun: bool) -> int:
     """The ranks of one replica group (`world` itself without fault tolerance), every
-    replica-group setting checked first; raises `SettingError`."""
+    replica-group number checked first; raises `SettingError`. (Whether torchft is installed
+    is `torchft_module`'s to say.)"""
     p = cfg.parallel
     if not p.fault_tolerance:
         given = [name for name in ("replica_group_id", "lighthouse") if getattr(p, name)]
@@ -66,7 +67,6 @@ def group_world(cfg, world: int, *, under_torchrun: bool) -> int:
         raise SettingError(Code.REPLICA_GROUP_ID,
                            f"a replica group started alone needs `replica_group_id` (0 to"
                            f" {groups - 1}) and `lighthouse` HOST:PORT")
-    torchft_module()  # last: the numbers are refused without the package too
     return world
 
 
