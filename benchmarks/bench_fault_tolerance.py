@@ -84,8 +84,9 @@ def failure_run(out: Path, *, fault_tolerance: bool, steps: int, kill_at: int,
         ["--auto-resume"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     start = time.monotonic()
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a full one would stall the ranks
     proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "train", *flags], env=env,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            stderr=log, stdout=subprocess.DEVNULL, text=True)
     seen: dict[int, float] = {}  # step -> wall time its row first appeared
     killed, reached, deadline = None, 0, start + timeout
     while proc.poll() is None and time.monotonic() < deadline:
@@ -108,7 +109,9 @@ def failure_run(out: Path, *, fault_tolerance: bool, steps: int, kill_at: int,
         time.sleep(0.05)
     if proc.poll() is None:
         proc.kill()
-    stderr = proc.communicate()[1]
+    proc.wait()
+    log.seek(0)
+    stderr = log.read()
     return _report(out, proc.returncode, stderr, start, killed, reached,
                    seen_after if killed else {}, fault_tolerance)
 

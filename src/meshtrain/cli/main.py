@@ -225,7 +225,7 @@ def _in_rank(fn, debug: bool = False) -> int:
     except ValueError as e:
         return _error(e)
     except RunFailure as e:
-        if rank == 0 or not e.agreed:
+        if (rank == 0 or not e.agreed) and str(e):  # (nothing: another process says it)
             print(f"meshtrain: {as_flags(str(e))}", file=sys.stderr)
         return e.exit_code
     except Exception as e:

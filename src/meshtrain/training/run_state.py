@@ -56,7 +56,8 @@ class RunState:
             resume_step = start if resuming else None
             sinks = metric_sinks(out, cfg.logging, resume_step=resume_step, config=cfg.to_dict())
             self.log = MetricsLog(out / "metrics.jsonl", resume_step=resume_step, sinks=sinks)
-        self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0,
+        speaks = trainer.replicas is None or trainer.replicas.group_id == 0  # (one progress)
+        self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0 and speaks,
                                  interval=t.log_every)
         self.utilization = Utilization.of_run(
             trainer.model.cfg.flops_per_token(t.seq_len), ranks=mesh.world_size,
@@ -150,9 +151,7 @@ class RunState:
         if stopping:
             self.progress.close()
             if not saving and self.trainer.replicas is not None and not self.nonfinite_run:
-                raise RunFailure(f"stopped by {stopping.name} after step {done}; the lowest-"
-                                 "numbered replica group saved the checkpoint", EXIT_STOPPED,
-                                 agreed=True)
+                raise RunFailure("", EXIT_STOPPED, agreed=True)  # the saving group says it
             if not saving:  # inside a non-finite streak
                 raise RunFailure(f"stopped by {stopping.name} after step {done}, inside"
                                  f" {self.nonfinite_run} non-finite step(s) in a row, without"

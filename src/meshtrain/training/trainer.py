@@ -55,6 +55,10 @@ from meshtrain.training.pipeline_trace import gather_timeline, write_trace
 from meshtrain.training.run_state import RunState
 
 STATE_KEYS = ("parameters", "gradients", "optimizer_states")
+# A quorum forms within the lighthouse's heartbeat and join timeouts once every live group asks;
+# one that does not (a group whose manager lives while a rank is stuck) ends the step's group
+# after this many seconds (its agent restarts it) rather than holding every group.
+QUORUM_TIMEOUT_S = 60.0
 # Settings of one process, one group or its launch: replica groups may differ in them.
 _PER_GROUP = frozenset({"nproc", "threads", "max_restarts", "device", "collective_timeout",
                         "layout", "hardware", "trace", "replica_group_id", "lighthouse",
@@ -349,7 +353,7 @@ def _join_replica_groups(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer) -
     p = cfg.parallel
     replicas = ReplicaGroups(mesh, group_id=p.replica_group_id, num_groups=p.replica_groups,
                              lighthouse=p.lighthouse, min_groups=p.min_replica_groups,
-                             quorum_timeout=p.collective_timeout,
+                             quorum_timeout=min(p.collective_timeout, QUORUM_TIMEOUT_S),
                              fingerprint=trainer.fingerprint(), state=trainer.live_state,
                              load=trainer.take_live_state)
     if not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
