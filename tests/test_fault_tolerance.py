@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import start_cli
+from harness import run_cli, start_cli
 
 from meshtrain.cli.main import main
 from meshtrain.errors import SettingError
@@ -131,3 +131,29 @@ def _descendants_alive(pid: int) -> list[int]:
             if b"--replica-group-id" in command and b"meshtrain" in command:
                 alive.append(int(entry.name))
     return alive
+
+
+@pytest.mark.extended
+def test_two_groups_train_as_dp_and_their_checkpoint_resumes_without_fault_tolerance(
+        corpus, tmp_path):
+    """No failure: 2 groups x 2 ranks give dp 4's losses (fp32 1e-5 per step), end bitwise
+    equal, and their checkpoint resumes at dp 2 without fault tolerance."""
+    pytest.importorskip("torchft")
+    from meshtrain.training.metrics import read_metrics
+
+    common = [*TINY, "--data", corpus, "--log-every", "1"]
+    run_cli("train", *common, "--nproc", "4", "--replica-groups", "2", "--fault-tolerance",
+            "--steps", "8", "--stop-at", "6", "--out", str(tmp_path / "ft"))
+    run_cli("train", *common, "--nproc", "4", "--steps", "8", "--stop-at", "6",
+            "--out", str(tmp_path / "dp"))
+    ft, dp = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("ft", "dp"))
+    assert [row["replica_groups"] for row in ft] == [2] * 6
+    for mine, theirs in zip(ft, dp, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-6)
+    digests = {json.loads(p.read_text())["weights_sha256"]
+               for p in (tmp_path / "ft" / "replica_groups").glob("group*.json")}
+    assert len(digests) == 1
+    run_cli("train", *common, "--nproc", "2", "--steps", "8", "--resume",
+            "--out", str(tmp_path / "ft"))
+    rows = read_metrics(tmp_path / "ft" / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, 9)) and "replica_groups" not in rows[-1]
