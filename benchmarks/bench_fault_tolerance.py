@@ -75,9 +75,11 @@ def _rows(path: Path) -> list[dict]:
 
 
 def failure_run(out: Path, *, fault_tolerance: bool, steps: int, kill_at: int,
-                save_every: int, timeout: float = 600.0) -> dict:
+                save_every: int, timeout: float = 600.0, stop_after_rejoin: bool = False) -> dict:
     """Train, SIGKILL the victim rank once `kill_at` rows are written, train on; returns what
-    happened (see the module's docstring) with the exit code and the stderr tail."""
+    happened (see the module's docstring) with the exit code and the stderr tail.
+    `stop_after_rejoin`: SIGTERM the run 5 steps after the replacement took part again (a test
+    then needs no guess of how many steps the restart takes)."""
     flags = ["--nproc", "4", "--steps", str(steps), "--out", str(out), "--max-restarts", "1",
              "--save-every", str(save_every), *COMMON]
     flags += ["--replica-groups", "2", "--fault-tolerance"] if fault_tolerance else \
@@ -106,6 +108,9 @@ def failure_run(out: Path, *, fault_tolerance: bool, steps: int, kill_at: int,
             for i, row in enumerate(rows):
                 if "loss" in row and (i >= len(before) or row != before[i]):
                     seen_after.setdefault((row["step"], row.get("replica_groups")), now)
+            if stop_after_rejoin and _rejoined(seen_after, margin=5):
+                proc.send_signal(signal.SIGTERM)
+                stop_after_rejoin = False
         time.sleep(0.05)
     if proc.poll() is None:
         proc.kill()
@@ -114,6 +119,13 @@ def failure_run(out: Path, *, fault_tolerance: bool, steps: int, kill_at: int,
     stderr = log.read()
     return _report(out, proc.returncode, stderr, start, killed, reached,
                    seen_after if killed else {}, fault_tolerance)
+
+
+def _rejoined(after: dict, margin: int) -> bool:
+    """Whether a row with both groups came `margin` steps after one with a group missing."""
+    alone = [step for step, groups in after if groups == 1]
+    return bool(alone) and any(groups == 2 and step >= min(alone) + margin
+                               for step, groups in after)
 
 
 def _report(out: Path, code: int, stderr: str, start: float, killed, reached: int,
@@ -134,8 +146,8 @@ def _report(out: Path, code: int, stderr: str, start: float, killed, reached: in
         groups = [json.loads(p.read_text()) for p in sorted((out / "replica_groups")
                                                             .glob("group*.json"))]
         report["discarded_steps"] = max((g["discarded_steps"] for g in groups), default=None)
-        report["weights_equal"] = len(groups) == 2 and \
-            groups[0]["weights_sha256"] == groups[1]["weights_sha256"]
+        report["weights_equal"] = len(groups) == 2 and groups[0]["step"] == groups[1]["step"] \
+            and groups[0]["weights_sha256"] == groups[1]["weights_sha256"]
         report["steps_with_one_group"] = sum(r.get("replica_groups") == 1 for r in rows)
     else:
         report["rejoin_s"] = min(after.values()) - kill_time if after else None

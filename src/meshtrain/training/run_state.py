@@ -45,7 +45,6 @@ class RunState:
         self.stop = t.stop_at or t.steps
         self.log = None
         comm.barrier(mesh.world)  # every rank has checked `out` before rank 0 writes to it
-        self.discarded = 0  # replica groups: steps a failed group made every group drop
         if mesh.rank == 0 and trainer.replicas is None:  # (replica groups: `_take_over`)
             with writing(out, lambda: continue_advice(out / "checkpoints")):
                 out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +92,8 @@ class RunState:
             self.progress.write(f"meshtrain: profiled steps {self.profiler.window.start}-"
                                 f"{step + 1}: one trace per rank, e.g. {trace} (ui.perfetto.dev)")
         if row.pop("discarded", False):
-            self.discarded += 1
+            self.progress.write(f"meshtrain: step {step + 1} discarded: a replica group failed"
+                                " in it; the others go on")
             self.timer.lap()
             return
         self._take_over(step)

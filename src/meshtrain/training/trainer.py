@@ -36,7 +36,7 @@ from meshtrain.data.blend import Blend, load_data
 from meshtrain.data.corpus import BatchSampler
 from meshtrain.interop.checkpoint_formats import checkpoint_format
 from meshtrain.mesh import ParallelMesh
-from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_FAILED, RunFailure
+from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunFailure
 from meshtrain.operations.replica_launch import wait_for_groups
 from meshtrain.operations.run_lock import OffloadLock, RunLock, record_ranks
 from meshtrain.operations.stopping import StopSignals, failed_rank
@@ -390,8 +390,8 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
     healing = restarts and trainer.replicas is not None  # from a live group, not a checkpoint
     resuming = (cfg.checkpoint.resume or cfg.checkpoint.auto_resume) and not healing
     start = trainer.resume(out) if resuming else 0
-    if restarts and not healing:  # the agent restarted every rank after one failed: say which
-        _say_restart(mesh, restarts, start)
+    if restarts:  # the agent restarted every rank (of this group) after one failed: say which
+        _say_restart(mesh, restarts, start, trainer.replicas)
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
     run = RunState(cfg, trainer, out, start, stop)
@@ -402,6 +402,10 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
             run.step(step)
         if trainer.replicas is not None:
             _write_weights_digest(trainer, out)
+    except RunFailure as e:
+        if e.exit_code == EXIT_STOPPED and trainer.replicas is not None:  # all at one step
+            _write_weights_digest(trainer, out)
+        raise
     finally:
         run.flush()  # the rows of the steps done, even when one fails
         if trainer.saver is not None:
@@ -428,7 +432,8 @@ def _write_weights_digest(trainer: Trainer, out: Path) -> None:
              "discarded_steps": replicas.discarded}))
 
 
-def _say_restart(mesh: ParallelMesh, restarts: int, start: int) -> None:
+def _say_restart(mesh: ParallelMesh, restarts: int, start: int,
+                 replicas: ReplicaGroups | None = None) -> None:
     """Rank 0's line on an elastic restart: the failed rank as the first node that saw it
     names it (each node's local rank 0 reads its own ranks' files), and what was resumed."""
     mine = failed_rank(mesh.world_size) if os.environ.get("LOCAL_RANK", "0") == "0" else None
@@ -436,5 +441,8 @@ def _say_restart(mesh: ParallelMesh, restarts: int, start: int) -> None:
     if mesh.rank == 0:
         where = f"resumed from checkpoint step_{start:08d}" if start else \
             "no checkpoint yet: started over"
-        print(f"meshtrain: restart {restarts}: {named[0] if named else 'a rank failed'};"
+        if replicas is not None:
+            where = "joining the other replica groups, healing from a live one"
+        group = f"replica group {replicas.group_id}: " if replicas is not None else ""
+        print(f"meshtrain: {group}restart {restarts}: {named[0] if named else 'a rank failed'};"
               f" {where}", file=sys.stderr, flush=True)

@@ -190,9 +190,10 @@ def _hash(text: str) -> int:
 
 
 def _quiet_torchft() -> None:
-    """torchft's per-quorum info and warnings, the checkpoint server's access lines and torch's
-    note on the read-only buffers it receives are no news to a user: errors only."""
-    logging.getLogger("torchft").setLevel(logging.ERROR)
+    """torchft's per-quorum info, its tracebacks of a reduction a dead peer broke (the failed
+    group's restart line names the failure), the checkpoint server's access lines and torch's
+    note on the read-only buffers it receives are no news to a user."""
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)  # (a peer's death: its own line)
     http.server.BaseHTTPRequestHandler.log_message = lambda self, *args: None
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
