@@ -45,6 +45,8 @@ def test_replica_group_settings_are_refused_in_one_line_before_anything_starts(
          "--min-replica-groups 3 must be from 1 to --replica-groups 2"),
         (["--nproc", "4", "--replica-groups", "3"], "--replica-groups 3 does not divide"
                                                     " --global-batch 8"),
+        (["--nproc", "4", "--replica-groups", "2", "--micro-batch", "4"],
+         "--global-batch 8 must be divisible by --replica-groups x --micro-batch x dp = 2 x 4 x 2"),
     ]
     for flags, line in cases:
         assert _refused(capsys, *run, *flags).startswith(f"meshtrain: error: {line}")

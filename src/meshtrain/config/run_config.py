@@ -375,6 +375,11 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
                            f"`trace` draws one flush step; a {plan.pp_schedule} step overlaps its"
                            " neighbours (no flush): trace `pp_schedule` 1f1b instead")
     groups = p.replica_groups if p.fault_tolerance else 1  # each group trains its share
+    if groups > 1 and t.global_batch % (groups * plan.micro_batch * plan.dp):
+        raise SettingError(Code.REPLICA_GROUPS,
+                           f"`global_batch` {t.global_batch} must be divisible by"
+                           f" `replica_groups` x `micro_batch` x dp = {groups} x"
+                           f" {plan.micro_batch} x {plan.dp}: each group trains an equal share")
     plan = plan.validate(model, world_size=world_size, global_batch=t.global_batch // groups,
                          seq_len=t.seq_len)
     if plan.fp8 != "none":  # the one plan setting that depends on the device
