@@ -55,6 +55,7 @@ import pytest
 from meshtrain.cli.main import _train_config
 from meshtrain.cli.parsers import build_parser
 from meshtrain.config import run_config as config
+from meshtrain.operations.replica_launch import group_world
 from meshtrain.parallel.runtime.capabilities import table
 
 ROOT = Path(__file__).parent.parent
@@ -99,7 +100,8 @@ def test_documented_command_is_valid(doc, argv, world, tmp_path):
     if args.command != "train" or "--config" in argv or "--init-from" in argv:
         return  # (the TOML example writes its file, --init-from reads a run made before it)
     cfg = _train_config(args)
-    config.validate(cfg, config.world_size_of(cfg, world))
+    ranks = group_world(cfg, config.world_size_of(cfg, world), under_torchrun=world is not None)
+    config.validate(cfg, ranks)
 
 
 def test_the_compatibility_table_is_the_declarations():

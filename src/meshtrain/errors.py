@@ -132,6 +132,14 @@ class Code(Enum):
     RESUME_STEPS = "steps or stop_at at or below the checkpoint's step"
     INIT_FROM_SHAPE = "a setting that changes the init_from checkpoint's model shape"
     MAX_RESTARTS_RESUME = "max_restarts without auto_resume"
+    # fault tolerance (replica groups under torchft)
+    FT_PACKAGE = "fault_tolerance without the torchft package"
+    FT_SETTING = "a replica-group setting without fault_tolerance"
+    REPLICA_GROUPS = "replica_groups not dividing the ranks or the global batch"
+    MIN_REPLICA_GROUPS = "min_replica_groups outside 1 .. replica_groups"
+    REPLICA_GROUP_ID = "replica_group_id or lighthouse missing or out of range under torchrun"
+    LIGHTHOUSE = "a lighthouse address that does not answer"
+    REPLICA_GROUP_MISMATCH = "a replica group of another model or layout"
     # the machine a run launches on, and its logging
     CUDA_DEVICES = "device cuda without a CUDA device per local rank"
     WANDB_PACKAGE = "wandb_project without the wandb package"

@@ -35,7 +35,7 @@ from meshtrain.errors import Code, SettingError
 from meshtrain.interop.checkpoint_formats import checkpoint_format, format_named
 from meshtrain.machine_fit import check_states_fit
 from meshtrain.mesh import resolve_degrees
-from meshtrain.operations import command_signals, endings, run_lock, stopping
+from meshtrain.operations import command_signals, endings, replica_launch, run_lock, stopping
 from meshtrain.operations.cpu_threads import threads_per_rank
 from meshtrain.operations.failures import (
     EXIT_BAD_INPUT,
@@ -47,6 +47,7 @@ from meshtrain.operations.failures import (
 from meshtrain.parallel.runtime.nvme_offload import STATE_BYTES, check_offload_dir
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import check_local_devices, resolve_device
+from meshtrain.parallel.runtime.replica_groups import torchft_module
 from meshtrain.planner.hardware import load_hardware
 
 
@@ -150,7 +151,7 @@ def check_train(cfg: config_mod.RunConfig, world_size: int):
             _notice(note)
         for note in resumed_settings.changes(cfg, path, step):
             _notice(note)
-    elif has_run and not cfg.checkpoint.auto_resume:
+    elif has_run and not cfg.checkpoint.auto_resume and cfg.parallel.replica_group_id is None:
         raise SettingError(Code.OUT_PATH,
                            f"--out {out} holds an earlier run: pass --resume to continue it or"
                            " choose another --out", settings=("out", "resume"))
@@ -224,7 +225,7 @@ def _in_rank(fn, debug: bool = False) -> int:
     except ValueError as e:
         return _error(e)
     except RunFailure as e:
-        if rank == 0 or not e.agreed:
+        if (rank == 0 or not e.agreed) and str(e):  # (nothing: another process says it)
             print(f"meshtrain: {as_flags(str(e))}", file=sys.stderr)
         return e.exit_code
     except Exception as e:
@@ -242,6 +243,12 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _train_config(args)
     env_world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else None
     world = config_mod.world_size_of(cfg, env_world)
+    p = cfg.parallel
+    world = replica_launch.group_world(cfg, world, under_torchrun=env_world is not None)
+    if p.fault_tolerance:
+        torchft_module()  # the extra, named when it is missing
+    if p.fault_tolerance and p.lighthouse and env_world is None:  # (ranks: their launcher did)
+        replica_launch.check_lighthouse(p.lighthouse)
     if cfg.parallel.layout:
         from meshtrain.cli.auto_layout import choose_layout
 
@@ -262,8 +269,18 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         mine = None if stopping.under_meshtrain_launcher() else run_lock.RunLock(
             cfg.checkpoint.out, run_lock.own_run_id())
         return _train_in_rank(cfg, plan, mine, args.debug)
+    if replica_launch.GROUPS_PARENT in os.environ:  # one group's launcher: its parent holds it
+        return _launch(world, [*argv, "--out", cfg.checkpoint.out],
+                       max_restarts=p.max_restarts, run_id=run_lock.own_run_id())
     with run_lock.RunLock(cfg.checkpoint.out) as held:  # this process launches: it holds it
-        if world > 1 or cfg.parallel.max_restarts:
+        if p.fault_tolerance and p.replica_group_id is None:
+            print(f"meshtrain: {p.replica_groups} replica groups of {world} ranks"
+                  f" ({_layout_text(plan)}) and a torchft lighthouse, writing to"
+                  f" {cfg.checkpoint.out}", file=sys.stderr)
+            return replica_launch.run_groups(
+                [*argv, "--out", cfg.checkpoint.out], groups=p.replica_groups, ranks=world,
+                min_groups=p.min_replica_groups, run_id=held.run_id)
+        if world > 1 or cfg.parallel.max_restarts or p.fault_tolerance:
             print(f"meshtrain: {world} ranks ({_layout_text(plan)}), writing to"
                   f" {cfg.checkpoint.out}", file=sys.stderr)
             return _launch(world, [*argv, "--out", cfg.checkpoint.out],

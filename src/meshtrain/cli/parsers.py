@@ -66,7 +66,8 @@ _MOVED = {"precision": ("precision", "grad_dtype", "fp8", "loss_scale_window"),
           "optimizer": tuple(f.name for f in dataclasses.fields(OptimizerSettings)),
           "logging": ("log_every", "trace"),
           "operations": ("nproc", "threads", "max_restarts", "device", "collective_timeout",
-                         "max_nonfinite_steps")}
+                         "max_nonfinite_steps", "fault_tolerance", "replica_groups",
+                         "min_replica_groups", "replica_group_id", "lighthouse")}
 _GROUP_ORDER = ("model", "data", "parallel layout", "precision", "training", "optimizer",
                 "checkpoints", "logging", "operations")
 _GROUP_NOTES = {"logging": "metrics.jsonl always; TensorBoard events in"

@@ -29,7 +29,10 @@ SCHEDULE_SETTINGS = ("steps", *LR_SCHEDULE_SETTINGS)
 DATA_SETTINGS = ("data", "data_path")
 NOT_CARRIED = {("checkpoint", "out"), ("checkpoint", "resume"), ("checkpoint", "auto_resume"),
                ("checkpoint", "init_from"), ("train", "stop_at"), ("parallel", "nproc"),
-               ("parallel", "layout"), ("parallel", "max_restarts")}
+               ("parallel", "layout"), ("parallel", "max_restarts"),
+               *(("parallel", name) for name in ("fault_tolerance", "replica_groups",
+                                                 "min_replica_groups", "replica_group_id",
+                                                 "lighthouse"))}
 """How this invocation runs, never what the run is: always the command's own."""
 DEGREES = ("nproc", "tp", "pp", "dp", "cp", "ep", "etp", "tp_depth", "virtual_stages")
 """Given any of these, the saved layout ([parallel]'s plan settings) is not carried."""

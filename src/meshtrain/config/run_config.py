@@ -375,7 +375,13 @@ def validate(cfg: RunConfig, world_size: int) -> ParallelPlan:
         raise SettingError(Code.TRACE_SCHEDULE,
                            f"`trace` draws one flush step; a {plan.pp_schedule} step overlaps its"
                            " neighbours (no flush): trace `pp_schedule` 1f1b instead")
-    plan = plan.validate(model, world_size=world_size, global_batch=t.global_batch,
+    groups = p.replica_groups if p.fault_tolerance else 1  # each group trains its share
+    if groups > 1 and t.global_batch % (groups * plan.micro_batch * plan.dp):
+        raise SettingError(Code.REPLICA_GROUPS,
+                           f"`global_batch` {t.global_batch} must be divisible by"
+                           f" `replica_groups` x `micro_batch` x dp = {groups} x"
+                           f" {plan.micro_batch} x {plan.dp}: each group trains an equal share")
+    plan = plan.validate(model, world_size=world_size, global_batch=t.global_batch // groups,
                          seq_len=t.seq_len)
     if plan.fp8 != "none":  # the one plan setting that depends on the device
         check_fp8_device(resolve_device(p.device), plan.fp8)
@@ -477,7 +483,7 @@ def _validate_restarts(cfg: RunConfig) -> None:
     if cfg.parallel.max_restarts < 0:
         raise SettingError(Code.RANGE,
                            f"`max_restarts` must be >= 0, got {cfg.parallel.max_restarts}")
-    if cfg.parallel.max_restarts and not c.auto_resume:
+    if cfg.parallel.max_restarts and not (c.auto_resume or cfg.parallel.fault_tolerance):
         raise SettingError(Code.MAX_RESTARTS_RESUME,
                            "`max_restarts` restarts the ranks with the same flags: add"
                            " `auto_resume` so they continue from the newest checkpoint")

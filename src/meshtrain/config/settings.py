@@ -66,6 +66,17 @@ class ParallelSettings:
     max_restarts: int = _f(0, "restart every rank up to N times after one fails (meshtrain's"
                               " launcher; needs --auto-resume); under torchrun use its own"
                               " --max-restarts")
+    fault_tolerance: bool = _f(False, "train through failures with torchft (pip install"
+                                      " 'meshtrain[ft]'): the replica groups keep stepping when"
+                                      " one fails; its restart heals from a live group")
+    replica_groups: int = _f(1, "with --fault-tolerance: replica groups, each a whole model copy"
+                                " of nproc / N ranks with its own tp/pp/ZeRO layout")
+    min_replica_groups: int = _f(1, "with --fault-tolerance: no step commits with fewer groups"
+                                    " taking part")
+    replica_group_id: int | None = _f(None, "under torchrun with --fault-tolerance: this job's"
+                                            " group, 0 .. replica_groups - 1")
+    lighthouse: str | None = _f(None, "under torchrun with --fault-tolerance: HOST:PORT of the"
+                                      " torchft lighthouse every group joins")
     device: str = _f("auto", "auto (CUDA when available), cpu or cuda: one GPU per local rank",
                      choices=DEVICE_KINDS)
     collective_timeout: float = _f(600.0, "seconds a rank may wait in one collective before the"

@@ -48,7 +48,7 @@ class RunState:
         self.stop = t.stop_at or t.steps
         self.log = None
         comm.barrier(mesh.world)  # every rank has checked `out` before rank 0 writes to it
-        if mesh.rank == 0:
+        if mesh.rank == 0 and trainer.replicas is None:  # (replica groups: `_take_over`)
             with writing(out, lambda: continue_advice(out / "checkpoints")):
                 out.mkdir(parents=True, exist_ok=True)
                 (out / "config.toml").write_text(trainer.config_toml)
@@ -58,7 +58,8 @@ class RunState:
             resume_step = start if resuming else None
             sinks = metric_sinks(out, cfg.logging, resume_step=resume_step, config=cfg.to_dict())
             self.log = MetricsLog(out / "metrics.jsonl", resume_step=resume_step, sinks=sinks)
-        self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0,
+        speaks = trainer.replicas is None or trainer.replicas.group_id == 0  # (one progress)
+        self.progress = Progress(total=self.stop, initial=start, enabled=mesh.rank == 0 and speaks,
                                  interval=t.log_every)
         self.utilization = Utilization.of_run(
             trainer.model.cfg.flops_per_token(t.seq_len), ranks=mesh.world_size,
@@ -97,6 +98,12 @@ class RunState:
         if (trace := self.profiler.after(step + 1)) is not None:
             self.progress.write(f"meshtrain: profiled steps {self.profiler.window.start}-"
                                 f"{step + 1}: one trace per rank, e.g. {trace} (ui.perfetto.dev)")
+        if row.pop("discarded", False):
+            self.progress.write(f"meshtrain: step {step + 1} discarded: a replica group failed"
+                                " in it; the others go on")
+            self.timer.lap()
+            return
+        self._take_over(step)
         request = row.pop("request", 0.0)
         self._stop_if_nonfinite(row)
         if step == self.start:
@@ -136,7 +143,9 @@ class RunState:
             done == self.stop or (save_every and done % save_every == 0) or request >= SAVE_NOW)
         if stopping and self.signals is not None:
             self.signals.agreed()
-        if saving or done % t.log_every == 0:
+        if self.trainer.replicas is not None and not self.trainer.replicas.leader:
+            saving = False  # the run's files are the lowest-numbered group's
+        if saving or done % t.log_every == 0 or self.trainer.replicas is not None:
             self.flush()  # the metrics of every step a checkpoint holds are on disk with it
         if saving:  # the end and a stop save in the foreground, after the write in flight
             path = trainer.save(self.out, done, background=done < self.stop and not stopping)
@@ -148,6 +157,8 @@ class RunState:
                 self.progress.write(f"meshtrain: {how} checkpoint {path}")
         if stopping:
             self.progress.close()
+            if not saving and self.trainer.replicas is not None and not self.nonfinite_run:
+                raise RunFailure("", EXIT_STOPPED, agreed=True)  # the saving group says it
             if not saving:  # inside a non-finite streak
                 raise RunFailure(f"stopped by {stopping.name} after step {done}, inside"
                                  f" {self.nonfinite_run} non-finite step(s) in a row, without"
@@ -155,6 +166,22 @@ class RunState:
             raise RunFailure(f"stopped by {stopping.name} after step {done}; checkpoint"
                              f" {path.name} saved; continue with `resume` (or `auto_resume`)",
                              EXIT_STOPPED, agreed=True)
+
+    def _take_over(self, step: int) -> None:
+        """Replica groups: rank 0 of the lowest-numbered group taking part writes
+        metrics.jsonl (from the rows up to `step`, the last committed before this one) and
+        config.toml; another group's closes it when it stops being that group."""
+        replicas, out = self.trainer.replicas, self.out
+        if replicas is None or self.trainer.mesh.rank != 0:
+            return
+        if replicas.leader and self.log is None:
+            with writing(out, lambda: continue_advice(out / "checkpoints")):
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "config.toml").write_text(self.trainer.config_toml)
+            self.log = MetricsLog(out / "metrics.jsonl", resume_step=step)
+        elif not replicas.leader and self.log is not None:
+            self.log.close()
+            self.log = None
 
     def _run_step(self, step: int) -> tuple[dict, tuple[float, float] | None]:
         """The step's row, and its (compute, blocked) seconds when a recorder is armed."""

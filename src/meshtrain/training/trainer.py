@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import sys
 import time
@@ -34,7 +36,8 @@ from meshtrain.data.blend import Blend, load_data
 from meshtrain.data.corpus import BatchSampler
 from meshtrain.interop.checkpoint_formats import checkpoint_format
 from meshtrain.mesh import ParallelMesh
-from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_FAILED, RunFailure
+from meshtrain.operations.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, RunFailure
+from meshtrain.operations.replica_launch import wait_for_groups
 from meshtrain.operations.run_lock import OffloadLock, RunLock, record_ranks
 from meshtrain.operations.stopping import StopSignals, failed_rank
 from meshtrain.operations.watchdog import HangWatchdog, process_group_timeout
@@ -45,6 +48,7 @@ from meshtrain.parallel.runtime.nvme_offload import OffloadFileChanged
 from meshtrain.parallel.runtime.optim import clip_grad_norm_
 from meshtrain.parallel.runtime.plan import ParallelPlan
 from meshtrain.parallel.runtime.process_groups import init_parallel
+from meshtrain.parallel.runtime.replica_groups import ReplicaGroups, check_fingerprint
 from meshtrain.parallelize import ParallelModel, parallelize
 from meshtrain.precision import LossScaler, nonfinite
 from meshtrain.training.metrics import read_scalars
@@ -52,6 +56,14 @@ from meshtrain.training.pipeline_trace import gather_timeline, write_trace
 from meshtrain.training.run_state import RunState
 
 STATE_KEYS = ("parameters", "gradients", "optimizer_states")
+# A quorum forms within the lighthouse's heartbeat and join timeouts once every live group asks;
+# one that does not (a group whose manager lives while a rank is stuck) ends the step's group
+# after this many seconds (its agent restarts it) rather than holding every group.
+QUORUM_TIMEOUT_S = 60.0
+# Settings of one process, one group or its launch: replica groups may differ in them.
+_PER_GROUP = frozenset({"nproc", "threads", "max_restarts", "device", "collective_timeout",
+                        "layout", "hardware", "trace", "replica_group_id", "lighthouse",
+                        "stop_at", "eval_every", "eval_batches", "log_every"})
 
 
 def corpus_of(cfg: RunConfig) -> Blend:
@@ -75,6 +87,7 @@ class Trainer:
     # This rank's request for the step (a stop or a timed save, `stopping`); None: no flag.
     requests: Callable[[], float] | None = None
     saver: AsyncSaver | None = None  # the background writer (`async_save`)
+    replicas: ReplicaGroups | None = None  # `fault_tolerance`: this rank's group among the others
 
     @property
     def model(self):
@@ -114,8 +127,13 @@ class Trainer:
         return cls(cfg, mesh, plan, parallel, train_data, eval_data, scaler, corpus.tokenizer)
 
     def _micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.train_data.micro_batches(step, dp_rank=self.mesh.dp.rank,
-                                             dp_size=self.mesh.dp.size)
+        """This rank's share of the global batch; replica group g takes the g-th of the
+        groups' equal parts (a group absent from a step leaves its part untrained)."""
+        dp_rank, dp_size = self.mesh.dp.rank, self.mesh.dp.size
+        if self.replicas is not None:
+            dp_rank += self.replicas.group_id * dp_size
+            dp_size *= self.replicas.num_groups
+        return self.train_data.micro_batches(step, dp_rank=dp_rank, dp_size=dp_size)
 
     def train_step(self, step: int, *, timeline: list | None = None) -> dict:
         """One optimizer step (0-based index `step`); returns its metrics. `timeline` collects
@@ -131,6 +149,9 @@ class Trainer:
         result = self.executor.forward_backward(step, self._micro_batches, sync,
                                                 loss_scale=self.scaler.scale, timeline=timeline)
         layout = sync.wait()
+        if self.replicas is not None:
+            self.replicas.reduce(layout.grads.values() if layout.grads is not None else
+                                 [p.grad for p in self.model.parameters() if p.grad is not None])
         scalars = {}
         if self.scaler.enabled:
             scalars["overflow"] = self.scaler.unscale_(layout.grads.values(), functools.partial(
@@ -141,11 +162,15 @@ class Trainer:
         if self.requests is not None:  # every rank reads the same stop/save decision
             scalars["request"] = torch.full((), self.requests(), device=mesh.device)
             comm.all_reduce(scalars["request"], mesh.world, op=torch.distributed.ReduceOp.MAX)
+        if self.replicas is not None:
+            scalars["loss"] = self.replicas.reduce_scalars(result.loss, scalars.get("request"))
+            if not self.replicas.commit():  # a group failed in the step: every group drops it
+                return {"step": step + 1, "discarded": True}
         if self.model.cfg.moe_experts:
             micro_batches = self.plan.micro_batches_per_step(t.global_batch)
             scalars |= result.routing.summary(mesh, micro_batches,
                                               self.model.cfg.moe_layer_indices())
-        row = {"step": step + 1}
+        row = {"step": step + 1} | (self.replicas.row() if self.replicas is not None else {})
         if self.scaler.decides_first(t.max_nonfinite_steps):
             values = read_scalars(scalars)
             row |= self.scaler.settle(values)
@@ -245,6 +270,30 @@ class Trainer:
         self.sync.load(values, states, step)
         self.executor.load_state(previous)
 
+    def fingerprint(self) -> dict[str, str]:
+        """What replica groups must share to average their gradients and heal one another:
+        the resolved settings but those of one process or one group's files and launch."""
+        tables = self.cfg.resolved(self.model.cfg, self.plan).to_dict()
+        return {f"{section}.{name}": repr(value) for section, values in tables.items()
+                if section not in ("checkpoint", "logging") for name, value in values.items()
+                if name not in _PER_GROUP}
+
+    def live_state(self) -> dict:
+        """What a healing replica group takes from this rank's peer: weights, optimizer state,
+        the 2BW weights, the loss scale and the RNG state (the data position is the step,
+        which torchft carries), with the fingerprint they belong to."""
+        values, states, optimizer_step = self.sync.export()
+        return {"values": values, "states": states, "optimizer_step": optimizer_step,
+                "previous": self.executor.saved_state(), "scaler": self.scaler.state_dict(),
+                "rng": torch.get_rng_state(), "fingerprint": self.fingerprint()}
+
+    def take_live_state(self, state: dict) -> None:
+        check_fingerprint(self.replicas.group_id, self.fingerprint(), state["fingerprint"])
+        self._load_states(state["values"], state["states"], state["optimizer_step"],
+                          previous=state["previous"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])
+
     def start_from(self, path: str | Path) -> None:
         """Take the model weights of a checkpoint (any layout; a run's latest) as this new
         run's: the optimizer starts fresh, and the step, loss scale and RNG streams stay this
@@ -290,29 +339,76 @@ def _train(cfg: RunConfig, mesh: ParallelMesh, stop: StopSignals | None,
            recorder: FlightRecorder) -> list[dict]:
     trainer = Trainer.build(cfg, mesh)
     try:
+        if cfg.parallel.fault_tolerance:  # last, so the lighthouse waits for no build
+            trainer.replicas = _join_replica_groups(cfg, mesh, trainer)
         return _train_built(cfg, mesh, trainer, stop, recorder)
     except OffloadFileChanged as e:  # this rank's line; its peers stop as on a dead rank
         raise RunFailure(str(e), EXIT_BAD_INPUT) from None
     finally:
         trainer.sync.close()
+        if trainer.replicas is not None:
+            trainer.replicas.close()
+
+
+def _join_replica_groups(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer) -> ReplicaGroups:
+    """This rank's torchft manager. At a group's first start (not an agent's restart) every
+    group waits for all to be there, heartbeating, so the first quorum holds them all."""
+    p = cfg.parallel
+    replicas = ReplicaGroups(mesh, group_id=p.replica_group_id, num_groups=p.replica_groups,
+                             lighthouse=p.lighthouse, min_groups=p.min_replica_groups,
+                             quorum_timeout=min(p.collective_timeout, QUORUM_TIMEOUT_S),
+                             fingerprint=trainer.fingerprint(), state=trainer.live_state,
+                             load=trainer.take_live_state)
+    if not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        wait_for_groups(Path(cfg.checkpoint.out) / "replica_groups" / f"start.{run_id}",
+                        group_id=p.replica_group_id, num_groups=p.replica_groups,
+                        timeout=p.collective_timeout, mesh=mesh)
+    return replicas
+
+
+def _steps(trainer: Trainer, start: int, stop: int):
+    """The steps to take: `start` .. `stop` - 1; with replica groups, each the groups' count
+    of committed steps at the step's quorum (a discarded step comes again, a healed group
+    jumps to its peers' step)."""
+    if trainer.replicas is None:
+        yield from range(start, stop)
+        return
+    replicas = trainer.replicas
+    replicas.resume_at(start)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    while (step := replicas.start_step()) < stop:
+        if restarted and step == 0 and replicas.manager.num_participants() == 1:
+            raise RunFailure(f"replica group {replicas.group_id} restarted, but no group is left"
+                             " to heal from: continue the run from its latest checkpoint with"
+                             " `auto_resume`", EXIT_FAILED, agreed=True)
+        restarted = False
+        yield step
 
 
 def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
                  stop: StopSignals | None, recorder: FlightRecorder) -> list[dict]:
     out = Path(cfg.checkpoint.out)
-    resuming = cfg.checkpoint.resume or cfg.checkpoint.auto_resume
-    start = trainer.resume(out) if resuming else 0
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts:  # the agent restarted every rank after one failed: say which, once
-        _say_restart(mesh, restarts, start)
+    healing = restarts and trainer.replicas is not None  # from a live group, not a checkpoint
+    resuming = (cfg.checkpoint.resume or cfg.checkpoint.auto_resume) and not healing
+    start = trainer.resume(out) if resuming else 0
+    if restarts:  # the agent restarted every rank (of this group) after one failed: say which
+        _say_restart(mesh, restarts, start, trainer.replicas)
     if start == 0 and cfg.checkpoint.init_from:  # nothing of this run's own to resume
         trainer.start_from(cfg.checkpoint.init_from)
     run = RunState(cfg, trainer, out, start, stop, recorder)
     if cfg.checkpoint.async_save:
         trainer.saver = AsyncSaver(mesh)
     try:
-        for step in range(start, run.stop):
+        for step in _steps(trainer, start, run.stop):
             run.step(step)
+        if trainer.replicas is not None:
+            _write_weights_digest(trainer, out)
+    except RunFailure as e:
+        if e.exit_code == EXIT_STOPPED and trainer.replicas is not None:  # all at one step
+            _write_weights_digest(trainer, out)
+        raise
     finally:
         run.flush()  # the rows of the steps done, even when one fails
         if trainer.saver is not None:
@@ -320,7 +416,27 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
     return run.finish()
 
 
-def _say_restart(mesh: ParallelMesh, restarts: int, start: int) -> None:
+def _write_weights_digest(trainer: Trainer, out: Path) -> None:
+    """Replica groups: group K's rank 0 writes OUT/replica_groups/groupK.json, the step and a
+    digest of the group's weights (every rank's, in rank order), which every group that
+    finished the run in step with the others shares bitwise."""
+    mine = hashlib.sha256()
+    for name, param in trainer.model.named_parameters():
+        mine.update(name.encode())
+        mine.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    digests = comm.all_gather_objects(mine.hexdigest(), trainer.mesh.world)
+    if trainer.mesh.rank == 0:
+        replicas = trainer.replicas
+        folder = out / "replica_groups"
+        folder.mkdir(parents=True, exist_ok=True)
+        whole = hashlib.sha256("".join(digests).encode()).hexdigest()
+        (folder / f"group{replicas.group_id}.json").write_text(json.dumps(
+            {"step": replicas.manager.current_step(), "weights_sha256": whole,
+             "discarded_steps": replicas.discarded}))
+
+
+def _say_restart(mesh: ParallelMesh, restarts: int, start: int,
+                 replicas: ReplicaGroups | None = None) -> None:
     """Rank 0's line on an elastic restart: the failed rank as the first node that saw it
     names it (each node's local rank 0 reads its own ranks' files), and what was resumed."""
     mine = failed_rank(mesh.world_size) if os.environ.get("LOCAL_RANK", "0") == "0" else None
@@ -328,5 +444,8 @@ def _say_restart(mesh: ParallelMesh, restarts: int, start: int) -> None:
     if mesh.rank == 0:
         where = f"resumed from checkpoint step_{start:08d}" if start else \
             "no checkpoint yet: started over"
-        print(f"meshtrain: restart {restarts}: {named[0] if named else 'a rank failed'};"
+        if replicas is not None:
+            where = "joining the other replica groups, healing from a live one"
+        group = f"replica group {replicas.group_id}: " if replicas is not None else ""
+        print(f"meshtrain: {group}restart {restarts}: {named[0] if named else 'a rank failed'};"
               f" {where}", file=sys.stderr, flush=True)
