@@ -9,14 +9,18 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 from harness import rank_pids, run_cli, run_on_ranks, start_cli, worker_mesh
 
 from meshtrain.cli import main as cli
 from meshtrain.mesh import MeshAxis
+from meshtrain.operations.failures import EXIT_FAILED, RunFailure
 from meshtrain.operations.stragglers import StragglerDetector, Window, compare
 from meshtrain.parallel.communication.flight_recorder import FlightRecorder
+from meshtrain.training.run_state import RunState
 
 WINDOW = 4  # steps per comparison in the real-rank cases
 DEFAULT_THRESHOLD = 3.0  # the setting's default, which the real-rank cases use
@@ -210,6 +214,9 @@ def test_doctor_summarises_the_windows_of_metrics(tmp_path, capsys):
     (["--straggler-threshold", "1"], "--straggler-threshold must be a number above 1"),
     (["--straggler-threshold", "nan"], "--straggler-threshold must be a number above 1"),
     (["--straggler-threshold", "inf"], "--straggler-threshold must be a number above 1"),
+    (["--drop-stragglers", "-1"], "--drop-stragglers must be >= 0 windows"),
+    (["--drop-stragglers", "2", "--straggler-window", "4"],
+     "--drop-stragglers restarts a replica group: it needs --fault-tolerance and"),
 ])
 def test_bad_straggler_settings_are_one_line(capsys, flags, needle):
     assert cli.main(["train", "--device", "cpu", *flags]) == 2
@@ -223,3 +230,19 @@ def test_straggler_settings_are_read_from_toml(tmp_path, capsys):
     assert cli.main(["train", "--device", "cpu", "--config", str(toml)]) == 2
     assert "--straggler-threshold must be a number above 1 (a rank's compute over the median)," \
            " got 0.5" in capsys.readouterr().err
+
+
+def test_drop_stragglers_ends_the_group_once_a_rank_is_named_in_that_many_windows():
+    """`drop_stragglers` 2: one window naming rank 1 goes on; two in a row end the replica
+    group with one agreed line (its agent restarts it and it heals from a live group)."""
+    detector = StragglerDetector.__new__(StragglerDetector)
+    detector.history = deque([[1]], maxlen=8)
+    run = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(drop_stragglers=2)),
+                          stragglers=detector,
+                          trainer=SimpleNamespace(replicas=SimpleNamespace(group_id=1)))
+    RunState._drop_if_straggling(run)  # one window: not yet
+    detector.history.append([1, 2])
+    with pytest.raises(RunFailure) as failure:
+        RunState._drop_if_straggling(run)
+    assert failure.value.agreed and failure.value.exit_code == EXIT_FAILED
+    assert str(failure.value).startswith("rank(s) [1] of replica group 1 named stragglers in 2")

@@ -396,6 +396,12 @@ def _validate_stragglers(p: ParallelSettings) -> None:
         raise SettingError(Code.RANGE, f"`straggler_threshold` must be a number above 1 (a"
                                        f" rank's compute over the median), got"
                                        f" {p.straggler_threshold}")
+    if p.drop_stragglers < 0:
+        raise SettingError(Code.RANGE, f"`drop_stragglers` must be >= 0 windows (0: off), got"
+                                       f" {p.drop_stragglers}")
+    if p.drop_stragglers and not (p.fault_tolerance and p.straggler_window):
+        raise SettingError(Code.FT_SETTING, "`drop_stragglers` restarts a replica group: it needs"
+                                            " `fault_tolerance` and `straggler_window`")
 
 
 def _validate_logging(log: LoggingSettings, steps: int) -> None:

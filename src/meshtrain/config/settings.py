@@ -92,6 +92,10 @@ class ParallelSettings:
     straggler_threshold: float = _f(3.0, "with --straggler-window, a rank is a straggler when"
                                          " its compute over a window is more than this many"
                                          " times its stage's median")
+    drop_stragglers: int = _f(0, "with --fault-tolerance and --straggler-window: restart this"
+                                 " replica group when one of its ranks is named a straggler in"
+                                 " N windows in a row; it rejoins at the next quorum and heals"
+                                 " from a live group (0: off)")
     layout: str | None = _f(None, "let the planner choose the layout before the ranks start:"
                                   " auto searches every layout field, a spec such as"
                                   " tp=2,zero=1 (as for meshtrain plan) fixes the fields it"

@@ -15,7 +15,13 @@ from meshtrain.config.run_config import RunConfig, local_ranks, profile_window
 from meshtrain.data.corpus import write_atomic
 from meshtrain.data.tokenization import TOKENIZER_FILE
 from meshtrain.memory import PeakMemory, measure_peak
-from meshtrain.operations.failures import EXIT_NONFINITE, EXIT_STOPPED, RunFailure, writing
+from meshtrain.operations.failures import (
+    EXIT_FAILED,
+    EXIT_NONFINITE,
+    EXIT_STOPPED,
+    RunFailure,
+    writing,
+)
 from meshtrain.operations.stopping import SAVE_NOW, StopSignals, stop_signal
 from meshtrain.operations.stragglers import StragglerDetector
 from meshtrain.parallel.communication import comm
@@ -124,6 +130,7 @@ class RunState:
             self._write(evaluation)
             self.progress.write(f"step {done}: eval loss {evaluation['eval_loss']:.4f}")
         self._write(row)
+        self._drop_if_straggling()
         self.progress.update(step=done, loss=row["loss"], tokens_per_s=tokens_per_s,
                              tflops=row["tflops"], mfu=row.get("mfu"),
                              moe_load=row.get("moe_load_max_over_mean"))
@@ -201,6 +208,20 @@ class RunState:
         if window.named:
             self.progress.write(window.line())
         return window.fields()
+
+    def _drop_if_straggling(self) -> None:
+        """`drop_stragglers`: a rank of this replica group named in that many windows in a
+        row ends the group (its step committed and written); its agent restarts it, and it
+        heals from a live group. Every rank of the group sees the same windows."""
+        windows = self.cfg.parallel.drop_stragglers
+        if not windows or self.stragglers is None:
+            return
+        if ranks := self.stragglers.persistent(windows):
+            group = self.trainer.replicas.group_id
+            raise RunFailure(f"rank(s) {ranks} of replica group {group} named"
+                             f" stragglers in {windows} windows in a row: the group restarts and"
+                             " heals from a live group (`drop_stragglers`)", EXIT_FAILED,
+                             agreed=True)
 
     def _stop_if_nonfinite(self, row: dict) -> None:
         """After `max_nonfinite_steps` consecutive inf/NaN steps, or at the last step inside
