@@ -10,8 +10,17 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.errors import Code, SettingError
-from meshtrain.models import (deepseek_v3, gpt, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
-                              qwen3_moe)
+from meshtrain.models import (
+    deepseek_v3,
+    gpt,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from meshtrain.models.causal_lm import CausalLM
 from meshtrain.models.family import ModelFamily, TransformerConfig
 
