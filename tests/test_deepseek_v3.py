@@ -2,7 +2,7 @@
 shared expert, a dense first layer) against transformers' DeepseekV3ForCausalLM: logits at tp 1
 (default) and tp 2, ep 2, pp 2 (extended) within 1e-5 in fp32, import then export bitwise,
 greedy generation token for token with and without the latent cache; training parity of
-deepseek-v3-tiny at several layouts (test_moe_layouts' machinery:
+deepseek-v3-tiny at several layouts, etp 1 among them (test_moe_layouts' machinery:
 trajectory and every routing choice); bad MLA settings refused in one line; the presets
 against the published configs. Tiny random models are built offline."""
 
@@ -174,6 +174,7 @@ shared expert added, layer 0 dense."""
 LAYOUTS = {  # name: (degrees, plan settings)
     "cp2-ring": ({"cp": 2}, {"cp_mode": "ring"}),
     "tp2xep2": ({"tp": 2, "dp": 2, "ep": 2}, {}),
+    "tp2xep2-etp1": ({"tp": 2, "ep": 2, "etp": 1}, {}),  # whole experts over the tp ranks
     "sp-tp2xep2": ({"tp": 2, "dp": 2, "ep": 2}, {"sequence_parallel": True}),
     "pp2xep2": ({"pp": 2, "dp": 2, "ep": 2}, {}),
     "cp2-all2all": ({"cp": 2}, {"cp_mode": "all2all"}),
