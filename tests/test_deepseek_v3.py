@@ -2,8 +2,9 @@
 shared expert, a dense first layer) against transformers' DeepseekV3ForCausalLM: logits at tp 1
 (default) and tp 2, ep 2, pp 2 (extended) within 1e-5 in fp32, import then export bitwise,
 greedy generation token for token with and without the latent cache; training parity of
-deepseek-v3-tiny at several layouts (test_moe_layouts' machinery: trajectory and every routing
-choice); bad MLA settings refused in one line. Tiny random models are built offline."""
+deepseek-v3-tiny at several layouts, etp 1 among them (test_moe_layouts' machinery:
+trajectory and every routing choice); bad MLA settings refused in one line; the presets
+against the published configs. Tiny random models are built offline."""
 
 import json
 
@@ -173,6 +174,7 @@ shared expert added, layer 0 dense."""
 LAYOUTS = {  # name: (degrees, plan settings)
     "cp2-ring": ({"cp": 2}, {"cp_mode": "ring"}),
     "tp2xep2": ({"tp": 2, "dp": 2, "ep": 2}, {}),
+    "tp2xep2-etp1": ({"tp": 2, "ep": 2, "etp": 1}, {}),  # whole experts over the tp ranks
     "sp-tp2xep2": ({"tp": 2, "dp": 2, "ep": 2}, {"sequence_parallel": True}),
     "pp2xep2": ({"pp": 2, "dp": 2, "ep": 2}, {}),
     "cp2-all2all": ({"cp": 2}, {"cp_mode": "all2all"}),
@@ -221,6 +223,38 @@ def test_latent_cache_is_smaller_than_grouped_query_attention():
     assert cfg.cached_bytes_per_token(2) == 61 * 576 * 2
     assert 61 * 8 * (192 + 128) * 2 / cfg.cached_bytes_per_token(2) == pytest.approx(4.44, 0.01)
     assert cfg.num_parameters() == 671_026_404_352  # without the multi-token-prediction layer
+
+
+PUBLISHED = {  # preset: its config.json's fields as this preset's settings
+    # deepseek-ai/DeepSeek-V3 config.json (as quoted whole in EasyDeL's model tests and by
+    # Megatron-Bridge's deepseek_v3.yaml): n_group 8, topk_group 4, yarn factor 40 from 4096.
+    "deepseek-v3": dict(
+        num_layers=61, hidden_size=7168, num_heads=128, ffn_hidden_size=18432,
+        vocab_size=129280, max_seq_len=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
+        q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, moe_experts=256, moe_top_k=8, moe_ffn_size=2048,
+        moe_shared_ffn_size=2048, moe_first_dense=3, moe_groups=8, moe_topk_groups=4,
+        moe_routed_scaling=2.5, moe_score="sigmoid", moe_norm_topk_prob=True,
+        rope_scaling="yarn", rope_factor=40.0, rope_original_max_positions=4096,
+        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+        tie_word_embeddings=False),
+    # moonshotai/Moonlight-16B-A3B config.json (as quoted whole in a public Rust loader's
+    # tests): no query latent, 2 shared experts, one group, no rope scaling.
+    "moonlight-16b-a3b": dict(
+        num_layers=27, hidden_size=2048, num_heads=16, ffn_hidden_size=11264,
+        vocab_size=163840, max_seq_len=8192, rms_norm_eps=1e-5, rope_theta=50000.0,
+        q_lora_rank=0, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, moe_experts=64, moe_top_k=6, moe_ffn_size=1408,
+        moe_shared_ffn_size=2 * 1408, moe_first_dense=1, moe_groups=1, moe_topk_groups=1,
+        moe_routed_scaling=2.446, moe_score="sigmoid", moe_norm_topk_prob=True,
+        rope_scaling=None, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_have_the_published_configs(name):
+    cfg = preset(name)
+    assert {key: getattr(cfg, key) for key in PUBLISHED[name]} == PUBLISHED[name]
 
 
 @pytest.mark.parametrize("flag,value,named", [
