@@ -7,6 +7,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from harness import run_cli, worker_mesh
@@ -45,6 +46,22 @@ def save_models(root: Path, configs: dict, adjust=None) -> dict[str, Path]:
         paths[name] = root / name
         model.save_pretrained(paths[name])
     return paths
+
+
+def saved_fixture(configs: dict, adjust=None):
+    """A module fixture `hf`: the configs' models saved by `save_models`."""
+    @pytest.fixture(scope="module")
+    def hf(tmp_path_factory) -> dict[str, Path]:
+        return save_models(tmp_path_factory.mktemp("hf"), configs, adjust)
+    return hf
+
+
+def imported_fixture():
+    """A module fixture `imported`: each directory of the module's `hf` fixture imported."""
+    @pytest.fixture(scope="module")
+    def imported(hf, tmp_path_factory) -> dict[str, Path]:
+        return import_all(hf, tmp_path_factory.mktemp("runs"))
+    return imported
 
 
 def move_head_norms(_name: str, model) -> None:
@@ -117,6 +134,17 @@ def assert_same(logits, chosen, expected, expected_chosen, where) -> None:
     assert chosen.keys() <= expected_chosen.keys() and chosen, where
     for layer, experts in chosen.items():
         assert torch.equal(experts, expected_chosen[layer]), (where, layer)
+
+
+def assert_chooses_as_transformers(source: Path, run: Path, routers: tuple) -> None:
+    """`meshtrain.load_model` of the imported run and of the Hugging Face directory (fp32):
+    transformers' logits and, on every MoE layer, its experts for every token."""
+    expected, expected_chosen = theirs_with_experts(source, routers)
+    for path in (run, source):
+        model = meshtrain.load_model(path)
+        with torch.no_grad(), recorded(model) as chosen:
+            logits = model(IDS)
+        assert_same(logits, chosen, expected, expected_chosen, path)
 
 
 def assert_same_across_ranks(results, expected, expected_chosen, where) -> None:

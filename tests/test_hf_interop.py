@@ -16,7 +16,7 @@ from hf_models import (
     TINY,
     assert_import_refused,
     greedy_of_transformers,
-    import_all,
+    imported_fixture,
     logits_at,
     max_difference,
     reference,
@@ -101,10 +101,8 @@ def hf(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-@pytest.fixture(scope="module")
-def imported(hf, tmp_path_factory) -> dict[str, Path]:
-    """Each variant imported by the command line into a run directory."""
-    return import_all(hf, tmp_path_factory.mktemp("runs"))
+imported = imported_fixture()
+"""Each variant imported by the command line into a run directory."""
 
 
 @pytest.mark.parametrize("variant", [v for v in CONFIGS if v != "llama3_v4"] + ["sharded"])

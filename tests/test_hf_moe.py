@@ -14,13 +14,14 @@ from harness import run_cli, run_on_ranks
 from hf_models import (
     IDS,
     TINY,
+    assert_chooses_as_transformers,
     assert_exports_bitwise,
     assert_generates_as_transformers,
     assert_import_refused,
     assert_same,
     assert_same_across_ranks,
     greedy_of_transformers,
-    import_all,
+    imported_fixture,
     logits_and_experts_at,
     recorded,
     save_models,
@@ -64,9 +65,7 @@ def _numbered_tokenizer() -> str:
     return tokenizer.to_str()
 
 
-@pytest.fixture(scope="module")
-def imported(hf, tmp_path_factory) -> dict[str, Path]:
-    return import_all(hf, tmp_path_factory.mktemp("runs"))
+imported = imported_fixture()
 
 
 def _theirs(path: Path) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -93,12 +92,7 @@ def test_configs_import_as_the_family_settings(hf):
 @pytest.mark.parametrize("variant", list(CONFIGS))
 def test_logits_and_chosen_experts_equal_transformers(hf, imported, variant):
     """`meshtrain.load_model` of the run and of the Hugging Face directory (fp32)."""
-    expected, expected_chosen = _theirs(hf[variant])
-    for source in (imported[variant], hf[variant]):
-        model = meshtrain.load_model(source)
-        with torch.no_grad(), recorded(model) as chosen:
-            logits = model(IDS)
-        assert_same(logits, chosen, expected, expected_chosen, source)
+    assert_chooses_as_transformers(hf[variant], imported[variant], ROUTERS)
 
 
 @pytest.mark.parametrize("variant", list(CONFIGS))

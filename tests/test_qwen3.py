@@ -7,7 +7,6 @@ pp 2, cp 2 and 2d equal to one process's."""
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,12 +18,12 @@ from hf_models import (
     assert_exports_bitwise,
     assert_generates_as_transformers,
     assert_import_refused,
-    import_all,
+    imported_fixture,
     logits_at,
     max_difference,
     move_head_norms,
     reference,
-    save_models,
+    saved_fixture,
     train_imported,
 )
 
@@ -80,15 +79,9 @@ def test_qk_norm_off_and_gpt_head_settings_are_refused():
         assert refused.value.settings[0] == setting
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory) -> dict[str, Path]:
-    """Each variant saved by transformers, its head norms moved off their initial ones."""
-    return save_models(tmp_path_factory.mktemp("hf"), CONFIGS, move_head_norms)
-
-
-@pytest.fixture(scope="module")
-def imported(hf, tmp_path_factory) -> dict[str, Path]:
-    return import_all(hf, tmp_path_factory.mktemp("runs"))
+hf = saved_fixture(CONFIGS, move_head_norms)
+"""Each variant saved by transformers, its head norms moved off their initial ones."""
+imported = imported_fixture()
 
 
 def test_import_maps_the_head_size_and_norms(hf, imported):

@@ -14,18 +14,17 @@ from harness import run_on_ranks
 from hf_models import (
     IDS,
     TINY,
+    assert_chooses_as_transformers,
     assert_exports_bitwise,
     assert_generates_as_transformers,
     assert_import_refused,
-    assert_same,
     assert_same_across_ranks,
-    import_all,
+    imported_fixture,
     logits_and_experts_at,
     max_difference,
     move_head_norms,
-    recorded,
     reference,
-    save_models,
+    saved_fixture,
     theirs_with_experts,
     train_imported,
 )
@@ -66,14 +65,10 @@ def test_presets_have_the_published_sizes():
     assert 21.5e9 < a22b.matmul_parameters_per_token() + 151936 * 4096 < 22.5e9
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory) -> dict[str, Path]:
-    return save_models(tmp_path_factory.mktemp("hf"), CONFIGS, move_head_norms)
+hf = saved_fixture(CONFIGS, move_head_norms)
 
 
-@pytest.fixture(scope="module")
-def imported(hf, tmp_path_factory) -> dict[str, Path]:
-    return import_all(hf, tmp_path_factory.mktemp("runs"))
+imported = imported_fixture()
 
 
 def _theirs(path: Path) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -92,12 +87,7 @@ def test_configs_import_as_the_family_settings(hf):
 
 @pytest.mark.parametrize("variant", list(CONFIGS))
 def test_logits_and_chosen_experts_equal_transformers(hf, imported, variant):
-    expected, expected_chosen = _theirs(hf[variant])
-    for source in (imported[variant], hf[variant]):
-        model = meshtrain.load_model(source)
-        with torch.no_grad(), recorded(model) as chosen:
-            logits = model(IDS)
-        assert_same(logits, chosen, expected, expected_chosen, source)
+    assert_chooses_as_transformers(hf[variant], imported[variant], (ROUTER,))
 
 
 @pytest.mark.parametrize("variant", list(CONFIGS))
