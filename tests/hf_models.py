@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from harness import run_cli, worker_mesh
+from harness import run_cli, run_on_ranks, worker_mesh
 from safetensors.torch import load_file
 
 import meshtrain
@@ -147,15 +147,29 @@ def assert_chooses_as_transformers(source: Path, run: Path, routers: tuple) -> N
         assert_same(logits, chosen, expected, expected_chosen, path)
 
 
-def assert_same_across_ranks(results, expected, expected_chosen, where) -> None:
-    """`logits_and_experts_at`'s results of every rank: the logits where a rank has them, and
-    every MoE layer's experts seen on some rank, as transformers'."""
+EXPERT_LAYOUTS = {"tp2": {"tp": 2}, "ep2": {"dp": 2, "ep": 2}, "pp2": {"pp": 2}}
+"""The 2-rank layouts an MoE family's imported logits and choices are compared at."""
+
+
+def expert_layout_cases(configs: dict, default: str) -> list:
+    """(variant, layout) cases: `default` at ep 2 in the default tier, the others extended."""
+    return [(default, "ep2"), *(pytest.param(v, name, marks=pytest.mark.extended)
+                                for v in configs for name in EXPERT_LAYOUTS
+                                if (v, name) != (default, "ep2"))]
+
+
+def assert_chooses_as_transformers_at(layout: str, source: Path, run: Path,
+                                      routers: tuple) -> None:
+    """The imported run on 2 ranks at this layout: the logits where a rank has them, and every
+    MoE layer's experts (each seen on some rank), as transformers'."""
+    expected, expected_chosen = theirs_with_experts(source, routers)
+    results = run_on_ranks(2, logits_and_experts_at, str(run), IDS, EXPERT_LAYOUTS[layout])
     seen = set()
     for rank, (logits, chosen) in enumerate(results):
         if logits is not None:
-            assert max_difference(logits, expected) < 1e-5, (where, rank)
+            assert max_difference(logits, expected) < 1e-5, (layout, rank)
         for layer, experts in chosen.items():
-            assert torch.equal(experts, expected_chosen[layer]), (where, rank, layer)
+            assert torch.equal(experts, expected_chosen[layer]), (layout, rank, layer)
         seen |= chosen.keys()
     assert seen == expected_chosen.keys()
 
@@ -237,9 +251,23 @@ def assert_import_refused(config: dict, named: str, tmp_path: Path, capsys) -> N
     assert not (tmp_path / "run").exists()
 
 
-def train_imported(run: Path, out: Path, corpus: str, *layout: str) -> None:
-    """3 steps of training from an imported run on 4 cpu ranks at `layout` (command flags)."""
+def train_and_export(run: Path, tmp_path: Path, corpus: str, *layout: str):
+    """3 steps of training from an imported run on 4 cpu ranks at `layout` (command flags) into
+    tmp_path/run, exported to tmp_path/hf: transformers loads the export with no key missing,
+    unexpected or mismatched, to the trained logits, which moved. Returns the trained model and
+    the two directories."""
+    out, exported = tmp_path / "run", tmp_path / "hf"
     run_cli("train", "--init-from", str(run), "--nproc", "4", *layout, "--device", "cpu",
             "--data", corpus, "--seq-len", "16", "--global-batch", "4", "--micro-batch", "1",
             "--steps", "3", "--warmup-steps", "0", "--lr", "1e-2", "--eval-every", "0",
             "--out", str(out))
+    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(exported,
+                                                                    output_loading_info=True)
+    assert not any(info.values()), info
+    trained = meshtrain.load_model(out)
+    with torch.no_grad():
+        ours = trained(IDS)
+        assert max_difference(ours, theirs.eval()(IDS).logits) < 1e-5
+        assert max_difference(ours, meshtrain.load_model(run)(IDS)) > 1e-3  # it trained
+    return trained, out, exported

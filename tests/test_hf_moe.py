@@ -10,27 +10,25 @@ import pytest
 import tokenizers
 import torch
 import transformers
-from harness import run_cli, run_on_ranks
+from harness import run_cli
 from hf_models import (
     IDS,
     TINY,
     assert_chooses_as_transformers,
+    assert_chooses_as_transformers_at,
     assert_exports_bitwise,
     assert_generates_as_transformers,
     assert_import_refused,
     assert_same,
-    assert_same_across_ranks,
+    expert_layout_cases,
     greedy_of_transformers,
     imported_fixture,
-    logits_and_experts_at,
     recorded,
     save_models,
     theirs_with_experts,
-    train_imported,
+    train_and_export,
 )
 
-import meshtrain
-from meshtrain.cli.main import main
 from meshtrain.interop.hf_io import HFModelDirectory, hf_mapping
 from meshtrain.models import preset
 
@@ -117,19 +115,10 @@ def test_sample_command_is_greedy_generation_of_transformers_at_tp2(hf, imported
     assert [int(word[1:]) for word in sample.stdout.split()] == theirs[0].tolist()
 
 
-LAYOUTS = {"tp2": {"tp": 2}, "ep2": {"dp": 2, "ep": 2}, "pp2": {"pp": 2}}
-
-
-@pytest.mark.parametrize("variant,layout", [
-    ("qwen2_moe", "ep2"),  # the default tier's case
-    *(pytest.param(v, name, marks=pytest.mark.extended) for v in CONFIGS for name in LAYOUTS
-      if (v, name) != ("qwen2_moe", "ep2"))])
+@pytest.mark.parametrize("variant,layout", expert_layout_cases(CONFIGS, "qwen2_moe"))
 def test_logits_and_chosen_experts_equal_transformers_across_ranks(hf, imported, variant,
                                                                   layout):
-    expected, expected_chosen = _theirs(hf[variant])
-    results = run_on_ranks(2, logits_and_experts_at, str(imported[variant]), IDS,
-                           LAYOUTS[layout])
-    assert_same_across_ranks(results, expected, expected_chosen, layout)
+    assert_chooses_as_transformers_at(layout, hf[variant], imported[variant], ROUTERS)
 
 
 def _hf_config(base: str, **fields) -> dict:
@@ -184,16 +173,8 @@ def test_presets_have_the_published_shapes():
 
 @pytest.mark.extended  # 4 ranks training: the import, training and export paths at once
 def test_training_after_import_at_tp2_dp2_exports_to_transformers(imported, corpus, tmp_path):
-    run, out, exported = imported["qwen2_moe"], tmp_path / "run", tmp_path / "hf"
-    train_imported(run, out, corpus, "--tp", "2")
-    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(exported,
-                                                               output_loading_info=True)
-    assert not any(info.values()), info
-    trained = meshtrain.load_model(out)
+    trained, _, exported = train_and_export(imported["qwen2_moe"], tmp_path, corpus, "--tp", "2")
     with torch.no_grad(), recorded(trained) as chosen:
         ours = trained(IDS)
     expected, expected_chosen = _theirs(exported)
     assert_same(ours, chosen, expected, expected_chosen, "trained")
-    with torch.no_grad():
-        assert (ours - meshtrain.load_model(run)(IDS)).abs().max() > 1e-3  # it trained

@@ -24,12 +24,11 @@ from hf_models import (
     move_head_norms,
     reference,
     saved_fixture,
-    train_imported,
+    train_and_export,
 )
 
 import meshtrain
 from meshtrain.checkpointing.checkpoint import checkpoint_config, resolve_checkpoint
-from meshtrain.cli.main import main
 from meshtrain.config.run_config import build_config
 from meshtrain.errors import SettingError
 from meshtrain.interop.hf_io import HFModelDirectory, hf_mapping
@@ -146,14 +145,8 @@ def test_exports_write_head_dim_where_transformers_reads_it():
 @pytest.mark.extended  # 4 ranks; importing then training at tp 2 x dp 2 is the point
 def test_training_an_imported_qwen3_at_tp2_dp2_exports_to_transformers(imported, corpus,
                                                                          tmp_path):
-    run, out, exported = imported["qwen3"], tmp_path / "run", tmp_path / "hf"
-    train_imported(run, out, corpus, "--tp", "2")
-    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
-    trained = meshtrain.load_model(out)
-    with torch.no_grad():
-        ours = trained(IDS)
-        assert max_difference(ours, reference(exported)(IDS).logits) < 1e-5
-        assert max_difference(ours, meshtrain.load_model(run)(IDS)) > 1e-3  # it trained
+    run = imported["qwen3"]
+    trained, _, _ = train_and_export(run, tmp_path, corpus, "--tp", "2")
     norms = {n: p for n, p in trained.lm.named_parameters() if n.endswith("q_norm.weight")}
     first = meshtrain.load_model(run).lm.get_parameter("layers.0.attn.q_norm.weight")
     assert not torch.equal(norms["layers.0.attn.q_norm.weight"], first)  # the norms trained

@@ -10,23 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from harness import run_on_ranks
 from hf_models import (
-    IDS,
     TINY,
     assert_chooses_as_transformers,
+    assert_chooses_as_transformers_at,
     assert_exports_bitwise,
     assert_generates_as_transformers,
     assert_import_refused,
-    assert_same_across_ranks,
+    expert_layout_cases,
     imported_fixture,
-    logits_and_experts_at,
-    max_difference,
     move_head_norms,
-    reference,
     saved_fixture,
     theirs_with_experts,
-    train_imported,
+    train_and_export,
 )
 from test_moe_layouts import (
     FAMILY_CASES,
@@ -36,8 +32,6 @@ from test_moe_layouts import (
     family_model,
 )
 
-import meshtrain
-from meshtrain.cli.main import main
 from meshtrain.interop.hf_io import HFModelDirectory
 from meshtrain.models import preset
 
@@ -103,32 +97,16 @@ def test_greedy_generation_equals_transformers(hf, variant):
     assert_generates_as_transformers(hf[variant])
 
 
-LAYOUTS = {"tp2": {"tp": 2}, "ep2": {"dp": 2, "ep": 2}, "pp2": {"pp": 2}}
-
-
-@pytest.mark.parametrize("variant,layout", [
-    ("qwen3_moe", "ep2"),  # the default tier's case
-    *(pytest.param(v, name, marks=pytest.mark.extended) for v in CONFIGS for name in LAYOUTS
-      if (v, name) != ("qwen3_moe", "ep2"))])
+@pytest.mark.parametrize("variant,layout", expert_layout_cases(CONFIGS, "qwen3_moe"))
 def test_logits_and_chosen_experts_equal_transformers_across_ranks(hf, imported, variant,
                                                                   layout):
-    expected, expected_chosen = _theirs(hf[variant])
-    results = run_on_ranks(2, logits_and_experts_at, str(imported[variant]), IDS,
-                           LAYOUTS[layout])
-    assert_same_across_ranks(results, expected, expected_chosen, layout)
+    assert_chooses_as_transformers_at(layout, hf[variant], imported[variant], (ROUTER,))
 
 
 @pytest.mark.extended  # 4 ranks: the import, the layouts and the export are default cases
 def test_training_an_imported_qwen3_moe_at_tp2_dp2_ep2_exports_to_transformers(imported, corpus,
                                                                                tmp_path):
-    run, out, exported = imported["qwen3_moe"], tmp_path / "run", tmp_path / "hf"
-    train_imported(run, out, corpus, "--tp", "2", "--ep", "2")
-    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
-    trained = meshtrain.load_model(out)
-    with torch.no_grad():
-        ours = trained(IDS)
-        assert max_difference(ours, reference(exported)(IDS).logits) < 1e-5
-        assert max_difference(ours, meshtrain.load_model(run)(IDS)) > 1e-3  # it trained
+    train_and_export(imported["qwen3_moe"], tmp_path, corpus, "--tp", "2", "--ep", "2")
 
 
 @pytest.mark.parametrize("fields,named", [
