@@ -11,6 +11,18 @@ import tokenizers
 import torch
 import transformers
 from harness import run_cli, run_on_ranks, worker_mesh
+from hf_models import (
+    IDS,
+    TINY,
+    assert_import_refused,
+    greedy_of_transformers,
+    imported_fixture,
+    logits_at,
+    max_difference,
+    reference,
+    save_models,
+    train_and_export,
+)
 from safetensors.torch import load_file, save_file
 
 import meshtrain
@@ -27,37 +39,31 @@ from meshtrain.data.tokenization import train_bpe
 from meshtrain.errors import Code
 from meshtrain.interop.hf_io import HFModelDirectory, hf_mapping, import_hf
 from meshtrain.models import preset
-from meshtrain.parallel.communication import comm
 from meshtrain.parallel.layers.context_parallel import context_parallel_positions
-from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallelize import build_model, pipeline_stage
+from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
-IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-             initializer_range=0.1)  # larger than the default: rotary errors show in logits
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 CONFIGS = {
     "gpt2": transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2,
                                     n_head=4, initializer_range=0.1, bos_token_id=None,
                                     eos_token_id=None),
-    "llama_gqa": transformers.LlamaConfig(**LLAMA),
-    "llama3_v5": transformers.LlamaConfig(**LLAMA, rope_parameters=LLAMA3),
-    "llama3_v4": transformers.LlamaConfig(**LLAMA, rope_parameters=LLAMA3),  # rewritten below
-    "llama32_tied": transformers.LlamaConfig(**LLAMA, rope_parameters=LLAMA3,
+    "llama_gqa": transformers.LlamaConfig(**TINY),
+    "llama3_v5": transformers.LlamaConfig(**TINY, rope_parameters=LLAMA3),
+    "llama3_v4": transformers.LlamaConfig(**TINY, rope_parameters=LLAMA3),  # rewritten below
+    "llama32_tied": transformers.LlamaConfig(**TINY, rope_parameters=LLAMA3,
                                              tie_word_embeddings=True),
     # Qwen2: q/k/v biases; tied as the small Qwen2.5 models are, and untied as the 7B
-    "qwen2_tied": transformers.Qwen2Config(**LLAMA, tie_word_embeddings=True,
+    "qwen2_tied": transformers.Qwen2Config(**TINY, tie_word_embeddings=True,
                                            rope_parameters={"rope_type": "default",
                                                             "rope_theta": 1e6}),
-    "qwen2": transformers.Qwen2Config(**LLAMA),
+    "qwen2": transformers.Qwen2Config(**TINY),
     # Mistral: a window of 8 on sequences of 24 (v0.1); v0.2/v0.3 configs have none
-    "mistral": transformers.MistralConfig(**LLAMA, sliding_window=8),
-    "mistral_v03": transformers.MistralConfig(**LLAMA, sliding_window=None),
+    "mistral": transformers.MistralConfig(**TINY, sliding_window=8),
+    "mistral_v03": transformers.MistralConfig(**TINY, sliding_window=None),
     # Qwen2's window (8) on the layers from max_window_layers (1) on: layer 0 attends all
-    "qwen2_window": transformers.Qwen2Config(**LLAMA, use_sliding_window=True, sliding_window=8,
+    "qwen2_window": transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8,
                                              max_window_layers=1),
 }
 
@@ -84,35 +90,19 @@ def hf(tmp_path_factory) -> dict[str, Path]:
     """Each variant saved by transformers (the GPT-2 one with a tokenizer), plus a sharded copy
     of the GQA Llama."""
     root = tmp_path_factory.mktemp("hf")
-    paths = {}
-    for seed, (name, config) in enumerate(CONFIGS.items()):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        paths[name] = root / name
-        model.save_pretrained(paths[name])
+
+    def shard_gqa(name: str, model) -> None:
         if name == "llama_gqa":
-            paths["sharded"] = root / "sharded"
-            model.save_pretrained(paths["sharded"], max_shard_size="20KB")
+            model.save_pretrained(root / "sharded", max_shard_size="20KB")
+
+    paths = save_models(root, CONFIGS, shard_gqa) | {"sharded": root / "sharded"}
     _as_transformers_4(paths["llama3_v4"])
     (paths["gpt2"] / "tokenizer.json").write_text(_tokenizer_json())
     return paths
 
 
-@pytest.fixture(scope="module")
-def imported(hf, tmp_path_factory) -> dict[str, Path]:
-    """Each variant imported by the command line into a run directory."""
-    root = tmp_path_factory.mktemp("runs")
-    for name, path in hf.items():
-        assert main(["import-hf", str(path), "--out", str(root / name)]) == 0
-    return {name: root / name for name in hf}
-
-
-def _reference(path: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-
-
-def _max_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    return (ours - theirs).abs().max().item()
+imported = imported_fixture()
+"""Each variant imported by the command line into a run directory."""
 
 
 @pytest.mark.parametrize("variant", [v for v in CONFIGS if v != "llama3_v4"] + ["sharded"])
@@ -132,7 +122,7 @@ def test_import_then_export_is_bitwise_and_loads_cleanly(hf, imported, variant, 
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     assert "LOAD REPORT" not in capfd.readouterr().err  # transformers' table of such keys
     with torch.no_grad():
-        assert _max_difference(theirs.eval()(IDS).logits, _reference(hf[variant])(IDS).logits) \
+        assert max_difference(theirs.eval()(IDS).logits, reference(hf[variant])(IDS).logits) \
             < 1e-5
 
 
@@ -140,11 +130,11 @@ def test_dense_logits_equal_transformers(hf, imported):
     """`meshtrain.load_model` of the run directory and of the Hugging Face one (fp32)."""
     for variant in CONFIGS:
         with torch.no_grad():
-            expected = _reference(hf[variant])(IDS).logits
+            expected = reference(hf[variant])(IDS).logits
             for source in (imported[variant], hf[variant]):
                 logits = meshtrain.load_model(source)(IDS)
                 assert logits.shape == (2, 24, 256)
-                assert _max_difference(logits, expected) < 1e-5, (variant, source)
+                assert max_difference(logits, expected) < 1e-5, (variant, source)
 
 
 def test_sample_reads_an_imported_run(imported):
@@ -167,34 +157,15 @@ def test_tokenizer_travels_with_the_model(hf, imported, tmp_path):
     assert loaded("hello world")["input_ids"] == [1, 2]
 
 
-def _logits_at(run: str, ids: torch.Tensor, degrees: dict) -> torch.Tensor | None:
-    """The whole model's logits at this layout (the last pipeline stage returns them)."""
-    mesh = worker_mesh(**degrees)
-    path = resolve_checkpoint(run)
-    cfg = checkpoint_config(path)
-    stage = pipeline_stage(cfg.num_layers, ParallelPlan(**degrees), mesh)
-    model = build_model(cfg, mesh, stage=stage).eval()
-    load_checkpoint(path, model=model, mesh=mesh)
-    with torch.no_grad():
-        if stage.has_embedding and stage.has_head:
-            return model.full_logits(model(ids))
-        if stage.has_embedding:
-            comm.send(model(ids), mesh.pp, 1).wait()
-            return None
-        hidden = torch.empty(*ids.shape, cfg.hidden_size)
-        comm.recv(hidden, mesh.pp, 0)
-        return model.full_logits(model(hidden, torch.arange(ids.shape[1])))
-
-
 @pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied", "qwen2_tied",
                                      "qwen2", "mistral", "qwen2_window"])
 def test_logits_equal_transformers_at_tp2_and_pp2(hf, imported, variant):
     with torch.no_grad():
-        expected = _reference(hf[variant])(IDS).logits
+        expected = reference(hf[variant])(IDS).logits
     for degrees in ({"tp": 2}, {"pp": 2}):
-        results = run_on_ranks(2, _logits_at, str(imported[variant]), IDS, degrees)
+        results = run_on_ranks(2, logits_at, str(imported[variant]), IDS, degrees)
         for logits in (r for r in results if r is not None):
-            assert _max_difference(logits, expected) < 1e-5, degrees
+            assert max_difference(logits, expected) < 1e-5, degrees
 
 
 def _context_parallel_logits(run: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,21 +184,20 @@ def test_windowed_logits_equal_transformers_at_cp2(hf, imported, variant):
     """A window of 8 on sequences of 24 (Mistral's on every layer, Qwen2's from layer 1 on),
     split over two context-parallel ranks."""
     with torch.no_grad():
-        expected = _reference(hf[variant])(IDS).logits
+        expected = reference(hf[variant])(IDS).logits
     cfg = HFModelDirectory(hf[variant]).cfg
     assert (cfg.sliding_window, cfg.window_start_layer) == (8, variant == "qwen2_window")
     assert HFModelDirectory(hf["mistral_v03"]).cfg.sliding_window is None
     assert HFModelDirectory(hf["qwen2"]).cfg.sliding_window is None
     for mine, logits in run_on_ranks(2, _context_parallel_logits, str(imported[variant]), IDS):
-        assert _max_difference(logits, expected[:, mine]) < 1e-5
+        assert max_difference(logits, expected[:, mine]) < 1e-5
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama_gqa", "llama32_tied", "qwen2_tied",
                                      "qwen2", "mistral", "qwen2_window"])
 def test_greedy_generation_equals_transformers(hf, variant):
     prompt = IDS[:, :6]
-    theirs = _reference(hf[variant]).generate(prompt, attention_mask=torch.ones_like(prompt),
-                                              max_new_tokens=12, do_sample=False)
+    theirs = greedy_of_transformers(hf[variant], prompt)
     model = meshtrain.load_model(hf[variant])
     assert torch.equal(model.generate(prompt, 12), theirs)
     sampled = model.generate(prompt, 12, temperature=1.0, top_k=5, seed=1)
@@ -248,22 +218,13 @@ def _first_batch_loss(model, corpus: str, **sampler) -> float:
 
 @pytest.mark.extended  # 9 s; importing then training is default in the fine-tune case below
 def test_training_from_an_imported_model_at_tp2_dp2(imported, corpus, tmp_path):
-    run, out, exported = imported["llama_gqa"], tmp_path / "run", tmp_path / "hf"
-    run_cli("train", "--init-from", str(run), "--nproc", "4", "--tp", "2", "--device", "cpu",
-            "--data", corpus, "--seq-len", "16", "--global-batch", "4", "--micro-batch", "1",
-            "--steps", "3", "--warmup-steps", "0", "--lr", "1e-2", "--eval-every", "0",
-            "--out", str(out))
+    run = imported["llama_gqa"]
+    _, out, _ = train_and_export(run, tmp_path, corpus, "--tp", "2")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     start = _first_batch_loss(meshtrain.load_model(run), corpus, seq_len=16, global_batch=4,
                               micro_batch=1, seed=0)
     assert rows[0]["loss"] == pytest.approx(start, rel=1e-5)  # the imported weights, step 0
-    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
-    trained = meshtrain.load_model(out)
-    with torch.no_grad():
-        ours, theirs = trained(IDS), _reference(exported)(IDS).logits
-        assert _max_difference(ours, theirs) < 1e-5
-        assert _max_difference(ours, meshtrain.load_model(run)(IDS)) > 1e-3  # it trained
 
 
 def _llama3_style_tokenizer(path: Path, text: str) -> tokenizers.Tokenizer:
@@ -290,7 +251,7 @@ def test_fine_tune_with_the_models_own_tokenizer(tmp_path):
     tok = _llama3_style_tokenizer(hf_dir / "tokenizer.json", text)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **LLAMA | {"vocab_size": tok.get_vocab_size()})).save_pretrained(hf_dir)
+        **TINY | {"vocab_size": tok.get_vocab_size()})).save_pretrained(hf_dir)
     assert main(["import-hf", str(hf_dir), "--out", str(run)]) == 0
     tokens = tmp_path / "tokens.bin"
     assert main(["prepare", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--workers", "1",
@@ -307,8 +268,8 @@ def test_fine_tune_with_the_models_own_tokenizer(tmp_path):
     ids = torch.tensor([theirs("the cat")["input_ids"]])
     assert ids[0].tolist() == tok.encode("the cat").ids and ids[0, 0] == bos
     with torch.no_grad():
-        assert _max_difference(meshtrain.load_model(out)(ids),
-                               _reference(exported)(ids).logits) < 1e-5
+        assert max_difference(meshtrain.load_model(out)(ids),
+                               reference(exported)(ids).logits) < 1e-5
 
 
 def _start_from(run: str, corpus: str, out: str):
@@ -391,11 +352,7 @@ def _write_config(path: Path, base: str, **fields) -> Path:
     ("qwen2", {"hidden_act": "gelu"}, '"hidden_act"'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unsupported_configs_are_one_line_errors(base, fields, named, tmp_path, capsys):
-    source = _write_config(tmp_path / "hf", base, **fields)
-    assert main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert named in err and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert_import_refused(CONFIGS[base].to_dict() | fields, named, tmp_path, capsys)
 
 
 def test_a_window_the_architecture_cannot_hold_is_not_exported():

@@ -4,41 +4,39 @@ import then export bitwise under the files' per-expert names, greedy generation 
 token, refused config fields, and training after import then export loading in transformers.
 Tiny random models are built offline from configs."""
 
-import json
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import tokenizers
 import torch
 import transformers
-from harness import run_cli, run_on_ranks, worker_mesh
-from safetensors.torch import load_file
-
-import meshtrain
-import meshtrain.parallel.layers.expert as expert_layer
-from meshtrain.checkpointing.checkpoint import (
-    checkpoint_config,
-    load_checkpoint,
-    resolve_checkpoint,
+from harness import run_cli
+from hf_models import (
+    IDS,
+    TINY,
+    assert_chooses_as_transformers,
+    assert_chooses_as_transformers_at,
+    assert_exports_bitwise,
+    assert_generates_as_transformers,
+    assert_import_refused,
+    assert_same,
+    expert_layout_cases,
+    greedy_of_transformers,
+    imported_fixture,
+    recorded,
+    save_models,
+    theirs_with_experts,
+    train_and_export,
 )
-from meshtrain.cli.main import main
+
 from meshtrain.interop.hf_io import HFModelDirectory, hf_mapping
 from meshtrain.models import preset
-from meshtrain.parallel.communication import comm
-from meshtrain.parallel.layers.expert import MoE
-from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallelize import build_model, pipeline_stage
 
-IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-BASE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            initializer_range=0.1)
-QWEN = BASE | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+QWEN = TINY | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                    shared_expert_intermediate_size=48)
 CONFIGS = {
     # Mixtral: 4 full-width experts, top 2 renormalised, every layer; a window of 8
-    "mixtral": transformers.MixtralConfig(**BASE, num_local_experts=4, num_experts_per_tok=2,
+    "mixtral": transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2,
                                           sliding_window=8),
     # Qwen2-MoE: narrow experts, a gated shared expert, layer 0 dense; weights as they are
     "qwen2_moe": transformers.Qwen2MoeConfig(**QWEN, mlp_only_layers=[0]),
@@ -52,12 +50,7 @@ ROUTERS = (transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter,
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    paths = {}
-    for seed, (name, config) in enumerate(CONFIGS.items()):
-        torch.manual_seed(seed)
-        paths[name] = root / name
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(paths[name])
+    paths = save_models(tmp_path_factory.mktemp("hf"), CONFIGS)
     (paths["mixtral"] / "tokenizer.json").write_text(_numbered_tokenizer())
     return paths
 
@@ -70,58 +63,11 @@ def _numbered_tokenizer() -> str:
     return tokenizer.to_str()
 
 
-@pytest.fixture(scope="module")
-def imported(hf, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("runs")
-    for name, path in hf.items():
-        assert main(["import-hf", str(path), "--out", str(root / name)]) == 0
-    return {name: root / name for name in hf}
+imported = imported_fixture()
 
 
 def _theirs(path: Path) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """transformers' logits of IDS and each MoE layer's chosen experts [T, k]."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    chosen, hooks = {}, []
-    for name, module in model.named_modules():
-        if isinstance(module, ROUTERS):
-            layer = int(name.split(".")[2])
-            hooks.append(module.register_forward_hook(
-                lambda _m, _a, out, layer=layer: chosen.__setitem__(layer, out[2])))
-    with torch.no_grad():
-        logits = model(IDS).logits
-    for hook in hooks:
-        hook.remove()
-    return logits, chosen
-
-
-@contextmanager
-def _recorded(model):
-    """Each MoE layer's chosen experts [T, k] while in the block, by model layer index."""
-    chosen, current = {}, {}
-    hooks = [module.register_forward_pre_hook(
-        lambda m, _args: current.__setitem__("layer", m.layer))
-        for module in model.modules() if isinstance(module, MoE)]
-    route = expert_layer.route
-
-    def recording(logits, rule, **kwargs):
-        routing = route(logits, rule, **kwargs)
-        chosen[current["layer"]] = routing.experts
-        return routing
-
-    expert_layer.route = recording
-    try:
-        yield chosen
-    finally:
-        expert_layer.route = route
-        for hook in hooks:
-            hook.remove()
-
-
-def _assert_same(logits, chosen, expected, expected_chosen, where) -> None:
-    assert (logits - expected).abs().max().item() < 1e-5, where
-    assert chosen.keys() <= expected_chosen.keys() and chosen, where
-    for layer, experts in chosen.items():
-        assert torch.equal(experts, expected_chosen[layer]), (where, layer)
+    return theirs_with_experts(path, ROUTERS)
 
 
 def test_configs_import_as_the_family_settings(hf):
@@ -144,88 +90,35 @@ def test_configs_import_as_the_family_settings(hf):
 @pytest.mark.parametrize("variant", list(CONFIGS))
 def test_logits_and_chosen_experts_equal_transformers(hf, imported, variant):
     """`meshtrain.load_model` of the run and of the Hugging Face directory (fp32)."""
-    expected, expected_chosen = _theirs(hf[variant])
-    for source in (imported[variant], hf[variant]):
-        model = meshtrain.load_model(source)
-        with torch.no_grad(), _recorded(model) as chosen:
-            logits = model(IDS)
-        _assert_same(logits, chosen, expected, expected_chosen, source)
+    assert_chooses_as_transformers(hf[variant], imported[variant], ROUTERS)
 
 
 @pytest.mark.parametrize("variant", list(CONFIGS))
 def test_import_then_export_is_bitwise_and_loads_cleanly(hf, imported, variant, tmp_path):
     out = tmp_path / "hf"
-    assert main(["export", str(imported[variant]), "--format", "hf", "--out", str(out)]) == 0
-    original, exported = (load_file(d / "model.safetensors") for d in (hf[variant], out))
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[key], original[key]) for key in original)
-    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.values()), info
+    assert_exports_bitwise(imported[variant], hf[variant], out)
     assert HFModelDirectory(out).cfg == HFModelDirectory(hf[variant]).cfg
-    with torch.no_grad():
-        assert (theirs.eval()(IDS).logits - _theirs(hf[variant])[0]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("variant", list(CONFIGS))
 def test_greedy_generation_equals_transformers(hf, variant):
-    prompt = IDS[:, :6]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(hf[variant]).eval()
-    theirs = reference.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                max_new_tokens=12, do_sample=False)
-    assert torch.equal(meshtrain.load_model(hf[variant]).generate(prompt, 12), theirs)
+    assert_generates_as_transformers(hf[variant])
 
 
 @pytest.mark.extended  # a 2-rank command: `load_model().generate` above is the default case
 def test_sample_command_is_greedy_generation_of_transformers_at_tp2(hf, imported):
     prompt = IDS[:1, :6]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(hf["mixtral"]).eval()
-    theirs = reference.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                max_new_tokens=12, do_sample=False)
+    theirs = greedy_of_transformers(hf["mixtral"], prompt)
     sample = run_cli("sample", str(imported["mixtral"]), "--prompt",
                      " ".join(f"t{i}" for i in prompt[0].tolist()), "--top-k", "0",
                      "--max-new-tokens", "12", "--nproc", "2", "--tp", "2", "--device", "cpu")
     assert [int(word[1:]) for word in sample.stdout.split()] == theirs[0].tolist()
 
 
-def _logits_at(run: str, ids: torch.Tensor, degrees: dict):
-    """The whole model's logits at this layout (the last pipeline stage returns them; the
-    first None) and this rank's chosen experts."""
-    mesh = worker_mesh(**degrees)
-    path = resolve_checkpoint(run)
-    cfg = checkpoint_config(path)
-    stage = pipeline_stage(cfg.num_layers, ParallelPlan(**degrees), mesh)
-    model = build_model(cfg, mesh, stage=stage).eval()
-    load_checkpoint(path, model=model, mesh=mesh)
-    with torch.no_grad(), _recorded(model) as chosen:
-        if stage.has_embedding and stage.has_head:
-            return model.full_logits(model(ids)), chosen
-        if stage.has_embedding:
-            comm.send(model(ids), mesh.pp, 1).wait()
-            return None, chosen
-        hidden = torch.empty(*ids.shape, cfg.hidden_size)
-        comm.recv(hidden, mesh.pp, 0)
-        return model.full_logits(model(hidden, torch.arange(ids.shape[1]))), chosen
-
-
-LAYOUTS = {"tp2": {"tp": 2}, "ep2": {"dp": 2, "ep": 2}, "pp2": {"pp": 2}}
-
-
-@pytest.mark.parametrize("variant,layout", [
-    ("qwen2_moe", "ep2"),  # the default tier's case
-    *(pytest.param(v, name, marks=pytest.mark.extended) for v in CONFIGS for name in LAYOUTS
-      if (v, name) != ("qwen2_moe", "ep2"))])
+@pytest.mark.parametrize("variant,layout", expert_layout_cases(CONFIGS, "qwen2_moe"))
 def test_logits_and_chosen_experts_equal_transformers_across_ranks(hf, imported, variant,
                                                                   layout):
-    expected, expected_chosen = _theirs(hf[variant])
-    results = run_on_ranks(2, _logits_at, str(imported[variant]), IDS, LAYOUTS[layout])
-    seen = set()
-    for rank, (logits, chosen) in enumerate(results):
-        if logits is not None:
-            assert (logits - expected).abs().max().item() < 1e-5, (layout, rank)
-        for layer, experts in chosen.items():
-            assert torch.equal(experts, expected_chosen[layer]), (layout, rank, layer)
-        seen |= chosen.keys()
-    assert seen == expected_chosen.keys()
+    assert_chooses_as_transformers_at(layout, hf[variant], imported[variant], ROUTERS)
 
 
 def _hf_config(base: str, **fields) -> dict:
@@ -246,13 +139,7 @@ def _hf_config(base: str, **fields) -> dict:
     ("qwen2_moe", {"output_router_logits": 1}, '"output_router_logits"'),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unsupported_configs_are_one_line_errors(base, fields, named, tmp_path, capsys):
-    source = tmp_path / "hf"
-    source.mkdir()
-    (source / "config.json").write_text(json.dumps(_hf_config(base, **fields)))
-    assert main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert named in err and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "run").exists()
+    assert_import_refused(_hf_config(base, **fields), named, tmp_path, capsys)
 
 
 def test_the_balancing_loss_coefficient_and_what_cannot_be_exported(hf, tmp_path):
@@ -286,19 +173,8 @@ def test_presets_have_the_published_shapes():
 
 @pytest.mark.extended  # 4 ranks training: the import, training and export paths at once
 def test_training_after_import_at_tp2_dp2_exports_to_transformers(imported, corpus, tmp_path):
-    run, out, exported = imported["qwen2_moe"], tmp_path / "run", tmp_path / "hf"
-    run_cli("train", "--init-from", str(run), "--nproc", "4", "--tp", "2", "--device", "cpu",
-            "--data", corpus, "--seq-len", "16", "--global-batch", "4", "--micro-batch", "1",
-            "--steps", "3", "--warmup-steps", "0", "--lr", "1e-2", "--eval-every", "0",
-            "--out", str(out))
-    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(exported,
-                                                               output_loading_info=True)
-    assert not any(info.values()), info
-    trained = meshtrain.load_model(out)
-    with torch.no_grad(), _recorded(trained) as chosen:
+    trained, _, exported = train_and_export(imported["qwen2_moe"], tmp_path, corpus, "--tp", "2")
+    with torch.no_grad(), recorded(trained) as chosen:
         ours = trained(IDS)
     expected, expected_chosen = _theirs(exported)
-    _assert_same(ours, chosen, expected, expected_chosen, "trained")
-    with torch.no_grad():
-        assert (ours - meshtrain.load_model(run)(IDS)).abs().max() > 1e-3  # it trained
+    assert_same(ours, chosen, expected, expected_chosen, "trained")

@@ -204,19 +204,44 @@ def _world(degrees: dict) -> int:
     return world
 
 
+def assert_trains_as_one_process(corpus: str, reference, layout: str, degrees: dict,
+                                 parallel: dict, steps: int, model: dict = MODEL) -> None:
+    """`steps` steps at this layout: one process's trajectory, and every token the experts one
+    process chose (`reference`: `_reference`'s rows and choices of at least `steps` steps)."""
+    results = run_on_ranks(_world(degrees), _run, corpus, degrees, parallel, stop=steps,
+                           model=model, timeout=300)
+    rows, choices = reference
+    _assert_same_trajectory(layout, results[0][0], rows[:steps])
+    _assert_same_choices(layout, [choices for _, choices in results],
+                         {key: value for key, value in choices.items() if key[0] < steps})
+
+
+FAMILY_LAYOUTS = {  # name: (degrees, plan settings)
+    "ep2": ({"dp": 2, "ep": 2}, {}),
+    "ep2xdp2": ({"dp": 4, "ep": 2}, {}),
+    "tp2xep2": ({"tp": 2, "dp": 2, "ep": 2}, {}),
+    "pp2xep2": ({"pp": 2, "dp": 2, "ep": 2}, {}),
+    "zero3xep2": ({"dp": 4, "ep": 2}, {"zero": 3}),
+}
+"""The layouts an MoE family's tiny preset trains at (test_mixtral.py, test_qwen3_moe.py)."""
+FAMILY_CASES = [
+    ("ep2", 2),  # the default tier's one case: 2 ranks, 2 steps (the others, 5)
+    *(pytest.param(name, STEPS, marks=pytest.mark.extended) for name in FAMILY_LAYOUTS
+      if name != "ep2")]
+
+
+def family_model(preset: str) -> dict:
+    """A family's tiny preset with the balancing and z losses on (they move the trajectory)."""
+    return {"model": preset, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001}
+
+
 @pytest.mark.parametrize("layout,steps", [
     (DEFAULT, 2),  # the default tier's cases: 2 steps (the other cases, 5)
     (DEFAULT_ETP, 2),
     *(pytest.param(name, STEPS, marks=pytest.mark.extended) for name in LAYOUTS)])
 def test_dropless_layout_trains_one_process_trajectory_and_choices(corpus, reference, layout,
                                                                    steps):
-    degrees, parallel = LAYOUTS[layout]
-    results = run_on_ranks(_world(degrees), _run, corpus, degrees, parallel, stop=steps,
-                           timeout=300)
-    rows, choices = reference
-    _assert_same_trajectory(layout, results[0][0], rows[:steps])
-    _assert_same_choices(layout, [choices for _, choices in results],
-                         {key: value for key, value in choices.items() if key[0] < steps})
+    assert_trains_as_one_process(corpus, reference, layout, *LAYOUTS[layout], steps)
 
 
 @pytest.mark.extended
@@ -242,9 +267,5 @@ def test_group_limited_routing_trains_one_process_trajectory_and_choices(
     """DeepSeek-V3's group-limited routing, its bias moving every step: the same trajectory and
     expert choices as one process."""
     degrees, parallel = ({"dp": 2, "ep": 2}, {}) if layout == "ep2xdp1" else LAYOUTS[layout]
-    results = run_on_ranks(_world(degrees), _run, corpus, degrees, parallel, stop=steps,
-                           model=GROUPED, timeout=300)
-    rows, choices = grouped_reference(steps)
-    _assert_same_trajectory(layout, results[0][0], rows[:steps])
-    _assert_same_choices(layout, [choices for _, choices in results],
-                         {key: value for key, value in choices.items() if key[0] < steps})
+    assert_trains_as_one_process(corpus, grouped_reference(steps), layout, degrees, parallel,
+                                 steps, GROUPED)

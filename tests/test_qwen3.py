@@ -7,36 +7,38 @@ pp 2, cp 2 and 2d equal to one process's."""
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from harness import run_cli, run_on_ranks, worker_mesh
-from safetensors.torch import load_file
+from harness import run_on_ranks, worker_mesh
+from hf_models import (
+    IDS,
+    TINY,
+    assert_exports_bitwise,
+    assert_generates_as_transformers,
+    assert_import_refused,
+    imported_fixture,
+    logits_at,
+    max_difference,
+    move_head_norms,
+    reference,
+    saved_fixture,
+    train_and_export,
+)
 
 import meshtrain
-from meshtrain.checkpointing.checkpoint import (
-    checkpoint_config,
-    load_checkpoint,
-    resolve_checkpoint,
-)
-from meshtrain.cli.main import main
+from meshtrain.checkpointing.checkpoint import checkpoint_config, resolve_checkpoint
 from meshtrain.config.run_config import build_config
 from meshtrain.errors import SettingError
 from meshtrain.interop.hf_io import HFModelDirectory, hf_mapping
 from meshtrain.interop.hf_qwen3 import MAPPING
 from meshtrain.models import get_family, preset
 from meshtrain.models.qwen3 import Qwen3Config
-from meshtrain.parallel.communication import comm
-from meshtrain.parallel.runtime.plan import ParallelPlan
-from meshtrain.parallelize import build_model, pipeline_stage
+from meshtrain.parallelize import build_model
 from meshtrain.training.trainer import Trainer
 
-IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=64, initializer_range=0.1)
+SMALL = TINY | dict(head_dim=16)
 """Heads of 16 on a hidden size of 32 / 4 heads = 8: the head size is not hidden / heads."""
 CONFIGS = {
     "qwen3": transformers.Qwen3Config(**SMALL),
@@ -76,35 +78,9 @@ def test_qk_norm_off_and_gpt_head_settings_are_refused():
         assert refused.value.settings[0] == setting
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory) -> dict[str, Path]:
-    """Each variant saved by transformers, its head norms moved off their initial ones."""
-    root = tmp_path_factory.mktemp("hf")
-    for seed, (name, config) in enumerate(CONFIGS.items()):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if param_name.endswith(("q_norm.weight", "k_norm.weight")):
-                    param.add_(0.3 * torch.randn_like(param))
-        model.save_pretrained(root / name)
-    return {name: root / name for name in CONFIGS}
-
-
-@pytest.fixture(scope="module")
-def imported(hf, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("runs")
-    for name, path in hf.items():
-        assert main(["import-hf", str(path), "--out", str(root / name)]) == 0
-    return {name: root / name for name in hf}
-
-
-def _reference(path: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-
-
-def _max_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    return (ours - theirs).abs().max().item()
+hf = saved_fixture(CONFIGS, move_head_norms)
+"""Each variant saved by transformers, its head norms moved off their initial ones."""
+imported = imported_fixture()
 
 
 def test_import_maps_the_head_size_and_norms(hf, imported):
@@ -113,62 +89,32 @@ def test_import_maps_the_head_size_and_norms(hf, imported):
     assert checkpoint_config(resolve_checkpoint(str(imported["qwen3"]))) == cfg
     with torch.no_grad():
         for variant in CONFIGS:
-            expected = _reference(hf[variant])(IDS).logits
+            expected = reference(hf[variant])(IDS).logits
             for source in (imported[variant], hf[variant]):
-                assert _max_difference(meshtrain.load_model(source)(IDS), expected) < 1e-5
+                assert max_difference(meshtrain.load_model(source)(IDS), expected) < 1e-5
 
 
 @pytest.mark.parametrize("variant", list(CONFIGS))
 def test_import_then_export_is_bitwise(hf, imported, variant, tmp_path):
     out = tmp_path / "hf"
-    assert main(["export", str(imported[variant]), "--format", "hf", "--out", str(out)]) == 0
-    original, exported = (load_file(path / "model.safetensors") for path in (hf[variant], out))
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[key], original[key]) for key in original)
+    assert_exports_bitwise(imported[variant], hf[variant], out)
     config = json.loads((out / "config.json").read_text())
     assert (config["architectures"], config["head_dim"]) == (["Qwen3ForCausalLM"], 16)
-    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.values()), info
-    with torch.no_grad():
-        assert _max_difference(theirs.eval()(IDS).logits, _reference(hf[variant])(IDS).logits) \
-            < 1e-5
-
-
-def _logits_at(run: str, ids: torch.Tensor, degrees: dict) -> torch.Tensor | None:
-    """The whole model's logits at this layout (the last pipeline stage returns them)."""
-    mesh = worker_mesh(**degrees)
-    path = resolve_checkpoint(run)
-    cfg = checkpoint_config(path)
-    stage = pipeline_stage(cfg.num_layers, ParallelPlan(**degrees), mesh)
-    model = build_model(cfg, mesh, stage=stage).eval()
-    load_checkpoint(path, model=model, mesh=mesh)
-    with torch.no_grad():
-        if stage.has_embedding and stage.has_head:
-            return model.full_logits(model(ids))
-        if stage.has_embedding:
-            comm.send(model(ids), mesh.pp, 1).wait()
-            return None
-        hidden = torch.empty(*ids.shape, cfg.hidden_size)
-        comm.recv(hidden, mesh.pp, 0)
-        return model.full_logits(model(hidden, torch.arange(ids.shape[1])))
 
 
 @pytest.mark.parametrize("degrees", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
 def test_logits_equal_transformers_at_tp2_and_pp2(hf, imported, degrees):
     with torch.no_grad():
-        expected = _reference(hf["qwen3"])(IDS).logits
-    results = run_on_ranks(2, _logits_at, str(imported["qwen3"]), IDS, degrees)
+        expected = reference(hf["qwen3"])(IDS).logits
+    results = run_on_ranks(2, logits_at, str(imported["qwen3"]), IDS, degrees)
     for logits in (r for r in results if r is not None):
-        assert _max_difference(logits, expected) < 1e-5
+        assert max_difference(logits, expected) < 1e-5
 
 
 @pytest.mark.parametrize("variant", list(CONFIGS))
 def test_greedy_generation_equals_transformers(hf, variant):
     """`generate` runs with the key/value cache: keys enter it normalised and rotated."""
-    prompt = IDS[:, :6]
-    theirs = _reference(hf[variant]).generate(prompt, attention_mask=torch.ones_like(prompt),
-                                              max_new_tokens=12, do_sample=False)
-    assert torch.equal(meshtrain.load_model(hf[variant]).generate(prompt, 12), theirs)
+    assert_generates_as_transformers(hf[variant])
 
 
 def test_llama_reads_a_head_dim_apart_from_hidden_over_heads(tmp_path):
@@ -179,8 +125,8 @@ def test_llama_reads_a_head_dim_apart_from_hidden_over_heads(tmp_path):
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama)).save_pretrained(tmp_path)
     assert HFModelDirectory(tmp_path).cfg.head_size == 16
     with torch.no_grad():
-        assert _max_difference(meshtrain.load_model(tmp_path)(IDS),
-                               _reference(tmp_path)(IDS).logits) < 1e-5
+        assert max_difference(meshtrain.load_model(tmp_path)(IDS),
+                               reference(tmp_path)(IDS).logits) < 1e-5
 
 
 def test_exports_write_head_dim_where_transformers_reads_it():
@@ -199,26 +145,11 @@ def test_exports_write_head_dim_where_transformers_reads_it():
 @pytest.mark.extended  # 4 ranks; importing then training at tp 2 x dp 2 is the point
 def test_training_an_imported_qwen3_at_tp2_dp2_exports_to_transformers(imported, corpus,
                                                                          tmp_path):
-    run, out, exported = imported["qwen3"], tmp_path / "run", tmp_path / "hf"
-    run_cli("train", "--init-from", str(run), "--nproc", "4", "--tp", "2", "--device", "cpu",
-            "--data", corpus, "--seq-len", "16", "--global-batch", "4", "--micro-batch", "1",
-            "--steps", "3", "--warmup-steps", "0", "--lr", "1e-2", "--eval-every", "0",
-            "--out", str(out))
-    assert main(["export", str(out), "--format", "hf", "--out", str(exported)]) == 0
-    trained = meshtrain.load_model(out)
-    with torch.no_grad():
-        ours = trained(IDS)
-        assert _max_difference(ours, _reference(exported)(IDS).logits) < 1e-5
-        assert _max_difference(ours, meshtrain.load_model(run)(IDS)) > 1e-3  # it trained
+    run = imported["qwen3"]
+    trained, _, _ = train_and_export(run, tmp_path, corpus, "--tp", "2")
     norms = {n: p for n, p in trained.lm.named_parameters() if n.endswith("q_norm.weight")}
     first = meshtrain.load_model(run).lm.get_parameter("layers.0.attn.q_norm.weight")
     assert not torch.equal(norms["layers.0.attn.q_norm.weight"], first)  # the norms trained
-
-
-def _write_config(path: Path, **fields) -> Path:
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(CONFIGS["qwen3"].to_dict() | fields))
-    return path
 
 
 @pytest.mark.parametrize("fields,named", [
@@ -231,11 +162,7 @@ def _write_config(path: Path, **fields) -> Path:
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
 ], ids=["attention_bias", "hidden_act", "head_dim", "interleaved", "unknown_type", "yarn"])
 def test_unsupported_configs_are_one_line_errors(fields, named, tmp_path, capsys):
-    source = _write_config(tmp_path / "hf", **fields)
-    assert main(["import-hf", str(source), "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert named in err and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "run").exists()
+    assert_import_refused(CONFIGS["qwen3"].to_dict() | fields, named, tmp_path, capsys)
 
 
 def test_a_window_from_one_layer_on_imports_and_exports():
@@ -270,26 +197,26 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def reference(corpus) -> tuple[list[float], dict]:
+def one_process(corpus) -> tuple[list[float], dict]:
     return run_on_ranks(1, _losses, corpus, STEPS, {"dp": 1}, {})[0]
 
 
-def _check_parity(corpus, reference, degrees, plan):
+def _check_parity(corpus, one_process, degrees, plan):
     ranks = math.prod(degrees.get(axis, 1) for axis in ("tp", "pp", "dp", "cp"))
     results = run_on_ranks(ranks, _losses, corpus, STEPS, degrees, plan)
     losses = results[-1][0]  # the last rank holds the last pipeline stage
     norms = {name: value for _, held in results for name, value in held.items()}
-    assert norms.keys() == reference[1].keys()
+    assert norms.keys() == one_process[1].keys()
     rel = max(abs(a - b) / abs(b) for a, b in zip(
         losses + [norms[n] for n in sorted(norms)],
-        reference[0] + [reference[1][n] for n in sorted(norms)], strict=True))
+        one_process[0] + [one_process[1][n] for n in sorted(norms)], strict=True))
     assert rel < 1e-5, rel
 
 
-def test_tp2_x_dp2_trains_as_one_process(corpus, reference):
+def test_tp2_x_dp2_trains_as_one_process(corpus, one_process):
     """The head norms are whole on each rank, which normalises its own heads: their gradients
     are summed over tp (checked through their trained weights)."""
-    _check_parity(corpus, reference, {"tp": 2, "dp": 2}, {})
+    _check_parity(corpus, one_process, {"tp": 2, "dp": 2}, {})
 
 
 @pytest.mark.extended
@@ -301,5 +228,5 @@ def test_tp2_x_dp2_trains_as_one_process(corpus, reference):
     ({"cp": 2, "dp": 1}, {"cp": 2, "cp_mode": "ring"}),
     ({"tp": 4, "dp": 1, "tp_scheme": "2d"}, {"tp_scheme": "2d"}),
 ], ids=["tp2-sp", "tp2-full-recompute", "tp2-selective-zero3", "pp2", "cp2", "2d"])
-def test_loss_trajectory_equals_one_process(corpus, reference, degrees, plan):
-    _check_parity(corpus, reference, degrees, plan)
+def test_loss_trajectory_equals_one_process(corpus, one_process, degrees, plan):
+    _check_parity(corpus, one_process, degrees, plan)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_mapping import hf_field, hf_flag, hf_number, hf_size, refused, shown
 from meshtrain.models import TransformerConfig
+from meshtrain.models.layer_pattern import LayerPattern
 
 
 @dataclass(frozen=True)
@@ -122,3 +123,21 @@ def shared_from_hf(hf: dict) -> dict:
     """Qwen2-MoE's shared expert: "shared_expert_intermediate_size" wide, sigmoid-gated."""
     return {"moe_shared_ffn_size": hf_size(hf, "shared_expert_intermediate_size"),
             "moe_shared_gate": "sigmoid"}
+
+
+def qwen_experts_from_hf(hf: dict, experts_field: str) -> dict:
+    """Qwen's MoE fields of config.json (Qwen2-MoE's and Qwen3-MoE's alike): the MoE layers,
+    the routing ("norm_topk_prob" false unless set) and each expert's width."""
+    pattern = layers_from_hf(hf)
+    moe_layers = LayerPattern(pattern.get("moe_every", 1), 0, pattern.get("moe_layers")).count(
+        hf_size(hf, "num_hidden_layers"))
+    return pattern | routing_from_hf(
+        hf, experts_field=experts_field, moe_layers=moe_layers,
+        norm_topk_prob=hf_flag(hf, "norm_topk_prob", False)) | {
+        "moe_ffn_size": hf_size(hf, "moe_intermediate_size")}
+
+
+def qwen_experts_to_hf(cfg: TransformerConfig, architecture: str) -> dict:
+    """config.json's Qwen MoE fields for `cfg` (the inverse of `qwen_experts_from_hf`)."""
+    return layers_to_hf(cfg) | routing_to_hf(cfg, architecture, experts_field="num_experts") | {
+        "moe_intermediate_size": cfg.expert_ffn_size, "norm_topk_prob": normalises(cfg)}

@@ -17,16 +17,12 @@ from __future__ import annotations
 from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_experts import (
     ExpertNames,
-    layers_from_hf,
-    layers_to_hf,
-    normalises,
-    routing_from_hf,
-    routing_to_hf,
+    qwen_experts_from_hf,
+    qwen_experts_to_hf,
     shared_from_hf,
 )
 from meshtrain.interop.hf_llama import LlamaMapping
 from meshtrain.interop.hf_mapping import expect, hf_flag, hf_size
-from meshtrain.models.layer_pattern import LayerPattern
 from meshtrain.models.qwen2_moe import Qwen2MoeConfig
 
 
@@ -45,14 +41,8 @@ class Qwen2MoeMapping(LlamaMapping):
                " to false")
         expect(hf, "layer_types", (None, ["full_attention"] * layers), None,
                f"meshtrain's Qwen2-MoE attends in full: list full_attention {layers} times")
-        pattern = layers_from_hf(hf)
-        moe_layers = LayerPattern(pattern.get("moe_every", 1), 0,
-                                  pattern.get("moe_layers")).count(layers)
-        return super().config_fields(hf) | pattern | shared_from_hf(hf) | routing_from_hf(
-            hf, experts_field="num_experts", moe_layers=moe_layers,
-            norm_topk_prob=hf_flag(hf, "norm_topk_prob", False)) | {
-            "qkv_bias": hf_flag(hf, "qkv_bias", True),
-            "moe_ffn_size": hf_size(hf, "moe_intermediate_size")}
+        return super().config_fields(hf) | shared_from_hf(hf) | qwen_experts_from_hf(
+            hf, "num_experts") | {"qkv_bias": hf_flag(hf, "qkv_bias", True)}
 
     def config_to_hf(self, cfg: Qwen2MoeConfig) -> dict:
         if cfg.moe_shared_gate != "sigmoid":
@@ -63,11 +53,9 @@ class Qwen2MoeMapping(LlamaMapping):
         llama_only = ("attention_bias", "mlp_bias") + ("head_dim",) * (cfg.head_size is None)
         for name in llama_only:  # (transformers' Qwen2-MoE reads "head_dim" where it is written)
             del hf[name]
-        return hf | layers_to_hf(cfg) | routing_to_hf(cfg, self.architecture,
-                                                      experts_field="num_experts") | {
-            "qkv_bias": cfg.qkv_bias, "moe_intermediate_size": cfg.expert_ffn_size,
-            "shared_expert_intermediate_size": cfg.moe_shared_ffn_size,
-            "norm_topk_prob": normalises(cfg), "use_sliding_window": False}
+        return hf | qwen_experts_to_hf(cfg, self.architecture) | {
+            "qkv_bias": cfg.qkv_bias, "shared_expert_intermediate_size": cfg.moe_shared_ffn_size,
+            "use_sliding_window": False}
 
 
 MAPPING = Qwen2MoeMapping()

@@ -18,15 +18,11 @@ from __future__ import annotations
 from meshtrain.errors import Code, SettingError
 from meshtrain.interop.hf_experts import (
     ExpertNames,
-    layers_from_hf,
-    layers_to_hf,
-    normalises,
-    routing_from_hf,
-    routing_to_hf,
+    qwen_experts_from_hf,
+    qwen_experts_to_hf,
 )
 from meshtrain.interop.hf_llama import LlamaMapping
 from meshtrain.interop.hf_mapping import expect, hf_field, hf_flag, hf_size, refused, shown
-from meshtrain.models.layer_pattern import LayerPattern
 from meshtrain.models.qwen3_moe import Qwen3MoeConfig
 
 _EXPERTS = ("num_experts", "num_local_experts")
@@ -45,23 +41,15 @@ class Qwen3MoeMapping(LlamaMapping):
         expect(hf, "layer_types", (None,), None, f"{self.architecture} sets every layer's"
                ' attention by "use_sliding_window": drop the field')
         field = _experts_field(hf)
-        pattern = layers_from_hf(hf)
-        moe_layers = LayerPattern(pattern.get("moe_every", 1), 0,
-                                  pattern.get("moe_layers")).count(
-            hf_size(hf, "num_hidden_layers"))
         window = {"sliding_window": hf_size(hf, "sliding_window")} \
             if hf_flag(hf, "use_sliding_window", False) else {}
-        return super().config_fields(hf) | pattern | window | routing_from_hf(
-            hf, experts_field=field, moe_layers=moe_layers,
-            norm_topk_prob=hf_flag(hf, "norm_topk_prob", False)) | {
-            "qk_norm": True, "moe_ffn_size": hf_size(hf, "moe_intermediate_size")}
+        return super().config_fields(hf) | window | qwen_experts_from_hf(hf, field) | {
+            "qk_norm": True}
 
     def config_to_hf(self, cfg: Qwen3MoeConfig) -> dict:
         hf = super().config_to_hf(cfg)
         del hf["mlp_bias"]
-        return hf | layers_to_hf(cfg) | routing_to_hf(cfg, self.architecture,
-                                                      experts_field="num_experts") | {
-            "moe_intermediate_size": cfg.expert_ffn_size, "norm_topk_prob": normalises(cfg)}
+        return hf | qwen_experts_to_hf(cfg, self.architecture)
 
     def window_to_hf(self, cfg: Qwen3MoeConfig) -> dict:
         if cfg.window_start_layer:

@@ -517,6 +517,13 @@ def window_keys(window: int, seq_len: int) -> float:
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
 
+def require_experts(cfg: TransformerConfig, family: str, dense: str) -> None:
+    """A family whose MLPs are experts refuses `moe_experts` 0, naming its dense twin."""
+    if not cfg.moe_experts:
+        raise SettingError(Code.MODEL_UNSUPPORTED, f"`moe_experts` cannot be 0 in {family}: use"
+                                                   f" the {dense} family for a dense model")
+
+
 WIDE_BYTES = 4
 """Norms compute in fp32 whatever the precision (`precision.wide_dtype`)."""
 

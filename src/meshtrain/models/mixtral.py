@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.errors import Code, SettingError
-from meshtrain.models.family import ModelFamily
+from meshtrain.models.family import ModelFamily, require_experts
 from meshtrain.models.llama import Llama, LlamaConfig
 
 
@@ -29,10 +28,7 @@ class MixtralConfig(LlamaConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not self.moe_experts:
-            raise SettingError(Code.MODEL_UNSUPPORTED, "`moe_experts` cannot be 0 in Mixtral"
-                                                       " (its MLPs are experts): use the"
-                                                       " mistral family for a dense model")
+        require_experts(self, "Mixtral", "mistral")
 
 
 def _mixtral(layers: int, hidden: int, heads: int, kv: int, ffn: int, **kw) -> MixtralConfig:

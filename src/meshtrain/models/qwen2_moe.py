@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.errors import Code, SettingError
-from meshtrain.models.family import ModelFamily
+from meshtrain.models.family import ModelFamily, require_experts
 from meshtrain.models.llama import Llama, LlamaConfig
 
 
@@ -34,9 +33,7 @@ class Qwen2MoeConfig(LlamaConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not self.moe_experts:
-            raise SettingError(Code.MODEL_UNSUPPORTED, "`moe_experts` cannot be 0 in Qwen2-MoE:"
-                                                       " use the qwen2 family for a dense model")
+        require_experts(self, "Qwen2-MoE", "qwen2")
 
 
 def _qwen2_moe(layers: int, hidden: int, heads: int, kv: int, ffn: int, **kw

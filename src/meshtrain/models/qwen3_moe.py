@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.errors import Code, SettingError
-from meshtrain.models.family import ModelFamily
+from meshtrain.models.family import ModelFamily, require_experts
 from meshtrain.models.qwen3 import Qwen3, Qwen3Config
 
 
@@ -28,9 +28,7 @@ class Qwen3MoeConfig(Qwen3Config):
 
     def validate(self) -> None:
         super().validate()
-        if not self.moe_experts:
-            raise SettingError(Code.MODEL_UNSUPPORTED, "`moe_experts` cannot be 0 in Qwen3-MoE:"
-                                                       " use the qwen3 family for a dense model")
+        require_experts(self, "Qwen3-MoE", "qwen3")
         if self.moe_shared_ffn_size:
             raise SettingError(Code.MODEL_UNSUPPORTED, "`moe_shared_ffn_size` cannot be set in"
                                                        " Qwen3-MoE (it has no shared expert):"
