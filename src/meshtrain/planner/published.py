@@ -84,7 +84,7 @@ DIAGNOSES = (
     (("dgxc-dsv3-h100",),
      "with expert tensor parallelism 1 (etp) ep 64 spans tp x dp as Megatron's does, each rank"
      " sending its sequence-parallel half of the routed rows (-41%/-44% before, when ep could"
-     " only span dp). What is left: the rows kept for backward put these layouts at 98 and 107"
+     " only span dp). What is left: the rows kept for backward put these layouts at 87 and 96"
      " GiB a GPU without recompute, over the 80 GiB, so the search falls back to full"
      " recompute (18 and 33 GiB), which replays every layer's forward and its all-to-alls;"
      " the 1024-GPU recipe fits by recomputing only its MLA up-projections (mla_up_proj), a"
@@ -96,7 +96,7 @@ DIAGNOSES = (
      " 26.02) and 16 of 38 s (DeepSeek-V3) at recompute none. Megatron-Core can hide them"
      " (its EP all-to-all overlap in the interleaved 1F1B, DeepEP/HybridEP dispatchers); the"
      " sources do not say which these runs used. Without recompute the layouts need 85 and"
-     " 120 GiB a GPU, so the search recomputes everything, replaying the forward and its"
+     " 106 GiB a GPU, so the search recomputes everything, replaying the forward and its"
      " all-to-alls (-50%, -53%); Megatron keeps FP8 activations and recomputes chosen modules."
      " meshtrain's fp8 leaves the experts in bf16 (priced so), Megatron's runs them in FP8"),
     (("mbridge2602-qwen3-30b", "mbridge2511-qwen3-30b"),
