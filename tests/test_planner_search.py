@@ -324,7 +324,7 @@ def test_plan_layout_over_budget_warns(capsys):
     (["--gpus", "8", "--dropout", "nan"], "--dropout must be a finite number, got nan"),
     (["--gpus", "8", "--moe-experts", "8", "--moe-capacity-factor", "inf"],
      "--moe-capacity-factor must be a finite number, got inf"),
-    (["--gpus", "8", "--precision", ""], "--precision must be one of fp32, bf16, fp16, got ''"),
+    (["--gpus", "8", "--precision", ""], "--precision must be one of fp32, bf16, fp16 or fp8, got ''"),
     (["--gpus", "8", "--hardware", ""], "--hardware '' is neither"),
     (["--gpus", "8", "--layout", "tp=2,sp=1,tp=4"], "--layout fixes tp twice"),
     (["--gpus", "8", "--layout", "tp=0"], "--layout tp=0"),
