@@ -75,13 +75,15 @@ def _rows(path: Path) -> list[dict]:
 
 
 def failure_run(out: Path, *, fault_tolerance: bool, steps: int, kill_at: int,
-                save_every: int, timeout: float = 600.0, stop_after_rejoin: bool = False) -> dict:
+                save_every: int, timeout: float = 600.0, stop_after_rejoin: bool = False,
+                layout: tuple[str, ...] = ()) -> dict:
     """Train, SIGKILL the victim rank once `kill_at` rows are written, train on; returns what
     happened (see the module's docstring) with the exit code and the stderr tail.
     `stop_after_rejoin`: SIGTERM the run 5 steps after the replacement took part again (a test
-    then needs no guess of how many steps the restart takes)."""
+    then needs no guess of how many steps the restart takes); `layout`: flags of each group's
+    layout (e.g. `--tp 2`)."""
     flags = ["--nproc", "4", "--steps", str(steps), "--out", str(out), "--max-restarts", "1",
-             "--save-every", str(save_every), *COMMON]
+             "--save-every", str(save_every), *COMMON, *layout]
     flags += ["--replica-groups", "2", "--fault-tolerance"] if fault_tolerance else \
         ["--auto-resume"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}

@@ -103,6 +103,26 @@ def test_a_killed_rank_restarts_its_group_alone_and_heals_from_the_live_group(tm
 
 
 @pytest.mark.extended
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2"), ("--zero", "1"),
+                                    ("--zero", "2"), ("--zero", "3")],
+                         ids=["tp2", "pp2", "zero1", "zero2", "zero3"])
+def test_a_group_with_a_layout_inside_heals_bitwise_equal(tmp_path, layout):
+    """The same failure with each group's 2 ranks split by tensor or pipeline parallelism or
+    ZeRO (dp 2): rank 1 of the healed group takes its own part from rank 1 of the live group,
+    and both groups end at the same step with bitwise equal weights (the optimizer's values:
+    ZeRO-3 frees its module's between steps), no committed step lost."""
+    pytest.importorskip("torchft")
+    from bench_fault_tolerance import failure_run
+
+    report = failure_run(tmp_path / "run", fault_tolerance=True, steps=100_000, kill_at=6,
+                         save_every=100, stop_after_rejoin=True, layout=layout)
+    assert report["exit_code"] == EXIT_STOPPED, report
+    assert report["steps_in_order"] and report["committed_steps_lost"] == 0, report
+    assert report["discarded_steps"] <= 1, report
+    assert report["rejoin_s"] is not None and report["weights_equal"], report
+
+
+@pytest.mark.extended
 def test_sigterm_stops_every_group_with_a_checkpoint_and_leaves_no_process(corpus, tmp_path):
     pytest.importorskip("torchft")
     out = tmp_path / "run"
