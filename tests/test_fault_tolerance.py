@@ -5,7 +5,9 @@ groups' weights bitwise equal at the end; a lighthouse that does not answer; SIG
 every group with a checkpoint and leaving no process behind."""
 
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -180,3 +182,46 @@ def test_two_groups_train_as_dp_and_their_checkpoint_resumes_without_fault_toler
             "--out", str(tmp_path / "ft"))
     rows = read_metrics(tmp_path / "ft" / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, 9)) and "replica_groups" not in rows[-1]
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(("differing", "field"), [(("--num-layers", "2"), "model.num_layers"),
+                                                  (("--tp", "2"), "parallel.dp")],
+                         ids=["model", "layout"])
+def test_a_group_of_another_model_or_layout_is_refused_before_it_takes_part(
+        corpus, tmp_path, monkeypatch, differing, field):
+    """Two groups started as separate torchrun jobs on one lighthouse (the guide's
+    across-machines form), group 1 with another model or layout: its ranks exit 2 with one line
+    naming the first differing setting before any gradient is averaged with it (tensors of
+    other shapes broke the reduction), and group 0 trains on alone to the end."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    from meshtrain.operations.replica_launch import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    address = lighthouse.address().removeprefix("http://")
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", "localhost:0", "--rdzv-id", "mismatch", "-m", "meshtrain",
+                "train", *TINY, "--data", corpus, "--out", str(tmp_path / "run"),
+                "--fault-tolerance", "--replica-groups", "2", "--lighthouse", address,
+                "--steps", "6", "--log-every", "1"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    try:
+        groups = [subprocess.Popen([sys.executable, *torchrun, "--replica-group-id", "0"],
+                                   env=env, stderr=subprocess.PIPE, text=True),
+                  subprocess.Popen([sys.executable, *torchrun, "--replica-group-id", "1",
+                                    *differing], env=env, stderr=subprocess.PIPE, text=True)]
+        (_, err0), (_, err1) = (group.communicate(timeout=240) for group in groups)
+    finally:
+        lighthouse.shutdown()
+    assert "(exitcode: 2)" in err1, err1  # torchrun's report of its ranks' exit code
+    lines = [line for line in err1.splitlines() if "differs" in line]
+    assert lines and all(line == lines[0] for line in lines), err1
+    assert lines[0].startswith(f"meshtrain: error: replica group 1: `{field}` differs"), err1
+    assert [line for line in err1.splitlines() if line.startswith("meshtrain:")] == lines, err1
+    assert groups[0].returncode == 0, err0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, 7))
+    assert all(row["replica_groups"] == 1 for row in rows if "loss" in row), rows
