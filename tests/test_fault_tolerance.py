@@ -4,6 +4,7 @@ group while the other keeps stepping, its restart healing from the live group's 
 groups' weights bitwise equal at the end; a lighthouse that does not answer; SIGTERM stopping
 every group with a checkpoint and leaving no process behind."""
 
+import contextlib
 import json
 import os
 import signal
@@ -121,6 +122,29 @@ def test_a_group_with_a_layout_inside_heals_bitwise_equal(tmp_path, layout):
     assert report["exit_code"] == EXIT_STOPPED, report
     assert report["steps_in_order"] and report["committed_steps_lost"] == 0, report
     assert report["discarded_steps"] <= 1, report
+    assert report["rejoin_s"] is not None and report["weights_equal"], report
+
+
+@pytest.mark.extended
+def test_a_group_with_a_straggling_rank_is_dropped_restarted_and_healed(tmp_path):
+    """`--drop-stragglers 2`: rank 1 of group 1 slowed from outside (a SIGSTOP/SIGCONT duty
+    cycle) is named in two windows in a row at the default threshold, its group ends with one
+    line and its agent restarts it; it heals from group 0, which never stopped (and is never
+    dropped while it takes part alone), and both end bitwise equal."""
+    pytest.importorskip("torchft")
+    from bench_fault_tolerance import failure_run
+    from test_stragglers import duty_cycle
+
+    with contextlib.ExitStack() as slowed:  # the cycle ends itself with the slowed process
+        report = failure_run(
+            tmp_path / "run", fault_tolerance=True, steps=100_000, kill_at=4, save_every=100,
+            stop_after_rejoin=True, fault=lambda pid: slowed.enter_context(
+                duty_cycle(pid, stopped=0.08)),
+            layout=("--straggler-window", "3", "--drop-stragglers", "2"))
+    assert report["exit_code"] == EXIT_STOPPED, report
+    assert any("of replica group 1 named stragglers in 2 windows in a row" in line
+               for line in report["failure_lines"]), report
+    assert report["steps_in_order"] and report["committed_steps_lost"] == 0, report
     assert report["rejoin_s"] is not None and report["weights_equal"], report
 
 
