@@ -1,8 +1,10 @@
 """Replica groups under torchft (`--fault-tolerance`): settings refused before anything starts
 (default tier, in this process), and the failure scenarios (extended): a SIGKILLed rank of one
 group while the other keeps stepping, its restart healing from the live group's state, both
-groups' weights bitwise equal at the end; a lighthouse that does not answer; SIGTERM stopping
-every group with a checkpoint and leaving no process behind."""
+groups' weights bitwise equal at the end, also at tp 2, pp 2 and ZeRO 1/2/3 inside each group;
+a group of another model or layout refused before it takes part; a straggling rank's group
+dropped by `--drop-stragglers`, restarted and healed; a lighthouse that does not answer; SIGTERM
+stopping every group with a checkpoint and leaving no process behind."""
 
 import contextlib
 import json
