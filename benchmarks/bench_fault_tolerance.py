@@ -75,13 +75,15 @@ def _rows(path: Path) -> list[dict]:
 
 
 def failure_run(out: Path, *, fault_tolerance: bool, steps: int, kill_at: int,
-                save_every: int, timeout: float = 600.0, stop_after_rejoin: bool = False) -> dict:
+                save_every: int, timeout: float = 600.0, stop_after_rejoin: bool = False,
+                layout: tuple[str, ...] = (), fault=None) -> dict:
     """Train, SIGKILL the victim rank once `kill_at` rows are written, train on; returns what
     happened (see the module's docstring) with the exit code and the stderr tail.
     `stop_after_rejoin`: SIGTERM the run 5 steps after the replacement took part again (a test
-    then needs no guess of how many steps the restart takes)."""
+    then needs no guess of how many steps the restart takes); `layout`: flags of each group's
+    layout (e.g. `--tp 2`); `fault(pid)`: what befalls the victim instead of SIGKILL."""
     flags = ["--nproc", "4", "--steps", str(steps), "--out", str(out), "--max-restarts", "1",
-             "--save-every", str(save_every), *COMMON]
+             "--save-every", str(save_every), *COMMON, *layout]
     flags += ["--replica-groups", "2", "--fault-tolerance"] if fault_tolerance else \
         ["--auto-resume"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -100,7 +102,7 @@ def failure_run(out: Path, *, fault_tolerance: bool, steps: int, kill_at: int,
         if killed is None and len(seen) >= kill_at and \
                 (victim := _victim(proc.pid, fault_tolerance)) is not None:
             reached = max(seen)
-            os.kill(victim, signal.SIGKILL)
+            (fault or _sigkill)(victim)
             killed = (now, {step for step in seen}, rows)
             seen_after: dict[int, float] = {}
         elif killed is not None:  # rows written since: appended, or rewritten after a restart
@@ -121,6 +123,10 @@ def failure_run(out: Path, *, fault_tolerance: bool, steps: int, kill_at: int,
                    seen_after if killed else {}, fault_tolerance)
 
 
+def _sigkill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
 def _rejoined(after: dict, margin: int) -> bool:
     """Whether a row with both groups came `margin` steps after one with a group missing."""
     alone = [step for step, groups in after if groups == 1]
@@ -137,7 +143,9 @@ def _report(out: Path, code: int, stderr: str, start: float, killed, reached: in
     report = {"exit_code": code, "wall_s": time.monotonic() - start, "reached_at_kill": reached,
               "committed_steps_lost": lost, "rows": len(rows),
               "steps_in_order": [r["step"] for r in rows] == list(range(1, len(rows) + 1)),
-              "stderr_tail": stderr.strip().splitlines()[-6:]}
+              "stderr_tail": stderr.strip().splitlines()[-6:],
+              "failure_lines": [line for line in stderr.splitlines()
+                                if line.startswith("meshtrain: ") and "restart" in line]}
     if fault_tolerance:
         alone = [step for (step, groups) in after if groups == 1]
         both = [t for (step, groups), t in after.items()

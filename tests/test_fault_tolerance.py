@@ -1,11 +1,16 @@
 """Replica groups under torchft (`--fault-tolerance`): settings refused before anything starts
 (default tier, in this process), and the failure scenarios (extended): a SIGKILLed rank of one
 group while the other keeps stepping, its restart healing from the live group's state, both
-groups' weights bitwise equal at the end; a lighthouse that does not answer; SIGTERM stopping
-every group with a checkpoint and leaving no process behind."""
+groups' weights bitwise equal at the end, also at tp 2, pp 2 and ZeRO 1/2/3 inside each group;
+a group of another model or layout refused before it takes part; a straggling rank's group
+dropped by `--drop-stragglers`, restarted and healed; a lighthouse that does not answer; SIGTERM
+stopping every group with a checkpoint and leaving no process behind."""
 
+import contextlib
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,6 +108,49 @@ def test_a_killed_rank_restarts_its_group_alone_and_heals_from_the_live_group(tm
 
 
 @pytest.mark.extended
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2"), ("--zero", "1"),
+                                    ("--zero", "2"), ("--zero", "3")],
+                         ids=["tp2", "pp2", "zero1", "zero2", "zero3"])
+def test_a_group_with_a_layout_inside_heals_bitwise_equal(tmp_path, layout):
+    """The same failure with each group's 2 ranks split by tensor or pipeline parallelism or
+    ZeRO (dp 2): rank 1 of the healed group takes its own part from rank 1 of the live group,
+    and both groups end at the same step with bitwise equal weights (the optimizer's values:
+    ZeRO-3 frees its module's between steps), no committed step lost."""
+    pytest.importorskip("torchft")
+    from bench_fault_tolerance import failure_run
+
+    report = failure_run(tmp_path / "run", fault_tolerance=True, steps=100_000, kill_at=6,
+                         save_every=100, stop_after_rejoin=True, layout=layout)
+    assert report["exit_code"] == EXIT_STOPPED, report
+    assert report["steps_in_order"] and report["committed_steps_lost"] == 0, report
+    assert report["discarded_steps"] <= 1, report
+    assert report["rejoin_s"] is not None and report["weights_equal"], report
+
+
+@pytest.mark.extended
+def test_a_group_with_a_straggling_rank_is_dropped_restarted_and_healed(tmp_path):
+    """`--drop-stragglers 2`: rank 1 of group 1 slowed from outside (a SIGSTOP/SIGCONT duty
+    cycle) is named in two windows in a row at the default threshold, its group ends with one
+    line and its agent restarts it; it heals from group 0, which never stopped (and is never
+    dropped while it takes part alone), and both end bitwise equal."""
+    pytest.importorskip("torchft")
+    from bench_fault_tolerance import failure_run
+    from test_stragglers import duty_cycle
+
+    with contextlib.ExitStack() as slowed:  # the cycle ends itself with the slowed process
+        report = failure_run(
+            tmp_path / "run", fault_tolerance=True, steps=100_000, kill_at=4, save_every=100,
+            stop_after_rejoin=True, fault=lambda pid: slowed.enter_context(
+                duty_cycle(pid, stopped=0.08)),
+            layout=("--straggler-window", "3", "--drop-stragglers", "2"))
+    assert report["exit_code"] == EXIT_STOPPED, report
+    assert any("of replica group 1 named stragglers in 2 windows in a row" in line
+               for line in report["failure_lines"]), report
+    assert report["steps_in_order"] and report["committed_steps_lost"] == 0, report
+    assert report["rejoin_s"] is not None and report["weights_equal"], report
+
+
+@pytest.mark.extended
 def test_sigterm_stops_every_group_with_a_checkpoint_and_leaves_no_process(corpus, tmp_path):
     pytest.importorskip("torchft")
     out = tmp_path / "run"
@@ -160,3 +208,46 @@ def test_two_groups_train_as_dp_and_their_checkpoint_resumes_without_fault_toler
             "--out", str(tmp_path / "ft"))
     rows = read_metrics(tmp_path / "ft" / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, 9)) and "replica_groups" not in rows[-1]
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(("differing", "field"), [(("--num-layers", "2"), "model.num_layers"),
+                                                  (("--tp", "2"), "parallel.dp")],
+                         ids=["model", "layout"])
+def test_a_group_of_another_model_or_layout_is_refused_before_it_takes_part(
+        corpus, tmp_path, monkeypatch, differing, field):
+    """Two groups started as separate torchrun jobs on one lighthouse (the guide's
+    across-machines form), group 1 with another model or layout: its ranks exit 2 with one line
+    naming the first differing setting before any gradient is averaged with it (tensors of
+    other shapes broke the reduction), and group 0 trains on alone to the end."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    from meshtrain.operations.replica_launch import HEARTBEAT_TIMEOUT_MS, JOIN_TIMEOUT_MS
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    address = lighthouse.address().removeprefix("http://")
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", "localhost:0", "--rdzv-id", "mismatch", "-m", "meshtrain",
+                "train", *TINY, "--data", corpus, "--out", str(tmp_path / "run"),
+                "--fault-tolerance", "--replica-groups", "2", "--lighthouse", address,
+                "--steps", "6", "--log-every", "1"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    try:
+        groups = [subprocess.Popen([sys.executable, *torchrun, "--replica-group-id", "0"],
+                                   env=env, stderr=subprocess.PIPE, text=True),
+                  subprocess.Popen([sys.executable, *torchrun, "--replica-group-id", "1",
+                                    *differing], env=env, stderr=subprocess.PIPE, text=True)]
+        (_, err0), (_, err1) = (group.communicate(timeout=240) for group in groups)
+    finally:
+        lighthouse.shutdown()
+    assert "(exitcode: 2)" in err1, err1  # torchrun's report of its ranks' exit code
+    lines = [line for line in err1.splitlines() if "differs" in line]
+    assert lines and all(line == lines[0] for line in lines), err1
+    assert lines[0].startswith(f"meshtrain: error: replica group 1: `{field}` differs"), err1
+    assert [line for line in err1.splitlines() if line.startswith("meshtrain:")] == lines, err1
+    assert groups[0].returncode == 0, err0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, 7))
+    assert all(row["replica_groups"] == 1 for row in rows if "loss" in row), rows

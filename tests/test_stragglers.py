@@ -234,14 +234,18 @@ def test_straggler_settings_are_read_from_toml(tmp_path, capsys):
 
 def test_drop_stragglers_ends_the_group_once_a_rank_is_named_in_that_many_windows():
     """`drop_stragglers` 2: one window naming rank 1 goes on; two in a row end the replica
-    group with one agreed line (its agent restarts it and it heals from a live group)."""
+    group with one agreed line (its agent restarts it and it heals from a live group), unless
+    it is the only group taking part (none would be left to heal from)."""
     detector = StragglerDetector.__new__(StragglerDetector)
     detector.history = deque([[1]], maxlen=8)
+    replicas = SimpleNamespace(group_id=1, members=[0, 1])
     run = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(drop_stragglers=2)),
-                          stragglers=detector,
-                          trainer=SimpleNamespace(replicas=SimpleNamespace(group_id=1)))
+                          stragglers=detector, trainer=SimpleNamespace(replicas=replicas))
     RunState._drop_if_straggling(run)  # one window: not yet
     detector.history.append([1, 2])
+    replicas.members = [1]
+    RunState._drop_if_straggling(run)  # alone: kept
+    replicas.members = [0, 1]
     with pytest.raises(RunFailure) as failure:
         RunState._drop_if_straggling(run)
     assert failure.value.agreed and failure.value.exit_code == EXIT_FAILED

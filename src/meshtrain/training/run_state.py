@@ -212,9 +212,10 @@ class RunState:
     def _drop_if_straggling(self) -> None:
         """`drop_stragglers`: a rank of this replica group named in that many windows in a
         row ends the group (its step committed and written); its agent restarts it, and it
-        heals from a live group. Every rank of the group sees the same windows."""
+        heals from a live group. Every rank of the group sees the same windows. A group taking
+        part alone is kept: ending it would leave none to heal from (the run's live state lost)."""
         windows = self.cfg.parallel.drop_stragglers
-        if not windows or self.stragglers is None:
+        if not windows or self.stragglers is None or len(self.trainer.replicas.members) < 2:
             return
         if ranks := self.stragglers.persistent(windows):
             group = self.trainer.replicas.group_id

@@ -419,11 +419,14 @@ def _train_built(cfg: RunConfig, mesh: ParallelMesh, trainer: Trainer,
 def _write_weights_digest(trainer: Trainer, out: Path) -> None:
     """Replica groups: group K's rank 0 writes OUT/replica_groups/groupK.json, the step and a
     digest of the group's weights (every rank's, in rank order), which every group that
-    finished the run in step with the others shares bitwise."""
+    finished the run in step with the others shares bitwise. The values are the optimizer's
+    (`sync.export`, a collective under ZeRO), not the module's: ZeRO-3 frees those between
+    steps, and mixed precision's fp32 masters are what a healed group must match."""
     mine = hashlib.sha256()
-    for name, param in trainer.model.named_parameters():
+    values, _, _ = trainer.sync.export()
+    for name in sorted(values):
         mine.update(name.encode())
-        mine.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        mine.update(values[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     digests = comm.all_gather_objects(mine.hexdigest(), trainer.mesh.world)
     if trainer.mesh.rank == 0:
         replicas = trainer.replicas

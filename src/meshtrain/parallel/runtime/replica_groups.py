@@ -84,6 +84,7 @@ class ReplicaGroups:
         self.fields = sorted(fingerprint)
         self._hashes = torch.tensor([_hash(f"{key}={fingerprint[key]}") for key in self.fields],
                                     dtype=torch.float64, device=mesh.device)
+        self._compared = -1  # the latest quorum whose fingerprints were compared
         self.committed = 0  # steps this process took part in
         self.discarded = 0  # steps this process saw dropped
 
@@ -93,9 +94,41 @@ class ReplicaGroups:
 
     def start_step(self) -> int:
         """Join the next quorum (healing from a live group first when behind); returns the
-        step to take (0-based), the groups' committed count."""
+        step to take (0-based), the groups' committed count. At a new quorum the groups
+        compare their settings first (`_compare_fingerprints`)."""
         self.manager.start_quorum()
+        quorum = self.manager._quorum_id  # (torchft 0.2.0 has no public accessor)
+        if quorum != self._compared:
+            self._compare_fingerprints()
+            self._compared = -1 if self.manager.errored() else quorum
         return self.manager.current_step()
+
+    def _compare_fingerprints(self) -> None:
+        """Before a gradient is averaged with a group new to the quorum (tensors of other
+        shapes would break the reduction): each group sends its settings' hashes in its own
+        slot, compared with those of the lowest-numbered group that has committed steps here
+        (at the run's first quorum, the lowest-numbered). A group that differs is refused,
+        naming the first differing field; the others discard the step (it leaves before the
+        next quorum)."""
+        n, width = self.num_groups, 2 + len(self.fields)
+        slots = torch.zeros(n, width, dtype=torch.float64, device=self.device)
+        slots[self.group_id, 0], slots[self.group_id, 1] = 1.0, float(self.committed > 0)
+        slots[self.group_id, 2:] = self._hashes
+        self.manager.allreduce(slots, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if self.manager.errored():
+            return
+        rows = slots.tolist()
+        present = [g for g in range(n) if rows[g][0] > 0.5]
+        reference = rows[([g for g in present if rows[g][1] > 0.5] or present)[0]][2:]
+        for group in present:
+            differing = [key for key, mine, theirs in zip(self.fields, rows[group][2:],
+                                                          reference, strict=True)
+                         if mine != theirs]
+            if differing and group == self.group_id:
+                raise SettingError(Code.REPLICA_GROUP_MISMATCH, _mismatch(group, differing[0]))
+            if differing:
+                self.manager.report_error(RuntimeError(f"group {group}: another"
+                                                       f" `{differing[0]}`"))
 
     def reduce(self, grads) -> None:
         """Average this rank's gradients with the same rank of every participating group: one
@@ -115,13 +148,10 @@ class ReplicaGroups:
 
     def reduce_scalars(self, loss: torch.Tensor, request: torch.Tensor | None) -> torch.Tensor:
         """The loss averaged over the participating groups (and `request`, the stop/save
-        decision, their maximum, in place); records which groups took part (`members`). The
-        groups' fingerprints travel in the same reduction: a group that differs is refused
-        before it first commits a step (`check_fingerprint`)."""
-        n, fields = self.num_groups, len(self.fields)
-        joint = torch.zeros(1 + n + 2 * fields, dtype=torch.float64, device=self.device)
+        decision, their maximum, in place); records which groups took part (`members`)."""
+        n = self.num_groups
+        joint = torch.zeros(1 + n, dtype=torch.float64, device=self.device)
         joint[0], joint[1 + self.group_id] = loss, 1.0
-        joint[1 + n:1 + n + fields], joint[1 + n + fields:] = self._hashes, self._hashes ** 2
         works = [self.manager.allreduce(joint, reduce_op=torch.distributed.ReduceOp.SUM)]
         if request is not None:
             works.append(self.manager.allreduce(request.reshape(1),
@@ -130,23 +160,7 @@ class ReplicaGroups:
             work.wait()
         values = joint.tolist()
         self.members = [g for g in range(n) if values[1 + g] > 0.5] or [self.group_id]
-        self._check_fingerprint(values[1 + n:1 + n + fields], values[1 + n + fields:])
         return torch.tensor(values[0] / len(self.members), dtype=loss.dtype, device=self.device)
-
-    def _check_fingerprint(self, sums: list[float], squares: list[float]) -> None:
-        """Every group sent the same hash of a field exactly when count x sum of squares equals
-        the squared sum (hashes below 2**20: exact in float64). A group that has committed no
-        step here is refused, naming the first differing field; one that has discards the
-        step (the newcomer leaves)."""
-        count = len(self.members)
-        differing = [key for key, s, q in zip(self.fields, sums, squares, strict=True)
-                     if count * q != s * s]
-        if not differing:
-            return
-        if self.committed == 0:
-            raise SettingError(Code.REPLICA_GROUP_MISMATCH, _mismatch(self.group_id,
-                                                                      differing[0]))
-        self.manager.report_error(RuntimeError(f"a group with another `{differing[0]}`"))
 
     def commit(self) -> bool:
         """Whether the step commits: every rank of every participating group reduced cleanly
