@@ -212,18 +212,7 @@ class TransformerConfig(ABC):
             raise SettingError(Code.MODEL_SHAPE, (
                 f"`num_kv_heads` ({self.kv_heads}) must divide the number of heads"
                 f" ({self.num_heads}): each key/value head serves a group of them"))
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise SettingError(Code.RANGE, (
-                f"`sliding_window` must be positive (or unset for none), got"
-                f" {self.sliding_window}"))
-        if self.window_start_layer and self.sliding_window is None:
-            raise SettingError(Code.MODEL_SHAPE, (
-                f"`window_start_layer` {self.window_start_layer} places a window, and"
-                " `sliding_window` is unset: set both or neither"))
-        if not 0 <= self.window_start_layer < self.num_layers:
-            raise SettingError(Code.RANGE, (
-                f"`window_start_layer` must be 0 .. num_layers - 1 = {self.num_layers - 1}"
-                f" (unset `sliding_window` for no window), got {self.window_start_layer}"))
+        self._validate_window()
         if not 0.0 <= self.dropout < 1.0:
             raise SettingError(Code.RANGE, (
                 f"`dropout` must be in [0, 1), got {self.dropout}"))
@@ -248,6 +237,21 @@ class TransformerConfig(ABC):
             raise SettingError(Code.MOE_SHARED, (
                 "`moe_ffn_size`, `moe_shared_ffn_size` and `moe_layers` shape MoE layers, and"
                 " `moe_experts` is 0: set `moe_experts`"))
+
+    def _validate_window(self) -> None:
+        """`sliding_window` and the layer it starts from."""
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise SettingError(Code.RANGE, (
+                f"`sliding_window` must be positive (or unset for none), got"
+                f" {self.sliding_window}"))
+        if self.window_start_layer and self.sliding_window is None:
+            raise SettingError(Code.MODEL_SHAPE, (
+                f"`window_start_layer` {self.window_start_layer} places a window, and"
+                " `sliding_window` is unset: set both or neither"))
+        if not 0 <= self.window_start_layer < self.num_layers:
+            raise SettingError(Code.RANGE, (
+                f"`window_start_layer` must be 0 .. num_layers - 1 = {self.num_layers - 1}"
+                f" (unset `sliding_window` for no window), got {self.window_start_layer}"))
 
     def _validate_moe(self) -> None:
         if self.moe_top_k < 1:
