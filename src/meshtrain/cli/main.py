@@ -245,10 +245,6 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     world = config_mod.world_size_of(cfg, env_world)
     p = cfg.parallel
     world = replica_launch.group_world(cfg, world, under_torchrun=env_world is not None)
-    if p.fault_tolerance:
-        torchft_module()  # the extra, named when it is missing
-    if p.fault_tolerance and p.lighthouse and env_world is None:  # (ranks: their launcher did)
-        replica_launch.check_lighthouse(p.lighthouse)
     if cfg.parallel.layout:
         from meshtrain.cli.auto_layout import choose_layout
 
@@ -258,6 +254,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     except resuming.RunComplete as done:
         _notice(str(done))
         return 0
+    if p.fault_tolerance:  # the settings checked, then what they need of this machine
+        torchft_module()  # the extra, named when it is missing
+    if p.fault_tolerance and p.lighthouse and env_world is None:  # (ranks: their launcher did)
+        replica_launch.check_lighthouse(p.lighthouse)
     if cfg.parallel.trace and plan.pp == 1 and int(os.environ.get("RANK", "0")) == 0:
         print("meshtrain: --trace records pipeline timelines; with --pp 1 it writes nothing",
               file=sys.stderr)
